@@ -1,0 +1,46 @@
+"""MoK: fast Mixture-of-Experts layers for expert-parallel training.
+
+The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels -> communication ->
+`mok.functional` (config, workspace, schedule, forward, backward) -> `mok.module` (`mok.moe`,
+`mok.MoE`) -> `mok bench` and the command line.
+"""
+
+from mok.backends import BackendUnavailableError
+from mok.config import Backend, MoKConfig, MoKConfigError, Precision
+from mok.functional import (
+    SavedForward,
+    Schedule,
+    Workspace,
+    backward,
+    build_schedule,
+    create_workspace,
+    forward,
+)
+from mok.module import MoE, moe
+from mok.presets import PRESETS, get_preset
+from mok.validation import MoKInputError
+from mok.weights import MoEGradients, MoEWeights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "Backend",
+    "BackendUnavailableError",
+    "MoE",
+    "MoEGradients",
+    "MoEWeights",
+    "MoKConfig",
+    "MoKConfigError",
+    "MoKInputError",
+    "Precision",
+    "SavedForward",
+    "Schedule",
+    "Workspace",
+    "backward",
+    "build_schedule",
+    "create_workspace",
+    "forward",
+    "get_preset",
+    "moe",
+]

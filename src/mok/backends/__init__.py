@@ -1,0 +1,50 @@
+"""Backends behind the functional API, and how `auto` chooses among them.
+
+A backend class provides:
+  unavailable_reason(config, device, group) -> str | None   (staticmethod; None: it can run)
+  build_schedule(topk_idx) -> plan
+  forward(plan, topk_idx, x, topk_weights, weights, need_backward) -> (y, saved or None)
+  backward(plan, saved, grad_y) -> MoEGradients
+  release()
+Inputs reach a backend already validated by `mok.functional`.
+"""
+
+from __future__ import annotations
+
+from mok.backends.reference import ReferenceBackend
+from mok.config import Backend, MoKConfig
+
+# Fastest first: `auto` takes the first that can run.
+BACKENDS = {
+    Backend.REFERENCE: ReferenceBackend,
+}
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run with this config, device or group."""
+
+
+def select_backend(config: MoKConfig, device, group):
+    """The backend class for `config.backend` (for `auto`: the fastest that can run here)."""
+    if config.backend is Backend.AUTO:
+        reasons = {}
+        for name, backend in BACKENDS.items():
+            reason = backend.unavailable_reason(config, device, group)
+            if reason is None:
+                return backend
+            reasons[name.value] = reason
+        details = "; ".join(f"{name}: {why}" for name, why in reasons.items())
+        raise BackendUnavailableError(f"no backend can run this layer ({details})")
+    backend = BACKENDS[config.backend]
+    reason = backend.unavailable_reason(config, device, group)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {config.backend.value!r} cannot run: {reason}")
+    return backend
+
+
+def backend_report(config: MoKConfig, device, group=None) -> dict[str, str | None]:
+    """Backend name -> None if it can run here, else why not."""
+    return {
+        name.value: backend.unavailable_reason(config, device, group)
+        for name, backend in BACKENDS.items()
+    }

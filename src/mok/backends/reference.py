@@ -1,0 +1,80 @@
+"""The `reference` backend: `mok.reference` behind the functional API.
+
+Runs anywhere PyTorch runs (CPU with gloo, GPUs with NCCL). It synchronizes with the host for the
+routing counts and keeps the whole autograd graph of forward for backward; it is the oracle and the
+fallback, not the fast path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mok.reference import RoutingPlan, moe_forward
+from mok.weights import MoEGradients, MoEWeights
+
+
+@dataclasses.dataclass
+class _SavedGraph:
+    """Forward's output with its autograd graph and the leaves backward differentiates against."""
+
+    y: torch.Tensor
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    weights: MoEWeights
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, workspace) -> None:
+        self.workspace = workspace
+
+    @staticmethod
+    def unavailable_reason(config, device: torch.device, group) -> str | None:
+        if config.precision.value != "bf16":
+            return f"the reference backend computes bf16 only, not {config.precision.value}"
+        return None
+
+    def build_schedule(self, topk_idx: torch.Tensor) -> RoutingPlan:
+        ws = self.workspace
+        return RoutingPlan.exchange(topk_idx, ws.config.num_experts, ws.group)
+
+    def forward(self, plan, topk_idx, x, topk_weights, weights, need_backward):
+        run = dict(
+            topk_idx=topk_idx,
+            swiglu_limit=self.workspace.config.swiglu_limit,
+            group=self.workspace.group,
+            plan=plan,
+        )
+        if not need_backward:
+            with torch.no_grad():
+                return moe_forward(x, topk_weights=topk_weights, weights=weights, **run), None
+        leaves = _SavedGraph(
+            y=None,
+            x=_leaf(x),
+            topk_weights=_leaf(topk_weights),
+            weights=weights.map(_leaf),
+        )
+        with torch.enable_grad():
+            leaves.y = moe_forward(
+                leaves.x, topk_weights=leaves.topk_weights, weights=leaves.weights, **run
+            )
+        return leaves.y.detach(), leaves
+
+    def backward(self, plan, saved: _SavedGraph, grad_y: torch.Tensor) -> MoEGradients:
+        weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
+        inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]
+        grads = torch.autograd.grad(saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True)
+        grads = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
+        weight_grads = dict.fromkeys(saved.weights.tensors())
+        weight_grads.update({name: g for (name, _), g in zip(weight_items, grads[2:])})
+        return MoEGradients(x=grads[0], topk_weights=grads[1], weights=MoEWeights(**weight_grads))
+
+    def release(self) -> None:
+        pass
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().requires_grad_(True)

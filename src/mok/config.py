@@ -1,0 +1,129 @@
+"""The configuration of one MoE layer: its shape, its numerics and the tunables of the backends."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+
+
+class MoKConfigError(ValueError):
+    """A configuration that cannot describe a valid MoE layer."""
+
+
+class Precision(str, enum.Enum):
+    """Numerics of the expert GEMMs. Communication, the shared expert and the outputs stay bf16."""
+
+    BF16 = "bf16"
+    """bf16 operands, fp32 accumulation."""
+    MXFP8 = "mxfp8"
+    """e4m3 operands with one power-of-two (e8m0) scale per 32 elements along the reduction."""
+
+
+class Backend(str, enum.Enum):
+    """Which implementation runs the layer."""
+
+    AUTO = "auto"
+    """The fastest backend that can run on the workspace's device and group."""
+    REFERENCE = "reference"
+    """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoKConfig:
+    """Shape, numerics and tunables of one MoE layer; validated on construction.
+
+    All ranks of an expert-parallel group must use equal configs. The expert-parallel size is not
+    part of the config: it comes from the process group the workspace is built on.
+    """
+
+    hidden_size: int
+    """H: width of a token row."""
+    intermediate_size: int
+    """I: intermediate width of one routed expert."""
+    num_experts: int
+    """E: routed experts in the whole layer (all ranks together)."""
+    top_k: int
+    """k: experts each token is routed to."""
+    shared_intermediate_size: int = 0
+    """Intermediate width of the shared expert that every token passes; 0 means no shared expert."""
+    swiglu_limit: float | None = None
+    """Clamp L of SwiGLU: gate <= L and -L <= up <= L before silu(gate) * up. None: no clamp."""
+    precision: Precision = Precision.BF16
+    """Numerics of the routed expert GEMMs."""
+    backend: Backend = Backend.AUTO
+    """Implementation; `auto` picks the fastest available."""
+    max_tokens_per_rank: int = 8192
+    """Largest T a rank passes in one call; sizes the communication buffers of fused backends."""
+    comm_sms: int = 24
+    """Streaming multiprocessors given to communication by fused backends."""
+    overlap_tokens: int = 2048
+    """Overlap granularity of fused backends: expert GEMMs start once this many tokens arrived."""
+    recv_capacity: int | None = None
+    """Rows of the per-rank receive buffer of fused backends; None sizes it for the worst case
+    (every token of every rank routed here), which can never overflow."""
+
+    def __post_init__(self) -> None:
+        # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
+        object.__setattr__(self, "precision", _parse_enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "backend", _parse_enum(Backend, self.backend, "backend"))
+        for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            _require_int(self, name, minimum=1)
+        for name in ("max_tokens_per_rank", "comm_sms", "overlap_tokens"):
+            _require_int(self, name, minimum=1)
+        _require_int(self, "shared_intermediate_size", minimum=0)
+        if self.top_k > self.num_experts:
+            raise MoKConfigError(
+                f"top_k={self.top_k} exceeds num_experts={self.num_experts}: "
+                "a token cannot pick more experts than exist"
+            )
+        if self.swiglu_limit is not None:
+            limit = self.swiglu_limit
+            if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+                raise MoKConfigError(f"swiglu_limit must be a number or None, got {limit!r}")
+            if not math.isfinite(limit) or limit <= 0:
+                raise MoKConfigError(f"swiglu_limit must be finite and > 0, got {limit}")
+            object.__setattr__(self, "swiglu_limit", float(limit))
+        if self.recv_capacity is not None:
+            _require_int(self, "recv_capacity", minimum=1)
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_intermediate_size > 0
+
+    def local_experts(self, ep_size: int) -> int:
+        """E_loc: experts each of `ep_size` ranks owns; expert e lives on rank e // E_loc."""
+        if not isinstance(ep_size, int) or ep_size < 1:
+            raise MoKConfigError(f"expert-parallel size must be a positive int, got {ep_size!r}")
+        if self.num_experts % ep_size:
+            raise MoKConfigError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size "
+                f"{ep_size}: every rank must own the same number of experts"
+            )
+        return self.num_experts // ep_size
+
+    def forward_flops(self, num_tokens: int) -> int:
+        """FLOPs of one forward pass over `num_tokens` tokens (GEMMs only; backward is twice this)."""
+        routed = 2 * num_tokens * self.top_k * 3 * self.hidden_size * self.intermediate_size
+        shared = 2 * num_tokens * 3 * self.hidden_size * self.shared_intermediate_size
+        return routed + shared
+
+    def replace(self, **changes) -> MoKConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _parse_enum(enum_type, value, name):
+    try:
+        return enum_type(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum_type)
+        raise MoKConfigError(f"{name} must be one of {allowed}; got {value!r}") from None
+
+
+def _require_int(config: MoKConfig, name: str, minimum: int) -> None:
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MoKConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise MoKConfigError(f"{name} must be >= {minimum}, got {value}")

@@ -1,0 +1,103 @@
+"""Small `torch.distributed` helpers shared by the reference, the communication layer and the tests.
+
+Every helper accepts `group=None` for a single process (no communication at all).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mok.validation import MoKInputError
+
+
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank in group, group size); (0, 1) without a group."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def collective_device(group: dist.ProcessGroup) -> torch.device:
+    """Where the group's backend wants the tensors of small control collectives."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Stack the equally long 1-D integer vectors of all ranks: returns [ep, n] int64 on the CPU.
+
+    A host synchronization (the result is needed on the host). The vectors must have equal length
+    on every rank; callers exchange a fixed-size header first when that is not certain.
+    """
+    values = values.to(torch.int64).reshape(-1)
+    if group is None:
+        return values.cpu().unsqueeze(0)
+    device = collective_device(group)
+    local = values.to(device)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return torch.stack(gathered).cpu()
+
+
+def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | None) -> None:
+    """Collective: every rank raises MoKInputError if any rank found a problem with its input.
+
+    Ranks must reach every later collective together or not at all; a rank that raised alone would
+    leave the others waiting forever. The rank with the problem raises its own message; the others
+    name the ranks that failed.
+    """
+    if group is None:
+        if problem is not None:
+            raise MoKInputError(problem)
+        return
+    flags = all_gather_int64(torch.tensor([problem is not None]), group)[:, 0]
+    if problem is not None:
+        raise MoKInputError(problem)
+    failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    if failed:
+        raise MoKInputError(
+            f"rank(s) {failed} of the expert-parallel group rejected their input (their error says "
+            "why); this rank stops too, so that no rank waits for the others forever"
+        )
+
+
+class _AllToAll(torch.autograd.Function):
+    """`dist.all_to_all_single` over rows with uneven splits; its backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, rows, output_splits, input_splits, group):
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        return _all_to_all_rows(rows, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        output_splits, input_splits = ctx.splits
+        grad = _all_to_all_rows(grad_rows, input_splits, output_splits, ctx.group)
+        return grad, None, None, None
+
+
+def _all_to_all_rows(rows, output_splits, input_splits, group):
+    output = rows.new_empty((sum(output_splits),) + tuple(rows.shape[1:]))
+    dist.all_to_all_single(
+        output, rows.contiguous(), list(output_splits), list(input_splits), group=group
+    )
+    return output
+
+
+def all_to_all(
+    rows: torch.Tensor,
+    output_splits: list[int],
+    input_splits: list[int],
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Send rows[sum(input_splits[:r]) : ...] to rank r; receive output_splits[r] rows from rank r.
+
+    rows: [sum(input_splits), ...]; returns [sum(output_splits), ...] ordered by source rank.
+    Differentiable. Without a group the rows are returned as they are.
+    """
+    if group is None:
+        return rows
+    return _AllToAll.apply(rows, list(output_splits), list(input_splits), group)

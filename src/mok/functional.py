@@ -1,0 +1,225 @@
+"""The functional API: config -> workspace -> schedule -> forward -> backward.
+
+    ws = mok.create_workspace(config, group)          # once per layer shape and group (collective)
+    schedule = mok.build_schedule(ws, topk_idx)       # once per routing (collective)
+    y, saved = mok.forward(ws, schedule, x, topk_weights, weights)
+    grads = mok.backward(ws, schedule, saved, grad_y) # a mok.MoEGradients
+
+Every call is collective over the workspace's expert-parallel group: all ranks make the same calls
+in the same order. Inputs are validated on every rank, and a bad input on any rank raises
+MoKInputError on all of them (never a hang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import torch
+import torch.distributed as dist
+
+from mok.backends import select_backend
+from mok.config import MoKConfig
+from mok.distributed import all_gather_int64, group_rank_and_size, raise_if_any_rank_failed
+from mok.validation import (
+    MoKInputError,
+    check_grad_output,
+    check_routing,
+    check_tokens,
+    check_weights,
+)
+from mok.weights import MoEGradients, MoEWeights
+
+
+@dataclasses.dataclass(eq=False)
+class Workspace:
+    """Everything a layer keeps between calls: config, group, device and the backend's buffers."""
+
+    config: MoKConfig
+    group: dist.ProcessGroup | None
+    device: torch.device
+    rank: int
+    ep_size: int
+    local_experts: int
+    backend: object = dataclasses.field(repr=False, default=None)
+
+    @property
+    def backend_name(self) -> str:
+        return self.backend.name
+
+    def release(self) -> None:
+        """Free the backend's buffers; the workspace cannot be used afterwards."""
+        if self.backend is not None:
+            self.backend.release()
+            self.backend = None
+
+
+@dataclasses.dataclass(eq=False)
+class Schedule:
+    """The routing of one call: built from topk_idx, reused by forward and backward."""
+
+    num_tokens: int
+    topk_idx: torch.Tensor
+    plan: object = dataclasses.field(repr=False)
+
+
+@dataclasses.dataclass(eq=False)
+class SavedForward:
+    """What forward keeps for backward (backend-specific)."""
+
+    num_tokens: int
+    saved: object = dataclasses.field(repr=False)
+
+
+def _default_device(group) -> torch.device:
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _normalize_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _config_fingerprint(config: MoKConfig) -> list[tuple[str, int]]:
+    """(field, value as int64) for every config field; ranks compare these to agree on the config."""
+    fields = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if value is None:
+            encoded = -1
+        elif isinstance(value, float):
+            encoded = struct.unpack("<q", struct.pack("<d", value))[0]
+        elif hasattr(value, "value"):  # enums
+            encoded = [member for member in type(value)].index(value)
+        else:
+            encoded = int(value)
+        fields.append((field.name, encoded))
+    return fields
+
+
+def create_workspace(
+    config: MoKConfig,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> Workspace:
+    """A workspace for `config` on `device` over the expert-parallel `group` (None: one process).
+
+    Collective over `group`: checks that every rank has the same config. `device` defaults to the
+    current CUDA device for NCCL groups and to the CPU otherwise.
+    """
+    if not isinstance(config, MoKConfig):
+        raise TypeError(f"config must be a mok.MoKConfig, got {type(config).__name__}")
+    rank, ep_size = group_rank_and_size(group)
+    device = _normalize_device(_default_device(group) if device is None else device)
+    problem = None
+    try:
+        local_experts = config.local_experts(ep_size)
+    except ValueError as error:
+        problem, local_experts = str(error), 0
+    if problem is None and group is not None:
+        backend = dist.get_backend(group)
+        if backend == "nccl" and device.type != "cuda":
+            problem = f"the group uses NCCL, which moves CUDA tensors only, but device is {device}"
+        elif backend == "gloo" and device.type != "cpu":
+            problem = f"the group uses gloo; use an NCCL group for tensors on {device}"
+    raise_if_any_rank_failed(problem, group)
+    if group is not None:
+        fingerprint = _config_fingerprint(config)
+        everyone = all_gather_int64(torch.tensor([v for _, v in fingerprint]), group)
+        differing = [
+            f"{name}: {everyone[:, i].tolist()}"
+            for i, (name, _) in enumerate(fingerprint)
+            if not bool((everyone[:, i] == everyone[0, i]).all())
+        ]
+        if differing:
+            raise MoKInputError(
+                "the ranks of the expert-parallel group have different configs ("
+                + "; ".join(differing)
+                + ")"
+            )
+    workspace = Workspace(
+        config=config,
+        group=group,
+        device=device,
+        rank=rank,
+        ep_size=ep_size,
+        local_experts=local_experts,
+    )
+    workspace.backend = select_backend(config, device, group)(workspace)
+    return workspace
+
+
+def _live(workspace: Workspace) -> Workspace:
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"expected a mok.Workspace, got {type(workspace).__name__}")
+    if workspace.backend is None:
+        raise RuntimeError("this workspace was released")
+    return workspace
+
+
+def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
+    """The routing of one call from topk_idx [T, k] (global expert ids). Collective.
+
+    T may differ between ranks and may be 0.
+    """
+    ws = _live(workspace)
+    raise_if_any_rank_failed(check_routing(ws.config, topk_idx, ws.device), ws.group)
+    return Schedule(
+        num_tokens=topk_idx.shape[0],
+        topk_idx=topk_idx,
+        plan=ws.backend.build_schedule(topk_idx),
+    )
+
+
+def forward(
+    workspace: Workspace,
+    schedule: Schedule,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    need_backward: bool = True,
+) -> tuple[torch.Tensor, SavedForward | None]:
+    """y [T, H] bf16 of the layer on x [T, H] bf16 with router weights topk_weights [T, k].
+
+    `weights` holds this rank's experts (see MoEWeights). Returns (y, saved); saved is None when
+    need_backward is False. Collective.
+    """
+    ws = _live(workspace)
+    problem = check_tokens(ws.config, x, topk_weights, schedule.num_tokens, ws.device)
+    problem = problem or check_weights(ws.config, weights, ws.local_experts, ws.device)
+    raise_if_any_rank_failed(problem, ws.group)
+    y, saved = ws.backend.forward(
+        schedule.plan, schedule.topk_idx, x, topk_weights, weights, need_backward
+    )
+    return y, None if saved is None else SavedForward(schedule.num_tokens, saved)
+
+
+def backward(
+    workspace: Workspace,
+    schedule: Schedule,
+    saved: SavedForward,
+    grad_y: torch.Tensor,
+) -> MoEGradients:
+    """Gradients of sum(y * grad_y) for x, topk_weights and every weight. Collective."""
+    ws = _live(workspace)
+    if saved is None:
+        problem = "backward needs the state of a forward run with need_backward=True"
+    else:
+        problem = check_grad_output(grad_y, saved.num_tokens, ws.config, ws.device)
+    raise_if_any_rank_failed(problem, ws.group)
+    return ws.backend.backward(schedule.plan, saved.saved, grad_y)
+
+
+__all__ = [
+    "SavedForward",
+    "Schedule",
+    "Workspace",
+    "backward",
+    "build_schedule",
+    "create_workspace",
+    "forward",
+]

@@ -1,0 +1,135 @@
+"""Start expert-parallel ranks on one machine: used by `mok bench` and the multi-rank tests.
+
+`run_ranks(fn, world_size, args)` spawns one process per rank, initializes `torch.distributed` in
+each (gloo on the CPU, NCCL with one GPU per rank), calls `fn(rank, world_size, *args)` and returns
+the results by rank. A failing rank's traceback is raised in the caller; ranks still running are
+stopped, so a failure never leaves the caller waiting.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import queue as queue_module
+import socket
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# Keep NVLink multicast off in every process (see docs: it can take a shared host's GPUs down).
+MULTI_GPU_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised or died; the message holds its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
+    """Join the process group of `world_size` ranks at 127.0.0.1:port."""
+    for key, value in MULTI_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    kwargs = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    else:
+        # Ranks share the cores: one intra-op thread each avoids oversubscription.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+
+
+def _rank_main(rank, world_size, backend, port, timeout_s, fn, args, results):
+    try:
+        init_rank(rank, world_size, backend, port, timeout_s)
+        # Plain pickle serializes tensors by value; torch's queue pickler would pass shared-memory
+        # handles that die with this process.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn,
+    world_size: int,
+    args: tuple = (),
+    backend: str = "gloo",
+    timeout_s: float = 600.0,
+) -> list:
+    """Run fn(rank, world_size, *args) on `world_size` new processes; returns [result of rank r].
+
+    `fn` and `args` must be picklable (a module-level function). Raises RankFailedError if a rank
+    raises or dies, TimeoutError after `timeout_s` seconds.
+    """
+    for key, value in MULTI_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(
+            target=_rank_main,
+            args=(rank, world_size, backend, port, timeout_s, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    values: dict[int, object] = {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [
+                    r for r, p in enumerate(processes)
+                    if r not in values and p.exitcode not in (None, 0)
+                ]
+                if dead:
+                    raise RankFailedError(
+                        f"rank {dead[0]} died with exit code {processes[dead[0]].exitcode}"
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"ranks {sorted(set(range(world_size)) - set(values))} did not finish "
+                        f"within {timeout_s:.0f} s"
+                    ) from None
+                continue
+            if not ok:
+                raise RankFailedError(f"rank {rank} failed:\n{value}")
+            values[rank] = pickle.loads(value)
+    finally:
+        # After a failure the others may wait in a collective for the failed rank: stop them now.
+        for process in processes:
+            process.join(timeout=10 if len(values) == world_size else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [values[rank] for rank in range(world_size)]

@@ -1,0 +1,167 @@
+"""Autograd entry point (`mok.moe`) and the `nn.Module` (`mok.MoE`) that owns the weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mok import functional
+from mok.config import MoKConfig
+from mok.distributed import group_rank_and_size
+from mok.validation import ACTIVATION_DTYPE, MoKInputError, expected_weight_shapes
+from mok.weights import MoEWeights
+
+_WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
+
+
+class _MoEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, workspace, topk_idx, x, topk_weights, *weight_tensors):
+        weights = MoEWeights(*weight_tensors)
+        need_backward = any(ctx.needs_input_grad[2:])
+        schedule = functional.build_schedule(workspace, topk_idx)
+        y, saved = functional.forward(
+            workspace, schedule, x, topk_weights, weights, need_backward=need_backward
+        )
+        ctx.state = (workspace, schedule, saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        workspace, schedule, saved = ctx.state
+        ctx.state = None  # frees the saved forward as soon as it is used
+        grads = functional.backward(workspace, schedule, saved, grad_y)
+        weight_grads = [getattr(grads.weights, name) for name in _WEIGHT_FIELDS]
+        return (None, None, grads.x, grads.topk_weights, *weight_grads)
+
+
+def moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    workspace: functional.Workspace,
+) -> torch.Tensor:
+    """The MoE layer as one differentiable call: y [T, H] from x [T, H], topk_idx [T, k],
+    topk_weights [T, k] and this rank's weights. Collective over the workspace's group; every rank
+    must run backward when one does."""
+    if not isinstance(weights, MoEWeights):
+        raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
+    tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
+    return _MoEFunction.apply(workspace, topk_idx, x, topk_weights, *tensors)
+
+
+class MoE(nn.Module):
+    """An expert-parallel MoE layer that owns this rank's expert weights.
+
+    On a group of `ep` ranks, this rank holds experts [rank * E_loc, (rank + 1) * E_loc) with
+    E_loc = E / ep, plus a full copy of the shared expert if the config has one. `group=None`
+    means one process holding all experts.
+
+        layer = mok.MoE(config, group=ep_group, device="cuda")
+        y = layer(x, topk_idx, topk_weights)      # x [..., H] bf16, topk_* [..., k]
+    """
+
+    def __init__(
+        self,
+        config: MoKConfig,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.group = group
+        self.rank, self.ep_size = group_rank_and_size(group)
+        self.local_experts = config.local_experts(self.ep_size)
+        for name, shape in expected_weight_shapes(config, self.local_experts).items():
+            if shape is not None:
+                param = torch.empty(shape, device=device, dtype=ACTIVATION_DTYPE)
+                self.register_parameter(name, nn.Parameter(param))
+            else:
+                self.register_parameter(name, None)
+        self._workspace: functional.Workspace | None = None
+        self.reset_parameters()
+
+    @property
+    def first_expert(self) -> int:
+        """Global id of this rank's first expert."""
+        return self.rank * self.local_experts
+
+    def reset_parameters(self) -> None:
+        """Normal init with std 1/sqrt(fan_in), so that outputs stay O(1) for unit-scale inputs."""
+        with torch.no_grad():
+            for name, param in self.named_parameters(recurse=False):
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
+
+    @property
+    def weights(self) -> MoEWeights:
+        return MoEWeights(**{name: getattr(self, name) for name in _WEIGHT_FIELDS})
+
+    @torch.no_grad()
+    def load_global_weights(self, weights: MoEWeights) -> None:
+        """Copy this rank's slice from weights of all E experts ([E, I, H] etc., any device)."""
+        local = slice(self.first_expert, self.first_expert + self.local_experts)
+        for name in _WEIGHT_FIELDS:
+            source, target = getattr(weights, name), getattr(self, name)
+            if (source is None) != (target is None):
+                raise MoKInputError(f"weights.{name} is {'missing' if source is None else 'extra'}")
+            if target is None:
+                continue
+            if name in ("gate", "up", "down"):
+                if source.shape[0] != self.config.num_experts:
+                    raise MoKInputError(
+                        f"weights.{name} holds {source.shape[0]} experts, expected all "
+                        f"{self.config.num_experts}"
+                    )
+                source = source[local]
+            if source.shape != target.shape:
+                raise MoKInputError(
+                    f"weights.{name} slice has shape {tuple(source.shape)}, "
+                    f"expected {tuple(target.shape)}"
+                )
+            target.copy_(source)
+
+    def workspace(self, device: torch.device) -> functional.Workspace:
+        """The workspace for `device`, created on first use (a collective over the group)."""
+        ws = self._workspace
+        if ws is None or ws.device != functional._normalize_device(device):
+            if ws is not None:
+                ws.release()
+            self._workspace = functional.create_workspace(self.config, self.group, device)
+        return self._workspace
+
+    def forward(
+        self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """y [..., H] from x [..., H], topk_idx [..., k], topk_weights [..., k] (same leading dims)."""
+        hidden, top_k = self.config.hidden_size, self.config.top_k
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        # Inputs of a wrong shape go on unflattened: the collective checks downstream name the
+        # problem on every rank, where raising here would leave the other ranks waiting.
+        y = moe(
+            _flatten_leading(x, hidden),
+            _flatten_leading(topk_idx, top_k),
+            _flatten_leading(topk_weights, top_k),
+            self.weights,
+            self.workspace(x.device),
+        )
+        return y.view(x.shape)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"hidden={c.hidden_size}, intermediate={c.intermediate_size}, experts={c.num_experts} "
+            f"(local {self.local_experts} of ep={self.ep_size}), top_k={c.top_k}, "
+            f"shared={c.shared_intermediate_size}, backend={c.backend.value}"
+        )
+
+
+def _flatten_leading(tensor, last: int):
+    """[..., last] -> [N, last]; anything else is returned unchanged for the checks to report."""
+    if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] == last:
+        return tensor.reshape(-1, last)
+    return tensor

@@ -1,0 +1,54 @@
+"""Layer shapes of published models, used by `mok bench` and the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mok.config import MoKConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One MoE layer shape from a model's published config."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    shared_intermediate_size: int = 0
+    default_tokens: int = 8192
+    """Tokens per rank the benchmark uses unless told otherwise."""
+
+    def config(self, **overrides) -> MoKConfig:
+        """The MoKConfig of this layer; `overrides` set other fields (precision, swiglu_limit, ...)."""
+        fields = dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_experts=self.num_experts,
+            top_k=self.top_k,
+            shared_intermediate_size=self.shared_intermediate_size,
+        )
+        fields.update(overrides)
+        return MoKConfig(**fields)
+
+
+PRESETS: dict[str, Preset] = {
+    preset.name: preset
+    for preset in (
+        Preset("tiny", 128, 64, 8, 2, shared_intermediate_size=64),
+        Preset("qwen3-30b-a3b", 2048, 768, 128, 8, default_tokens=16384),
+        Preset("qwen3-235b-a22b", 4096, 1536, 128, 8),
+        Preset("deepseek-v3", 7168, 2048, 256, 8, shared_intermediate_size=2048),
+        Preset("kimi-k2", 7168, 2048, 384, 8, shared_intermediate_size=2048),
+        Preset("mixtral-8x7b", 4096, 14336, 8, 2),
+    )
+}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset called `name`; a ValueError lists the known names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

@@ -1,0 +1,82 @@
+"""The whole MoE layer in plain PyTorch, single process or expert-parallel: the oracle.
+
+    y[t] = shared(x[t]) + sum_j topk_weights[t, j] * expert_{topk_idx[t, j]}(x[t])
+
+Combine order (part of the determinism contract of every backend): in fp32, start from the shared
+expert's output (or zero), then add w[t, j] * out[t, j] for j = 0, 1, ..., k-1, round once to x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mok.distributed import all_to_all
+from mok.reference.expert import accumulation_dtype, expert_mlp, grouped_expert_mlp
+from mok.reference.routing import RoutingPlan
+from mok.weights import MoEWeights
+
+
+def combine(
+    expert_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weighted sum of the k expert outputs of each token, in the contract's order.
+
+    expert_out [T, k, H], topk_weights [T, k], shared_out [T, H] or None -> [T, H] in expert_out's
+    dtype. Differentiable.
+    """
+    acc_dtype = accumulation_dtype(expert_out.dtype)
+    tokens, top_k, hidden = expert_out.shape
+    if shared_out is None:
+        acc = expert_out.new_zeros((tokens, hidden), dtype=acc_dtype)
+    else:
+        acc = shared_out.to(acc_dtype)
+    weights = topk_weights.to(acc_dtype)
+    for j in range(top_k):
+        acc = acc + weights[:, j, None] * expert_out[:, j].to(acc_dtype)
+    return acc.to(expert_out.dtype)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    swiglu_limit: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    plan: RoutingPlan | None = None,
+) -> torch.Tensor:
+    """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
+
+    x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k]; weights holds this rank's
+    E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `plan` may be passed when
+    already built (`RoutingPlan.exchange`), else it is built here (a collective).
+    """
+    tokens, top_k = topk_idx.shape
+    local_experts = weights.gate.shape[0]
+    if plan is None:
+        ep_size = 1 if group is None else dist.get_world_size(group)
+        plan = RoutingPlan.exchange(topk_idx, local_experts * ep_size, group)
+
+    # One row per pair, in the order of pair_order. expand + reshape (not x[order // k]) keeps the
+    # backward a plain sum over j instead of a scatter-add with repeated indices.
+    pair_rows = x.unsqueeze(1).expand(tokens, top_k, x.shape[1]).reshape(tokens * top_k, -1)
+    sent = pair_rows[plan.pair_order]
+    received = all_to_all(sent, plan.recv_splits, plan.send_splits, group)
+    grouped = received[plan.recv_to_grouped]
+    expert_rows = grouped_expert_mlp(
+        grouped, plan.group_sizes, weights.gate, weights.up, weights.down, swiglu_limit
+    )
+    returned = all_to_all(
+        expert_rows[plan.grouped_to_recv], plan.send_splits, plan.recv_splits, group
+    )
+    expert_out = returned[plan.pair_order_inverse].view(tokens, top_k, -1)
+
+    shared_out = None
+    if weights.has_shared_expert:
+        shared_out = expert_mlp(
+            x, weights.shared_gate, weights.shared_up, weights.shared_down, swiglu_limit
+        )
+    return combine(expert_out, topk_weights, shared_out)

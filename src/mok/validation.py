@@ -1,0 +1,125 @@
+"""Checks of the tensors handed to the layer. Each check returns a message naming the problem, or
+None; the caller raises, after telling the other ranks (see `mok.distributed`), so that a bad input on
+one rank never leaves the others waiting."""
+
+from __future__ import annotations
+
+import torch
+
+from mok.config import MoKConfig
+from mok.weights import MoEWeights
+
+ACTIVATION_DTYPE = torch.bfloat16
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+class MoKInputError(ValueError):
+    """An input the layer cannot process; the message names the tensor and the problem."""
+
+
+def _check_tensor(
+    name: str,
+    value,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    floating: bool = False,
+) -> str | None:
+    if not isinstance(value, torch.Tensor):
+        return f"{name} must be a torch.Tensor, got {type(value).__name__}"
+    if tuple(value.shape) != tuple(shape):
+        return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
+    if dtypes is not None and value.dtype not in dtypes:
+        expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        return f"{name} has dtype {str(value.dtype).removeprefix('torch.')}, expected {expected}"
+    if floating and not value.is_floating_point():
+        return f"{name} must be a floating-point tensor, got {value.dtype}"
+    if value.device != device:
+        return f"{name} is on {value.device}, but the layer runs on {device}"
+    return None
+
+
+def check_routing(config: MoKConfig, topk_idx, device: torch.device) -> str | None:
+    """topk_idx must be [T, k] int32/int64 on `device` with every id in [0, E).
+
+    Reads the minimum and maximum id back to the host (a synchronization on GPUs)."""
+    if not isinstance(topk_idx, torch.Tensor):
+        return f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}"
+    if topk_idx.dim() != 2 or topk_idx.shape[1] != config.top_k:
+        return f"topk_idx has shape {tuple(topk_idx.shape)}, expected [T, top_k={config.top_k}]"
+    problem = _check_tensor(
+        "topk_idx", topk_idx, tuple(topk_idx.shape), device, dtypes=INDEX_DTYPES
+    )
+    if problem or topk_idx.numel() == 0:
+        return problem
+    low, high = (int(v) for v in torch.aminmax(topk_idx))
+    if low < 0 or high >= config.num_experts:
+        bad = low if low < 0 else high
+        return (
+            f"topk_idx holds expert id {bad}, outside [0, num_experts={config.num_experts})"
+        )
+    return None
+
+
+def check_tokens(
+    config: MoKConfig, x, topk_weights, num_tokens: int, device: torch.device
+) -> str | None:
+    """x must be [T, H] bf16 and topk_weights [T, k] floating point, both on `device`, with T the
+    token count the schedule was built for."""
+    if isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] != num_tokens:
+        return (
+            f"x has {x.shape[0]} tokens but the schedule was built from topk_idx with {num_tokens}"
+        )
+    return _check_tensor(
+        "x", x, (num_tokens, config.hidden_size), device, dtypes=(ACTIVATION_DTYPE,)
+    ) or _check_tensor(
+        "topk_weights", topk_weights, (num_tokens, config.top_k), device, floating=True
+    )
+
+
+def expected_weight_shapes(
+    config: MoKConfig, local_experts: int
+) -> dict[str, tuple[int, ...] | None]:
+    """Field of MoEWeights -> the shape it must have (None: must be absent)."""
+    h, i, s = config.hidden_size, config.intermediate_size, config.shared_intermediate_size
+    shapes: dict[str, tuple[int, ...] | None] = {
+        "gate": (local_experts, i, h),
+        "up": (local_experts, i, h),
+        "down": (local_experts, h, i),
+    }
+    shared = {"shared_gate": (s, h), "shared_up": (s, h), "shared_down": (h, s)}
+    for name, shape in shared.items():
+        shapes[name] = shape if config.has_shared_expert else None
+    return shapes
+
+
+def check_weights(
+    config: MoKConfig, weights, local_experts: int, device: torch.device
+) -> str | None:
+    """Every weight present with the shape of `expected_weight_shapes`, bf16, on `device`."""
+    if not isinstance(weights, MoEWeights):
+        return f"weights must be a mok.MoEWeights, got {type(weights).__name__}"
+    for name, shape in expected_weight_shapes(config, local_experts).items():
+        value = getattr(weights, name)
+        if shape is None:
+            if value is not None:
+                return (
+                    f"weights.{name} is given, but the config has no shared expert "
+                    "(shared_intermediate_size=0)"
+                )
+            continue
+        if value is None:
+            return f"weights.{name} is missing: the config has a shared expert"
+        problem = _check_tensor(
+            f"weights.{name}", value, shape, device, dtypes=(ACTIVATION_DTYPE,)
+        )
+        if problem:
+            return problem
+    return None
+
+
+def check_grad_output(grad_y, num_tokens: int, config: MoKConfig, device) -> str | None:
+    """The gradient of the output must be [T, H] on `device`, floating point."""
+    return _check_tensor(
+        "grad_output", grad_y, (num_tokens, config.hidden_size), device, floating=True
+    )

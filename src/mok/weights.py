@@ -1,0 +1,51 @@
+"""Containers for the weights of an MoE layer and for the gradients of one call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEWeights:
+    """The weights one rank holds: its local routed experts and, optionally, the shared expert.
+
+    Layout (the rows of each matrix are its output features, as in `nn.Linear`):
+      gate, up:   [E_loc, I, H]   (expert e computes x @ gate[e].T)
+      down:       [E_loc, H, I]
+      shared_gate, shared_up: [I_s, H];  shared_down: [H, I_s]  (all three None without a shared expert)
+    The reduction dimension of every GEMM is the innermost one, which is what TMA tiles and
+    `tl.dot(a, b.T)` want in forward.
+    """
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    shared_gate: torch.Tensor | None = None
+    shared_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_gate is not None
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        """Field name -> tensor (None where absent), in declaration order."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
+    def map(self, fn) -> MoEWeights:
+        """A new MoEWeights with `fn` applied to every tensor that is present."""
+        return MoEWeights(**{k: None if v is None else fn(v) for k, v in self.tensors().items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEGradients:
+    """Gradients of one layer call: for its input rows, its router weights and every weight."""
+
+    x: torch.Tensor
+    """[T, H], the dtype of x."""
+    topk_weights: torch.Tensor
+    """[T, k], the dtype of topk_weights."""
+    weights: MoEWeights
+    """Same shapes and dtypes as the layer's weights."""
