@@ -2,9 +2,15 @@
 
 import os
 
-import pytest
 import torch
-from hypothesis import settings
+
+# Without a GPU, Triton kernels run under the interpreter. It must be chosen before triton is
+# imported anywhere.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=20, deadline=None)
