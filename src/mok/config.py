@@ -103,7 +103,7 @@ class MoKConfig:
         return self.num_experts // ep_size
 
     def forward_flops(self, num_tokens: int) -> int:
-        """FLOPs of one forward pass over `num_tokens` tokens (GEMMs only; backward is twice this)."""
+        """GEMM FLOPs of one forward pass over `num_tokens` tokens (backward is twice this)."""
         routed = 2 * num_tokens * self.top_k * 3 * self.hidden_size * self.intermediate_size
         shared = 2 * num_tokens * 3 * self.hidden_size * self.shared_intermediate_size
         return routed + shared

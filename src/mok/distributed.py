@@ -64,7 +64,7 @@ def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | Non
 
 
 class _AllToAll(torch.autograd.Function):
-    """`dist.all_to_all_single` over rows with uneven splits; its backward is the reverse exchange."""
+    """`dist.all_to_all_single` of rows with uneven splits; backward is the reverse exchange."""
 
     @staticmethod
     def forward(ctx, rows, output_splits, input_splits, group):

@@ -85,7 +85,7 @@ def _normalize_device(device) -> torch.device:
 
 
 def _config_fingerprint(config: MoKConfig) -> list[tuple[str, int]]:
-    """(field, value as int64) for every config field; ranks compare these to agree on the config."""
+    """(field, value as int64) for every config field: what ranks compare to agree on it."""
     fields = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)

@@ -61,6 +61,18 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
     )
 
 
+def init_from_env(backend: str, timeout_s: float = 600.0) -> None:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_*)."""
+    for key, value in MULTI_GPU_ENV.items():
+        os.environ.setdefault(key, value)
+    kwargs = {}
+    if backend == "nccl":
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
 def _rank_main(rank, world_size, backend, port, timeout_s, fn, args, results):
     try:
         init_rank(rank, world_size, backend, port, timeout_s)
@@ -109,7 +121,8 @@ def run_ranks(
                 rank, ok, value = results.get(timeout=1.0)
             except queue_module.Empty:
                 dead = [
-                    r for r, p in enumerate(processes)
+                    r
+                    for r, p in enumerate(processes)
                     if r not in values and p.exitcode not in (None, 0)
                 ]
                 if dead:

@@ -93,7 +93,7 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         """Normal init with std 1/sqrt(fan_in), so that outputs stay O(1) for unit-scale inputs."""
         with torch.no_grad():
-            for name, param in self.named_parameters(recurse=False):
+            for param in self.parameters(recurse=False):
                 param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]))
 
     @property
@@ -136,7 +136,7 @@ class MoE(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        """y [..., H] from x [..., H], topk_idx [..., k], topk_weights [..., k] (same leading dims)."""
+        """y [..., H] from x [..., H], topk_idx [..., k], topk_weights [..., k]."""
         hidden, top_k = self.config.hidden_size, self.config.top_k
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

@@ -21,7 +21,7 @@ class Preset:
     """Tokens per rank the benchmark uses unless told otherwise."""
 
     def config(self, **overrides) -> MoKConfig:
-        """The MoKConfig of this layer; `overrides` set other fields (precision, swiglu_limit, ...)."""
+        """The MoKConfig of this layer; `overrides` set other fields (precision, backend, ...)."""
         fields = dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,

@@ -1,6 +1,6 @@
 """Checks of the tensors handed to the layer. Each check returns a message naming the problem, or
-None; the caller raises, after telling the other ranks (see `mok.distributed`), so that a bad input on
-one rank never leaves the others waiting."""
+None; the caller raises, after telling the other ranks (see `mok.distributed`), so that a bad input
+on one rank never leaves the others waiting."""
 
 from __future__ import annotations
 
@@ -55,9 +55,7 @@ def check_routing(config: MoKConfig, topk_idx, device: torch.device) -> str | No
     low, high = (int(v) for v in torch.aminmax(topk_idx))
     if low < 0 or high >= config.num_experts:
         bad = low if low < 0 else high
-        return (
-            f"topk_idx holds expert id {bad}, outside [0, num_experts={config.num_experts})"
-        )
+        return f"topk_idx holds expert id {bad}, outside [0, num_experts={config.num_experts})"
     return None
 
 
@@ -110,9 +108,7 @@ def check_weights(
             continue
         if value is None:
             return f"weights.{name} is missing: the config has a shared expert"
-        problem = _check_tensor(
-            f"weights.{name}", value, shape, device, dtypes=(ACTIVATION_DTYPE,)
-        )
+        problem = _check_tensor(f"weights.{name}", value, shape, device, dtypes=(ACTIVATION_DTYPE,))
         if problem:
             return problem
     return None

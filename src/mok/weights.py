@@ -14,7 +14,7 @@ class MoEWeights:
     Layout (the rows of each matrix are its output features, as in `nn.Linear`):
       gate, up:   [E_loc, I, H]   (expert e computes x @ gate[e].T)
       down:       [E_loc, H, I]
-      shared_gate, shared_up: [I_s, H];  shared_down: [H, I_s]  (all three None without a shared expert)
+      shared_gate, shared_up: [I_s, H];  shared_down: [H, I_s]  (None without a shared expert)
     The reduction dimension of every GEMM is the innermost one, which is what TMA tiles and
     `tl.dot(a, b.T)` want in forward.
     """

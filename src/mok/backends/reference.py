@@ -67,9 +67,11 @@ class ReferenceBackend:
         weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
         inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]
         grads = torch.autograd.grad(saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True)
-        grads = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
+        grads = [
+            torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True)
+        ]
         weight_grads = dict.fromkeys(saved.weights.tensors())
-        weight_grads.update({name: g for (name, _), g in zip(weight_items, grads[2:])})
+        weight_grads.update({name: g for (name, _), g in zip(weight_items, grads[2:], strict=True)})
         return MoEGradients(x=grads[0], topk_weights=grads[1], weights=MoEWeights(**weight_grads))
 
     def release(self) -> None:

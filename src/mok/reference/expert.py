@@ -19,7 +19,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(gate) * up, elementwise; with `limit` L first gate <- min(gate, L), up <- clamp(up, -L, L)."""
+    """silu(gate) * up; with `limit` L, first gate <- min(gate, L) and up <- clamp(up, -L, L)."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
@@ -58,7 +58,9 @@ def grouped_expert_mlp(
     if len(group_sizes) != w_gate.shape[0]:
         raise ValueError(f"{len(group_sizes)} group sizes for {w_gate.shape[0]} experts")
     if sum(group_sizes) != rows.shape[0]:
-        raise ValueError(f"group sizes sum to {sum(group_sizes)}, but there are {rows.shape[0]} rows")
+        raise ValueError(
+            f"group sizes sum to {sum(group_sizes)}, but there are {rows.shape[0]} rows"
+        )
     outputs = []
     start = 0
     for expert, size in enumerate(group_sizes):

@@ -3,7 +3,8 @@
     y[t] = shared(x[t]) + sum_j topk_weights[t, j] * expert_{topk_idx[t, j]}(x[t])
 
 Combine order (part of the determinism contract of every backend): in fp32, start from the shared
-expert's output (or zero), then add w[t, j] * out[t, j] for j = 0, 1, ..., k-1, round once to x's dtype.
+expert's output (or zero), then add w[t, j] * out[t, j] for j = 0, 1, ..., k-1, then round once
+to x's dtype.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def moe_forward(
     already built (`RoutingPlan.exchange`), else it is built here (a collective).
     """
     tokens, top_k = topk_idx.shape
+    hidden = x.shape[1]
     local_experts = weights.gate.shape[0]
     if plan is None:
         ep_size = 1 if group is None else dist.get_world_size(group)
@@ -62,7 +64,7 @@ def moe_forward(
 
     # One row per pair, in the order of pair_order. expand + reshape (not x[order // k]) keeps the
     # backward a plain sum over j instead of a scatter-add with repeated indices.
-    pair_rows = x.unsqueeze(1).expand(tokens, top_k, x.shape[1]).reshape(tokens * top_k, -1)
+    pair_rows = x.unsqueeze(1).expand(tokens, top_k, hidden).reshape(tokens * top_k, hidden)
     sent = pair_rows[plan.pair_order]
     received = all_to_all(sent, plan.recv_splits, plan.send_splits, group)
     grouped = received[plan.recv_to_grouped]
@@ -72,7 +74,7 @@ def moe_forward(
     returned = all_to_all(
         expert_rows[plan.grouped_to_recv], plan.send_splits, plan.recv_splits, group
     )
-    expert_out = returned[plan.pair_order_inverse].view(tokens, top_k, -1)
+    expert_out = returned[plan.pair_order_inverse].view(tokens, top_k, hidden)
 
     shared_out = None
     if weights.has_shared_expert:

@@ -25,7 +25,7 @@ def expert_counts(topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
 def exchange_expert_counts(
     topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None
 ) -> torch.Tensor:
-    """Collective: counts[s, e] = pairs that rank s routes to expert e, as [ep, E] int64 on the CPU."""
+    """Collective: counts[s, e] = pairs rank s routes to expert e; [ep, E] int64 on the CPU."""
     return all_gather_int64(expert_counts(topk_idx, num_experts), group)
 
 
@@ -81,9 +81,7 @@ class RoutingPlan:
         # Received rows come as (src, local expert) segments; the grouped layout wants them as
         # (local expert, src) segments.
         segment_starts = (torch.cumsum(mine.reshape(-1), 0) - mine.reshape(-1)).view_as(mine)
-        recv_to_grouped = _segment_gather_index(
-            segment_starts.T.reshape(-1), mine.T.reshape(-1)
-        )
+        recv_to_grouped = _segment_gather_index(segment_starts.T.reshape(-1), mine.T.reshape(-1))
         grouped_to_recv = torch.empty_like(recv_to_grouped)
         grouped_to_recv[recv_to_grouped] = torch.arange(recv_to_grouped.numel())
         return cls(

@@ -1,0 +1,5 @@
+import sys
+
+from mok.cli import main
+
+sys.exit(main())

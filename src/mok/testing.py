@@ -1,0 +1,98 @@
+"""Checking a layer against the single-process reference: shared by `mok bench` and the tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mok.config import MoKConfig
+from mok.reference import moe_forward
+from mok.validation import expected_weight_shapes
+from mok.weights import MoEWeights
+
+ROUTED_FIELDS = ("gate", "up", "down")
+
+
+@dataclasses.dataclass
+class RankInputs:
+    """One rank's inputs of a forward + backward call."""
+
+    x: torch.Tensor  # [T, H] bf16
+    topk_idx: torch.Tensor  # [T, k] int
+    topk_weights: torch.Tensor  # [T, k] float
+    grad_y: torch.Tensor  # [T, H] bf16
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (the plain error norm if expected is 0).
+    NaN or inf anywhere gives inf, so that no comparison can pass on them."""
+    actual, expected = actual.double(), expected.double()
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return float("inf")
+    scale = expected.norm().item()
+    error = (actual - expected).norm().item()
+    return error / scale if scale > 0 else error
+
+
+def global_weights(config: MoKConfig, seed: int, device) -> MoEWeights:
+    """Weights of all E experts, bf16, std 1/sqrt(fan_in), the same wherever they are rebuilt."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def draw(shape):
+        if shape is None:
+            return None
+        values = torch.randn(shape, generator=generator, device=device)
+        return (values / shape[-1] ** 0.5).to(torch.bfloat16)
+
+    shapes = expected_weight_shapes(config, config.num_experts)
+    return MoEWeights(**{name: draw(shape) for name, shape in shapes.items()})
+
+
+def compare_with_reference(
+    layer, full_weights: MoEWeights, everyone: list[RankInputs], rank: int
+) -> dict[str, float]:
+    """Relative errors of `layer` (a mok.MoE holding its slice of `full_weights`) on this rank's
+    inputs against the single-process reference on the inputs of all ranks.
+
+    Runs forward and backward on every rank (collective when the layer has a group). Keys: "y",
+    "grad x", "grad topk_weights", "grad <weight>". The shared expert's gradient is summed over the
+    ranks first: it is replicated, and data parallelism sums it.
+    """
+    mine = everyone[rank]
+    x = mine.x.clone().requires_grad_(True)
+    topk_weights = mine.topk_weights.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, mine.topk_idx, topk_weights)
+    y.backward(mine.grad_y)
+
+    full = full_weights.map(lambda t: t.detach().clone().requires_grad_(True))
+    x_all = torch.cat([r.x for r in everyone]).requires_grad_(True)
+    w_all = torch.cat([r.topk_weights for r in everyone]).requires_grad_(True)
+    idx_all = torch.cat([r.topk_idx for r in everyone])
+    y_all = moe_forward(x_all, idx_all, w_all, full, layer.config.swiglu_limit)
+    y_all.backward(torch.cat([r.grad_y for r in everyone]))
+
+    start = sum(r.x.shape[0] for r in everyone[:rank])
+    rows = slice(start, start + mine.x.shape[0])
+    errors = {
+        "y": relative_error(y.detach(), y_all[rows].detach()),
+        "grad x": relative_error(x.grad, x_all.grad[rows]),
+        "grad topk_weights": relative_error(topk_weights.grad, w_all.grad[rows]),
+    }
+    local = slice(layer.first_expert, layer.first_expert + layer.local_experts)
+    for name, reference in full.tensors().items():
+        if reference is None:
+            continue
+        grad = getattr(layer, name).grad
+        if name in ROUTED_FIELDS:
+            expected = reference.grad[local]
+        else:
+            expected = reference.grad
+            if layer.group is not None:
+                grad = grad.float()
+                dist.all_reduce(grad, group=layer.group)
+        errors[f"grad {name}"] = relative_error(grad, expected)
+    layer.zero_grad(set_to_none=True)
+    return errors

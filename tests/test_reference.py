@@ -1,0 +1,129 @@
+"""The reference layer against exact float64 math written independently, one token at a time."""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mok.reference import combine, expert_mlp, moe_forward, swiglu
+from mok.weights import MoEWeights
+
+
+def naive_moe(x, topk_idx, topk_weights, weights, limit=None):
+    """y[t] = shared(x[t]) + sum_j w[t, j] * expert(x[t]) in float64, a token and a slot at a time."""
+
+    def mlp(v, w_gate, w_up, w_down):
+        gate, up = w_gate @ v, w_up @ v
+        if limit is not None:
+            gate = torch.minimum(gate, torch.tensor(limit, dtype=gate.dtype))
+            up = up.clamp(-limit, limit)
+        return w_down @ (gate / (1 + torch.exp(-gate)) * up)
+
+    w = weights.map(lambda t: t.double())
+    y = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        v = x[t].double()
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        if w.has_shared_expert:
+            acc += mlp(v, w.shared_gate, w.shared_up, w.shared_down)
+        for j in range(topk_idx.shape[1]):
+            e = int(topk_idx[t, j])
+            acc += float(topk_weights[t, j]) * mlp(v, w.gate[e], w.up[e], w.down[e])
+        y[t] = acc
+    return y
+
+
+def random_layer(tokens, hidden, inter, experts, top_k, shared, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) / shape[-1] ** 0.5).to(
+            dtype
+        )
+
+    weights = MoEWeights(
+        gate=randn(experts, inter, hidden),
+        up=randn(experts, inter, hidden),
+        down=randn(experts, hidden, inter),
+        shared_gate=randn(shared, hidden) if shared else None,
+        shared_up=randn(shared, hidden) if shared else None,
+        shared_down=randn(hidden, shared) if shared else None,
+    )
+    x = (torch.randn(tokens, hidden, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    keys = torch.rand(tokens, experts, generator=gen)
+    idx = torch.argsort(keys, dim=-1)[:, :top_k]  # k distinct experts per token
+    topk_weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+    return x, idx, topk_weights, weights
+
+
+@pytest.mark.parametrize("shared", [0, 12], ids=["no-shared", "shared"])
+@pytest.mark.parametrize("limit", [None, 0.75], ids=["no-clamp", "clamp"])
+def test_float64_reference_is_exact(shared, limit):
+    x, idx, w, weights = random_layer(9, 24, 10, 6, 3, shared, torch.float64)
+    expected = naive_moe(x, idx, w, weights, limit)
+    actual = moe_forward(x, idx, w, weights, limit)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shared", [0, 32], ids=["no-shared", "shared"])
+def test_bf16_reference_within_bf16_rounding_of_exact_math(shared):
+    x, idx, w, weights = random_layer(64, 96, 48, 8, 2, shared, torch.bfloat16)
+    expected = naive_moe(x, idx, w.float(), weights)
+    actual = moe_forward(x, idx, w.float(), weights)
+    assert actual.dtype == torch.bfloat16
+    error = (actual.double() - expected).norm() / expected.norm()
+    # Two bf16 roundings (h, expert output) plus the final one: a few 2^-9 at most.
+    assert error < 8e-3, error
+
+
+def test_gradients_match_finite_differences():
+    x, idx, w, weights = random_layer(5, 6, 4, 4, 2, 3, torch.float64, seed=3)
+    inputs = [x, w] + [t for t in weights.tensors().values()]
+    inputs = [t.clone().requires_grad_(True) for t in inputs]
+
+    def fn(x, w, *tensors):
+        return moe_forward(x, idx, w, MoEWeights(*tensors), swiglu_limit=0.9)
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
+
+
+def test_combine_sums_in_the_documented_order():
+    gen = torch.Generator().manual_seed(1)
+    out = torch.randn(33, 4, 16, generator=gen).to(torch.bfloat16)
+    shared = torch.randn(33, 16, generator=gen).to(torch.bfloat16)
+    w = torch.rand(33, 4, generator=gen)
+    acc = shared.float()
+    for j in range(4):
+        acc = acc + w[:, j, None] * out[:, j].float()
+    assert torch.equal(combine(out, w, shared), acc.to(torch.bfloat16))
+    # A different order rounds differently somewhere: the order is observable, hence a contract.
+    reverse = shared.float()
+    for j in reversed(range(4)):
+        reverse = reverse + w[:, j, None] * out[:, j].float()
+    assert not torch.equal(acc, reverse)
+
+
+@given(limit=st.floats(0.1, 5.0), seed=st.integers(0, 2**16))
+def test_swiglu_clamp(limit, seed):
+    gen = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(2, 64, generator=gen, dtype=torch.float64) * 4
+    expected = torch.where(gate > limit, limit, gate)
+    expected = expected * torch.sigmoid(expected) * up.clamp(-limit, limit)
+    torch.testing.assert_close(swiglu(gate, up, limit), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_mlp_rounds_h_and_output_to_input_dtype():
+    x, _, _, weights = random_layer(8, 32, 16, 1, 1, 0, torch.bfloat16)
+    out = expert_mlp(x, weights.gate[0], weights.up[0], weights.down[0])
+    h = swiglu(x.float() @ weights.gate[0].float().T, x.float() @ weights.up[0].float().T)
+    expected = (h.to(torch.bfloat16).float() @ weights.down[0].float().T).to(torch.bfloat16)
+    assert torch.equal(out, expected)
+
+
+def test_no_tokens_gives_an_empty_output_and_zero_shared_gradients():
+    x, idx, w, weights = random_layer(0, 16, 8, 4, 2, 8, torch.bfloat16)
+    weights = weights.map(lambda t: t.requires_grad_(True))
+    y = moe_forward(x, idx, w, weights)
+    assert y.shape == (0, 16)
+    y.float().sum().backward()
+    assert torch.count_nonzero(weights.shared_gate.grad) == 0
