@@ -1,0 +1,224 @@
+"""The public API in one process: config validation, functional forward/backward, the module,
+autograd, and the errors bad input gets."""
+
+import pytest
+import torch
+
+import mok
+from mok.reference import moe_forward
+from mok.testing import global_weights
+
+TINY = mok.get_preset("tiny").config()
+
+
+def inputs(config, tokens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+    idx = torch.argsort(torch.rand(tokens, config.num_experts, generator=gen), -1)[
+        :, : config.top_k
+    ]
+    w = torch.rand(tokens, config.top_k, generator=gen)
+    return x, idx, w
+
+
+def layer_for(config, seed=0):
+    layer = mok.MoE(config)
+    layer.load_global_weights(global_weights(config, seed, "cpu"))
+    return layer
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"top_k": 9}, "top_k=9 exceeds num_experts=8"),
+        ({"hidden_size": 0}, "hidden_size must be >= 1"),
+        ({"hidden_size": 12.0}, "hidden_size must be an int"),
+        ({"num_experts": True}, "num_experts must be an int"),
+        ({"shared_intermediate_size": -1}, "shared_intermediate_size must be >= 0"),
+        ({"swiglu_limit": 0.0}, "swiglu_limit must be finite and > 0"),
+        ({"swiglu_limit": float("nan")}, "swiglu_limit must be finite"),
+        ({"precision": "fp4"}, "precision must be one of 'bf16', 'mxfp8'"),
+        ({"backend": "cuda"}, "backend must be one of"),
+        ({"recv_capacity": 0}, "recv_capacity must be >= 1"),
+        ({"comm_sms": 0}, "comm_sms must be >= 1"),
+    ],
+)
+def test_config_rejects_bad_fields(changes, message):
+    with pytest.raises(mok.MoKConfigError, match=message.replace("(", r"\(")):
+        TINY.replace(**changes)
+
+
+def test_config_accepts_strings_and_reports_layout():
+    config = TINY.replace(precision="bf16", backend="reference", swiglu_limit=7)
+    assert config.precision is mok.Precision.BF16 and config.backend is mok.Backend.REFERENCE
+    assert config.swiglu_limit == 7.0
+    assert config.local_experts(4) == 2
+    with pytest.raises(mok.MoKConfigError, match="num_experts=8 is not divisible .* size 3"):
+        config.local_experts(3)
+    # presets.md: 2 * T * k * 3 * H * I + 2 * T * 3 * H * I_shared
+    assert config.forward_flops(10) == 2 * 10 * 2 * 3 * 128 * 64 + 2 * 10 * 3 * 128 * 64
+
+
+def test_mxfp8_is_refused_until_a_backend_implements_it():
+    with pytest.raises(mok.BackendUnavailableError, match="mxfp8"):
+        mok.create_workspace(TINY.replace(precision="mxfp8"))
+
+
+# -- module and autograd ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 37])
+@pytest.mark.parametrize("limit", [None, 1.5])
+def test_module_matches_reference_values_and_gradients(tokens, limit):
+    config = TINY.replace(swiglu_limit=limit)
+    layer = layer_for(config)
+    x, idx, w = inputs(config, tokens)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    grad = torch.randn(tokens, config.hidden_size).to(torch.bfloat16)
+    y = layer(x, idx, w)
+    y.backward(grad)
+
+    ref_weights = global_weights(config, 0, "cpu").map(lambda t: t.requires_grad_(True))
+    x_ref, w_ref = x.detach().clone().requires_grad_(True), w.detach().clone().requires_grad_(True)
+    y_ref = moe_forward(x_ref, idx, w_ref, ref_weights, limit)
+    y_ref.backward(grad)
+
+    assert torch.equal(y, y_ref)
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(w.grad, w_ref.grad)
+    for name, ref in ref_weights.tensors().items():
+        expected = ref.grad if ref.grad is not None else torch.zeros_like(ref)
+        assert torch.equal(getattr(layer, name).grad, expected), name
+
+
+def test_module_accepts_leading_dimensions():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 12)
+    flat = layer(x, idx, w)
+    batched = layer(x.view(3, 4, -1), idx.view(3, 4, -1), w.view(3, 4, -1))
+    assert batched.shape == (3, 4, TINY.hidden_size)
+    assert torch.equal(batched.view(12, -1), flat)
+
+
+def test_layer_without_shared_expert_has_no_shared_parameters():
+    config = TINY.replace(shared_intermediate_size=0)
+    layer = mok.MoE(config)
+    assert layer.shared_gate is None
+    assert {name for name, _ in layer.named_parameters()} == {"gate", "up", "down"}
+    x, idx, w = inputs(config, 5)
+    assert layer(x, idx, w).shape == (5, config.hidden_size)
+
+
+def test_functional_forward_backward_equals_autograd():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 20)
+    grad = torch.randn(20, TINY.hidden_size).to(torch.bfloat16)
+
+    ws = mok.create_workspace(TINY)
+    schedule = mok.build_schedule(ws, idx)
+    y, saved = mok.forward(ws, schedule, x, w, layer.weights)
+    grads = mok.backward(ws, schedule, saved, grad)
+
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    y_auto = layer(x, idx, w)
+    y_auto.backward(grad)
+    assert torch.equal(y, y_auto)
+    assert torch.equal(grads.x, x.grad)
+    assert torch.equal(grads.topk_weights, w.grad)
+    for name, value in grads.weights.tensors().items():
+        assert torch.equal(value, getattr(layer, name).grad), name
+
+
+def test_forward_without_backward_state_and_released_workspace():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 4)
+    ws = mok.create_workspace(TINY)
+    schedule = mok.build_schedule(ws, idx)
+    y, saved = mok.forward(ws, schedule, x, w, layer.weights, need_backward=False)
+    assert saved is None and y.shape == x.shape
+    with pytest.raises(mok.MoKInputError, match="need_backward=True"):
+        mok.backward(ws, schedule, saved, torch.zeros_like(y))
+    ws.release()
+    with pytest.raises(RuntimeError, match="released"):
+        mok.build_schedule(ws, idx)
+
+
+def test_no_grad_call_keeps_no_graph():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 4)
+    with torch.no_grad():
+        y = layer(x, idx, w)
+    assert not y.requires_grad
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def bad_calls():
+    x, idx, w = inputs(TINY, 6)
+    yield "x float32", (x.float(), idx, w), "x has dtype float32, expected bfloat16"
+    yield "x hidden", (x[:, :64], idx, w), r"x has shape \(6, 64\), expected \(6, 128\)"
+    yield (
+        "idx out of range",
+        (x, idx.clone().fill_(8), w),
+        r"expert id 8, outside \[0, num_experts=8\)",
+    )
+    yield "idx negative", (x, idx - 5, w), "expert id -5"
+    yield "idx float", (x, idx.float(), w), "topk_idx has dtype float32, expected int32 or int64"
+    yield "idx k", (x, idx[:, :1], w), r"topk_idx has shape \(6, 1\), expected \[T, top_k=2\]"
+    yield (
+        "idx tokens",
+        (x, idx[:5], w[:5]),
+        "x has 6 tokens but the schedule was built from topk_idx with 5",
+    )
+    yield "weights tokens", (x, idx, w[:5]), r"topk_weights has shape \(5, 2\), expected \(6, 2\)"
+    yield "weights int", (x, idx, idx), "topk_weights must be a floating-point tensor"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"), [pytest.param(a, m, id=case) for case, a, m in bad_calls()]
+)
+def test_bad_input_names_the_problem(args, message):
+    layer = layer_for(TINY)
+    with pytest.raises(mok.MoKInputError, match=message):
+        layer(*args)
+
+
+def test_weights_that_do_not_match_the_config():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 3)
+    ws = layer.workspace(x.device)
+    weights = layer.weights
+    schedule = mok.build_schedule(ws, idx)
+    wrong = [
+        (mok.MoEWeights(weights.gate[:4], weights.up, weights.down, *_shared(weights)), "gate"),
+        (
+            mok.MoEWeights(weights.gate.float(), weights.up, weights.down, *_shared(weights)),
+            "float32",
+        ),
+        (mok.MoEWeights(weights.gate, weights.up, weights.down), "shared_gate is missing"),
+    ]
+    for bad, message in wrong:
+        with pytest.raises(mok.MoKInputError, match=message):
+            mok.forward(ws, schedule, x, w, bad)
+    no_shared = mok.create_workspace(TINY.replace(shared_intermediate_size=0))
+    with pytest.raises(mok.MoKInputError, match="no shared expert"):
+        mok.forward(no_shared, mok.build_schedule(no_shared, idx), x, w, weights)
+
+
+def _shared(weights):
+    return weights.shared_gate, weights.shared_up, weights.shared_down
+
+
+def test_load_global_weights_checks_what_it_copies():
+    layer = mok.MoE(TINY)
+    full = global_weights(TINY, 0, "cpu")
+    with pytest.raises(mok.MoKInputError, match="holds 4 experts, expected all 8"):
+        layer.load_global_weights(full.map(lambda t: t[:4] if t.dim() == 3 else t))
+    layer.load_global_weights(full)
+    assert torch.equal(layer.down, full.down)

@@ -1,0 +1,170 @@
+"""Expert parallelism on the CPU: 2 and 4 gloo ranks against the single-process reference, and bad
+input on one rank raising on all ranks instead of hanging."""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mok
+from mok.launch import run_ranks
+from mok.routing import ROUTINGS, make_routing, random_weights
+from mok.testing import RankInputs, compare_with_reference, global_weights
+
+# Routed results travel different paths but are computed row by row the same way: they agree to
+# fp32 rounding. The shared expert's gradient is the bf16 sum of per-rank halves: bf16 rounding.
+ROUTED_TOLERANCE = 1e-4
+SHARED_TOLERANCE = 1e-2
+
+
+def rank_inputs(config, tokens, routing, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+    idx, w = make_routing(routing, tokens, config.num_experts, config.top_k, gen)
+    grad_y = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+    return RankInputs(x, idx, w, grad_y)
+
+
+def scenario(config, tokens_per_rank, routing="uniform", seed=0):
+    ranks = [
+        rank_inputs(config, tokens, routing, seed * 100 + rank)
+        for rank, tokens in enumerate(tokens_per_rank)
+    ]
+    return {"config": config, "ranks": ranks, "seed": seed}
+
+
+def check_scenarios(rank, world, scenarios):
+    """Rank worker: errors of the expert-parallel layer against the reference, per scenario."""
+    results = []
+    for case in scenarios:
+        layer = mok.MoE(case["config"], group=dist.group.WORLD)
+        full = global_weights(case["config"], case["seed"], "cpu")
+        layer.load_global_weights(full)
+        results.append(compare_with_reference(layer, full, case["ranks"], rank))
+    return results
+
+
+def assert_close_to_reference(results, scenarios):
+    for case_index, case in enumerate(scenarios):
+        for rank, per_rank in enumerate(results):
+            for name, error in per_rank[case_index].items():
+                shared = name.startswith("grad shared")
+                limit = SHARED_TOLERANCE if shared else ROUTED_TOLERANCE
+                assert error <= limit, (case["config"], rank, name, error)
+
+
+TINY = mok.get_preset("tiny").config()
+
+
+def standard_scenarios(world):
+    tokens = [37, 64, 0, 5][:world] if world == 4 else [37, 0]
+    cases = [scenario(TINY, tokens, routing, seed) for seed, routing in enumerate(ROUTINGS)]
+    cases.append(scenario(TINY.replace(swiglu_limit=0.8), [23] * world, "zipf", 10))
+    top1 = TINY.replace(top_k=1, shared_intermediate_size=0, swiglu_limit=1.0)
+    cases.append(scenario(top1, [19] * world, "uniform", 11))
+    odd = mok.MoKConfig(
+        hidden_size=48,
+        intermediate_size=40,
+        num_experts=3 * world,
+        top_k=3,
+        shared_intermediate_size=24,
+    )
+    cases.append(scenario(odd, [29 + r for r in range(world)], "zipf", 12))
+    return cases
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_single_process(world):
+    scenarios = standard_scenarios(world)
+    results = run_ranks(check_scenarios, world, args=(scenarios,), timeout_s=300)
+    assert_close_to_reference(results, scenarios)
+
+
+@st.composite
+def fuzzed_scenarios(draw):
+    """A handful of layers with fuzzed shapes and explicit per-rank routings for one group."""
+    world = draw(st.sampled_from([2, 4]))
+    cases = []
+    for index in range(3):
+        local = draw(st.integers(1, 3))
+        experts = local * world
+        config = mok.MoKConfig(
+            hidden_size=draw(st.sampled_from([16, 40, 56])),
+            intermediate_size=draw(st.sampled_from([8, 24, 40])),
+            num_experts=experts,
+            top_k=draw(st.integers(1, min(experts, 4))),
+            shared_intermediate_size=draw(st.sampled_from([0, 16])),
+            swiglu_limit=draw(st.sampled_from([None, 0.5])),
+        )
+        ranks = []
+        for rank in range(world):
+            tokens = draw(st.integers(0, 20))
+            # top-k routings pick distinct experts: draw a permutation prefix per token
+            rows = [draw(st.permutations(range(experts)))[: config.top_k] for _ in range(tokens)]
+            idx = torch.tensor(rows, dtype=torch.int64).view(tokens, config.top_k)
+            gen = torch.Generator().manual_seed(index * 10 + rank)
+            x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+            grad_y = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+            w = random_weights(tokens, config.top_k, gen, "cpu")
+            ranks.append(RankInputs(x, idx, w, grad_y))
+        cases.append({"config": config, "ranks": ranks, "seed": index})
+    return world, cases
+
+
+@settings(max_examples=3)
+@given(fuzzed_scenarios())
+def test_fuzzed_routings_across_ranks(case):
+    world, scenarios = case
+    results = run_ranks(check_scenarios, world, args=(scenarios,), timeout_s=300)
+    assert_close_to_reference(results, scenarios)
+
+
+# -- bad input on one rank ---------------------------------------------------------------------
+
+
+def call_with_bad_input(rank, world, problem):
+    """Rank worker: rank 1 (or every rank) gets one bad input; returns what each rank raised, then
+    checks the group still works with good input."""
+    config = TINY
+    if problem == "config" and rank == 1:
+        config = TINY.replace(swiglu_limit=3.0)
+    layer = mok.MoE(config, group=dist.group.WORLD)
+    inputs = rank_inputs(config, 10, "uniform", rank)
+    x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
+    if rank == 1:
+        if problem == "expert id":
+            idx = idx.clone()
+            idx[3, 1] = config.num_experts
+        elif problem == "dtype":
+            x = x.float()
+        elif problem == "tokens":
+            w = w[:7]
+    raised = None
+    try:
+        layer(x, idx, w)
+    except mok.MoKInputError as error:
+        raised = str(error)
+    if problem != "config":
+        good = rank_inputs(config, 10, "uniform", rank)
+        layer(good.x, good.topk_idx, good.topk_weights)
+    return raised
+
+
+@pytest.mark.parametrize(
+    ("problem", "message"),
+    [
+        ("expert id", r"expert id 8, outside \[0, num_experts=8\)"),
+        ("dtype", "x has dtype float32"),
+        ("tokens", r"topk_weights has shape \(7, 2\)"),
+        ("config", r"different configs \(swiglu_limit"),
+    ],
+)
+def test_bad_input_on_one_rank_raises_on_every_rank(problem, message):
+    raised = run_ranks(call_with_bad_input, 2, args=(problem,), timeout_s=120)
+    assert all(raised), raised
+    assert re.search(message, raised[1]), raised
+    if problem != "config":
+        assert "rank(s) [1]" in raised[0], raised
