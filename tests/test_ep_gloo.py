@@ -6,74 +6,16 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from ep_cases import assert_close_to_reference, check_scenarios, rank_inputs, standard_scenarios
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mok
 from mok.launch import run_ranks
-from mok.routing import ROUTINGS, make_routing, random_weights
-from mok.testing import RankInputs, compare_with_reference, global_weights
-
-# Routed results travel different paths but are computed row by row the same way: they agree to
-# fp32 rounding. The shared expert's gradient is the bf16 sum of per-rank halves: bf16 rounding.
-ROUTED_TOLERANCE = 1e-4
-SHARED_TOLERANCE = 1e-2
-
-
-def rank_inputs(config, tokens, routing, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
-    idx, w = make_routing(routing, tokens, config.num_experts, config.top_k, gen)
-    grad_y = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
-    return RankInputs(x, idx, w, grad_y)
-
-
-def scenario(config, tokens_per_rank, routing="uniform", seed=0):
-    ranks = [
-        rank_inputs(config, tokens, routing, seed * 100 + rank)
-        for rank, tokens in enumerate(tokens_per_rank)
-    ]
-    return {"config": config, "ranks": ranks, "seed": seed}
-
-
-def check_scenarios(rank, world, scenarios):
-    """Rank worker: errors of the expert-parallel layer against the reference, per scenario."""
-    results = []
-    for case in scenarios:
-        layer = mok.MoE(case["config"], group=dist.group.WORLD)
-        full = global_weights(case["config"], case["seed"], "cpu")
-        layer.load_global_weights(full)
-        results.append(compare_with_reference(layer, full, case["ranks"], rank))
-    return results
-
-
-def assert_close_to_reference(results, scenarios):
-    for case_index, case in enumerate(scenarios):
-        for rank, per_rank in enumerate(results):
-            for name, error in per_rank[case_index].items():
-                shared = name.startswith("grad shared")
-                limit = SHARED_TOLERANCE if shared else ROUTED_TOLERANCE
-                assert error <= limit, (case["config"], rank, name, error)
-
+from mok.routing import random_weights
+from mok.testing import RankInputs
 
 TINY = mok.get_preset("tiny").config()
-
-
-def standard_scenarios(world):
-    tokens = [37, 64, 0, 5][:world] if world == 4 else [37, 0]
-    cases = [scenario(TINY, tokens, routing, seed) for seed, routing in enumerate(ROUTINGS)]
-    cases.append(scenario(TINY.replace(swiglu_limit=0.8), [23] * world, "zipf", 10))
-    top1 = TINY.replace(top_k=1, shared_intermediate_size=0, swiglu_limit=1.0)
-    cases.append(scenario(top1, [19] * world, "uniform", 11))
-    odd = mok.MoKConfig(
-        hidden_size=48,
-        intermediate_size=40,
-        num_experts=3 * world,
-        top_k=3,
-        shared_intermediate_size=24,
-    )
-    cases.append(scenario(odd, [29 + r for r in range(world)], "zipf", 12))
-    return cases
 
 
 @pytest.mark.parametrize("world", [2, 4])

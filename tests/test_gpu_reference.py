@@ -1,0 +1,38 @@
+"""The reference backend on GPUs: one CUDA device against the CPU, and 2 ranks over NCCL."""
+
+import pytest
+import torch
+from ep_cases import assert_close_to_reference, check_scenarios, standard_scenarios
+
+import mok
+from mok.launch import run_ranks
+from mok.testing import global_weights, relative_error
+
+TINY = mok.get_preset("tiny").config()
+
+
+@pytest.mark.gpu
+def test_reference_on_cuda_matches_cpu():
+    full = global_weights(TINY, 0, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, TINY.hidden_size, generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, TINY.num_experts, (300, TINY.top_k), generator=gen)
+    w = torch.rand(300, TINY.top_k, generator=gen)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        layer = mok.MoE(TINY, device=device)
+        layer.load_global_weights(full)
+        x_dev = x.to(device).requires_grad_(True)
+        y = layer(x_dev, idx.to(device), w.to(device))
+        y.float().square().sum().backward()
+        outputs[device] = (y.cpu(), x_dev.grad.cpu(), layer.gate.grad.cpu())
+    for cpu, cuda in zip(outputs["cpu"], outputs["cuda"], strict=True):
+        assert relative_error(cuda, cpu) < 1e-2
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_expert_parallel_over_nccl_equals_single_process():
+    scenarios = standard_scenarios(2)
+    results = run_ranks(check_scenarios, 2, args=(scenarios, "cuda"), backend="nccl", timeout_s=300)
+    assert_close_to_reference(results, scenarios)
