@@ -10,7 +10,7 @@ from mok.weights import MoEWeights
 
 
 def naive_moe(x, topk_idx, topk_weights, weights, limit=None):
-    """y[t] = shared(x[t]) + sum_j w[t, j] * expert(x[t]) in float64, a token and a slot at a time."""
+    """y[t] = shared(x[t]) + sum_j w[t, j] * expert(x[t]) in float64, token by token."""
 
     def mlp(v, w_gate, w_up, w_down):
         gate, up = w_gate @ v, w_up @ v

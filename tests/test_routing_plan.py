@@ -75,7 +75,9 @@ def test_owner_sees_its_pairs_grouped_by_expert_then_source_then_token(case):
             if label[3] // local == owner
         )
         assert [(e, s, t, j) for (s, t, j, e) in grouped[owner]] == expected
-        sizes = [sum(1 for label in expected if label[0] == owner * local + e) for e in range(local)]
+        sizes = [
+            sum(1 for label in expected if label[0] == owner * local + e) for e in range(local)
+        ]
         assert plan.group_sizes == sizes
 
 
