@@ -20,7 +20,12 @@ import torch.distributed as dist
 
 from mok.backends import select_backend
 from mok.config import MoKConfig
-from mok.distributed import all_gather_int64, group_rank_and_size, raise_if_any_rank_failed
+from mok.distributed import (
+    all_gather_int64,
+    collective_device,
+    group_rank_and_size,
+    raise_if_any_rank_failed,
+)
 from mok.validation import (
     MoKInputError,
     check_grad_output,
@@ -71,13 +76,8 @@ class SavedForward:
     saved: object = dataclasses.field(repr=False)
 
 
-def _default_device(group) -> torch.device:
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _normalize_device(device) -> torch.device:
+def resolve_device(device) -> torch.device:
+    """torch.device(device), with the current CUDA device filled in for a bare "cuda"."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -114,7 +114,9 @@ def create_workspace(
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a mok.MoKConfig, got {type(config).__name__}")
     rank, ep_size = group_rank_and_size(group)
-    device = _normalize_device(_default_device(group) if device is None else device)
+    if device is None:
+        device = torch.device("cpu") if group is None else collective_device(group)
+    device = resolve_device(device)
     problem = None
     try:
         local_experts = config.local_experts(ep_size)

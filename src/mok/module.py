@@ -127,7 +127,7 @@ class MoE(nn.Module):
     def workspace(self, device: torch.device) -> functional.Workspace:
         """The workspace for `device`, created on first use (a collective over the group)."""
         ws = self._workspace
-        if ws is None or ws.device != functional._normalize_device(device):
+        if ws is None or ws.device != functional.resolve_device(device):
             if ws is not None:
                 ws.release()
             self._workspace = functional.create_workspace(self.config, self.group, device)
