@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
+# included), and benchmarks. Logs go under $OUT (or ./gpu-logs). Usage:
+#   scripts/gpu_check.sh [tests] [bench] [kernels]      (default: all three)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+steps=${*:-tests bench kernels}
+status=0
+
+run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: exit $rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpus.csv"
+git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+run env python3 -m mok env
+
+for step in $steps; do
+  case $step in
+    tests)
+      run pytest python3 -m pytest -q -rs -p no:cacheprovider ;;
+    bench)
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      run bench-tiny python3 -m mok bench --no-progress --ep "$ngpu" --json "$OUT/bench-tiny.json"
+      run bench-qwen3-30b python3 -m mok bench --no-progress --preset qwen3-30b-a3b --ep "$ngpu" \
+        --tokens 4096 --iters 5 --warmup 2 --json "$OUT/bench-qwen3-30b.json" ;;
+    kernels)
+      if [ -f benchmarks/expert_kernels.py ]; then
+        run kernels python3 benchmarks/expert_kernels.py --check --bench --out "$OUT/expert-kernels.md"
+      fi ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status
