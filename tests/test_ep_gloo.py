@@ -6,7 +6,6 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from ep_cases import assert_close_to_reference, check_scenarios, rank_inputs, standard_scenarios
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,6 +13,8 @@ import mok
 from mok.launch import run_ranks
 from mok.routing import random_weights
 from mok.testing import RankInputs
+
+from ep_cases import assert_close_to_reference, check_scenarios, rank_inputs, standard_scenarios
 
 TINY = mok.get_preset("tiny").config()
 

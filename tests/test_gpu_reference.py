@@ -2,11 +2,12 @@
 
 import pytest
 import torch
-from ep_cases import assert_close_to_reference, check_scenarios, standard_scenarios
 
 import mok
 from mok.launch import run_ranks
 from mok.testing import global_weights, relative_error
+
+from ep_cases import assert_close_to_reference, check_scenarios, standard_scenarios
 
 TINY = mok.get_preset("tiny").config()
 
