@@ -25,7 +25,9 @@ def local_counts(topk_idx: torch.Tensor, ep_size: int, local_experts: int) -> to
     rank (a token counts once per rank however many of that rank's experts it picks)."""
     experts = ep_size * local_experts
     flat = topk_idx.reshape(-1).to(torch.int64)
-    pairs = torch.bincount(flat, minlength=experts)
+    # Not torch.bincount: on CUDA it reads the largest id back to the host to size its output.
+    pairs = torch.zeros(experts, dtype=torch.int64, device=flat.device)
+    pairs.scatter_add_(0, flat, torch.ones_like(flat))
     return torch.cat([pairs, destination_mask(topk_idx, ep_size, local_experts).sum(0)])
 
 
