@@ -1,0 +1,309 @@
+"""The expert MLP on rows grouped by local expert: forward and backward through the grouped GEMMs.
+
+    gate, up = x @ W_gate[e].T, x @ W_up[e].T     fp32 accumulators, one kernel (same tile)
+    h        = swiglu(gate, up)                     fp32 in that kernel's epilogue, rounded once
+    out      = h @ W_down[e].T                      fp32 accumulator, rounded once
+
+These are the rounding points of `mok.reference.expert`. Backward:
+
+    grad_h          = grad_out @ W_down[e]           rounded to bf16 (as autograd does for h),
+    grad_gate, grad_up = swiglu'(...)               in the same kernel's epilogue, from the saved
+                                                    bf16 pre-activations
+    grad_x          = grad_gate @ W_gate[e] + grad_up @ W_up[e]       one kernel
+    grad_W_down[e]  = grad_out[e].T @ h[e];  grad_W_gate[e] = grad_gate[e].T @ x[e]; likewise up
+
+Forward saves h and the pre-activations (gate | up, bf16) rather than recomputing them: that costs
+writing M x 2I values once, where recomputation would add a third to the backward's GEMM work.
+
+No host synchronization: group sizes stay on the device, tile lists come from a small kernel and
+every loop is bounded by host-known quantities (M, E, H, I). No atomics; every output element is
+reduced by one program in a fixed order, so results are bitwise reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from mok.kernels import grouped_gemm as gg
+from mok.kernels._triton_compat import interpreting
+from mok.kernels.grouped_gemm import GemmTiles, RowTiles
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertKernelConfig:
+    """Tiles of the six kernels of the expert MLP."""
+
+    gate_up: GemmTiles
+    """Forward gate/up + SwiGLU: rows x I output tiles, reduction over H."""
+    down: GemmTiles
+    """Forward down: rows x H, reduction over I."""
+    down_dgrad: GemmTiles
+    """grad through down + SwiGLU backward: rows x I, reduction over H."""
+    gate_up_dgrad: GemmTiles
+    """grad through gate and up: rows x H, reduction over 2 x I."""
+    down_wgrad: GemmTiles
+    """grad of W_down: H x I tiles, reduction over the expert's rows."""
+    gate_up_wgrad: GemmTiles
+    """grads of W_gate and W_up: I x H tiles, reduction over the expert's rows."""
+
+
+def default_config(
+    device: torch.device, hidden: int, inter: int, rows_per_expert: float | None = None
+) -> ExpertKernelConfig:
+    """Tiles for a device, a shape and the mean rows per expert (M / E; None: many).
+
+    Under the interpreter: small tiles, so that tests at small H and I still have ragged rows,
+    partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
+    H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
+    groups average under 192 rows (a 128-row tiling would leave a third of the rows idle).
+    """
+    if device.type != "cuda":
+        small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
+        return ExpertKernelConfig(small, small, small, small, small, small)
+    short = rows_per_expert is not None and rows_per_expert < 192
+    wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    return ExpertKernelConfig(
+        gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
+        down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
+        down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),
+        gate_up_dgrad=GemmTiles(128, 256, 32, num_warps=8, num_stages=3),
+        down_wgrad=wgrad,
+        gate_up_wgrad=wgrad,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertMLPSaved:
+    """What `expert_mlp_backward` needs from a forward call."""
+
+    rows: torch.Tensor
+    """[M, H] the forward's input rows."""
+    group_offsets: torch.Tensor
+    """[E + 1] int32."""
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    h: torch.Tensor
+    """[M, I] swiglu output (rows outside the groups hold garbage)."""
+    gate_up: torch.Tensor
+    """[M, 2I] pre-activations gate | up, in the rows' dtype."""
+    row_tiles: dict[int, RowTiles]
+    """Row-tile lists by block_m, reused by backward."""
+    swiglu_limit: float | None
+    config: ExpertKernelConfig
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check(
+    name: str, value, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...], device
+) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    if value.dtype not in dtypes:
+        allowed = " or ".join(_dtype_name(d) for d in dtypes)
+        raise ValueError(f"{name} has dtype {_dtype_name(value.dtype)}, expected {allowed}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, but the rows are on {device}")
+
+
+def _check_tma_layout(name: str, value: torch.Tensor) -> None:
+    """Tensor descriptors need a unit last stride and 16-byte aligned other strides and base."""
+    size = value.element_size()
+    if value.numel() and (
+        value.stride(-1) != 1
+        or any((s * size) % 16 for s in value.stride()[:-1])
+        or value.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"{name} must have a unit last stride and 16-byte aligned strides and address "
+            f"(strides {tuple(value.stride())}); pass .contiguous()"
+        )
+
+
+def _activation_dtypes(device: torch.device) -> tuple[torch.dtype, ...]:
+    # fp32 only where the interpreter runs the kernels: it computes fp32 exactly and bf16 wrongly.
+    if device.type == "cuda":
+        return (torch.bfloat16,)
+    return (torch.bfloat16, torch.float32)
+
+
+def _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit) -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 2:
+        shape = tuple(rows.shape) if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"rows must be a 2-D tensor [M, H], got {shape}")
+    device = rows.device
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"rows are on {device}: the expert kernels need a CUDA device "
+            "(or TRITON_INTERPRET=1 for CPU tensors)"
+        )
+    if not isinstance(w_gate, torch.Tensor) or w_gate.dim() != 3:
+        raise ValueError("w_gate must be a 3-D tensor [E, I, H]")
+    num_experts, inter, hidden = w_gate.shape
+    m = rows.shape[0]
+    _check("rows", rows, (m, hidden), _activation_dtypes(device), device)
+    _check("group_offsets", group_offsets, (num_experts + 1,), (torch.int32,), device)
+    _check("w_gate", w_gate, (num_experts, inter, hidden), (rows.dtype,), device)
+    _check("w_up", w_up, (num_experts, inter, hidden), (rows.dtype,), device)
+    _check("w_down", w_down, (num_experts, hidden, inter), (rows.dtype,), device)
+    if num_experts < 1:
+        raise ValueError("there must be at least one expert (w_gate.shape[0] >= 1)")
+    for name, size in (("H", hidden), ("I", inter)):
+        if size < 16 or size % 16:
+            raise ValueError(f"{name}={size} must be a positive multiple of 16")
+    for name, value in (("rows", rows), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        _check_tma_layout(name, value)
+    if swiglu_limit is not None:
+        if isinstance(swiglu_limit, bool) or not isinstance(swiglu_limit, (int, float)):
+            raise ValueError(f"swiglu_limit must be a number or None, got {swiglu_limit!r}")
+        if not math.isfinite(swiglu_limit) or swiglu_limit <= 0:
+            raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
+
+
+def _row_tiles(saved_tiles: dict[int, RowTiles], group_offsets, num_rows, block_m) -> RowTiles:
+    if block_m not in saved_tiles:
+        saved_tiles[block_m] = gg.row_tile_map(group_offsets, num_rows, block_m)
+    return saved_tiles[block_m]
+
+
+def expert_mlp_forward(
+    rows: torch.Tensor,
+    group_offsets: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+    save_for_backward: bool = True,
+    config: ExpertKernelConfig | None = None,
+) -> tuple[torch.Tensor, ExpertMLPSaved | None]:
+    """Every expert's MLP on its group of rows.
+
+    rows: [M, H] bf16 on a CUDA device (fp32 is accepted on CPU under TRITON_INTERPRET=1), grouped
+      by local expert: group e is rows[group_offsets[e]:group_offsets[e + 1]].
+    group_offsets: [E + 1] int32 on the rows' device, non-decreasing, group_offsets[E] <= M. Rows
+      outside [group_offsets[0], group_offsets[E]) are padding: never read into any result.
+    w_gate, w_up: [E, I, H]; w_down: [E, H, I]; the rows' dtype. H and I multiples of 16. Any
+      layout with a unit last stride and 16-byte aligned strides works (w_gate and w_up may be
+      views of one [E, 2I, H] tensor).
+    swiglu_limit: None, or L > 0: gate <= L and -L <= up <= L before silu(gate) * up.
+    save_for_backward: keep what `expert_mlp_backward` needs (else `saved` is None).
+    config: tiles (None: `default_config`).
+
+    Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
+    unwritten. Never synchronizes with the host.
+    """
+    _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
+    m, hidden = rows.shape
+    inter = w_gate.shape[1]
+    cfg = config or default_config(rows.device, hidden, inter, m / w_gate.shape[0])
+    if m == 0:
+        out = torch.empty(0, hidden, dtype=rows.dtype, device=rows.device)
+        h = torch.empty(0, inter, dtype=rows.dtype, device=rows.device)
+        gate_up = torch.empty(0, 2 * inter, dtype=rows.dtype, device=rows.device)
+        saved = ExpertMLPSaved(
+            rows, group_offsets, w_gate, w_up, w_down, h, gate_up, {}, swiglu_limit, cfg
+        )
+        return out, saved if save_for_backward else None
+    tiles: dict[int, RowTiles] = {}
+    h, gate_up = gg.gate_up_swiglu(
+        rows,
+        w_gate,
+        w_up,
+        _row_tiles(tiles, group_offsets, m, cfg.gate_up.block_m),
+        swiglu_limit,
+        save_for_backward,
+        cfg.gate_up,
+    )
+    out = gg.down(h, w_down, _row_tiles(tiles, group_offsets, m, cfg.down.block_m), cfg.down)
+    if not save_for_backward:
+        return out, None
+    saved = ExpertMLPSaved(
+        rows=rows,
+        group_offsets=group_offsets,
+        w_gate=w_gate,
+        w_up=w_up,
+        w_down=w_down,
+        h=h,
+        gate_up=gate_up,
+        row_tiles=tiles,
+        swiglu_limit=swiglu_limit,
+        config=cfg,
+    )
+    return out, saved
+
+
+def _grad_buffer(name: str, buffer, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the tensor the kernel writes into, whether it accumulates into it)."""
+    if buffer is None:
+        return torch.empty_like(weight, memory_format=torch.contiguous_format), False
+    _check(name, buffer, tuple(weight.shape), (torch.float32, torch.bfloat16), weight.device)
+    if not buffer.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the gradient is added into it in place)")
+    return buffer, True
+
+
+def expert_mlp_backward(
+    grad_out: torch.Tensor,
+    saved: ExpertMLPSaved,
+    grad_w_gate: torch.Tensor | None = None,
+    grad_w_up: torch.Tensor | None = None,
+    grad_w_down: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device).
+
+    grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 contiguous buffers of the weights'
+      shapes; the gradient is ADDED into a given buffer in place (in fp32, rounded once) and the
+      buffer is returned. Otherwise a fresh tensor of the weights' dtype is returned.
+    Returns (grad_rows [M, H], grad_w_gate, grad_w_up, grad_w_down). grad_rows is zero outside the
+    groups; weight gradients of experts without rows are zero (accumulation buffers untouched).
+    Rows of grad_out outside the groups are never read.
+    """
+    if not isinstance(saved, ExpertMLPSaved):
+        raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
+    rows = saved.rows
+    m, hidden = rows.shape
+    _check("grad_out", grad_out, (m, hidden), (rows.dtype,), rows.device)
+    _check_tma_layout("grad_out", grad_out)
+    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
+    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
+    grad_w_down, acc_down = _grad_buffer("grad_w_down", grad_w_down, saved.w_down)
+    cfg = saved.config
+    if m == 0:
+        for buffer, accumulate in (
+            (grad_w_gate, acc_gate),
+            (grad_w_up, acc_up),
+            (grad_w_down, acc_down),
+        ):
+            if not accumulate:
+                buffer.zero_()
+        return torch.empty_like(rows), grad_w_gate, grad_w_up, grad_w_down
+    offsets = saved.group_offsets
+    tiles = saved.row_tiles
+    grad_gate_up = gg.down_dgrad_swiglu(
+        grad_out,
+        saved.w_down,
+        saved.gate_up,
+        _row_tiles(tiles, offsets, m, cfg.down_dgrad.block_m),
+        saved.swiglu_limit,
+        cfg.down_dgrad,
+    )
+    grad_rows = gg.gate_up_dgrad(
+        grad_gate_up,
+        saved.w_gate,
+        saved.w_up,
+        _row_tiles(tiles, offsets, m, cfg.gate_up_dgrad.block_m),
+        cfg.gate_up_dgrad,
+    )
+    gg.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, cfg.down_wgrad)
+    gg.gate_up_wgrad(
+        grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
+    )
+    return grad_rows, grad_w_gate, grad_w_up, grad_w_down

@@ -1,0 +1,992 @@
+"""Grouped GEMMs of the expert MLP: @triton.jit tile functions and the persistent kernels on them.
+
+Rows arrive grouped by local expert: group e is rows[offsets[e]:offsets[e + 1]] of an [M, H] matrix,
+with the offsets on the device. Nothing here reads them on the host.
+
+Two families of kernels:
+  row-tiled (forward, and the data gradients): an output tile is BLOCK_M rows of one group times
+    BLOCK_N output features. `row_tile_map` lists every group's row tiles on the device; a
+    persistent kernel walks (row tile, feature tile) tasks up to the device-side count, GROUP_M
+    row tiles at a time (`grouped_task`), so that programs running at the same time share both
+    the rows and the expert's weights they read in L2.
+  weight-gradient: an output tile is BLOCK_M x BLOCK_N of one expert's weight gradient, reduced
+    over that expert's rows. Tasks are (expert, tile); the reduction reads the group through tensor
+    descriptors whose row extent ends at the group's end (made in the kernel whenever a program
+    moves to another group), so the ragged tail is zero-filled by TMA and no other group's rows
+    enter the sum.
+
+Loads go through tensor descriptors (TMA on Hopper). Weights [E, R, C] use 3-D descriptors with
+block [1, BR, BC]: a tile never reaches into the next expert when R or C is not a multiple of the
+tile, since TMA zero-fills past each dimension's end. Row tiles may read rows past their group's
+end (those rows only feed output rows that are never stored). Stores go through TMA too: a tile
+inside its group through the matrix's descriptor, a group's last, partial tile through one made on
+the spot whose rows end where the group does, so nothing outside the group is ever written.
+
+The tile functions (`*_tile`) compute one fp32 accumulator tile and are meant to be called from any
+task loop, including that of a later fused kernel. The kernels are dtype-generic: on GPUs they run
+bf16; the CPU interpreter runs them exactly in fp32 (its bf16 arithmetic is wrong).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+
+if interpreting():
+    patch_interpreter()
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """Tile shape and launch parameters of one persistent GEMM kernel."""
+
+    block_m: int
+    """Rows of an output tile (token rows in row-tiled kernels, weight rows in weight gradients)."""
+    block_n: int
+    """Columns of an output tile."""
+    block_k: int
+    """Depth of one step along the reduction."""
+    num_warps: int = 8
+    num_stages: int = 3
+    """Software-pipelining depth of the reduction loop."""
+    group_m: int = 8
+    """Tasks are walked group_m tile rows at a time (row fastest inside a group), so that the
+    programs running together share both operands in L2."""
+    programs_per_sm: int = 1
+    """Persistent programs per SM; 2 lets one program's prologue and epilogue overlap another's
+    main loop where registers and shared memory allow."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Row tiles of the groups, on the device
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowTiles:
+    """Every group's row tiles of BLOCK_M rows, listed on the device by `row_tile_map`.
+
+    The first `counts[0]` entries of `table` cover the experts' groups in order; the next
+    `counts[1] - counts[0]` cover the rows outside every group ([0, offsets[0]) and
+    [offsets[E], M)), with expert -1, so that a kernel can zero those rows.
+    """
+
+    table: torch.Tensor
+    """[3, capacity] int32: expert (-1 outside the groups), first row, end row (exclusive)."""
+    counts: torch.Tensor
+    """[2] int32: row tiles of the groups; of the groups and the rows outside them."""
+    capacity: int
+    """cdiv(M, block_m) + E + 2: a host-known bound on the number of tiles."""
+    block_m: int
+
+
+@triton.jit(do_not_specialize=["num_rows", "capacity"])
+def _row_tile_map_kernel(
+    offsets_ptr,  # [E + 1] int32, non-decreasing
+    table_ptr,  # [3, capacity] int32 out
+    counts_ptr,  # [2] int32 out
+    num_rows,  # M
+    num_experts,  # E
+    capacity,  # cdiv(M, BLOCK_M) + E + 2
+    BLOCK_M: tl.constexpr,
+    GROUPS: tl.constexpr,  # power of two >= E + 2
+    CHUNK: tl.constexpr,  # tiles listed per program
+):
+    """Grid: cdiv(capacity, CHUNK). Group g < E is expert g; group E holds the rows before the
+    first expert's, group E + 1 those after the last expert's (capacity padding)."""
+    g = tl.arange(0, GROUPS)
+    is_expert = g < num_experts
+    lo = tl.load(offsets_ptr + g, mask=is_expert, other=0)
+    hi = tl.load(offsets_ptr + g + 1, mask=is_expert, other=0)
+    first = tl.load(offsets_ptr)
+    last = tl.load(offsets_ptr + num_experts)
+    lo = tl.where(g == num_experts + 1, last, lo)
+    hi = tl.where(g == num_experts, first, tl.where(g == num_experts + 1, num_rows, hi))
+    tiles = (tl.maximum(hi - lo, 0) + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    starts = ends - tiles
+
+    t = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    group = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), 1)
+    sel = g[None, :] == group[:, None]
+    first_row = tl.sum(tl.where(sel, lo[None, :], 0), 1)
+    first_tile = tl.sum(tl.where(sel, starts[None, :], 0), 1)
+    row = first_row + (t - first_tile) * BLOCK_M
+    end = tl.sum(tl.where(sel, hi[None, :], 0), 1)
+    expert = tl.where(group < num_experts, group, -1)
+    in_table = t < capacity
+    tl.store(table_ptr + t, expert, mask=in_table)
+    tl.store(table_ptr + capacity + t, row, mask=in_table)
+    tl.store(table_ptr + 2 * capacity + t, end, mask=in_table)
+    if tl.program_id(0) == 0:
+        # Offsets that break the contract (decreasing, past M) must not send kernels past the table.
+        expert_tiles = tl.minimum(tl.sum(tl.where(is_expert, tiles, 0), 0), capacity)
+        tl.store(counts_ptr, expert_tiles)
+        tl.store(counts_ptr + 1, tl.minimum(tl.sum(tiles, 0), capacity))
+
+
+def row_tile_map(group_offsets: torch.Tensor, num_rows: int, block_m: int) -> RowTiles:
+    """List the row tiles of the groups given by `group_offsets` ([E + 1] int32, on the device)."""
+    num_experts = group_offsets.numel() - 1
+    capacity = triton.cdiv(num_rows, block_m) + num_experts + 2
+    device = group_offsets.device
+    table = torch.empty(3, capacity, dtype=torch.int32, device=device)
+    counts = torch.empty(2, dtype=torch.int32, device=device)
+    chunk = 64
+    _row_tile_map_kernel[(triton.cdiv(capacity, chunk),)](
+        group_offsets,
+        table,
+        counts,
+        num_rows,
+        num_experts,
+        capacity,
+        BLOCK_M=block_m,
+        GROUPS=triton.next_power_of_2(num_experts + 2),
+        CHUNK=chunk,
+    )
+    return RowTiles(table=table, counts=counts, capacity=capacity, block_m=block_m)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile functions
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def load_row_tile(table_ptr, capacity, t):
+    """(expert, first row, end row) of row tile t of a `row_tile_map` table."""
+    expert = tl.load(table_ptr + t)
+    row = tl.load(table_ptr + capacity + t)
+    row_end = tl.load(table_ptr + 2 * capacity + t)
+    return expert, row, row_end
+
+
+@triton.jit
+def grouped_task(task, num_m, num_n, GROUP_M: tl.constexpr):
+    """(m, n) of a task in a num_m x num_n grid of tiles, walked GROUP_M tile rows at a time with
+    m fastest inside a group: programs running together read GROUP_M row blocks and few column
+    blocks, instead of every column block (all of an expert's weights) for one row block."""
+    per_group = GROUP_M * num_n
+    first_m = task // per_group * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    local = task % per_group
+    return first_m + local % size, local // size
+
+
+@triton.jit
+def rows_wt_dual_tile(
+    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
+    w1_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
+    w2_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
+    row,
+    expert,
+    n_off,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A[row:+BM] @ W1[expert, n_off:+BN].T and the same with W2: two [BM, BN] fp32 tiles sharing
+    each A step (the gate and up projections, so that SwiGLU can run on both in the epilogue)."""
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        a = a_desc.load([row, k])
+        w1 = w1_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
+        w2 = w2_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
+        acc1 = tl.dot(a, w1.T, acc1)
+        acc2 = tl.dot(a, w2.T, acc2)
+    return acc1, acc2
+
+
+@triton.jit
+def rows_wt_tile(
+    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
+    w_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
+    row,
+    expert,
+    n_off,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A[row:+BM] @ W[expert, n_off:+BN].T as a [BM, BN] fp32 tile."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        a = a_desc.load([row, k])
+        w = w_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, w.T, acc)
+    return acc
+
+
+@triton.jit
+def rows_w_tile(
+    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
+    w_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
+    row,
+    expert,
+    n_off,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A[row:+BM] @ W[expert][:, n_off:+BN] as a [BM, BN] fp32 tile."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        a = a_desc.load([row, k])
+        w = w_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def rows_w_pair_tile(
+    a1_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
+    a2_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
+    w1_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
+    w2_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
+    row,
+    expert,
+    n_off,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A1[row:+BM] @ W1[expert][:, n_off:+BN] + A2[row:+BM] @ W2[expert][:, n_off:+BN], one
+    [BM, BN] fp32 tile (the data gradient through the gate and up projections together)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, K, BLOCK_K):
+        a1 = a1_desc.load([row, k])
+        w1 = w1_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
+        a2 = a2_desc.load([row, k])
+        w2 = w2_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a1, w1, acc)
+        acc = tl.dot(a2, w2, acc)
+    return acc
+
+
+@triton.jit
+def group_at_b_tile(
+    a_desc,  # [rows of the group, MA], block [BLOCK_K, BLOCK_M]
+    b_desc,  # [rows of the group, NB], block [BLOCK_K, BLOCK_N]
+    m_off,
+    n_off,
+    num_rows,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A[:, m_off:+BM].T @ B[:, n_off:+BN] over the group's rows, a [BM, BN] fp32 tile (a weight
+    gradient). The descriptors start at the group's first row and end at its last."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, num_rows, BLOCK_K):
+        a = a_desc.load([k, m_off])
+        b = b_desc.load([k, n_off])
+        acc = tl.dot(a.T, b, acc)
+    return acc
+
+
+@triton.jit
+def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """silu(gate) * up in fp32; with a limit L, first gate <= L and -L <= up <= L. NaN stays NaN."""
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
+def swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
+    """Gradients of swiglu_tile with respect to gate and up (pre-clamp), in fp32. Where the clamp
+    is active (gate > L, |up| > L) the gradient is zero, as torch.clamp's."""
+    g = gate
+    u = up
+    if HAS_LIMIT:
+        g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+    sig = tl.sigmoid(g)
+    grad_up = grad_h * (g * sig)
+    grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
+    if HAS_LIMIT:
+        grad_gate = tl.where(gate <= limit, grad_gate, 0.0)
+        grad_up = tl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
+    return grad_gate, grad_up
+
+
+@triton.jit
+def store_row_tile(
+    desc,  # [M, N] output, block [BLOCK_M, BLOCK_N]
+    ptr,  # the same matrix's first element
+    stride,  # its row stride
+    tile,  # [BLOCK_M, BLOCK_N] fp32
+    row,
+    row_end,
+    n_off,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Store the tile's rows [row, row_end) at columns [n_off, N), in the matrix's dtype; nothing
+    else is written (the rows past row_end belong to the next group)."""
+    value = tile.to(desc.dtype)
+    if row + BLOCK_M <= row_end:
+        desc.store([row, n_off], value)
+    else:
+        # A group's last tile: a descriptor whose rows end where the group does; TMA drops the rest.
+        tail = tl.make_tensor_descriptor(ptr, [row_end, N], [stride, 1], [BLOCK_M, BLOCK_N])
+        tail.store([row, n_off], value)
+
+
+@triton.jit
+def _store_weight_part(desc, expert, part, m_off, n_off, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        part += desc.load([expert, m_off, n_off]).reshape(part.shape).to(tl.float32)
+    desc.store([expert, m_off, n_off], part.to(desc.dtype).reshape(desc.block_shape))
+
+
+@triton.jit
+def store_weight_tile(
+    desc,  # [E, R, C] fp32 or bf16, block [1, BLOCK_M, BLOCK_N] or [1, BLOCK_M, BLOCK_N // 2]
+    expert,
+    tile,  # [BLOCK_M, BLOCK_N] fp32
+    m_off,
+    n_off,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Write (with ACCUMULATE: add, in fp32, then round once) a tile of one expert's [R, C]
+    gradient; TMA drops what falls past R or C. A descriptor block half as wide as the tile
+    stores it in two halves, halving the shared memory the epilogue stages through."""
+    if desc.block_shape[2] == BLOCK_N:
+        _store_weight_part(desc, expert, tile, m_off, n_off, ACCUMULATE)
+    else:
+        left, right = tile.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+        _store_weight_part(desc, expert, left, m_off, n_off, ACCUMULATE)
+        _store_weight_part(desc, expert, right, m_off, n_off + BLOCK_N // 2, ACCUMULATE)
+
+
+# --------------------------------------------------------------------------------------------------
+# Persistent kernels: row-tiled
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _gate_up_swiglu_kernel(
+    x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K]
+    w_gate_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
+    w_up_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
+    h_desc,  # [M, I] out: swiglu(gate, up), block [BLOCK_M, BLOCK_N]
+    h_ptr,  # h's first element
+    gate_desc,  # [M, I] (row stride 2I) out when SAVE_PREACT: gate pre-activations
+    up_desc,  # [M, I] (row stride 2I) out when SAVE_PREACT: up pre-activations
+    gate_up_ptr,  # [M, 2I] gate | up, the storage of gate_desc and up_desc
+    table_ptr,  # [3, capacity] int32 row tiles
+    counts_ptr,  # [2] int32
+    capacity,
+    hidden,
+    inter,
+    limit,  # float, the SwiGLU clamp when HAS_LIMIT
+    HAS_LIMIT: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. h = swiglu(x @ W_gate[e].T, x @ W_up[e].T) for every group's rows."""
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        gate, up = rows_wt_dual_tile(
+            x_desc, w_gate_desc, w_up_desc, row, expert, n_off, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+        )
+        h = swiglu_tile(gate, up, limit, HAS_LIMIT)
+        store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
+        if SAVE_PREACT:
+            store_row_tile(
+                gate_desc,
+                gate_up_ptr,
+                2 * inter,
+                gate,
+                row,
+                row_end,
+                n_off,
+                inter,
+                BLOCK_M,
+                BLOCK_N,
+            )
+            store_row_tile(
+                up_desc,
+                gate_up_ptr + inter,
+                2 * inter,
+                up,
+                row,
+                row_end,
+                n_off,
+                inter,
+                BLOCK_M,
+                BLOCK_N,
+            )
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _down_kernel(
+    h_desc,  # [M, I], block [BLOCK_M, BLOCK_K]
+    w_down_desc,  # [E, H, I], block [1, BLOCK_N, BLOCK_K]
+    out_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N]
+    out_ptr,  # out's first element
+    table_ptr,  # [3, capacity] int32 row tiles
+    counts_ptr,  # [2] int32
+    capacity,
+    hidden,
+    inter,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. out = h @ W_down[e].T for every group's rows."""
+    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        acc = rows_wt_tile(
+            h_desc, w_down_desc, row, expert, n_off, inter, BLOCK_M, BLOCK_N, BLOCK_K
+        )
+        store_row_tile(
+            out_desc, out_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
+        )
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _down_dgrad_swiglu_kernel(
+    grad_out_desc,  # [M, H], block [BLOCK_M, BLOCK_K]
+    w_down_desc,  # [E, H, I], block [1, BLOCK_K, BLOCK_N]
+    gate_desc,  # [M, I] (row stride 2I) saved gate pre-activations, block [BLOCK_M, BLOCK_N]
+    up_desc,  # [M, I] (row stride 2I) saved up pre-activations, block [BLOCK_M, BLOCK_N]
+    grad_gate_desc,  # [M, I] (row stride 2I) out, block [BLOCK_M, BLOCK_N]
+    grad_up_desc,  # [M, I] (row stride 2I) out, block [BLOCK_M, BLOCK_N]
+    grad_gate_up_ptr,  # [M, 2I] grad gate | grad up, the storage of the two above
+    table_ptr,  # [3, capacity] int32 row tiles
+    counts_ptr,  # [2] int32
+    capacity,
+    hidden,
+    inter,
+    limit,  # float, the SwiGLU clamp when HAS_LIMIT
+    HAS_LIMIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad_h = grad_out @ W_down[e], then the SwiGLU backward on it."""
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        grad_h = rows_w_tile(
+            grad_out_desc, w_down_desc, row, expert, n_off, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+        )
+        # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
+        grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
+        # Rows past row_end hold other groups' values: they only reach output rows never stored.
+        gate = gate_desc.load([row, n_off]).to(tl.float32)
+        up = up_desc.load([row, n_off]).to(tl.float32)
+        grad_gate, grad_up = swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT)
+        store_row_tile(
+            grad_gate_desc,
+            grad_gate_up_ptr,
+            2 * inter,
+            grad_gate,
+            row,
+            row_end,
+            n_off,
+            inter,
+            BLOCK_M,
+            BLOCK_N,
+        )
+        store_row_tile(
+            grad_up_desc,
+            grad_gate_up_ptr + inter,
+            2 * inter,
+            grad_up,
+            row,
+            row_end,
+            n_off,
+            inter,
+            BLOCK_M,
+            BLOCK_N,
+        )
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _gate_up_dgrad_kernel(
+    grad_gate_desc,  # [M, I] (row stride 2I), block [BLOCK_M, BLOCK_K]
+    grad_up_desc,  # [M, I] (row stride 2I), block [BLOCK_M, BLOCK_K]
+    w_gate_desc,  # [E, I, H], block [1, BLOCK_K, BLOCK_N]
+    w_up_desc,  # [E, I, H], block [1, BLOCK_K, BLOCK_N]
+    grad_x_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N]
+    grad_x_ptr,  # grad_x's first element
+    table_ptr,  # [3, capacity] int32 row tiles
+    counts_ptr,  # [2] int32
+    capacity,
+    hidden,
+    inter,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; rows outside every
+    group get zeros."""
+    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_tasks = tl.load(counts_ptr + 1) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        if expert >= 0:
+            acc = rows_w_pair_tile(
+                grad_gate_desc,
+                grad_up_desc,
+                w_gate_desc,
+                w_up_desc,
+                row,
+                expert,
+                n_off,
+                inter,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+            )
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        store_row_tile(
+            grad_x_desc, grad_x_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
+        )
+
+
+# --------------------------------------------------------------------------------------------------
+# Persistent kernels: weight gradients
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _down_wgrad_kernel(
+    grad_out_ptr,  # [M, H]
+    h_ptr,  # [M, I]
+    offsets_ptr,  # [E + 1] int32
+    grad_w_desc,  # [E, H, I] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
+    num_experts,
+    hidden,
+    inter,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad_W_down[e] = grad_out[group e].T @ h[group e]."""
+    m_tiles = tl.cdiv(hidden, BLOCK_M)
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    per_expert = m_tiles * n_tiles
+    # A program's consecutive tasks are mostly of one expert: it makes the group's descriptors
+    # (whose row extent ends at the group's end) only when the expert changes. Only the expert and
+    # the descriptors are carried from task to task: Triton 3.6 lost other integers carried next to
+    # descriptors (replaced them by their initial values), so the bounds are loaded every task.
+    cached = -1
+    a_desc = tl.make_tensor_descriptor(grad_out_ptr, [1, hidden], [hidden, 1], [BLOCK_K, BLOCK_M])
+    b_desc = tl.make_tensor_descriptor(h_ptr, [1, inter], [inter, 1], [BLOCK_K, BLOCK_N])
+    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
+        expert = task // per_expert
+        m_idx, n_idx = grouped_task(task % per_expert, m_tiles, n_tiles, GROUP_M)
+        first = tl.load(offsets_ptr + expert)
+        num_rows = tl.maximum(tl.load(offsets_ptr + expert + 1) - first, 0)
+        if expert != cached:
+            start = first.to(tl.int64)
+            a_desc = tl.make_tensor_descriptor(
+                grad_out_ptr + start * hidden, [num_rows, hidden], [hidden, 1], [BLOCK_K, BLOCK_M]
+            )
+            b_desc = tl.make_tensor_descriptor(
+                h_ptr + start * inter, [num_rows, inter], [inter, 1], [BLOCK_K, BLOCK_N]
+            )
+            cached = expert
+        acc = group_at_b_tile(
+            a_desc, b_desc, m_idx * BLOCK_M, n_idx * BLOCK_N, num_rows, BLOCK_M, BLOCK_N, BLOCK_K
+        )
+        # An expert without rows leaves an accumulation buffer untouched.
+        if num_rows > 0 or not ACCUMULATE:
+            store_weight_tile(
+                grad_w_desc,
+                expert,
+                acc,
+                m_idx * BLOCK_M,
+                n_idx * BLOCK_N,
+                ACCUMULATE,
+                BLOCK_M,
+                BLOCK_N,
+            )
+
+
+@triton.jit
+def _gate_up_wgrad_kernel(
+    grad_gate_up_ptr,  # [M, 2I]: gradients of gate | up
+    x_ptr,  # [M, H] rows
+    offsets_ptr,  # [E + 1] int32
+    grad_w_gate_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
+    grad_w_up_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
+    num_experts,
+    hidden,
+    inter,
+    ACCUMULATE_GATE: tl.constexpr,
+    ACCUMULATE_UP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad_W_gate[e] = grad_gate[group e].T @ x[group e]; grad_W_up alike.
+
+    Tasks run expert by expert, and within an expert the gate half before the up half; a task's
+    half says which columns of grad_gate_up it reads and which gradient it writes."""
+    m_tiles = tl.cdiv(inter, BLOCK_M)
+    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    per_half = m_tiles * n_tiles
+    # Descriptors are made again only when a program's next task is of another expert or half
+    # (and only they are carried from task to task: see _down_wgrad_kernel).
+    cached_half = -1
+    cached_expert = -1
+    a_desc = tl.make_tensor_descriptor(
+        grad_gate_up_ptr, [1, inter], [2 * inter, 1], [BLOCK_K, BLOCK_M]
+    )
+    x_desc = tl.make_tensor_descriptor(x_ptr, [1, hidden], [hidden, 1], [BLOCK_K, BLOCK_N])
+    for task in tl.range(tl.program_id(0), num_experts * 2 * per_half, NUM_PROGRAMS):
+        half = task // per_half
+        expert = half // 2
+        is_up = half % 2 == 1
+        m_idx, n_idx = grouped_task(task % per_half, m_tiles, n_tiles, GROUP_M)
+        first = tl.load(offsets_ptr + expert)
+        num_rows = tl.maximum(tl.load(offsets_ptr + expert + 1) - first, 0)
+        start = first.to(tl.int64)
+        if expert != cached_expert:
+            x_desc = tl.make_tensor_descriptor(
+                x_ptr + start * hidden, [num_rows, hidden], [hidden, 1], [BLOCK_K, BLOCK_N]
+            )
+            cached_expert = expert
+        if half != cached_half:
+            a_desc = tl.make_tensor_descriptor(
+                grad_gate_up_ptr + start * 2 * inter + is_up.to(tl.int64) * inter,
+                [num_rows, inter],
+                [2 * inter, 1],
+                [BLOCK_K, BLOCK_M],
+            )
+            cached_half = half
+        m_off = m_idx * BLOCK_M
+        n_off = n_idx * BLOCK_N
+        acc = group_at_b_tile(a_desc, x_desc, m_off, n_off, num_rows, BLOCK_M, BLOCK_N, BLOCK_K)
+        # An expert without rows leaves an accumulation buffer untouched.
+        if is_up:
+            if num_rows > 0 or not ACCUMULATE_UP:
+                store_weight_tile(
+                    grad_w_up_desc, expert, acc, m_off, n_off, ACCUMULATE_UP, BLOCK_M, BLOCK_N
+                )
+        else:
+            if num_rows > 0 or not ACCUMULATE_GATE:
+                store_weight_tile(
+                    grad_w_gate_desc, expert, acc, m_off, n_off, ACCUMULATE_GATE, BLOCK_M, BLOCK_N
+                )
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_programs(device: torch.device, max_tasks: int, cfg: GemmTiles) -> int:
+    """Programs of a persistent grid: cfg.programs_per_sm per SM on a GPU (3 under the
+    interpreter, enough to exercise the task loop), never more than the tasks."""
+    if device.type == "cuda":
+        programs = _sm_count(device.index or 0) * cfg.programs_per_sm
+    else:
+        programs = 3
+    return max(1, min(programs, max_tasks))
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_scratch_allocator(device: torch.device) -> None:
+    """Tensor descriptors made inside a kernel need global scratch memory for their TMA maps."""
+    if device.type == "cuda":
+        triton.set_allocator(_scratch)
+
+
+def _desc(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """Descriptor of a tensor (unit last stride) read or written in tiles of shape `block`."""
+    return TensorDescriptor(tensor, list(tensor.shape), list(tensor.stride()), block)
+
+
+def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
+    """Columns a weight-gradient tile is stored in at once: halves of fp32 tiles wider than 128
+    (whose staging buffer would not fit next to the pipeline's)."""
+    return block_n // 2 if block_n > 128 and grad.element_size() == 4 else block_n
+
+
+def _limit(swiglu_limit: float | None) -> float:
+    return 0.0 if swiglu_limit is None else float(swiglu_limit)
+
+
+def gate_up_swiglu(
+    rows: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    save_preact: bool,
+    cfg: GemmTiles,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [M, I] and, when `save_preact`, the pre-activations gate | up [M, 2I], both of the rows'
+    dtype; rows outside the groups are left unwritten."""
+    m, hidden = rows.shape
+    inter = w_gate.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
+    gate_up = torch.empty(m, 2 * inter, dtype=rows.dtype, device=rows.device) if save_preact else h
+    gate, up = (gate_up[:, :inter], gate_up[:, inter:]) if save_preact else (h, h)
+    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
+    _use_scratch_allocator(rows.device)
+    _gate_up_swiglu_kernel[(programs,)](
+        _desc(rows, [bm, bk]),
+        _desc(w_gate, [1, bn, bk]),
+        _desc(w_up, [1, bn, bk]),
+        _desc(h, [bm, bn]),
+        h,
+        _desc(gate, [bm, bn]),
+        _desc(up, [bm, bn]),
+        gate_up,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        hidden,
+        inter,
+        _limit(swiglu_limit),
+        HAS_LIMIT=swiglu_limit is not None,
+        SAVE_PREACT=save_preact,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return h, gate_up if save_preact else None
+
+
+def down(h: torch.Tensor, w_down: torch.Tensor, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor:
+    """out [M, H] = h @ W_down[e].T per group; rows outside the groups are left unwritten."""
+    m, inter = h.shape
+    hidden = w_down.shape[1]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    out = torch.empty(m, hidden, dtype=h.dtype, device=h.device)
+    programs = num_programs(h.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
+    _use_scratch_allocator(h.device)
+    _down_kernel[(programs,)](
+        _desc(h, [bm, bk]),
+        _desc(w_down, [1, bn, bk]),
+        _desc(out, [bm, bn]),
+        out,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        hidden,
+        inter,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def down_dgrad_swiglu(
+    grad_out: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles,
+) -> torch.Tensor:
+    """Gradients of the pre-activations, gate | up [M, 2I]; rows outside the groups unwritten."""
+    m, hidden = grad_out.shape
+    inter = w_down.shape[2]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
+    programs = num_programs(grad_out.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
+    _use_scratch_allocator(grad_out.device)
+    _down_dgrad_swiglu_kernel[(programs,)](
+        _desc(grad_out, [bm, bk]),
+        _desc(w_down, [1, bk, bn]),
+        _desc(gate_up[:, :inter], [bm, bn]),
+        _desc(gate_up[:, inter:], [bm, bn]),
+        _desc(grad_gate_up[:, :inter], [bm, bn]),
+        _desc(grad_gate_up[:, inter:], [bm, bn]),
+        grad_gate_up,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        hidden,
+        inter,
+        _limit(swiglu_limit),
+        HAS_LIMIT=swiglu_limit is not None,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return grad_gate_up
+
+
+def gate_up_dgrad(
+    grad_gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    tiles: RowTiles,
+    cfg: GemmTiles,
+) -> torch.Tensor:
+    """grad_x [M, H] = grad_gate @ W_gate[e] + grad_up @ W_up[e]; zero outside the groups."""
+    m = grad_gate_up.shape[0]
+    inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    grad_x = torch.empty(m, hidden, dtype=grad_gate_up.dtype, device=grad_gate_up.device)
+    programs = num_programs(grad_x.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
+    _use_scratch_allocator(grad_x.device)
+    _gate_up_dgrad_kernel[(programs,)](
+        _desc(grad_gate_up[:, :inter], [bm, bk]),
+        _desc(grad_gate_up[:, inter:], [bm, bk]),
+        _desc(w_gate, [1, bk, bn]),
+        _desc(w_up, [1, bk, bn]),
+        _desc(grad_x, [bm, bn]),
+        grad_x,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        hidden,
+        inter,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return grad_x
+
+
+def down_wgrad(
+    grad_out: torch.Tensor,
+    h: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grad_w_down: torch.Tensor,
+    accumulate: bool,
+    cfg: GemmTiles,
+) -> None:
+    """grad_w_down[e] (+)= grad_out[group e].T @ h[group e], in place ([E, H, I], fp32 or bf16)."""
+    num_experts, hidden, inter = grad_w_down.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tasks = num_experts * triton.cdiv(hidden, bm) * triton.cdiv(inter, bn)
+    programs = num_programs(h.device, tasks, cfg)
+    _use_scratch_allocator(h.device)
+    _down_wgrad_kernel[(programs,)](
+        grad_out,
+        h,
+        group_offsets,
+        _desc(grad_w_down, [1, bm, _epilogue_n(bn, grad_w_down)]),
+        num_experts,
+        hidden,
+        inter,
+        ACCUMULATE=accumulate,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+
+
+def gate_up_wgrad(
+    grad_gate_up: torch.Tensor,
+    rows: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grad_w_gate: torch.Tensor,
+    grad_w_up: torch.Tensor,
+    accumulate_gate: bool,
+    accumulate_up: bool,
+    cfg: GemmTiles,
+) -> None:
+    """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place."""
+    num_experts, inter, hidden = grad_w_gate.shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    tasks = num_experts * 2 * triton.cdiv(inter, bm) * triton.cdiv(hidden, bn)
+    programs = num_programs(rows.device, tasks, cfg)
+    _use_scratch_allocator(rows.device)
+    _gate_up_wgrad_kernel[(programs,)](
+        grad_gate_up,
+        rows,
+        group_offsets,
+        _desc(grad_w_gate, [1, bm, _epilogue_n(bn, grad_w_gate)]),
+        _desc(grad_w_up, [1, bm, _epilogue_n(bn, grad_w_up)]),
+        num_experts,
+        hidden,
+        inter,
+        ACCUMULATE_GATE=accumulate_gate,
+        ACCUMULATE_UP=accumulate_up,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )

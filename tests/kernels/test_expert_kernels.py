@@ -1,0 +1,272 @@
+"""The expert MLP kernels under the Triton interpreter (CPU, in CI) against the reference.
+
+The interpreter computes bf16 wrongly (see shared/hardware.md), so these tests run the kernels,
+which are dtype-generic, in fp32: the interpreter does fp32 math exactly, so a wrong index, mask,
+offset or tile bound shows as an error far above fp32 rounding (~1e-7) against the float64
+reference. Shapes are tiny and tiles are 16 x 32 x 32, so every case has ragged row tails, partial
+column and reduction tiles, and several tasks per persistent program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mok.kernels import (
+    ExpertKernelConfig,
+    GemmTiles,
+    default_config,
+    expert_mlp_backward,
+    expert_mlp_forward,
+)
+from mok.kernels.grouped_gemm import row_tile_map
+from mok.reference.expert import grouped_expert_mlp
+from mok.testing import relative_error
+
+pytestmark = [
+    pytest.mark.skipif(
+        torch.cuda.is_available(), reason="interpreter tests; the GPU tests cover CUDA"
+    ),
+    # The NaN planted in rows outside the groups makes numpy warn inside the interpreter.
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+
+# fp32 kernels against float64 math: only accumulation order differs.
+FP32_TOL = 1e-5
+# Accumulating into a bf16 buffer: the interpreter truncates the final downcast (2^-8 relative).
+BF16_BUFFER_TOL = 1e-2
+
+
+@dataclasses.dataclass
+class Case:
+    sizes: list[int]
+    hidden: int
+    inter: int
+    before: int = 0
+    """Rows before the first group (group_offsets[0] > 0)."""
+    after: int = 0
+    """Capacity padding after the last group (group_offsets[E] < M)."""
+    limit: float | None = None
+    seed: int = 0
+
+    def make(self):
+        gen = torch.Generator().manual_seed(self.seed)
+        num_experts = len(self.sizes)
+        m = self.before + sum(self.sizes) + self.after
+        offsets = torch.tensor([0, *self.sizes]).cumsum(0) + self.before
+        rows = torch.randn(m, self.hidden, generator=gen)
+        # NaN in every row outside the groups: any read of them into a result shows.
+        rows[: self.before] = float("nan")
+        rows[m - self.after :] = float("nan")
+
+        def weight(*shape):
+            return torch.randn(*shape, generator=gen) / shape[-1] ** 0.5
+
+        w_gate = weight(num_experts, self.inter, self.hidden)
+        w_up = weight(num_experts, self.inter, self.hidden)
+        w_down = weight(num_experts, self.hidden, self.inter)
+        grad_out = torch.randn(m, self.hidden, generator=gen)
+        grad_out[: self.before] = float("nan")
+        grad_out[m - self.after :] = float("nan")
+        return rows, offsets.to(torch.int32), w_gate, w_up, w_down, grad_out
+
+    @property
+    def valid(self) -> slice:
+        return slice(self.before, self.before + sum(self.sizes))
+
+
+def reference(case: Case, rows, w_gate, w_up, w_down, grad_out):
+    """Output and gradients of the valid rows in float64, through autograd."""
+    x = rows[case.valid].double().requires_grad_(True)
+    weights = [w.double().requires_grad_(True) for w in (w_gate, w_up, w_down)]
+    out = grouped_expert_mlp(x, case.sizes, *weights, swiglu_limit=case.limit)
+    out.backward(grad_out[case.valid].double())
+    # Without any rows the reference's graph never reaches the weights: their gradient is zero.
+    grads = [torch.zeros_like(w) if w.grad is None else w.grad for w in weights]
+    return out.detach(), x.grad, *grads
+
+
+def run_and_check(case: Case, config: ExpertKernelConfig | None = None, buffers=None) -> None:
+    rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    out, saved = expert_mlp_forward(
+        rows, offsets, w_gate, w_up, w_down, swiglu_limit=case.limit, config=config
+    )
+    grads = expert_mlp_backward(grad_out, saved, *(buffers or ()))
+    ref_out, *ref_grads = reference(case, rows, w_gate, w_up, w_down, grad_out)
+
+    assert out.dtype == rows.dtype and out.shape == rows.shape
+    assert relative_error(out[case.valid], ref_out) < FP32_TOL
+    grad_rows, *grad_weights = grads
+    assert relative_error(grad_rows[case.valid], ref_grads[0]) < FP32_TOL
+    for name, got, want in zip(("gate", "up", "down"), grad_weights, ref_grads[1:], strict=True):
+        assert got.shape == want.shape and got.dtype == torch.float32, name
+        assert relative_error(got, want) < FP32_TOL, name
+    # Rows outside the groups get a zero gradient; empty experts a zero weight gradient.
+    assert torch.equal(grad_rows[: case.before], torch.zeros_like(grad_rows[: case.before]))
+    assert torch.equal(grad_rows[case.valid.stop :], torch.zeros_like(grad_rows[case.valid.stop :]))
+    for expert, size in enumerate(case.sizes):
+        if size == 0:
+            for got in grad_weights:
+                assert torch.equal(got[expert], torch.zeros_like(got[expert]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        # The shared expert: one group holding every row.
+        pytest.param(Case([37], 16, 16), id="one-group"),
+        # Group tails, an empty middle expert, H and I not multiples of the 32-wide tiles, clamp.
+        pytest.param(Case([5, 0, 21], 48, 80, after=7, limit=0.5), id="ragged-empty-clamp"),
+        # Empty first and last experts, rows before the first group and capacity padding after.
+        pytest.param(Case([0, 9, 16, 3, 0], 80, 48, before=4, after=5, seed=1), id="empty-ends"),
+        # Every row on one expert of five.
+        pytest.param(Case([0, 0, 40, 0, 0], 48, 16, seed=2), id="all-on-one"),
+        # Fewer rows than one tile.
+        pytest.param(Case([3, 1], 16, 48, seed=3), id="below-one-tile"),
+        # A group one row short of a full tile, then padding: a store one row too far would put
+        # garbage into a padding row of grad_rows after a later program zeroed it.
+        pytest.param(Case([15], 48, 16, after=16, seed=7), id="tile-minus-one"),
+        # No rows at all in the groups.
+        pytest.param(Case([0, 0, 0], 16, 16, after=6, seed=4), id="all-empty"),
+    ],
+)
+def test_matches_reference(case):
+    run_and_check(case)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+    hidden=st.sampled_from([16, 48]),
+    inter=st.sampled_from([16, 80]),
+    before=st.integers(0, 3),
+    after=st.integers(0, 9),
+    limit=st.sampled_from([None, 0.7]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_group_sizes(sizes, hidden, inter, before, after, limit, seed):
+    run_and_check(Case(sizes, hidden, inter, before, after, limit, seed))
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+def test_wide_weight_gradient_tiles(accumulate):
+    """Weight-gradient tiles wider than 128 columns are stored in two halves (H and I above 128,
+    so that both halves hold columns)."""
+    case = Case([9, 0, 22], 160, 144, after=2, seed=8)
+    small = default_config(torch.device("cpu"), case.hidden, case.inter)
+    wide = GemmTiles(16, 256, 32, num_warps=4, num_stages=1, group_m=2)
+    config = dataclasses.replace(small, down_wgrad=wide, gate_up_wgrad=wide)
+    shapes = [(3, 144, 160), (3, 144, 160), (3, 160, 144)]
+    buffers = [torch.zeros(shape) for shape in shapes] if accumulate else None
+    run_and_check(case, config, buffers)
+
+
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradients_accumulate_into_buffers(buffer_dtype):
+    case = Case([6, 0, 19], 48, 80, after=3, seed=5)
+    rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    _, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down)
+    _, *fresh = expert_mlp_backward(grad_out, saved)
+    buffers = [torch.randn(w.shape).to(buffer_dtype) for w in (w_gate, w_up, w_down)]
+    before = [b.clone() for b in buffers]
+    _, *returned = expert_mlp_backward(grad_out, saved, *buffers)
+    tol = FP32_TOL if buffer_dtype == torch.float32 else BF16_BUFFER_TOL
+    for buffer, old, grad, got in zip(buffers, before, fresh, returned, strict=True):
+        assert got is buffer
+        assert relative_error(buffer, old.double() + grad.double()) < tol
+        # Expert 1 has no rows: its slice of the buffer is untouched.
+        assert torch.equal(buffer[1], old[1])
+
+
+def test_forward_without_saving_matches():
+    case = Case([7, 12], 16, 48, after=2, seed=6)
+    rows, offsets, w_gate, w_up, w_down, _ = case.make()
+    out, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down)
+    out_nosave, nothing = expert_mlp_forward(
+        rows, offsets, w_gate, w_up, w_down, save_for_backward=False
+    )
+    assert nothing is None and saved is not None
+    assert torch.equal(out[case.valid], out_nosave[case.valid])
+
+
+def test_no_rows():
+    rows = torch.empty(0, 16)
+    offsets = torch.zeros(3, dtype=torch.int32)
+    weights = [torch.randn(2, 32, 16), torch.randn(2, 32, 16), torch.randn(2, 16, 32)]
+    out, saved = expert_mlp_forward(rows, offsets, *weights)
+    grad_rows, *grad_weights = expert_mlp_backward(torch.empty(0, 16), saved)
+    assert out.shape == (0, 16) and grad_rows.shape == (0, 16)
+    for grad in grad_weights:
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_row_tile_map_lists_every_tile():
+    sizes = [0, 5, 16, 17, 0, 40]
+    before, after, block_m = 3, 20, 16
+    num_rows = before + sum(sizes) + after
+    offsets = (torch.tensor([0, *sizes]).cumsum(0) + before).to(torch.int32)
+    tiles = row_tile_map(offsets, num_rows, block_m)
+    expected = []
+    groups = [(e, int(offsets[e]), int(offsets[e + 1])) for e in range(len(sizes))]
+    groups += [(-1, 0, before), (-1, before + sum(sizes), num_rows)]
+    for expert, lo, hi in groups:
+        expected += [(expert, row, hi) for row in range(lo, hi, block_m)]
+    num_expert_tiles = sum(1 for entry in expected if entry[0] >= 0)
+    assert tiles.counts.tolist() == [num_expert_tiles, len(expected)]
+    listed = tiles.table[:, : len(expected)].T.tolist()
+    assert [tuple(entry) for entry in listed] == expected
+
+
+def _inputs():
+    case = Case([4, 4], 16, 32)
+    rows, offsets, w_gate, w_up, w_down, _ = case.make()
+    return dict(rows=rows, group_offsets=offsets, w_gate=w_gate, w_up=w_up, w_down=w_down)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(rows=torch.randn(8, 16, dtype=torch.float64)), "rows has dtype float64"),
+        (dict(rows=torch.randn(8, 32)), "rows has shape"),
+        (dict(rows=torch.randn(8)), "rows must be a 2-D tensor"),
+        (dict(group_offsets=torch.tensor([0, 4, 8])), "group_offsets has dtype int64"),
+        (dict(group_offsets=torch.tensor([0, 8], dtype=torch.int32)), "group_offsets has shape"),
+        (dict(w_gate=torch.randn(2, 32, 16).double()), "w_gate has dtype float64"),
+        (dict(w_up=torch.randn(2, 16, 16)), "w_up has shape"),
+        (dict(w_down=torch.randn(3, 16, 32)), "w_down has shape"),
+        (
+            dict(
+                rows=torch.randn(8, 24),
+                w_gate=torch.randn(2, 32, 24),
+                w_up=torch.randn(2, 32, 24),
+                w_down=torch.randn(2, 24, 32),
+            ),
+            "H=24 must be a positive multiple of 16",
+        ),
+        (dict(w_gate=torch.randn(2, 16, 32).transpose(1, 2)), "w_gate must have a unit last"),
+        (dict(swiglu_limit=-1.0), "swiglu_limit must be finite and > 0"),
+    ],
+)
+def test_bad_forward_inputs_raise(change, message):
+    inputs = _inputs()
+    inputs.update(change)
+    with pytest.raises(ValueError, match=message):
+        expert_mlp_forward(**inputs)
+
+
+def test_bad_backward_inputs_raise():
+    inputs = _inputs()
+    _, saved = expert_mlp_forward(**inputs)
+    grad_out = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="grad_out has shape"):
+        expert_mlp_backward(torch.randn(8, 32), saved)
+    with pytest.raises(ValueError, match="grad_w_gate has dtype float16"):
+        expert_mlp_backward(grad_out, saved, grad_w_gate=torch.zeros(2, 32, 16).half())
+    with pytest.raises(ValueError, match="grad_w_down has shape"):
+        expert_mlp_backward(grad_out, saved, grad_w_down=torch.zeros(2, 32, 16))
+    with pytest.raises(ValueError, match="saved must be the ExpertMLPSaved"):
+        expert_mlp_backward(grad_out, None)
