@@ -23,7 +23,7 @@ def test_reference_on_cuda_matches_cpu():
     for device in ("cpu", "cuda"):
         layer = mok.MoE(TINY, device=device)
         layer.load_global_weights(full)
-        x_dev = x.to(device).requires_grad_(True)
+        x_dev = x.detach().to(device, copy=True).requires_grad_(True)
         y = layer(x_dev, idx.to(device), w.to(device))
         y.float().square().sum().backward()
         outputs[device] = (y.cpu(), x_dev.grad.cpu(), layer.gate.grad.cpu())

@@ -7,6 +7,7 @@ import platform
 
 import torch
 
+import mok
 from mok.backends import backend_report
 from mok.presets import get_preset
 
@@ -67,7 +68,7 @@ def collect_env() -> dict[str, object]:
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "triton": _version("triton"),
-        "mok": _version("mok"),
+        "mok": mok.__version__,
         "cuda_available": cuda,
         "cuda_devices": _cuda_devices() if cuda else [],
         "distributed": {
