@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
-# included), and benchmarks. Logs go under $OUT (or ./gpu-logs). Usage:
+# included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
+# results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels]      (default: all three)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,17 +12,17 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 steps=${*:-tests bench kernels}
 status=0
 
-run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
+log="$OUT/gpu_check.log"
+run() {  # run NAME COMMAND...: append to the log, remember failures
   local name=$1; shift
-  echo "=== $name: $*"
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "=== $name: $*" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  echo "=== $name: exit $rc"
+  echo "=== $name: exit $rc" | tee -a "$log"
   [ "$rc" -eq 0 ] || status=1
 }
 
-nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpus.csv"
-git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+run gpus nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.max.sm --format=csv
 run env python3 -m mok env
 
 for step in $steps; do
