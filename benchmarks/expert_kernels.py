@@ -29,8 +29,7 @@ import torch.nn.functional as F
 import mok
 from mok.kernels import GemmTiles, default_config, expert_mlp_backward, expert_mlp_forward
 from mok.kernels import grouped_gemm as gg
-from mok.reference.expert import expert_mlp
-from mok.testing import relative_error
+from mok.testing import grouped_expert_reference, relative_error
 
 BF16_TOL = 2e-2
 
@@ -163,25 +162,6 @@ def dense_tflops(m, k, n, gen) -> float:
 # ------------------------------------------------------------------------------------------------
 
 
-def reference(problem: Problem, w_gate, w_up, w_down, limit):
-    """Output and gradients of the valid rows, expert by expert through autograd (fp32 math)."""
-    out, grad_rows = [], []
-    grads = [torch.zeros(w.shape, device="cuda") for w in (w_gate, w_up, w_down)]
-    start = 0
-    for expert, size in enumerate(problem.sizes):
-        if size:
-            x = problem.rows[start : start + size].clone().requires_grad_(True)
-            ws = [w[expert].clone().requires_grad_(True) for w in (w_gate, w_up, w_down)]
-            y = expert_mlp(x, *ws, swiglu_limit=limit)
-            y.backward(problem.grad_out[start : start + size])
-            out.append(y.detach())
-            grad_rows.append(x.grad)
-            for grad, w in zip(grads, ws, strict=True):
-                grad[expert] = w.grad.float()
-        start += size
-    return torch.cat(out), torch.cat(grad_rows), grads
-
-
 def check(log) -> bool:
     ok = True
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -202,7 +182,9 @@ def check(log) -> bool:
                 problem.rows, problem.offsets, w_gate, w_up, w_down, swiglu_limit=limit
             )
             grad_rows, *grad_w = expert_mlp_backward(problem.grad_out, saved)
-            ref_out, ref_grad_rows, ref_grad_w = reference(problem, w_gate, w_up, w_down, limit)
+            ref_out, ref_grad_rows, ref_grad_w = grouped_expert_reference(
+                problem.rows, problem.sizes, w_gate, w_up, w_down, problem.grad_out, limit
+            )
             n = sum(sizes)
             errors = {
                 "out": relative_error(out[:n], ref_out),

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from mok.config import MoKConfig
-from mok.reference import moe_forward
+from mok.reference import expert_mlp, moe_forward
 from mok.validation import expected_weight_shapes
 from mok.weights import MoEWeights
 
@@ -97,3 +97,27 @@ def compare_with_reference(
         errors[f"grad {name}"] = relative_error(grad, expected)
     layer.zero_grad(set_to_none=True)
     return errors
+
+
+def grouped_expert_reference(rows, group_sizes, w_gate, w_up, w_down, grad_out, swiglu_limit=None):
+    """The reference expert MLP on rows grouped by expert, forward and backward through autograd.
+
+    rows, grad_out [M, H] (the groups are the first sum(group_sizes) rows); w_gate, w_up [E, I, H];
+    w_down [E, H, I]. Returns (out [M', H], grad_rows [M', H], [grad_w_gate, grad_w_up, grad_w_down]
+    in fp32) for the M' = sum(group_sizes) grouped rows; experts without rows get zero gradients.
+    """
+    out, grad_rows = [], []
+    grads = [torch.zeros_like(w, dtype=torch.float32) for w in (w_gate, w_up, w_down)]
+    start = 0
+    for expert, size in enumerate(group_sizes):
+        if size:
+            x = rows[start : start + size].clone().requires_grad_(True)
+            weights = [w[expert].clone().requires_grad_(True) for w in (w_gate, w_up, w_down)]
+            y = expert_mlp(x, *weights, swiglu_limit=swiglu_limit)
+            y.backward(grad_out[start : start + size])
+            out.append(y.detach())
+            grad_rows.append(x.grad)
+            for grad, weight in zip(grads, weights, strict=True):
+                grad[expert] = weight.grad.float()
+        start += size
+    return torch.cat(out), torch.cat(grad_rows), grads

@@ -11,8 +11,7 @@ import torch
 
 import mok
 from mok.kernels import default_config, expert_mlp_backward, expert_mlp_forward
-from mok.reference.expert import expert_mlp
-from mok.testing import relative_error
+from mok.testing import grouped_expert_reference, relative_error
 
 pytestmark = pytest.mark.gpu
 
@@ -51,26 +50,6 @@ def make_inputs(hidden, inter, sizes, after, seed, device="cuda"):
     return rows, offsets, w_gate, w_up, w_down, grad_out
 
 
-def reference(rows, sizes, w_gate, w_up, w_down, grad_out, limit):
-    """Output and gradients of the valid rows, expert by expert through autograd (fp32 math)."""
-    out, grad_rows = [], []
-    grads = [torch.zeros_like(w, dtype=torch.float32) for w in (w_gate, w_up, w_down)]
-    start = 0
-    for expert, size in enumerate(sizes):
-        if size == 0:
-            continue
-        x = rows[start : start + size].clone().requires_grad_(True)
-        weights = [w[expert].clone().requires_grad_(True) for w in (w_gate, w_up, w_down)]
-        y = expert_mlp(x, *weights, swiglu_limit=limit)
-        y.backward(grad_out[start : start + size])
-        out.append(y.detach())
-        grad_rows.append(x.grad)
-        for grad, w in zip(grads, weights, strict=True):
-            grad[expert] = w.grad.float()
-        start += size
-    return torch.cat(out), torch.cat(grad_rows), grads
-
-
 def poison_allocator(device="cuda") -> None:
     """Fill the caching allocator's free blocks with NaN, so unwritten outputs show."""
     block = torch.empty(512 * 2**20 // 2, dtype=torch.bfloat16, device=device)
@@ -103,7 +82,7 @@ def test_preset_matches_reference(name, tiles):
         rows, offsets, w_gate, w_up, w_down, swiglu_limit=limit, config=config
     )
     grad_rows, *grad_weights = expert_mlp_backward(grad_out, saved)
-    ref_out, ref_grad_rows, ref_grads = reference(
+    ref_out, ref_grad_rows, ref_grads = grouped_expert_reference(
         rows, sizes, w_gate, w_up, w_down, grad_out, limit
     )
     n = sum(sizes)
@@ -125,7 +104,9 @@ def test_shared_expert_one_group():
     rows, offsets, w_gate, w_up, w_down, grad_out = make_inputs(hidden, inter, sizes, 0, seed=2)
     out, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down)
     grad_rows, *grad_weights = expert_mlp_backward(grad_out, saved)
-    ref_out, ref_grad_rows, ref_grads = reference(rows, sizes, w_gate, w_up, w_down, grad_out, None)
+    ref_out, ref_grad_rows, ref_grads = grouped_expert_reference(
+        rows, sizes, w_gate, w_up, w_down, grad_out, None
+    )
     assert relative_error(out, ref_out) < BF16_TOL
     assert relative_error(grad_rows, ref_grad_rows) < BF16_TOL
     for got, want in zip(grad_weights, ref_grads, strict=True):
@@ -138,7 +119,9 @@ def test_odd_sizes_multiple_of_16():
     rows, offsets, w_gate, w_up, w_down, grad_out = make_inputs(720, 208, sizes, 5, seed=3)
     out, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, swiglu_limit=3.0)
     grad_rows, *grad_weights = expert_mlp_backward(grad_out, saved)
-    ref_out, ref_grad_rows, ref_grads = reference(rows, sizes, w_gate, w_up, w_down, grad_out, 3.0)
+    ref_out, ref_grad_rows, ref_grads = grouped_expert_reference(
+        rows, sizes, w_gate, w_up, w_down, grad_out, 3.0
+    )
     n = sum(sizes)
     assert relative_error(out[:n], ref_out) < BF16_TOL
     assert relative_error(grad_rows[:n], ref_grad_rows) < BF16_TOL

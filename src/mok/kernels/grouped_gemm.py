@@ -768,6 +768,19 @@ def _limit(swiglu_limit: float | None) -> float:
     return 0.0 if swiglu_limit is None else float(swiglu_limit)
 
 
+def _launch_options(cfg: GemmTiles, programs: int) -> dict:
+    """The tile meta-parameters and launch options every persistent kernel here takes."""
+    return {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "NUM_PROGRAMS": programs,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
 def gate_up_swiglu(
     rows: torch.Tensor,
     w_gate: torch.Tensor,
@@ -804,13 +817,7 @@ def gate_up_swiglu(
         _limit(swiglu_limit),
         HAS_LIMIT=swiglu_limit is not None,
         SAVE_PREACT=save_preact,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
     return h, gate_up if save_preact else None
 
@@ -833,13 +840,7 @@ def down(h: torch.Tensor, w_down: torch.Tensor, tiles: RowTiles, cfg: GemmTiles)
         tiles.capacity,
         hidden,
         inter,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
     return out
 
@@ -874,13 +875,7 @@ def down_dgrad_swiglu(
         inter,
         _limit(swiglu_limit),
         HAS_LIMIT=swiglu_limit is not None,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
     return grad_gate_up
 
@@ -911,13 +906,7 @@ def gate_up_dgrad(
         tiles.capacity,
         hidden,
         inter,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
     return grad_x
 
@@ -932,7 +921,7 @@ def down_wgrad(
 ) -> None:
     """grad_w_down[e] (+)= grad_out[group e].T @ h[group e], in place ([E, H, I], fp32 or bf16)."""
     num_experts, hidden, inter = grad_w_down.shape
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bm, bn = cfg.block_m, cfg.block_n
     tasks = num_experts * triton.cdiv(hidden, bm) * triton.cdiv(inter, bn)
     programs = num_programs(h.device, tasks, cfg)
     _use_scratch_allocator(h.device)
@@ -945,13 +934,7 @@ def down_wgrad(
         hidden,
         inter,
         ACCUMULATE=accumulate,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
 
 
@@ -967,7 +950,7 @@ def gate_up_wgrad(
 ) -> None:
     """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place."""
     num_experts, inter, hidden = grad_w_gate.shape
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bm, bn = cfg.block_m, cfg.block_n
     tasks = num_experts * 2 * triton.cdiv(inter, bm) * triton.cdiv(hidden, bn)
     programs = num_programs(rows.device, tasks, cfg)
     _use_scratch_allocator(rows.device)
@@ -982,11 +965,5 @@ def gate_up_wgrad(
         inter,
         ACCUMULATE_GATE=accumulate_gate,
         ACCUMULATE_UP=accumulate_up,
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **_launch_options(cfg, programs),
     )
