@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import mok
+from mok.distributed import all_gather_int64
 from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
 from mok.routing import make_routing
@@ -167,9 +168,7 @@ def _time_passes(spec, config, layer, rank, device, group, progress) -> tuple[fl
                 progress.advance(task)
         slowest = torch.tensor(times, dtype=torch.float64)
         if group is not None:
-            gathered = mok.distributed.all_gather_int64(
-                (slowest * 1e6).round().to(torch.int64), group
-            )
+            gathered = all_gather_int64((slowest * 1e6).round().to(torch.int64), group)
             slowest = gathered.max(0).values.double() / 1e6
         medians.append(statistics.median(slowest.tolist()))
     return medians[0], medians[1]
@@ -225,7 +224,7 @@ def bench_rank(rank: int, ep: int, spec: BenchSpec) -> BenchResult:
             progress.stop()
     peak, memory_kind = _peak_memory(device)
     if group is not None:
-        peaks = mok.distributed.all_gather_int64(torch.tensor([round(peak * 2**20)]), group)
+        peaks = all_gather_int64(torch.tensor([round(peak * 2**20)]), group)
         peak = peaks.max().item() / 2**20
     flops = config.forward_flops(spec.tokens_per_rank)
     return BenchResult(
