@@ -1,0 +1,194 @@
+"""The token exchange over `torch.distributed` collectives (NCCL or gloo): the fallback where NVLink
+symmetric memory is not available (CPU, no peer access, several nodes).
+
+Same layouts and order as the NVLink exchange (`mok.comm.plan`): each token crosses to each owner
+once into the owner's staging rows, the owner expands them into one row per pair grouped by local
+expert, and each pair's output returns to its own combine slot on the token's rank. Unlike the
+NVLink path, `all_to_all_single` needs its split sizes on the host: `route` synchronizes once per
+call.
+
+Gradients follow the same paths backwards; every reduction has a fixed order (pairs of a token on
+one owner by ascending grouped row, then owners by ascending rank), so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from mok.comm.plan import ExchangePlan, destination_mask, local_counts, plan_from_counts
+from mok.distributed import all_to_all, group_rank_and_size
+from mok.reference import combine
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """One call's routing on this rank: the plan plus what the collectives need."""
+
+    plan: ExchangePlan
+    top_k: int
+    send_token_index: torch.Tensor
+    """[sum send_tokens] int64: token sent in each row of the dispatch, by owner then token."""
+    send_tokens: list[int]
+    recv_tokens: list[int]
+    pair_send_order: torch.Tensor
+    """[T*k] int64: pairs (p = t*k + j) by owner, then by their grouped row there."""
+    send_pairs: list[int]
+    recv_pairs: list[int]
+    grouped_to_staging: torch.Tensor
+    """[R] int64: staging row holding the token of each grouped row on this rank."""
+    return_order: torch.Tensor
+    """[R] int64: grouped rows in the order they go back (by source, then grouped row)."""
+    fan_in: torch.Tensor
+    """[S, k] int64: grouped rows of each staging row, ascending, -1 padded."""
+
+    @property
+    def group_offsets(self) -> torch.Tensor:
+        return self.plan.group_offsets
+
+
+class CollectiveExchange:
+    """Dispatch and combine of one expert-parallel group over `all_to_all_single`."""
+
+    def __init__(self, group: dist.ProcessGroup | None, local_experts: int) -> None:
+        self.group = group
+        self.rank, self.ep_size = group_rank_and_size(group)
+        self.local_experts = local_experts
+
+    def _all_gather(self, values: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return values.unsqueeze(0)
+        gathered = [torch.empty_like(values) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, values, group=self.group)
+        return torch.stack(gathered)
+
+    def route(self, topk_idx: torch.Tensor) -> Routing:
+        """Exchange the counts and pair addresses of topk_idx [T, k]. Collective; one host sync."""
+        ep, local, rank = self.ep_size, self.local_experts, self.rank
+        experts = ep * local
+        tokens, top_k = topk_idx.shape
+        counts = self._all_gather(local_counts(topk_idx, ep, local))
+        plan = plan_from_counts(topk_idx, counts, rank, local)
+        pairs_per_owner = counts[:, :experts].view(ep, ep, local).sum(2)  # [src, owner]
+        sizes = torch.stack([counts[:, experts:], pairs_per_owner]).cpu()  # the host sync
+        send_tokens, recv_tokens = sizes[0][rank].tolist(), sizes[0][:, rank].tolist()
+        send_pairs, recv_pairs = sizes[1][rank].tolist(), sizes[1][:, rank].tolist()
+
+        mask = destination_mask(topk_idx, ep, local)
+        send_token_index = mask.T.nonzero()[:, 1]
+        owner = topk_idx.reshape(-1).to(torch.int64) // local
+        pair_row = plan.pair_row.reshape(-1)
+        rows_per_owner_bound = int(sizes[1].sum(0).max()) + 1
+        pair_send_order = torch.sort(owner * rows_per_owner_bound + pair_row).indices
+        token_of_pair = pair_send_order // top_k
+        slot = plan.token_slot[token_of_pair, owner[pair_send_order]]
+        meta = torch.stack([pair_row[pair_send_order], slot], dim=1)
+        received = all_to_all(meta, recv_pairs, send_pairs, self.group)
+        total = received.shape[0]
+        grouped_to_staging = torch.empty(total, dtype=torch.int64, device=topk_idx.device)
+        grouped_to_staging[received[:, 0]] = received[:, 1]
+        return Routing(
+            plan=plan,
+            top_k=top_k,
+            send_token_index=send_token_index,
+            send_tokens=send_tokens,
+            recv_tokens=recv_tokens,
+            pair_send_order=pair_send_order,
+            send_pairs=send_pairs,
+            recv_pairs=recv_pairs,
+            grouped_to_staging=grouped_to_staging,
+            return_order=received[:, 0],
+            fan_in=_fan_in(grouped_to_staging, sum(recv_tokens), top_k),
+        )
+
+    def dispatch(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [T, H] -> this rank's grouped rows [R, H] (one per pair, by local expert)."""
+        staging = all_to_all(
+            x[routing.send_token_index], routing.recv_tokens, routing.send_tokens, self.group
+        )
+        return staging[routing.grouped_to_staging]
+
+    def gather_outputs(self, routing: Routing, expert_out: torch.Tensor) -> torch.Tensor:
+        """Grouped expert outputs [R, H] -> each of this rank's pairs' output, [T, k, H]."""
+        back = all_to_all(
+            expert_out[routing.return_order], routing.send_pairs, routing.recv_pairs, self.group
+        )
+        out = torch.empty_like(back)
+        out[routing.pair_send_order] = back
+        return out.view(-1, routing.top_k, expert_out.shape[1])
+
+    def combine(
+        self,
+        routing: Routing,
+        expert_out: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """y [T, H] from the grouped expert outputs [R, H], in the reference's combine order.
+        Also returns the gathered pair outputs [T, k, H], which combine_backward needs."""
+        pair_out = self.gather_outputs(routing, expert_out)
+        return combine(pair_out, topk_weights, shared_out), pair_out
+
+    def combine_backward(
+        self,
+        routing: Routing,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad of the grouped expert outputs [R, H] on this rank, grad of topk_weights [T, k]).
+
+        grad of pair (t, j)'s output = w[t, j] * grad_y[t], rounded to the outputs' dtype;
+        grad of w[t, j] = <grad_y[t], out[t, j]> in fp32. The shared expert's output gradient is
+        grad_y itself."""
+        grad = grad_y.float()
+        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
+        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
+        flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])[routing.pair_send_order]
+        received = all_to_all(flat, routing.recv_pairs, routing.send_pairs, self.group)
+        grad_grouped = torch.empty_like(received)
+        grad_grouped[routing.return_order] = received
+        return grad_grouped, grad_w
+
+    def dispatch_backward(
+        self, routing: Routing, grad_grouped: torch.Tensor, extra: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """grad of x [T, H] from the grads of the grouped rows [R, H]: summed in fp32 per staging
+        row (ascending grouped row), sent back, summed per token over owners (ascending rank),
+        plus `extra` (e.g. the shared expert's input gradient) last; rounded once."""
+        hidden = grad_grouped.shape[1]
+        fan_in = routing.fan_in
+        grad_staging = torch.zeros(fan_in.shape[0], hidden, device=grad_grouped.device)
+        for column in fan_in.T:
+            present = column >= 0
+            grad_staging[present] += grad_grouped[column[present]].float()
+        back = all_to_all(grad_staging, routing.send_tokens, routing.recv_tokens, self.group)
+        tokens = routing.plan.token_slot.shape[0]
+        parts = torch.zeros(self.ep_size, tokens, hidden, device=grad_grouped.device)
+        owners = torch.repeat_interleave(
+            torch.arange(self.ep_size, device=back.device),
+            torch.tensor(routing.send_tokens, device=back.device),
+        )
+        parts[owners, routing.send_token_index] = back
+        acc = torch.zeros(tokens, hidden, device=grad_grouped.device)
+        for owner in range(self.ep_size):
+            acc += parts[owner]
+        if extra is not None:
+            acc += extra.float()
+        return acc.to(grad_grouped.dtype)
+
+
+def _fan_in(grouped_to_staging: torch.Tensor, staging_rows: int, width: int) -> torch.Tensor:
+    """[staging_rows, width]: the grouped rows reading each staging row, ascending, -1 padded."""
+    device = grouped_to_staging.device
+    order = torch.sort(grouped_to_staging, stable=True).indices  # grouped rows by staging row
+    rows = grouped_to_staging[order]
+    counts = torch.zeros(staging_rows, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, rows, torch.ones_like(rows))
+    start = torch.cumsum(counts, 0) - counts
+    position = torch.arange(order.numel(), device=device) - start[rows]
+    fan_in = torch.full((staging_rows, max(width, 1)), -1, dtype=torch.int64, device=device)
+    fan_in[rows, position] = order
+    return fan_in
