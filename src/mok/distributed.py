@@ -25,20 +25,26 @@ def collective_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Stack the equally long 1-D integer vectors of all ranks: returns [ep, n] int64 on the CPU.
+def all_gather_rows(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Stack the equally long 1-D vectors of all ranks: returns [ep, n] on values' device.
 
-    A host synchronization (the result is needed on the host). The vectors must have equal length
-    on every rank; callers exchange a fixed-size header first when that is not certain.
+    Runs on the group's device (no host synchronization when values already live there). The
+    vectors must have equal length on every rank; callers exchange a fixed-size header first when
+    that is not certain.
     """
-    values = values.to(torch.int64).reshape(-1)
+    values = values.reshape(-1)
     if group is None:
-        return values.cpu().unsqueeze(0)
-    device = collective_device(group)
-    local = values.to(device)
+        return values.unsqueeze(0)
+    local = values.to(collective_device(group))
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
-    return torch.stack(gathered).cpu()
+    return torch.stack(gathered).to(values.device)
+
+
+def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`all_gather_rows` of integer vectors, as [ep, n] int64 on the CPU (a host synchronization:
+    the result is needed on the host)."""
+    return all_gather_rows(values.to(torch.int64), group).cpu()
 
 
 def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | None) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mok.comm.plan import ExchangePlan, destination_mask, local_counts, plan_from_counts
-from mok.distributed import all_to_all, group_rank_and_size
+from mok.distributed import all_gather_rows, all_to_all, group_rank_and_size
 from mok.reference import combine
 
 
@@ -57,19 +57,12 @@ class CollectiveExchange:
         self.rank, self.ep_size = group_rank_and_size(group)
         self.local_experts = local_experts
 
-    def _all_gather(self, values: torch.Tensor) -> torch.Tensor:
-        if self.group is None:
-            return values.unsqueeze(0)
-        gathered = [torch.empty_like(values) for _ in range(self.ep_size)]
-        dist.all_gather(gathered, values, group=self.group)
-        return torch.stack(gathered)
-
     def route(self, topk_idx: torch.Tensor) -> Routing:
         """Exchange the counts and pair addresses of topk_idx [T, k]. Collective; one host sync."""
         ep, local, rank = self.ep_size, self.local_experts, self.rank
         experts = ep * local
         tokens, top_k = topk_idx.shape
-        counts = self._all_gather(local_counts(topk_idx, ep, local))
+        counts = all_gather_rows(local_counts(topk_idx, ep, local), self.group)
         plan = plan_from_counts(topk_idx, counts, rank, local)
         pairs_per_owner = counts[:, :experts].view(ep, ep, local).sum(2)  # [src, owner]
         sizes = torch.stack([counts[:, experts:], pairs_per_owner]).cpu()  # the host sync
