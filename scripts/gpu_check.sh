@@ -2,14 +2,15 @@
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
-#   scripts/gpu_check.sh [tests] [bench] [kernels]      (default: all three)
+#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange]   (default: all four)
+# exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-steps=${*:-tests bench kernels}
+steps=${*:-tests bench kernels exchange}
 status=0
 
 log="$OUT/gpu_check.log"
@@ -38,6 +39,10 @@ for step in $steps; do
       if [ -f benchmarks/expert_kernels.py ]; then
         run kernels python3 benchmarks/expert_kernels.py --check --bench --out "$OUT/expert-kernels.md"
       fi ;;
+    exchange)
+      run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/kernels/test_rows_kernels.py tests/test_comm_plan.py tests/test_comm_symmetric.py
+      run exchange-bench python3 benchmarks/exchange.py --out "$OUT/exchange.md" ${EXCHANGE_ARGS:-} ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

@@ -1,0 +1,542 @@
+"""The token exchange over NVLink through PyTorch symmetric memory: no host synchronization,
+deterministic, capturable in a CUDA graph.
+
+Same layouts and the same results, bit for bit, as `CollectiveExchange` (`mok.comm.plan`): each
+token crosses once to each owner of one of its experts into the owner's staging rows, the owner
+expands them into one row per pair grouped by local expert, and each pair's output returns to the
+token's rank, where the k outputs are summed in fp32, j ascending.
+
+Who moves what (the side that knows the addresses does the copy):
+  route     counts: every rank writes its counts into every peer, barrier; each sender computes
+            its rows' places (`plan_from_counts`) and writes each pair's (staging row, return
+            address) into the owner's metadata, barrier.
+  dispatch  push: the sender stores its token rows into the owners' staging and sets one flag
+            per block of tokens on each owner; the owner's expand waits on the flags of the rows
+            it copies (the hook a fused GEMM uses to start on the first rows).
+            pull: the sender copies x into its symmetric buffer, barrier, the owner loads.
+  combine   the owner's expert outputs sit in a symmetric buffer; barrier; each token's rank loads
+            its pairs' outputs and sums them.
+  backward  the token's rank writes the pair gradients (w * grad_y) into a symmetric buffer,
+            barrier, the owner loads them (combine_backward); the owner sums its pairs' input
+            gradients per staging row in fp32, barrier, the token's rank loads and sums them over
+            owners in ascending rank (dispatch_backward).
+
+Why the barriers suffice: every phase writes into a peer only after a barrier that the peer
+passes only once its earlier work on that buffer is done (stream order), and reads a peer's
+buffer only after a barrier (or a flag) that the peer passes after writing it.
+
+Capacity: staging holds `token_capacity` rows and the grouped/output buffers `pair_capacity`
+rows on every rank. Every rank sees all counts, so all of them detect an overflow identically
+on the device: rows past a capacity are dropped (never written out of bounds; their expert
+contribution is zero, as in capacity-factor token dropping) and a sticky flag is set.
+`check()` (a host synchronization, collective in effect because every rank holds the same flag)
+raises `MoKCapacityError`; nothing checks it implicitly, since there is no host synchronization
+to piggyback on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
+from mok.distributed import group_rank_and_size
+from mok.kernels.rows import copy_rows, push_rows, reduce_rows
+from mok.validation import MoKInputError
+
+
+class MoKCapacityError(MoKInputError):
+    """More rows were routed to a rank than its receive buffers hold; rows were dropped."""
+
+
+_ALIGN_BYTES = 256
+
+# Tiles of the NVLink copies, from benchmarks/tune_rows.py on 2 x H200 at 24 SMs: many warps keep
+# enough loads and stores in flight to cover the NVLink latency.
+PUSH_TILE = {"num_warps": 16, "block_h": 512}
+COPY_TILE = {"num_warps": 16, "block_h": 1024}
+COPY_ROWS = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeShape:
+    """What sizes the symmetric buffers: equal on every rank."""
+
+    hidden: int
+    top_k: int
+    local_experts: int
+    max_tokens: int
+    """Largest T a rank passes in one call."""
+    token_capacity: int
+    """Staging rows per rank (tokens received, each once per owner)."""
+    pair_capacity: int
+    """Grouped rows per rank (pairs received)."""
+    block_tokens: int = 32
+    """Readiness granularity: one flag per block of this many of a sender's tokens (also the
+    rows per tile of the push kernel)."""
+    pull_dispatch: bool = False
+    """Owners load token rows from the senders instead of senders storing them."""
+
+    @property
+    def blocks_per_rank(self) -> int:
+        return math.ceil(self.max_tokens / self.block_tokens)
+
+
+def default_shape(
+    hidden: int,
+    top_k: int,
+    local_experts: int,
+    ep_size: int,
+    max_tokens: int,
+    recv_capacity: int | None = None,
+    **options,
+) -> ExchangeShape:
+    """Capacities for `recv_capacity` staging rows (None: the worst case, every token of every
+    rank, which never overflows); pairs: up to min(k, E_loc) per staging row."""
+    worst = ep_size * max_tokens
+    tokens = worst if recv_capacity is None else min(recv_capacity, worst)
+    return ExchangeShape(
+        hidden=hidden,
+        top_k=top_k,
+        local_experts=local_experts,
+        max_tokens=max_tokens,
+        token_capacity=max(tokens, 1),
+        pair_capacity=max(tokens * min(top_k, local_experts), 1),
+        **options,
+    )
+
+
+class _Region:
+    """A typed slice of the symmetric buffer: the local view and every rank's element offset."""
+
+    def __init__(self, handle, local: torch.Tensor, byte_offset: int, shape, dtype, rank: int):
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        count = math.prod(shape)
+        self.shape, self.dtype = tuple(shape), dtype
+        self.element_offset = byte_offset // itemsize
+        self.handle, self.rank = handle, rank
+        self._peers: dict[int, torch.Tensor] = {}
+        self.local = local[byte_offset : byte_offset + count * itemsize].view(dtype).view(shape)
+        base = handle.buffer_ptrs[rank]
+        deltas = [(pointer - base) // itemsize for pointer in handle.buffer_ptrs]
+        self.offsets = torch.tensor(deltas, dtype=torch.int64, device=local.device)
+
+    def peer(self, rank: int) -> torch.Tensor:
+        """Rank's copy of this region, as a tensor this process can read and write."""
+        if rank not in self._peers:
+            view = self.handle.get_buffer(rank, self.shape, self.dtype, self.element_offset)
+            self._peers[rank] = view
+        return self._peers[rank]
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmetricRouting:
+    """One call's routing on this rank (device tensors only).
+
+    plan: the exchange plan (`mok.comm.plan`). group_offsets [E_loc + 1] int32: grouped rows per
+    local expert, clipped to the pair capacity. recv_tokens / recv_pairs: [1] int64 staging and
+    grouped rows received (clipped). On the token's side: token_slot [T, ep] (staging row per owner,
+    -1 none or dropped), pair_row [T, k] and owner [T, k] (where each pair's output is, -1 dropped).
+    On the owner's side, per grouped row: grouped_to_staging, return_rank, return_row (-1 dropped)
+    and flag_index (the readiness flag of its token block)."""
+
+    plan: ExchangePlan
+    top_k: int
+    group_offsets: torch.Tensor
+    recv_tokens: torch.Tensor
+    recv_pairs: torch.Tensor
+    token_slot: torch.Tensor
+    pair_row: torch.Tensor
+    owner: torch.Tensor
+    grouped_to_staging: torch.Tensor
+    return_rank: torch.Tensor
+    return_row: torch.Tensor
+    flag_index: torch.Tensor
+
+
+class SymmetricExchange:
+    """Dispatch and combine of one expert-parallel group over NVLink symmetric memory.
+
+    The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
+    [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid. Collective:
+    all ranks create it together and make the same calls in the same order. `programs` is the
+    number of SMs the NVLink copies use; local copies use every SM.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        shape: ExchangeShape,
+        device: torch.device,
+        programs: int = 24,
+    ) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.ep_size = group_rank_and_size(self.group)
+        self.shape, self.device, self.programs = shape, device, programs
+        self.local_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        ep, s = self.ep_size, shape
+        experts = ep * s.local_experts
+        layout = [
+            ("counts", (ep, experts + ep), torch.int64),
+            ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
+            ("flags", (ep * s.blocks_per_rank,), torch.int32),
+            ("staging", (s.token_capacity, s.hidden), torch.bfloat16),
+            ("expert_out", (s.pair_capacity, s.hidden), torch.bfloat16),
+            ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), torch.bfloat16),
+            ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
+        ]
+        if s.pull_dispatch:
+            layout += [
+                ("staging_source", (s.token_capacity + 1, 2), torch.int64),
+                ("x_copy", (s.max_tokens, s.hidden), torch.bfloat16),
+            ]
+        offsets, total = {}, 0
+        for name, dims, dtype in layout:
+            offsets[name] = total
+            nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+            total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+        self._buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        self._handle = symm_mem.rendezvous(self._buffer, self.group)
+        regions = {
+            name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
+            for name, dims, dtype in layout
+        }
+        self.counts, self.pair_meta = regions["counts"], regions["pair_meta"]
+        self.flags, self.staging = regions["flags"], regions["staging"]
+        self.expert_out, self.grad_pairs = regions["expert_out"], regions["grad_pairs"]
+        self.grad_staging = regions["grad_staging"]
+        self.staging_source = regions.get("staging_source")
+        self.x_copy = regions.get("x_copy")
+        self.flags.local.zero_()
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
+        self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
+        self.capacities = torch.tensor([s.token_capacity, s.pair_capacity], device=device)
+        self._barrier()
+
+    @staticmethod
+    def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
+        """None if this exchange can run for `group` on `device`, else why not."""
+        if device.type != "cuda":
+            return f"symmetric memory needs CUDA tensors, the device is {device}"
+        if not dist.is_available() or not dist.is_initialized():
+            return "no torch.distributed process group"
+        try:
+            import torch.distributed._symmetric_memory  # noqa: F401
+        except ImportError as error:
+            return f"torch.distributed._symmetric_memory is missing ({error})"
+        _, size = group_rank_and_size(group if group is not None else dist.group.WORLD)
+        if size > torch.cuda.device_count():
+            return f"{size} ranks but {torch.cuda.device_count()} GPUs here: not one NVLink domain"
+        return None
+
+    def release(self) -> None:
+        """Free the symmetric buffers (collective; the exchange cannot be used afterwards)."""
+        self._barrier()
+        for name in ("counts", "pair_meta", "flags", "staging", "expert_out", "grad_pairs"):
+            setattr(self, name, None)
+        self.grad_staging = self.staging_source = self.x_copy = None
+        self._handle = self._buffer = None
+
+    def _barrier(self) -> None:
+        self._handle.barrier(channel=0)
+
+    def check(self) -> None:
+        """Raise MoKCapacityError if any call since the last check dropped rows (synchronizes)."""
+        if bool(self.overflowed.item()):
+            tokens, pairs = self.most_needed.tolist()
+            self.overflowed.zero_()
+            self.most_needed.zero_()
+            raise MoKCapacityError(
+                f"a rank was routed {tokens} tokens / {pairs} pairs but its receive buffers hold "
+                f"{self.shape.token_capacity} / {self.shape.pair_capacity}: rows were dropped. "
+                "Raise MoKConfig.recv_capacity (None sizes for the worst case)."
+            )
+
+    def route(self, topk_idx: torch.Tensor) -> SymmetricRouting:
+        """Exchange counts and pair addresses for topk_idx [T, k] (T <= max_tokens). Collective."""
+        s, ep, rank = self.shape, self.ep_size, self.rank
+        local = s.local_experts
+        experts = ep * local
+        tokens, top_k = topk_idx.shape
+        if tokens > s.max_tokens or top_k != s.top_k:
+            raise MoKInputError(
+                f"topk_idx has shape {tuple(topk_idx.shape)}; this exchange takes at most "
+                f"{s.max_tokens} tokens with top_k={s.top_k}"
+            )
+        topk_idx = topk_idx.to(torch.int64)
+        self.epoch.add_(1)
+        mine = local_counts(topk_idx, ep, local)
+        for peer in range(ep):
+            self.counts.peer(peer)[rank].copy_(mine)
+        self._barrier()
+        counts = self.counts.local.clone()
+        plan = plan_from_counts(topk_idx, counts, rank, local)
+
+        token_totals = counts[:, experts:].sum(0)
+        pair_totals = counts[:, :experts].view(ep, ep, local).sum((0, 2))
+        needed = torch.stack([token_totals.max(), pair_totals.max()])
+        self.overflowed |= (needed > self.capacities).any()
+        torch.maximum(self.most_needed, needed, out=self.most_needed)
+
+        owner = topk_idx // local
+        token_slot = torch.where(plan.token_slot < s.token_capacity, plan.token_slot, -1)
+        pair_slot = token_slot.gather(1, owner)
+        delivered = (pair_slot >= 0) & (plan.pair_row < s.pair_capacity)
+        pair_row = torch.where(delivered, plan.pair_row, -1)
+        pair_index = torch.arange(tokens * top_k, device=self.device).view(tokens, top_k)
+        return_address = torch.where(delivered, rank * s.max_tokens * top_k + pair_index, -1)
+        meta = torch.stack([pair_slot, return_address], dim=-1).view(-1, 2)
+        in_capacity = plan.pair_row < s.pair_capacity
+        for peer in range(ep):
+            target = torch.where((owner == peer) & in_capacity, plan.pair_row, s.pair_capacity)
+            self.pair_meta.peer(peer).index_put_((target.view(-1),), meta)
+        if s.pull_dispatch:
+            token_index = torch.arange(tokens, device=self.device)
+            source = torch.stack([torch.full_like(token_index, rank), token_index], dim=-1)
+            for peer in range(ep):
+                slot = token_slot[:, peer]
+                target = torch.where(slot >= 0, slot, s.token_capacity)
+                self.staging_source.peer(peer).index_put_((target,), source)
+        self._barrier()
+
+        meta = self.pair_meta.local[: s.pair_capacity].clone()
+        grouped_to_staging, return_address = meta[:, 0], meta[:, 1]
+        per_rank = s.max_tokens * top_k
+        return_rank = torch.where(return_address >= 0, return_address // per_rank, 0)
+        return_row = torch.where(return_address >= 0, return_address % per_rank, -1)
+        block = (return_row.clamp(min=0) // top_k) // s.block_tokens
+        group_offsets = plan.group_offsets.clamp(max=s.pair_capacity)
+        return SymmetricRouting(
+            plan=plan,
+            top_k=top_k,
+            group_offsets=group_offsets,
+            recv_tokens=plan.recv_tokens.clamp(max=s.token_capacity).view(1),
+            recv_pairs=group_offsets[-1:].to(torch.int64),
+            token_slot=token_slot.contiguous(),
+            pair_row=pair_row.contiguous(),
+            owner=owner.contiguous(),
+            grouped_to_staging=grouped_to_staging.contiguous(),
+            return_rank=return_rank.contiguous(),
+            return_row=return_row.contiguous(),
+            flag_index=(return_rank * s.blocks_per_rank + block).contiguous(),
+        )
+
+    def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
+        """Rows x [T, H] bf16 -> grouped rows [pair_capacity, H] (first recv_pairs valid)."""
+        s = self.shape
+        x = x.contiguous()
+        if s.pull_dispatch:
+            self.x_copy.local[: x.shape[0]].copy_(x)
+            self._barrier()
+            source = self.staging_source.local[: s.token_capacity]
+            copy_rows(
+                self.staging.local,
+                self.x_copy.local,
+                source[:, 1].contiguous(),
+                routing.recv_tokens,
+                self.programs,
+                COPY_ROWS,
+                src_offsets=self.x_copy.offsets,
+                src_rank=source[:, 0].contiguous(),
+                **COPY_TILE,
+            )
+            waits = {}
+        else:
+            push_rows(
+                x,
+                routing.token_slot,
+                self.staging.local,
+                self.staging.offsets,
+                self.programs,
+                s.block_tokens,
+                flags=self.flags.local,
+                flag_offsets=self.flags.offsets,
+                flag_base=self.rank * s.blocks_per_rank,
+                epoch=self.epoch,
+                **PUSH_TILE,
+            )
+            waits = {"flags": self.flags.local, "wait": routing.flag_index, "epoch": self.epoch}
+        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+        copy_rows(
+            grouped,
+            self.staging.local,
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            self.local_sms,
+            64,
+            **waits,
+        )
+        return grouped
+
+    def expert_output_buffer(self) -> torch.Tensor:
+        """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
+        nothing. Valid until the next `route`."""
+        return self.expert_out.local
+
+    def combine(
+        self,
+        routing: SymmetricRouting,
+        expert_out: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None = None,
+        save_pair_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
+        order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out."""
+        s = self.shape
+        buffer = self.expert_out.local
+        if expert_out.data_ptr() != buffer.data_ptr():
+            rows = min(expert_out.shape[0], s.pair_capacity)
+            buffer[:rows].copy_(expert_out[:rows])
+        self._barrier()
+        tokens = routing.pair_row.shape[0]
+        pair_out = torch.empty(tokens, s.top_k, s.hidden, dtype=buffer.dtype, device=self.device)
+        pairs = pair_out.view(-1, s.hidden)
+        copy_rows(
+            pairs,
+            buffer,
+            routing.pair_row.view(-1),
+            self._row_count(pairs.shape[0]),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=self.expert_out.offsets,
+            src_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        y = torch.empty(tokens, s.hidden, dtype=buffer.dtype, device=self.device)
+        reduce_rows(
+            y,
+            pairs,
+            self._pair_rows(tokens),
+            self.local_sms,
+            8,
+            weight=topk_weights.contiguous(),
+            init=None if shared_out is None else shared_out.contiguous(),
+        )
+        return y, pair_out if save_pair_out else None
+
+    def _row_count(self, rows: int) -> torch.Tensor:
+        """A [1] device tensor holding `rows` (the copy kernels read their row count there)."""
+        return torch.full((1,), rows, dtype=torch.int64, device=self.device)
+
+    def _owner_of_part(self, tokens: int) -> torch.Tensor:
+        """[tokens * ep]: rank d for row t * ep + d."""
+        return torch.arange(self.ep_size, device=self.device).repeat(tokens)
+
+    def _part_rows(self, tokens: int) -> torch.Tensor:
+        """[tokens, ep]: row t * ep + d of a [tokens * ep, H] matrix holds owner d's part."""
+        return torch.arange(tokens * self.ep_size, device=self.device).view(tokens, self.ep_size)
+
+    def _pair_rows(self, tokens: int) -> torch.Tensor:
+        """[tokens, k]: row t * k + j of a [tokens * k, H] matrix holds pair (t, j)."""
+        pairs = torch.arange(tokens * self.shape.top_k, device=self.device)
+        return pairs.view(tokens, self.shape.top_k)
+
+    def combine_backward(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grads of the grouped expert outputs [pair_capacity, H], grad of topk_weights [T, k]):
+        the same values as `CollectiveExchange.combine_backward`."""
+        s = self.shape
+        tokens = grad_y.shape[0]
+        grad = grad_y.float()
+        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
+        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
+        self.grad_pairs.local[: tokens * s.top_k].copy_(grad_pairs.view(-1, s.hidden))
+        self._barrier()
+        grad_grouped = torch.empty(
+            s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
+        )
+        copy_rows(
+            grad_grouped,
+            self.grad_pairs.local,
+            routing.return_row,
+            routing.recv_pairs,
+            self.programs,
+            COPY_ROWS,
+            src_offsets=self.grad_pairs.offsets,
+            src_rank=routing.return_rank,
+            **COPY_TILE,
+        )
+        return grad_grouped, grad_w
+
+    def dispatch_backward(
+        self,
+        routing: SymmetricRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """grad of x [T, H] from the grads of the grouped rows (first recv_pairs valid): summed
+        in fp32 per staging row (ascending grouped row), then per token over owners (ascending
+        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`."""
+        s = self.shape
+        fan_in = staging_fan_in(
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            s.token_capacity,
+            min(s.top_k, s.local_experts),
+        )
+        reduce_rows(
+            self.grad_staging.local,
+            grad_grouped,
+            fan_in,
+            self.local_sms,
+            8,
+            count=routing.recv_tokens,
+        )
+        self._barrier()
+        tokens, ep = routing.token_slot.shape
+        parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
+        copy_rows(
+            parts,
+            self.grad_staging.local,
+            routing.token_slot.view(-1),
+            self._row_count(parts.shape[0]),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=self.grad_staging.offsets,
+            src_rank=self._owner_of_part(tokens),
+            **COPY_TILE,
+        )
+        grad_x = torch.empty(tokens, s.hidden, dtype=grad_grouped.dtype, device=self.device)
+        part_rows = torch.where(routing.token_slot >= 0, self._part_rows(tokens), -1)
+        reduce_rows(
+            grad_x,
+            parts,
+            part_rows,
+            self.local_sms,
+            8,
+            tail=None if extra is None else extra.contiguous(),
+        )
+        return grad_x
+
+
+def staging_fan_in(
+    grouped_to_staging: torch.Tensor, recv_pairs: torch.Tensor, staging_rows: int, width: int
+) -> torch.Tensor:
+    """[staging_rows, width] int64: the grouped rows (below the device count recv_pairs) reading
+    each staging row, ascending, -1 padded. No host synchronization."""
+    device = grouped_to_staging.device
+    pairs = grouped_to_staging.shape[0]
+    grouped = torch.arange(pairs, device=device)
+    valid = (grouped < recv_pairs) & (grouped_to_staging >= 0)
+    staging = torch.where(valid, grouped_to_staging, staging_rows)  # invalid: a dummy row
+    order = torch.sort(staging, stable=True).indices
+    rows = staging[order]
+    counts = torch.zeros(staging_rows + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, rows, torch.ones_like(rows))
+    position = grouped - (torch.cumsum(counts, 0) - counts)[rows]
+    target = torch.where(rows < staging_rows, rows * width + position, staging_rows * width)
+    fan_in = torch.full((staging_rows * width + 1,), -1, dtype=torch.int64, device=device)
+    fan_in.scatter_(0, target, order)
+    return fan_in[:-1].view(staging_rows, width)

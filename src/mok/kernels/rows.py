@@ -1,0 +1,568 @@
+"""Moving token rows between the buffers of the ranks: @triton.jit tile functions and launchers.
+
+Another rank's buffer is reached through a *peer-offset table*: an int64 tensor [ep] whose entry r
+is the distance, in elements, from this rank's buffer to rank r's mapping of the same buffer
+(symmetric memory maps every peer's buffer into this process). Addresses are formed as
+`local_pointer + offset`, so Triton can prove the 16-byte alignment it needs for vector accesses
+(a pointer loaded from memory would have unknown alignment). A table of zeros is a local buffer.
+
+Readiness flags (`signal_ready` / `wait_ready`) carry an epoch: a device counter every rank bumps
+once per exchange. A flag equal to the current epoch means "written in this exchange", so flags
+never need resetting, also under CUDA-graph replay.
+
+The tile functions are meant to be called from other task loops too (the fused kernel). Launchers
+take `programs`, the number of persistent programs (SMs) given to the copy. Under the CPU
+interpreter these kernels run too (separate CPU tensors play the ranks); spin-waits there must
+only meet flags that are already set, since programs run one after another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+
+if interpreting():
+    patch_interpreter()
+
+BLOCK_H = 512
+"""Columns one program moves per step."""
+
+
+@triton.jit
+def signal_ready(flag_pointer, epoch):
+    """Publish this program's earlier stores (to any GPU) by setting one flag to `epoch`.
+
+    The barrier makes every thread's stores precede the one release by the thread that signals;
+    system scope because the flag and the data may live on another GPU."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_pointer, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def wait_ready(flag_pointers, epoch, mask):
+    """Spin until every flag under `mask` has reached `epoch`, then acquire what they publish.
+
+    Volatile loads poll without caching; one acquire per flag orders the later loads after the
+    producer's release; the barrier extends that to every thread of the program."""
+    seen = tl.load(flag_pointers, mask=mask, other=epoch, volatile=True)
+    while tl.min(seen - epoch) < 0:
+        seen = tl.load(flag_pointers, mask=mask, other=epoch, volatile=True)
+    tl.atomic_add(flag_pointers, 0, mask=mask, sem="acquire", scope="sys")
+    tl.debug_barrier()
+
+
+@triton.jit
+def push_rows_tile(
+    src_ptr,
+    src_stride,
+    first_row,
+    num_rows,
+    slot_ptr,
+    dst_ptr,
+    dst_offsets_ptr,
+    dst_capacity,
+    hidden,
+    EP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Copy rows first_row .. first_row + BLOCK_ROWS of src [num_rows, hidden] into rank d's
+    dst [dst_capacity, hidden] at row slot[t, d] (slot [num_rows, EP]; < 0 or >= capacity: skip).
+    Each source row is read once and stored to every rank that takes it."""
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
+    live = rows < num_rows
+    src_rows = src_ptr + rows.to(tl.int64)[:, None] * src_stride
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        cols_ok = (cols < hidden)[None, :]
+        values = tl.load(src_rows + cols[None, :], mask=live[:, None] & cols_ok)
+        for d in tl.static_range(EP):
+            slot = tl.load(slot_ptr + rows * EP + d, mask=live, other=-1)
+            keep = (slot >= 0) & (slot < dst_capacity)
+            offset = tl.load(dst_offsets_ptr + d) + slot * hidden
+            offset = tl.multiple_of(offset, ALIGN)
+            tl.store(
+                dst_ptr + offset[:, None] + cols[None, :], values, mask=keep[:, None] & cols_ok
+            )
+
+
+@triton.jit
+def push_rows_kernel(
+    src_ptr,
+    src_stride,
+    num_rows,
+    slot_ptr,
+    dst_ptr,
+    dst_offsets_ptr,
+    dst_capacity,
+    flags_ptr,
+    flag_offsets_ptr,
+    flag_base,
+    epoch_ptr,
+    hidden,
+    EP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SIGNAL: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent push: every block of BLOCK_ROWS source rows goes to its ranks, then (SIGNAL)
+    flag flag_base + block on every rank is set to the epoch."""
+    epoch = tl.load(epoch_ptr)
+    for block in range(tl.program_id(0), tl.cdiv(num_rows, BLOCK_ROWS), NUM_PROGRAMS):
+        push_rows_tile(
+            src_ptr,
+            src_stride,
+            block * BLOCK_ROWS,
+            num_rows,
+            slot_ptr,
+            dst_ptr,
+            dst_offsets_ptr,
+            dst_capacity,
+            hidden,
+            EP,
+            BLOCK_ROWS,
+            BLOCK_H,
+            ALIGN,
+        )
+        if SIGNAL:
+            for d in tl.static_range(EP):
+                flag = flags_ptr + tl.load(flag_offsets_ptr + d) + flag_base + block
+                signal_ready(flag, epoch)
+
+
+@triton.jit
+def copy_rows_tile(
+    dst_ptr,
+    dst_offsets_ptr,
+    dst_rank_ptr,
+    dst_row_ptr,
+    dst_capacity,
+    first_row,
+    count,
+    src_ptr,
+    src_offsets_ptr,
+    src_rank_ptr,
+    src_row_ptr,
+    src_capacity,
+    hidden,
+    flags_ptr,
+    wait_ptr,
+    epoch,
+    SRC_PEERS: tl.constexpr,
+    DST_ROWS: tl.constexpr,
+    DST_PEERS: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """For the tile's rows r below count: value = src_{src_rank[r]}[src_row[r]] (zeros where
+    src_row is < 0 or >= src_capacity); stored to dst row r, or (DST_ROWS) to
+    dst_{dst_rank[r]}[dst_row[r]], skipped where dst_row is < 0 or >= dst_capacity. Ranks come
+    from the tables only with SRC_PEERS / DST_PEERS (else the buffer is local). WAIT: first spin
+    until flags[wait[r]] reaches the epoch for every row that has a source."""
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
+    live = rows < count
+    src_row = tl.load(src_row_ptr + rows, mask=live, other=-1)
+    valid = live & (src_row >= 0) & (src_row < src_capacity)
+    if WAIT:
+        wait_index = tl.load(wait_ptr + rows, mask=valid, other=0)
+        wait_ready(flags_ptr + wait_index, epoch, valid)
+    src_offset = src_row * hidden
+    if SRC_PEERS:
+        rank = tl.load(src_rank_ptr + rows, mask=valid, other=0)
+        src_offset += tl.load(src_offsets_ptr + rank, mask=valid, other=0)
+    src_offset = tl.multiple_of(src_offset, ALIGN)
+    if DST_ROWS:
+        dst_row = tl.load(dst_row_ptr + rows, mask=live, other=-1)
+        keep = live & (dst_row >= 0) & (dst_row < dst_capacity)
+    else:
+        dst_row = rows.to(tl.int64)
+        keep = live
+    dst_offset = dst_row * hidden
+    if DST_PEERS:
+        rank = tl.load(dst_rank_ptr + rows, mask=keep, other=0)
+        dst_offset += tl.load(dst_offsets_ptr + rank, mask=keep, other=0)
+    dst_offset = tl.multiple_of(dst_offset, ALIGN)
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        cols_ok = (cols < hidden)[None, :]
+        values = tl.load(
+            src_ptr + src_offset[:, None] + cols[None, :], mask=valid[:, None] & cols_ok, other=0.0
+        )
+        tl.store(
+            dst_ptr + dst_offset[:, None] + cols[None, :], values, mask=keep[:, None] & cols_ok
+        )
+
+
+@triton.jit
+def copy_rows_kernel(
+    dst_ptr,
+    dst_offsets_ptr,
+    dst_rank_ptr,
+    dst_row_ptr,
+    dst_capacity,
+    count_ptr,
+    max_rows,
+    src_ptr,
+    src_offsets_ptr,
+    src_rank_ptr,
+    src_row_ptr,
+    src_capacity,
+    hidden,
+    flags_ptr,
+    wait_ptr,
+    epoch_ptr,
+    SRC_PEERS: tl.constexpr,
+    DST_ROWS: tl.constexpr,
+    DST_PEERS: tl.constexpr,
+    WAIT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent copy of min(count, max_rows) rows (count read on the device)."""
+    count = tl.minimum(tl.load(count_ptr).to(tl.int64), max_rows)
+    epoch = tl.load(epoch_ptr)
+    for tile in range(tl.program_id(0), tl.cdiv(count, BLOCK_ROWS), NUM_PROGRAMS):
+        copy_rows_tile(
+            dst_ptr,
+            dst_offsets_ptr,
+            dst_rank_ptr,
+            dst_row_ptr,
+            dst_capacity,
+            tile * BLOCK_ROWS,
+            count,
+            src_ptr,
+            src_offsets_ptr,
+            src_rank_ptr,
+            src_row_ptr,
+            src_capacity,
+            hidden,
+            flags_ptr,
+            wait_ptr,
+            epoch,
+            SRC_PEERS,
+            DST_ROWS,
+            DST_PEERS,
+            WAIT,
+            BLOCK_ROWS,
+            BLOCK_H,
+            ALIGN,
+        )
+
+
+@triton.jit
+def reduce_rows_tile(
+    out_ptr,
+    first_row,
+    count,
+    init_ptr,
+    tail_ptr,
+    src_ptr,
+    src_offsets_ptr,
+    rank_ptr,
+    row_ptr,
+    weight_ptr,
+    gathered_ptr,
+    src_capacity,
+    hidden,
+    WIDTH: tl.constexpr,
+    RANK_MODE: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SAVE_GATHERED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """out[t] = round(init[t] + sum_j weight[t, j] * src_{rank(t, j)}[row[t, j]] + tail[t]) for
+    the tile's rows t below count, the sum in fp32 over j = 0 .. WIDTH-1 in order, each term
+    rounded before it is added (launch with fp fusion off so no multiply-add is contracted).
+    Terms with row < 0 or >= src_capacity are skipped. rank(t, j): 0 = local source
+    (RANK_MODE 0), j (1), rank[t, j] (2). SAVE_GATHERED: also gathered[t, j] = the term's row
+    (zeros where skipped)."""
+    rows = first_row + tl.arange(0, BLOCK_ROWS)
+    live = rows < count
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * hidden
+    for start in range(0, hidden, BLOCK_H):
+        cols = start + tl.arange(0, BLOCK_H)
+        cols_ok = (cols < hidden)[None, :]
+        here = live[:, None] & cols_ok
+        token_cols = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
+        if HAS_INIT:
+            acc = tl.load(init_ptr + token_cols, mask=here, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            row = tl.load(row_ptr + rows * WIDTH + j, mask=live, other=-1)
+            valid = live & (row >= 0) & (row < src_capacity)
+            offset = row * hidden
+            if RANK_MODE == 1:
+                offset += tl.load(src_offsets_ptr + j)
+            if RANK_MODE == 2:
+                rank = tl.load(rank_ptr + rows * WIDTH + j, mask=valid, other=0)
+                offset += tl.load(src_offsets_ptr + rank, mask=valid, other=0)
+            offset = tl.multiple_of(offset, ALIGN)
+            term = tl.load(src_ptr + offset[:, None] + cols[None, :], mask=valid[:, None] & cols_ok)
+            if SAVE_GATHERED:
+                gathered = gathered_ptr + (rows.to(tl.int64) * WIDTH + j)[:, None] * hidden
+                tl.store(gathered + cols[None, :], tl.where(valid[:, None], term, 0.0), mask=here)
+            term = term.to(tl.float32)
+            if HAS_WEIGHT:
+                weight = tl.load(weight_ptr + rows * WIDTH + j, mask=valid, other=0.0)
+                term = weight.to(tl.float32)[:, None] * term
+            acc += tl.where(valid[:, None], term, 0.0)
+        if HAS_TAIL:
+            acc += tl.load(tail_ptr + token_cols, mask=here, other=0.0).to(tl.float32)
+        tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=here)
+
+
+@triton.jit
+def reduce_rows_kernel(
+    out_ptr,
+    count_ptr,
+    max_rows,
+    init_ptr,
+    tail_ptr,
+    src_ptr,
+    src_offsets_ptr,
+    rank_ptr,
+    row_ptr,
+    weight_ptr,
+    gathered_ptr,
+    src_capacity,
+    hidden,
+    WIDTH: tl.constexpr,
+    RANK_MODE: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    HAS_TAIL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SAVE_GATHERED: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ALIGN: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent reduce over min(count, max_rows) output rows (count read on the device when
+    HAS_COUNT, else max_rows)."""
+    count = max_rows
+    if HAS_COUNT:
+        count = tl.minimum(tl.load(count_ptr).to(tl.int64), max_rows)
+    for tile in range(tl.program_id(0), tl.cdiv(count, BLOCK_ROWS), NUM_PROGRAMS):
+        reduce_rows_tile(
+            out_ptr,
+            tile * BLOCK_ROWS,
+            count,
+            init_ptr,
+            tail_ptr,
+            src_ptr,
+            src_offsets_ptr,
+            rank_ptr,
+            row_ptr,
+            weight_ptr,
+            gathered_ptr,
+            src_capacity,
+            hidden,
+            WIDTH,
+            RANK_MODE,
+            HAS_INIT,
+            HAS_TAIL,
+            HAS_WEIGHT,
+            SAVE_GATHERED,
+            BLOCK_ROWS,
+            BLOCK_H,
+            ALIGN,
+        )
+
+
+def _alignment(hidden: int) -> int:
+    """Largest of 8, 4, 2, 1 elements that divides every row start (for vector accesses)."""
+    for align in (8, 4, 2):
+        if hidden % align == 0:
+            return align
+    return 1
+
+
+def _dummy(device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+def push_rows(
+    src: torch.Tensor,
+    slot: torch.Tensor,
+    dst: torch.Tensor,
+    dst_offsets: torch.Tensor,
+    programs: int,
+    block_rows: int,
+    flags: torch.Tensor | None = None,
+    flag_offsets: torch.Tensor | None = None,
+    flag_base: int = 0,
+    epoch: torch.Tensor | None = None,
+    num_warps: int = 4,
+    block_h: int = BLOCK_H,
+) -> None:
+    """Push src [T, H] row t to row slot[t, d] of rank d's dst [C, H] for every d with
+    0 <= slot[t, d] < C (slot [T, ep] int64). With flags (int32, this rank's flag buffer) and
+    flag_offsets (its peer table): after each block b of block_rows rows, flags[flag_base + b] on
+    every rank is set to epoch[0] (int32, device)."""
+    tokens, hidden = src.shape
+    ep = slot.shape[1]
+    signal = flags is not None
+    device = src.device
+    if tokens == 0:
+        return
+    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
+    push_rows_kernel[(programs,)](
+        src,
+        src.stride(0),
+        tokens,
+        slot,
+        dst,
+        dst_offsets,
+        dst.shape[0],
+        flags if signal else _dummy(device, torch.int32),
+        flag_offsets if signal else _dummy(device),
+        flag_base,
+        epoch if signal else _dummy(device, torch.int32),
+        hidden,
+        EP=ep,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        ALIGN=_alignment(hidden),
+        SIGNAL=signal,
+        NUM_PROGRAMS=programs,
+        num_warps=num_warps,
+    )
+
+
+def copy_rows(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    src_row: torch.Tensor,
+    count: torch.Tensor,
+    programs: int,
+    block_rows: int,
+    src_offsets: torch.Tensor | None = None,
+    src_rank: torch.Tensor | None = None,
+    dst_row: torch.Tensor | None = None,
+    dst_offsets: torch.Tensor | None = None,
+    dst_rank: torch.Tensor | None = None,
+    flags: torch.Tensor | None = None,
+    wait: torch.Tensor | None = None,
+    epoch: torch.Tensor | None = None,
+    num_warps: int = 4,
+    block_h: int = BLOCK_H,
+) -> None:
+    """Row r (r < count, a device scalar, and r < len(src_row)) of src_{src_rank[r]} at row
+    src_row[r] (zeros if outside src) goes to dst row r, or with dst_row to row dst_row[r] of
+    dst_{dst_rank[r]} (skipped if outside dst). Without offsets/rank tables a buffer is this
+    rank's own. With flags/wait/epoch: row r is read only once flags[wait[r]] reaches epoch[0]."""
+    rows = src_row.shape[0]
+    dst_capacity, hidden = dst.shape
+    device = dst.device
+    src_peers, dst_peers = src_offsets is not None, dst_offsets is not None
+    waits = flags is not None
+    if rows == 0:
+        return
+    programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
+    copy_rows_kernel[(programs,)](
+        dst,
+        dst_offsets if dst_peers else _dummy(device),
+        dst_rank if dst_peers else _dummy(device),
+        dst_row if dst_row is not None else _dummy(device),
+        dst_capacity,
+        count,
+        rows,
+        src,
+        src_offsets if src_peers else _dummy(device),
+        src_rank if src_peers else _dummy(device),
+        src_row,
+        src.shape[0],
+        hidden,
+        flags if waits else _dummy(device, torch.int32),
+        wait if waits else _dummy(device),
+        epoch if waits else _dummy(device, torch.int32),
+        SRC_PEERS=src_peers,
+        DST_ROWS=dst_row is not None,
+        DST_PEERS=dst_peers,
+        WAIT=waits,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        ALIGN=_alignment(hidden),
+        NUM_PROGRAMS=programs,
+        num_warps=num_warps,
+    )
+
+
+def reduce_rows(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    row: torch.Tensor,
+    programs: int,
+    block_rows: int,
+    src_offsets: torch.Tensor | None = None,
+    rank: torch.Tensor | None = None,
+    rank_is_column: bool = False,
+    weight: torch.Tensor | None = None,
+    init: torch.Tensor | None = None,
+    tail: torch.Tensor | None = None,
+    count: torch.Tensor | None = None,
+    gathered: torch.Tensor | None = None,
+    num_warps: int = 4,
+    block_h: int = BLOCK_H,
+) -> None:
+    """out [N, H] = round(init + sum_j weight[:, j] * src_{rank}[row[:, j]] + tail) in fp32 with
+    j ascending (row [N, W] int64; terms with row < 0 or >= src's rows skipped). The source of
+    term (t, j): this rank's src (no src_offsets), rank j (rank_is_column) or rank[t, j]. count: a
+    device scalar bounding the rows computed (the rest of out is left as it is). gathered [N, W, H]:
+    also store every term's row."""
+    rows, hidden = out.shape
+    width = row.shape[1]
+    device = out.device
+    if rows == 0:
+        return
+    if src_offsets is None:
+        rank_mode = 0
+    elif rank_is_column:
+        rank_mode = 1
+    else:
+        rank_mode = 2
+    programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
+    reduce_rows_kernel[(programs,)](
+        out,
+        count if count is not None else _dummy(device),
+        rows,
+        init if init is not None else out,
+        tail if tail is not None else out,
+        src,
+        src_offsets if src_offsets is not None else _dummy(device),
+        rank if rank is not None else _dummy(device),
+        row,
+        weight if weight is not None else _dummy(device, torch.float32),
+        gathered if gathered is not None else out,
+        src.shape[0],
+        hidden,
+        WIDTH=width,
+        RANK_MODE=rank_mode,
+        HAS_COUNT=count is not None,
+        HAS_INIT=init is not None,
+        HAS_TAIL=tail is not None,
+        HAS_WEIGHT=weight is not None,
+        SAVE_GATHERED=gathered is not None,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
+        ALIGN=_alignment(hidden),
+        NUM_PROGRAMS=programs,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )

@@ -1,0 +1,228 @@
+"""The row-movement kernels (push, gather, reduce) against plain PyTorch indexing.
+
+Ranks are simulated in one process: rank r's buffer is slice r of one [ep, rows, H] tensor, so a
+peer-offset table is (d - r) * rows * H elements, exactly what symmetric memory provides. On the
+CPU the kernels run under the Triton interpreter, in fp32 (its bf16 arithmetic is wrong); on a GPU
+the same tests run in bf16.
+"""
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mok.kernels.rows import copy_rows, push_rows, reduce_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+
+
+def peer_offsets(ep: int, rank: int, elements_per_rank: int) -> torch.Tensor:
+    return torch.tensor(
+        [(d - rank) * elements_per_rank for d in range(ep)], dtype=torch.int64, device=DEVICE
+    )
+
+
+def random_slots(tokens: int, ep: int, capacity: int, generator) -> torch.Tensor:
+    """[T, ep]: each token to a random subset of ranks, rows in token order, some past capacity."""
+    takes = torch.rand(tokens, ep, generator=generator) < 0.6
+    slots = torch.cumsum(takes.long(), 0) - 1 + torch.randint(0, 3, (1, ep), generator=generator)
+    return torch.where(takes, slots, torch.full_like(slots, -1)).to(DEVICE)
+
+
+@given(
+    tokens=st.integers(0, 40),
+    hidden=st.sampled_from([8, 24, 40, 520]),
+    ep=st.integers(1, 3),
+    block_rows=st.sampled_from([4, 16]),
+    programs=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
+def test_push_rows_stores_each_row_at_its_slot_and_sets_flags(
+    tokens, hidden, ep, block_rows, programs, seed
+):
+    generator = torch.Generator().manual_seed(seed)
+    capacity = 16
+    rank = ep - 1
+    src = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE)
+    slots = random_slots(tokens, ep, capacity, generator)
+    # One guard row after each rank's buffer: nothing may be stored past the capacity.
+    buffers = torch.full((ep, capacity + 1, hidden), -7.0, dtype=DTYPE, device=DEVICE)
+    blocks = 12
+    flags = torch.zeros(ep, ep * blocks, dtype=torch.int32, device=DEVICE)
+    epoch = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    push_rows(
+        src,
+        slots,
+        buffers[rank, :capacity],
+        peer_offsets(ep, rank, (capacity + 1) * hidden),
+        programs,
+        block_rows,
+        flags=flags[rank],
+        flag_offsets=peer_offsets(ep, rank, ep * blocks),
+        flag_base=rank * blocks,
+        epoch=epoch,
+    )
+    expected = torch.full_like(buffers, -7.0)
+    for t in range(tokens):
+        for d in range(ep):
+            slot = int(slots[t, d])
+            if 0 <= slot < capacity:
+                expected[d, slot] = src[t]
+    assert torch.equal(buffers, expected)
+    used = -(-tokens // block_rows)
+    expected_flags = torch.zeros_like(flags)
+    expected_flags[:, rank * blocks : rank * blocks + used] = 5
+    assert torch.equal(flags, expected_flags)
+
+
+@given(
+    rows=st.integers(0, 50),
+    hidden=st.sampled_from([8, 40, 520]),
+    ep=st.integers(1, 3),
+    wait=st.booleans(),
+    scatter=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_copy_rows_moves_each_row_between_ranks(rows, hidden, ep, wait, scatter, seed):
+    """Gather (row r from rank[r], row[r]; zero-filled) or scatter (to rank[r], row[r])."""
+    generator = torch.Generator().manual_seed(seed)
+    src_rows, dst_rows = 17, 19
+    sources = torch.randn(ep, src_rows, hidden, generator=generator).to(DEVICE, DTYPE)
+    src_rank = torch.randint(0, ep, (rows,), generator=generator).to(DEVICE)
+    src_row = torch.randint(-3, src_rows + 3, (rows,), generator=generator).to(DEVICE)
+    # distinct destination rows per rank, some out of range
+    dst_row = torch.randperm(max(rows, dst_rows) + 6, generator=generator)[:rows].to(DEVICE) - 3
+    dst_rank = torch.randint(0, ep, (rows,), generator=generator).to(DEVICE)
+    count = torch.tensor([max(rows - 2, 0)], dtype=torch.int64, device=DEVICE)
+    # one guard row after each rank's destination
+    out = torch.full((ep, max(rows, dst_rows) + 1, hidden), -7.0, dtype=DTYPE, device=DEVICE)
+    out_rows = dst_rows if scatter else rows
+    me = 0
+    waits = {}
+    if wait:  # flags already published: the wait must pass, never hang
+        flags = torch.full((6,), 9, dtype=torch.int32, device=DEVICE)
+        index = torch.randint(0, 6, (rows,), generator=generator).to(DEVICE)
+        waits = {
+            "flags": flags,
+            "wait": index,
+            "epoch": torch.tensor([9], dtype=torch.int32, device=DEVICE),
+        }
+    targets = {}
+    if scatter:
+        per_rank = out.shape[1] * hidden
+        targets = {
+            "dst_row": dst_row,
+            "dst_offsets": peer_offsets(ep, me, per_rank),
+            "dst_rank": dst_rank,
+        }
+    copy_rows(
+        out[me, :out_rows],
+        sources[me],
+        src_row,
+        count,
+        programs=2,
+        block_rows=8,
+        src_offsets=peer_offsets(ep, me, src_rows * hidden),
+        src_rank=src_rank,
+        **targets,
+        **waits,
+    )
+    expected = torch.full_like(out, -7.0)
+    for r in range(int(count)):
+        row = int(src_row[r])
+        value = sources[src_rank[r], row] if 0 <= row < src_rows else 0.0
+        if not scatter:
+            expected[me, r] = value
+        elif 0 <= int(dst_row[r]) < dst_rows:
+            expected[dst_rank[r], dst_row[r]] = value
+    assert torch.equal(out, expected)
+
+
+def reference_reduce(init, terms, weights, tail):
+    """The contract: fp32, init first, j ascending, each product rounded, tail last."""
+    acc = torch.zeros_like(terms[:, 0], dtype=torch.float32) if init is None else init.float()
+    for j in range(terms.shape[1]):
+        term = terms[:, j].float()
+        acc = acc + (term if weights is None else weights[:, j, None].float() * term)
+    if tail is not None:
+        acc = acc + tail.float()
+    return acc
+
+
+@given(
+    tokens=st.integers(0, 30),
+    hidden=st.sampled_from([8, 40, 520]),
+    width=st.integers(1, 4),
+    ep=st.integers(1, 3),
+    mode=st.sampled_from(["local", "column", "table"]),
+    weighted=st.booleans(),
+    with_init=st.booleans(),
+    with_tail=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_reduce_rows_sums_terms_in_order(
+    tokens, hidden, width, ep, mode, weighted, with_init, with_tail, seed
+):
+    generator = torch.Generator().manual_seed(seed)
+    if mode == "column":
+        width = ep
+    src_rows = 13
+    sources = torch.randn(ep, src_rows, hidden, generator=generator).to(DEVICE, DTYPE)
+    rows = torch.randint(-2, src_rows + 2, (tokens, width), generator=generator).to(DEVICE)
+    if mode == "local":
+        ranks = torch.zeros_like(rows)
+    elif mode == "column":
+        ranks = torch.arange(width, device=DEVICE).expand(tokens, width)
+    else:
+        ranks = torch.randint(0, ep, (tokens, width), generator=generator).to(DEVICE)
+    weights = torch.rand(tokens, width, generator=generator).to(DEVICE) if weighted else None
+    init = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE) if with_init else None
+    tail = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE) if with_tail else None
+    me = 0
+    out = torch.empty(tokens, hidden, dtype=DTYPE, device=DEVICE)
+    gathered = torch.empty(tokens, width, hidden, dtype=DTYPE, device=DEVICE)
+    reduce_rows(
+        out,
+        sources[me],
+        rows,
+        programs=2,
+        block_rows=4,
+        src_offsets=None if mode == "local" else peer_offsets(ep, me, src_rows * hidden),
+        rank=ranks.contiguous() if mode == "table" else None,
+        rank_is_column=mode == "column",
+        weight=weights,
+        init=init,
+        tail=tail,
+        gathered=gathered,
+    )
+    valid = (rows >= 0) & (rows < src_rows)
+    terms = sources[ranks, rows.clamp(0, src_rows - 1)] * valid[..., None]
+    assert torch.equal(gathered, terms)
+    assert torch.equal(out, reference_reduce(init, terms, weights, tail).to(DTYPE))
+
+
+def test_reduce_rows_count_bounds_the_rows_written():
+    src = torch.arange(24.0, device=DEVICE).to(DTYPE).view(3, 8)
+    rows = torch.tensor([[2], [1], [0], [1]], device=DEVICE)
+    out = torch.full((4, 8), -1.0, dtype=DTYPE, device=DEVICE)
+    count = torch.tensor([2], device=DEVICE)
+    reduce_rows(out, src, rows, programs=1, block_rows=4, count=count)
+    assert torch.equal(out[:2], src[[2, 1]])
+    assert torch.equal(out[2:], torch.full((2, 8), -1.0, dtype=DTYPE, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_reduce_rows_matches_the_reference_combine_bitwise_in_bf16():
+    """No multiply-add contraction: the same bits as mok.reference.combine."""
+    from mok.reference import combine
+
+    generator = torch.Generator().manual_seed(0)
+    tokens, top_k, hidden = 300, 8, 7168
+    outputs = torch.randn(tokens, top_k, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+    weights = torch.rand(tokens, top_k, generator=generator).to(DEVICE)
+    shared = torch.randn(tokens, hidden, generator=generator).to(DEVICE, torch.bfloat16)
+    rows = torch.arange(tokens * top_k, device=DEVICE).view(tokens, top_k)
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
+    reduce_rows(out, outputs.view(-1, hidden), rows, 24, 8, weight=weights, init=shared)
+    assert torch.equal(out, combine(outputs, weights, shared))
