@@ -62,7 +62,12 @@ TINY = mok.get_preset("tiny").config()
 
 
 def standard_scenarios(world):
-    tokens = [37, 64, 0, 5][:world] if world == 4 else [37, 0]
+    """The scenarios of the multi-rank tests at 2, 4 or 8 ranks."""
+    if world == 8:
+        return eight_rank_scenarios()
+    if world not in (2, 4):
+        raise ValueError(f"no standard scenarios for {world} ranks (2, 4 or 8)")
+    tokens = [37, 64, 0, 5] if world == 4 else [37, 0]
     cases = [scenario(TINY, tokens, routing, seed) for seed, routing in enumerate(ROUTINGS)]
     cases.append(scenario(TINY.replace(swiglu_limit=0.8), [23] * world, "zipf", 10))
     top1 = TINY.replace(top_k=1, shared_intermediate_size=0, swiglu_limit=1.0)
@@ -76,3 +81,38 @@ def standard_scenarios(world):
     )
     cases.append(scenario(odd, [29 + r for r in range(world)], "zipf", 12))
     return cases
+
+
+# 8 ranks on the 2-core CI machines: spawning them costs ~10 s, so one spawn runs a few small
+# cases that still cover what 8 ranks add: ranks without tokens (1, 3, 6), ranks and experts that
+# receive nothing, one expert per rank (E = ep) and several.
+EIGHT_RANK_TOKENS = [9, 0, 5, 0, 12, 3, 0, 7]
+
+
+def eight_rank_scenarios():
+    tokens = EIGHT_RANK_TOKENS
+    two_per_rank = mok.MoKConfig(
+        hidden_size=48,
+        intermediate_size=40,
+        num_experts=16,
+        top_k=3,
+        shared_intermediate_size=24,
+        swiglu_limit=0.8,
+    )
+    top1 = TINY.replace(top_k=1, shared_intermediate_size=0)
+    return [
+        scenario(TINY, tokens, "uniform", 20),
+        # experts 0 and 1 only: ranks 2..7 receive nothing; rank 1 has no tokens but receives
+        scenario(TINY.replace(swiglu_limit=0.8), tokens, "first-experts", 21),
+        # only even experts: one empty expert on every rank
+        scenario(two_per_rank, tokens, "half-empty", 22),
+        scenario(top1, tokens, "zipf", 23),
+    ]
+
+
+def empty_experts(case):
+    """Experts that no token of any rank picked in a scenario."""
+    config = case["config"]
+    picked = torch.cat([r.topk_idx.reshape(-1) for r in case["ranks"]])
+    counts = torch.bincount(picked, minlength=config.num_experts)
+    return (counts == 0).nonzero().flatten().tolist()

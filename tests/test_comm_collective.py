@@ -1,5 +1,5 @@
-"""The collective (NCCL/gloo) token exchange on 2 and 4 gloo ranks: dispatch, the reference experts,
-combine and both backward steps, against the single-process reference layer."""
+"""The collective (NCCL/gloo) token exchange on 2, 4 and 8 gloo ranks: dispatch, the reference
+experts, combine and both backward steps, against the single-process reference layer."""
 
 import dataclasses
 
@@ -13,7 +13,7 @@ from mok.launch import run_ranks
 from mok.reference import expert_mlp, grouped_expert_mlp, moe_forward
 from mok.testing import RankInputs, global_weights, relative_error
 
-from ep_cases import TINY, rank_inputs
+from ep_cases import EIGHT_RANK_TOKENS, TINY, rank_inputs
 
 
 def exchange_case(rank, world, config, tokens_per_rank, routing, seed, device="cpu"):
@@ -98,22 +98,38 @@ def exchange_cases(rank, world, cases, device="cpu"):
     ]
 
 
+# 8 ranks (one spawn, ~10 s on 2 cores): one expert per rank, two per rank with the even ones
+# empty, all picks on the first owner(s), top-1; ranks 1, 3 and 6 have no tokens.
+EIGHT_RANK_CASES = [
+    ("uniform", TINY),
+    ("first-experts", TINY.replace(swiglu_limit=0.7)),
+    ("first-experts", mok.MoKConfig(48, 40, 16, 2, shared_intermediate_size=0)),
+    ("half-empty", mok.MoKConfig(48, 40, 16, 3, shared_intermediate_size=16)),
+    ("zipf", TINY.replace(top_k=1)),
+]
+
+
 def run_cases(world, backend="gloo", device="cpu"):
-    tokens = [33, 0, 20, 7][:world]
-    cases = [(kind, config, tokens) for kind, config in CASES]
+    if world == 8:
+        cases = [(kind, config, EIGHT_RANK_TOKENS) for kind, config in EIGHT_RANK_CASES]
+    else:
+        tokens = [33, 0, 20, 7][:world]
+        cases = [(kind, config, tokens) for kind, config in CASES]
     results = run_ranks(exchange_cases, world, args=(cases, device), backend=backend)
     check(cases, results, world)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_collective_exchange_matches_reference(world):
     run_cases(world)
 
 
 @pytest.mark.multigpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_collective_exchange_over_nccl():
-    run_cases(2, backend="nccl", device="cuda")
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_collective_exchange_over_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    run_cases(world, backend="nccl", device="cuda")
 
 
 def check(cases, results, world):
@@ -125,10 +141,13 @@ def check(cases, results, world):
             # grad x rounds once from fp32 where autograd rounds per contribution: bf16 level.
             assert errors["grad x"] < 1e-2, context
             assert errors["grad topk_weights"] < 1e-5, context
-        # A token crosses once per owner: with all picks on the first experts (one owner) and
-        # k = 2, half as many staging rows as pairs.
+        # A token crosses once per owner: with all picks on the first k experts, each token
+        # reaches ceil(k / E_loc) owners (k = 2, E_loc >= 2: half as many staging rows as pairs).
         staging = sum(r["staging rows"] for r in per_rank)
         grouped = sum(r["grouped rows"] for r in per_rank)
         assert staging <= grouped
         if kind == "first-experts":
-            assert 2 * staging == grouped, (staging, grouped)
+            owners = -(-config.top_k // config.local_experts(world))
+            assert staging * config.top_k == grouped * owners, (staging, grouped)
+            # only those owners receive anything
+            assert all(r["grouped rows"] == 0 for r in per_rank[owners:]), per_rank

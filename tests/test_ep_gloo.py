@@ -1,5 +1,5 @@
-"""Expert parallelism on the CPU: 2 and 4 gloo ranks against the single-process reference, and bad
-input on one rank raising on all ranks instead of hanging."""
+"""Expert parallelism on the CPU: 2, 4 and 8 gloo ranks against the single-process reference, and
+bad input on one rank raising on all ranks instead of hanging."""
 
 import re
 
@@ -14,16 +14,33 @@ from mok.launch import run_ranks
 from mok.routing import random_weights
 from mok.testing import RankInputs
 
-from ep_cases import assert_close_to_reference, check_scenarios, rank_inputs, standard_scenarios
+from ep_cases import (
+    EIGHT_RANK_TOKENS,
+    assert_close_to_reference,
+    check_scenarios,
+    eight_rank_scenarios,
+    empty_experts,
+    rank_inputs,
+    standard_scenarios,
+)
 
 TINY = mok.get_preset("tiny").config()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_expert_parallel_equals_single_process(world):
     scenarios = standard_scenarios(world)
     results = run_ranks(check_scenarios, world, args=(scenarios,), timeout_s=300)
     assert_close_to_reference(results, scenarios)
+
+
+def test_eight_rank_scenarios_have_idle_ranks_and_empty_experts():
+    assert EIGHT_RANK_TOKENS.count(0) == 3
+    scenarios = eight_rank_scenarios()
+    assert all(len(case["ranks"]) == 8 for case in scenarios)
+    first, half = scenarios[1], scenarios[2]
+    assert empty_experts(first) == list(range(2, 8))  # ranks 2..7 receive nothing
+    assert set(empty_experts(half)) >= set(range(1, 16, 2))  # one empty expert on every rank
 
 
 @st.composite
