@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from mok.cli import main
+from mok.presets import PRESETS, Preset
 
 
 def run_mok(*args):
@@ -36,13 +37,23 @@ def test_bench_checks_then_times_on_spawned_gloo_ranks(tmp_path):
         str(out),
     )
     assert done.returncode == 0, done.stderr
-    assert "forward+backward" in done.stdout
-    result = json.loads(out.read_text())
-    assert result["backend"] == "reference"
+    assert "forward+backward" in done.stdout and "baseline" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["dense_tflops"] is None  # no compute floor on the CPU unless asked for
+    (result,) = report["results"]
     assert result["spec"]["ep"] == 2 and result["spec"]["tokens"] == 300
-    assert result["forward_ms"] > 0 and result["forward_backward_ms"] > 0
-    assert set(result["check_errors"]) >= {"y", "grad x", "grad topk_weights", "grad gate"}
-    assert max(result["check_errors"].values()) < 1e-2
+    backend, baseline = result["backend"], result["baseline"]
+    assert backend["name"] == "reference" and baseline["name"] == "baseline"
+    for measurement in (backend, baseline):
+        assert set(measurement["check_errors"]) >= {"y", "grad x", "grad topk_weights", "grad gate"}
+        for pass_name in ("forward", "forward_backward"):
+            timing = measurement[pass_name]
+            assert timing["ms"] > 0 and timing["floor_ratio"] is None
+    assert max(backend["check_errors"].values()) < 1e-2
+    assert max(baseline["check_errors"].values()) < 2e-2
+    assert result["forward_speedup"] == pytest.approx(
+        baseline["forward"]["ms"] / backend["forward"]["ms"]
+    )
 
 
 def test_bench_in_one_process_with_skewed_routing(capsys):
@@ -70,11 +81,66 @@ def test_bench_in_one_process_with_skewed_routing(capsys):
     assert "zipf routing" in capsys.readouterr().out
 
 
+def test_bench_writes_json_markdown_and_png_for_several_ep_sizes(tmp_path):
+    done = run_mok(
+        "bench",
+        "--device",
+        "cpu",
+        "--ep",
+        "1,2",
+        "--tokens",
+        "200",
+        "--iters",
+        "2",
+        "--warmup",
+        "0",
+        "--check-tokens",
+        "32",
+        "--dense-tflops",
+        "0.5",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "report"),
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads((tmp_path / "report" / "mok-bench.json").read_text())
+    assert {"date", "commit", "machine", "torch", "device", "command"} <= set(report)
+    assert report["dense_tflops"] == 0.5 and "--ep 1,2" in report["command"]
+    assert [result["spec"]["ep"] for result in report["results"]] == [1, 2]
+    for result in report["results"]:
+        assert result["forward_backward_floor_ms"] == pytest.approx(3 * result["forward_floor_ms"])
+        for which in ("backend", "baseline"):
+            timing = result[which]["forward_backward"]
+            floor_ratio = timing["ms"] / result["forward_backward_floor_ms"]
+            assert timing["floor_ratio"] == pytest.approx(floor_ratio)
+            assert timing["tflops"] > 0 and timing["peak_memory_gib"] > 0
+    markdown = (tmp_path / "report" / "mok-bench.md").read_text()
+    assert f"commit `{report['commit']}`" in markdown and "0.5 TFLOP/s" in markdown
+    assert "| tiny | 1 | 200 | forward | reference |" in markdown
+    assert "| tiny | 2 | 200 | forward+backward | reference |" in markdown
+    png = (tmp_path / "report" / "mok-bench.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
+
+
+def test_bench_runs_several_presets_in_one_call(monkeypatch, tmp_path):
+    monkeypatch.setitem(PRESETS, "tiny-odd", Preset("tiny-odd", 48, 40, 6, 3, 24))
+    out = tmp_path / "bench.json"
+    args = ["bench", "--device", "cpu", "--preset", "tiny,tiny-odd", "--ep", "1", "--tokens", "50"]
+    args += ["--iters", "1", "--warmup", "0", "--no-progress", "--json", str(out)]
+    assert main(args) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [result["spec"]["preset"] for result in results] == ["tiny", "tiny-odd"]
+
+
 def test_bench_refuses_what_it_cannot_run():
     done = run_mok("bench", "--preset", "nope")
     assert done.returncode == 2 and "invalid choice: 'nope'" in done.stderr
+    done = run_mok("bench", "--device", "cpu", "--ep", "1,3")
+    assert done.returncode == 2 and "--ep 3: preset tiny has 8 experts" in done.stderr
     with pytest.raises(SystemExit):
         main(["bench", "--iters", "0"])
+    with pytest.raises(SystemExit):
+        main(["bench", "--dense-tflops", "0"])
 
 
 def test_env_reports_backends_as_json():

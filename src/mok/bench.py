@@ -1,33 +1,57 @@
-"""`mok bench`: time the layer forward and forward+backward at a chosen expert-parallel size.
+"""`mok bench`: check, then time, the layer forward and forward+backward next to the standard
+PyTorch path (`mok.baseline`), at one or several presets and expert-parallel sizes.
 
 Every rank builds the same global weights and every rank's inputs from seeded generators, so that
 each rank can check its expert-parallel results against the single-process reference on the inputs
-of all ranks before anything is timed. Times are per iteration the slowest rank's, then the median
-over iterations.
+of all ranks before anything is timed. The baseline and the backend run on the same weights and
+inputs with the same iteration scheme: per iteration the slowest rank's time, then the median over
+iterations. The baseline runs first, before the backend's workspace exists, so that each peak
+memory figure holds the weights and inputs plus that implementation's own buffers only.
+
+Reports (`write_report`): a JSON document, a markdown table and a PNG plot, stamped with the date,
+the commit and the machine.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import importlib.util
+import json
 import os
+import platform
 import resource
 import statistics
+import subprocess
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import mok
+from mok.baseline import BaselineMoE
 from mok.distributed import all_gather_int64
 from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
 from mok.routing import make_routing
 from mok.testing import RankInputs, compare_with_reference, global_weights
 
-# Relative Frobenius error allowed between the backend and the single-process reference.
-# The reference computes in fp32; bf16 outputs round at ~4e-3 relative per element.
-CHECK_TOLERANCE = {"reference": 1e-2}
+BASELINE = "baseline"
+# Relative Frobenius error allowed against the single-process reference. The reference computes in
+# fp32; bf16 outputs round at ~4e-3 relative per element, and the baseline rounds to bf16 more
+# often (see mok.baseline).
+CHECK_TOLERANCE = {"reference": 1e-2, BASELINE: 2e-2}
 DEFAULT_CHECK_TOLERANCE = 2e-2
+# The baseline rounds gate and up to bf16 before the SwiGLU clamp: elements whose rounded value
+# lands on the other side of the limit switch their gradient on or off (~6e-2 relative error in the
+# gradients at a limit near 1 on unit-scale data).
+BASELINE_CLAMPED_GRADIENT_TOLERANCE = 1.5e-1
+# Dense bf16 rate of the compute floor on CUDA unless told otherwise: cuBLAS bf16 GEMM 8192^3 on an
+# H200, measured on the reference machine (2026-11-30).
+H200_DENSE_BF16_TFLOPS = 794.0
+PASSES = {"forward": False, "forward+backward": True}  # name -> with backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +70,8 @@ class BenchSpec:
     swiglu_limit: float | None = None
     seed: int = 0
     progress: bool = True
+    dense_tflops: float | None = None
+    """Dense bf16 TFLOP/s that defines the compute floor (FLOPs / rate); None: no floor."""
 
     @property
     def tokens_per_rank(self) -> int:
@@ -60,29 +86,70 @@ class BenchSpec:
 
 
 @dataclasses.dataclass
-class BenchResult:
-    spec: BenchSpec
-    backend: str
-    check_errors: dict[str, float]
-    forward_ms: float
-    forward_backward_ms: float
-    forward_tflops: float
-    forward_backward_tflops: float
-    peak_memory_gib: float
-    memory_kind: str
+class PassTiming:
+    """One pass of one implementation: the median over iterations of the slowest rank's time."""
 
-    def rows(self) -> list[tuple[str, str, str, str]]:
-        """(pass, time, TFLOP/s, peak memory) table rows."""
-        memory = f"{self.peak_memory_gib:.2f} GiB ({self.memory_kind})"
-        return [
-            ("forward", f"{self.forward_ms:.3f} ms", f"{self.forward_tflops:.2f}", memory),
-            (
-                "forward+backward",
-                f"{self.forward_backward_ms:.3f} ms",
-                f"{self.forward_backward_tflops:.2f}",
-                memory,
-            ),
-        ]
+    ms: float
+    tflops: float
+    """Per rank: the pass's GEMM FLOPs (`MoKConfig.forward_flops`, 3x with backward) / time."""
+    floor_ratio: float | None
+    """Time / compute floor (>= 1; 1 is the floor); None without a dense rate or without FLOPs."""
+    peak_memory_gib: float
+    """Of the rank that used the most."""
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One implementation at one spec: its check against the reference, then its timings."""
+
+    name: str
+    check_errors: dict[str, float]
+    forward: PassTiming
+    forward_backward: PassTiming
+
+    def timing(self, pass_name: str) -> PassTiming:
+        return self.forward if pass_name == "forward" else self.forward_backward
+
+
+@dataclasses.dataclass
+class BenchResult:
+    """The backend and the baseline at one spec, on the same weights and inputs."""
+
+    spec: BenchSpec
+    memory_kind: str
+    forward_floor_ms: float | None
+    forward_backward_floor_ms: float | None
+    backend: Measurement
+    baseline: Measurement
+    forward_speedup: float
+    """Baseline time / backend time (> 1: the backend is faster)."""
+    forward_backward_speedup: float
+
+    def speedup(self, pass_name: str) -> float:
+        return self.forward_speedup if pass_name == "forward" else self.forward_backward_speedup
+
+    def table(self) -> tuple[list[str], list[list[str]]]:
+        """Column headers ("<pass>\n<implementation>") and rows (time, TFLOP/s per rank, time over
+        the compute floor, peak memory per rank, speedup), each row led by its label."""
+        columns, cells = [""], {label: [label] for label in TABLE_ROWS}
+        for pass_name in PASSES:
+            for measurement in (self.backend, self.baseline):
+                timing = measurement.timing(pass_name)
+                columns.append(f"{pass_name}\n{measurement.name}")
+                cells["time"].append(f"{timing.ms:.3f} ms")
+                cells["TFLOP/s"].append(f"{timing.tflops:.2f}")
+                cells["x floor"].append(_format_ratio(timing.floor_ratio))
+                cells["peak memory"].append(f"{timing.peak_memory_gib:.2f} GiB")
+                is_backend = measurement is self.backend
+                cells["speedup"].append(f"{self.speedup(pass_name):.2f}x" if is_backend else "")
+        return columns, list(cells.values())
+
+
+TABLE_ROWS = ("time", "TFLOP/s", "x floor", "peak memory", "speedup")
+
+
+def _format_ratio(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _rank_inputs(spec: BenchSpec, config: mok.MoKConfig, rank: int, tokens: int, device):
@@ -115,6 +182,12 @@ def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str,
     return compare_with_reference(layer, global_weights(config, spec.seed, device), everyone, rank)
 
 
+def _tolerance(implementation: str, error_name: str, clamped: bool) -> float:
+    if implementation == BASELINE and clamped and error_name.startswith("grad"):
+        return BASELINE_CLAMPED_GRADIENT_TOLERANCE
+    return CHECK_TOLERANCE.get(implementation, DEFAULT_CHECK_TOLERANCE)
+
+
 class _Timer:
     """Wall time of a region: CUDA events on GPUs, the host clock on the CPU."""
 
@@ -142,102 +215,146 @@ class _Timer:
         return (self.t1 - self.t0) * 1e3
 
 
-def _time_passes(spec, config, layer, rank, device, group, progress) -> tuple[float, float]:
-    """Median over iterations of the slowest rank's time: (forward ms, forward+backward ms)."""
-    x, idx, weights = _rank_inputs(spec, config, rank, spec.tokens_per_rank, device)
-    x.requires_grad_(True)
-    weights.requires_grad_(True)
-    grad_y = _output_gradient(spec, rank, spec.tokens_per_rank, config, device)
-    medians = []
-    for name, with_backward in (("forward", False), ("forward+backward", True)):
-        task = progress.add_task(name, total=spec.warmup + spec.iters) if progress else None
-        times = []
-        for it in range(spec.warmup + spec.iters):
-            if group is not None:
-                dist.barrier(group)
-            with _Timer(device) as timer:
-                y = layer(x, idx, weights)
-                if with_backward:
-                    y.backward(grad_y)
-            elapsed = timer.ms()
-            layer.zero_grad(set_to_none=True)
-            x.grad = weights.grad = None
-            if it >= spec.warmup:
-                times.append(elapsed)
-            if progress:
-                progress.advance(task)
-        slowest = torch.tensor(times, dtype=torch.float64)
-        if group is not None:
-            gathered = all_gather_int64((slowest * 1e6).round().to(torch.int64), group)
-            slowest = gathered.max(0).values.double() / 1e6
-        medians.append(statistics.median(slowest.tolist()))
-    return medians[0], medians[1]
+def _max_over_ranks(values: list[float], group) -> list[float]:
+    """Elementwise maximum over the ranks of equally long lists (to 1e-6)."""
+    if group is None:
+        return values
+    scaled = (torch.tensor(values, dtype=torch.float64) * 1e6).round().to(torch.int64)
+    return (all_gather_int64(scaled, group).max(0).values.double() / 1e6).tolist()
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def _peak_memory(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30, "CUDA allocated"
-    # ru_maxrss is in KiB on Linux: the whole process, so an upper bound on the layer's memory.
+    # ru_maxrss is in KiB on Linux: the whole process since it started, so an upper bound on the
+    # layer's memory that cannot be reset between passes.
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process RSS"
 
 
-def bench_rank(rank: int, ep: int, spec: BenchSpec) -> BenchResult:
-    """One rank's part of the benchmark; the process group (if ep > 1) is already initialized."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if spec.device == "cuda"
-        else (torch.device("cpu"))
-    )
-    group = dist.group.WORLD if ep > 1 else None
+def _time_pass(spec, layer, inputs, with_backward, group, progress, label) -> tuple[float, float]:
+    """(median over iterations of the slowest rank's ms, peak memory GiB of the largest rank)."""
+    x, idx, weights, grad_y = inputs
+    task = progress.add_task(label, total=spec.warmup + spec.iters) if progress else None
+    _reset_peak_memory(x.device)
+    times = []
+    for it in range(spec.warmup + spec.iters):
+        if group is not None:
+            dist.barrier(group)
+        with _Timer(x.device) as timer:
+            y = layer(x, idx, weights)
+            if with_backward:
+                y.backward(grad_y)
+        elapsed = timer.ms()
+        del y  # so that the next forward's peak does not hold this one's graph
+        layer.zero_grad(set_to_none=True)
+        x.grad = weights.grad = None
+        if it >= spec.warmup:
+            times.append(elapsed)
+        if progress:
+            progress.advance(task)
+    slowest = _max_over_ranks(times, group)
+    peak = _max_over_ranks([_peak_memory(x.device)[0]], group)[0]
+    return statistics.median(slowest), peak
+
+
+def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurement:
+    """Check `layer` against the reference (raising beyond tolerance), then time both passes."""
+    device = inputs[0].device
+    is_baseline = isinstance(layer, BaselineMoE)
+    if progress:
+        check_task = progress.add_task(f"check {BASELINE if is_baseline else 'backend'}", total=1)
+    errors = _check_against_reference(spec, config, layer, rank, ep, device)
+    if progress:
+        progress.advance(check_task)
+    name = BASELINE if is_baseline else layer.workspace(device).backend_name
+    clamped = config.swiglu_limit is not None
+    failed = {
+        error_name: (error, _tolerance(name, error_name, clamped))
+        for error_name, error in errors.items()
+        if not error <= _tolerance(name, error_name, clamped)
+    }
+    if failed:
+        raise AssertionError(
+            f"rank {rank}: {name} differs from the single-process reference beyond tolerance "
+            f"(relative error, tolerance): {failed}"
+        )
+    flops = config.forward_flops(spec.tokens_per_rank)
+    timings = {}
+    for pass_name, with_backward in PASSES.items():
+        ms, peak = _time_pass(
+            spec, layer, inputs, with_backward, group, progress, f"{name} {pass_name}"
+        )
+        pass_flops = 3 * flops if with_backward else flops
+        floor_ms = _floor_ms(pass_flops, spec.dense_tflops)
+        timings[pass_name] = PassTiming(
+            ms=ms,
+            tflops=pass_flops / ms / 1e9,
+            floor_ratio=ms / floor_ms if floor_ms else None,
+            peak_memory_gib=peak,
+        )
+    return Measurement(name, errors, timings["forward"], timings["forward+backward"])
+
+
+def _floor_ms(flops: int, dense_tflops: float | None) -> float | None:
+    return None if dense_tflops is None else flops / dense_tflops / 1e9
+
+
+def _timing_inputs(spec, config, rank, device):
+    """This rank's (x, topk_idx, topk_weights, grad_y) of the timed iterations."""
+    x, idx, weights = _rank_inputs(spec, config, rank, spec.tokens_per_rank, device)
+    grad_y = _output_gradient(spec, rank, spec.tokens_per_rank, config, device)
+    return x.requires_grad_(True), idx, weights.requires_grad_(True), grad_y
+
+
+def _bench_spec(spec: BenchSpec, rank, ep, device, group, progress) -> BenchResult:
     config = spec.config()
     torch.manual_seed(spec.seed)
     layer = mok.MoE(config, group=group, device=device)
     layer.load_global_weights(global_weights(config, spec.seed, device))
-
-    progress = None
-    if spec.progress and rank == 0:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-        progress = Progress(
-            TextColumn("{task.description:>18}"), BarColumn(), MofNCompleteColumn(), transient=True
-        )
-        progress.start()
-    try:
-        if progress:
-            check_task = progress.add_task("check", total=1)
-        errors = _check_against_reference(spec, config, layer, rank, ep, device)
-        if progress:
-            progress.advance(check_task)
-        backend = layer.workspace(device).backend_name
-        tolerance = CHECK_TOLERANCE.get(backend, DEFAULT_CHECK_TOLERANCE)
-        failed = {name: err for name, err in errors.items() if not err <= tolerance}
-        if failed:
-            raise AssertionError(
-                f"rank {rank}: {backend} differs from the single-process reference beyond "
-                f"{tolerance:g} (relative error): {failed}"
-            )
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        fwd_ms, fwd_bwd_ms = _time_passes(spec, config, layer, rank, device, group, progress)
-    finally:
-        if progress:
-            progress.stop()
-    peak, memory_kind = _peak_memory(device)
-    if group is not None:
-        peaks = all_gather_int64(torch.tensor([round(peak * 2**20)]), group)
-        peak = peaks.max().item() / 2**20
+    inputs = _timing_inputs(spec, config, rank, device)
+    measure_args = (rank, ep, inputs, group, progress)
+    baseline = _measure(spec, config, BaselineMoE.sharing_weights_of(layer), *measure_args)
+    backend = _measure(spec, config, layer, *measure_args)
     flops = config.forward_flops(spec.tokens_per_rank)
     return BenchResult(
         spec=spec,
+        memory_kind=_peak_memory(device)[1],
+        forward_floor_ms=_floor_ms(flops, spec.dense_tflops),
+        forward_backward_floor_ms=_floor_ms(3 * flops, spec.dense_tflops),
         backend=backend,
-        check_errors=errors,
-        forward_ms=fwd_ms,
-        forward_backward_ms=fwd_bwd_ms,
-        forward_tflops=flops / fwd_ms / 1e9,
-        forward_backward_tflops=3 * flops / fwd_bwd_ms / 1e9,
-        peak_memory_gib=peak,
-        memory_kind=memory_kind,
+        baseline=baseline,
+        forward_speedup=baseline.forward.ms / backend.forward.ms,
+        forward_backward_speedup=baseline.forward_backward.ms / backend.forward_backward.ms,
     )
+
+
+def bench_rank(rank: int, ep: int, specs: Sequence[BenchSpec]) -> list[BenchResult]:
+    """One rank's part of the benchmark of `specs`, all at expert-parallel size `ep`; the process
+    group (if ep > 1) is already initialized."""
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if specs[0].device == "cuda"
+        else torch.device("cpu")
+    )
+    group = dist.group.WORLD if ep > 1 else None
+    progress = None
+    if specs[0].progress and rank == 0:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        progress = Progress(
+            TextColumn("{task.description:>30}"), BarColumn(), MofNCompleteColumn(), transient=True
+        )
+        progress.start()
+    try:
+        return [_bench_spec(spec, rank, ep, device, group, progress) for spec in specs]
+    finally:
+        if progress:
+            progress.stop()
 
 
 def _torchrun_world() -> tuple[int, int] | None:
@@ -246,24 +363,228 @@ def _torchrun_world() -> tuple[int, int] | None:
     return None
 
 
-def run_bench(spec: BenchSpec) -> BenchResult:
-    """Run the benchmark: in this process for ep=1, under an existing torchrun job, or by spawning
-    `spec.ep` ranks (gloo on the CPU, NCCL with one GPU per rank). Returns rank 0's result."""
-    if spec.device == "cuda" and torch.cuda.device_count() < spec.ep:
-        raise ValueError(
-            f"ep={spec.ep} needs {spec.ep} GPUs, this machine has {torch.cuda.device_count()}"
-        )
-    backend = "nccl" if spec.device == "cuda" else "gloo"
+def run_bench(specs: Sequence[BenchSpec]) -> list[BenchResult]:
+    """Run the benchmark of every spec: in this process for ep=1, under an existing torchrun job, or
+    by spawning ep ranks (gloo on the CPU, NCCL with one GPU per rank), once per expert-parallel
+    size. Returns rank 0's results, in the order of `specs`."""
     torchrun = _torchrun_world()
-    if torchrun is not None:
-        rank, world = torchrun
-        if world != spec.ep:
-            raise ValueError(f"torchrun started {world} ranks but --ep is {spec.ep}")
-        if not dist.is_initialized():
-            init_from_env(backend)
-        return bench_rank(rank, world, spec)
-    if spec.ep == 1:
-        if spec.device == "cuda":
-            torch.cuda.set_device(0)
-        return bench_rank(0, 1, spec)
-    return run_ranks(bench_rank, spec.ep, args=(spec,), backend=backend)[0]
+    for spec in specs:
+        if spec.device == "cuda" and torch.cuda.device_count() < spec.ep:
+            raise ValueError(
+                f"ep={spec.ep} needs {spec.ep} GPUs, this machine has {torch.cuda.device_count()}"
+            )
+        if torchrun is not None and torchrun[1] != spec.ep:
+            raise ValueError(f"torchrun started {torchrun[1]} ranks but --ep is {spec.ep}")
+    indices_by_ep: dict[int, list[int]] = {}
+    for index, spec in enumerate(specs):
+        indices_by_ep.setdefault(spec.ep, []).append(index)
+    results: list[BenchResult | None] = [None] * len(specs)
+    for ep, indices in indices_by_ep.items():
+        same_ep = [specs[i] for i in indices]
+        backend = "nccl" if same_ep[0].device == "cuda" else "gloo"
+        if torchrun is not None:
+            if not dist.is_initialized():
+                init_from_env(backend)
+            done = bench_rank(torchrun[0], ep, same_ep)
+        elif ep == 1:
+            if same_ep[0].device == "cuda":
+                torch.cuda.set_device(0)
+            done = bench_rank(0, 1, same_ep)
+        else:
+            done = run_ranks(bench_rank, ep, args=(same_ep,), backend=backend)[0]
+        for index, result in zip(indices, done, strict=True):
+            results[index] = result
+    return results
+
+
+# ------------------------------------------------------------------------------------------------
+# Reports
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportHeader:
+    """Where, when and how results were measured: stamped on every report."""
+
+    date: str
+    commit: str
+    machine: str
+    torch: str
+    device: str
+    dense_tflops: float | None
+    command: str
+
+
+def report_header(device: str, dense_tflops: float | None, command: str) -> ReportHeader:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return ReportHeader(
+        date=now.strftime("%Y-%m-%d %H:%M UTC"),
+        commit=_git_commit(),
+        machine=_machine(device),
+        torch=torch.__version__,
+        device=device,
+        dense_tflops=dense_tflops,
+        command=command,
+    )
+
+
+def _git_commit() -> str:
+    """`git rev-parse --short HEAD` of the checkout mok runs from, or "unknown"."""
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def _machine(device: str) -> str:
+    if device == "cuda":
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores), {platform.platform()}"
+
+
+def json_report(header: ReportHeader, results: Sequence[BenchResult]) -> dict:
+    """The header's fields and "results": one `BenchResult` as a dict per spec."""
+    return {
+        **dataclasses.asdict(header),
+        "results": [dataclasses.asdict(result) for result in results],
+    }
+
+
+def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str:
+    """A markdown page: the header, the method, one table row per spec and pass."""
+    first = results[0].spec
+    floor = (
+        f"compute floor = FLOPs / {header.dense_tflops:g} TFLOP/s (dense bf16, `--dense-tflops`), "
+        "x floor = time / floor"
+        if header.dense_tflops is not None
+        else "no compute floor (no `--dense-tflops` given)"
+    )
+    lines = [
+        "# mok bench: backend vs the standard PyTorch path",
+        "",
+        f"- Date: {header.date}; commit `{header.commit}`; machine: {header.machine}; "
+        f"torch {header.torch}",
+        f"- Command: `{header.command}`",
+        f"- Method: {first.routing} routing; median over {first.iters} iterations (after "
+        f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
+        "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "
+        f"{floor}; speedup = baseline time / backend time; peak memory of the largest rank "
+        f"({results[0].memory_kind}). Both checked against the single-process reference first.",
+        "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
+        "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
+        "PyTorch, batched-matmul combine; autograd backward).",
+        "",
+        "| preset | ep | tokens/rank | pass | backend | time ms backend / baseline | speedup "
+        "| TFLOP/s backend / baseline | x floor backend / baseline "
+        "| peak GiB backend / baseline | max check error backend / baseline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for result in results:
+        ours, base = result.backend, result.baseline
+        errors = f"{max(ours.check_errors.values()):.1e} / {max(base.check_errors.values()):.1e}"
+        for pass_name in PASSES:
+            mine, theirs = ours.timing(pass_name), base.timing(pass_name)
+            cells = [
+                result.spec.preset,
+                str(result.spec.ep),
+                str(result.spec.tokens_per_rank),
+                pass_name,
+                ours.name,
+                f"{mine.ms:.3f} / {theirs.ms:.3f}",
+                f"{result.speedup(pass_name):.2f}x",
+                f"{mine.tflops:.1f} / {theirs.tflops:.1f}",
+                f"{_format_ratio(mine.floor_ratio)} / {_format_ratio(theirs.floor_ratio)}",
+                f"{mine.peak_memory_gib:.2f} / {theirs.peak_memory_gib:.2f}",
+                errors,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(header: ReportHeader, results: Sequence[BenchResult], path: Path) -> None:
+    """A PNG: speedup (top) and time (bottom, log scale) per preset and expert-parallel size."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    labels = [f"{r.spec.preset}\nep={r.spec.ep}, T={r.spec.tokens_per_rank}" for r in results]
+    positions = range(len(results))
+    figure = Figure(figsize=(max(7.0, 3 + 1.2 * len(results)), 8.5), layout="constrained")
+    FigureCanvasAgg(figure)
+    speed_axes, time_axes = figure.subplots(2, 1)
+
+    width = 0.38
+    for offset, pass_name in ((-width / 2, "forward"), (width / 2, "forward+backward")):
+        speedups = [r.speedup(pass_name) for r in results]
+        bars = speed_axes.bar([p + offset for p in positions], speedups, width, label=pass_name)
+        speed_axes.bar_label(bars, fmt="%.2fx", fontsize=7)
+    speed_axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    speed_axes.set_ylabel("speedup (baseline time / backend time)")
+    speed_axes.set_title("speedup over the PyTorch baseline", fontsize=10)
+
+    # Colour tells the implementation, hatching the pass.
+    width = 0.2
+    series = [
+        ("backend", "forward", "tab:blue", ""),
+        ("baseline", "forward", "tab:orange", ""),
+        ("backend", "forward+backward", "tab:blue", "//"),
+        ("baseline", "forward+backward", "tab:orange", "//"),
+    ]
+    for index, (which, pass_name, colour, hatch) in enumerate(series):
+        label = f"{getattr(results[0], which).name} {pass_name}"
+        times = [getattr(r, which).timing(pass_name).ms for r in results]
+        offset = (index - 1.5) * width
+        time_axes.bar(
+            [p + offset for p in positions],
+            times,
+            width,
+            label=label,
+            color=colour,
+            hatch=hatch,
+            edgecolor="white",
+        )
+    time_axes.set_yscale("log")
+    plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")
+    time_axes.yaxis.set_major_formatter(plain_numbers)
+    time_axes.yaxis.set_minor_formatter(plain_numbers)
+    time_axes.tick_params(axis="y", which="minor", labelsize=7)
+    time_axes.set_ylabel("time per call, ms (median of the slowest rank)")
+    time_axes.set_title("time", fontsize=10)
+
+    for axes in (speed_axes, time_axes):
+        axes.set_xticks(list(positions), labels, fontsize=8)
+        axes.set_xlim(-0.75, len(results) - 0.25)
+        axes.legend(fontsize=7)
+    figure.suptitle(
+        f"mok bench: {header.date}, commit {header.commit}\n{header.machine}", fontsize=9
+    )
+    figure.savefig(path, dpi=120)
+
+
+REPORT_NAME = "mok-bench"
+
+
+def write_report(out_dir: Path, header: ReportHeader, results: Sequence[BenchResult]) -> list[Path]:
+    """Write REPORT_NAME.json, .md and, when matplotlib is installed, .png into out_dir (created
+    if missing); returns the paths written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, markdown_path = out_dir / f"{REPORT_NAME}.json", out_dir / f"{REPORT_NAME}.md"
+    json_path.write_text(json.dumps(json_report(header, results), indent=2) + "\n")
+    markdown_path.write_text(markdown_report(header, results))
+    written = [json_path, markdown_path]
+    if matplotlib_available():
+        plot_report(header, results, out_dir / f"{REPORT_NAME}.png")
+        written.append(out_dir / f"{REPORT_NAME}.png")
+    return written
+
+
+def matplotlib_available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None

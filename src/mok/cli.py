@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import shlex
 import sys
+from pathlib import Path
 
 import torch
 
+from mok.bench import (
+    H200_DENSE_BF16_TFLOPS,
+    REPORT_NAME,
+    BenchSpec,
+    json_report,
+    matplotlib_available,
+    report_header,
+    run_bench,
+    write_report,
+)
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -27,29 +38,59 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _preset_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("no preset named")
+    for name in names:
+        if name not in PRESETS:
+            known = ", ".join(sorted(PRESETS))
+            raise argparse.ArgumentTypeError(f"invalid choice: {name!r} (choose from {known})")
+    return names
+
+
+def _positive_ints(text: str) -> list[int]:
+    return [_positive_int(item) for item in text.split(",")]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mok", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     bench = commands.add_parser(
         "bench",
-        help="time the MoE layer forward and forward+backward",
-        description="Check the layer against the single-process reference, then time forward "
-        "and forward+backward at an expert-parallel size, spawning the ranks itself (or joining "
-        "a torchrun job).",
+        help="time the MoE layer forward and forward+backward next to the PyTorch baseline",
+        description="Check the layer and the standard PyTorch path (mok.baseline) against the "
+        "single-process reference, then time both forward and forward+backward on the same "
+        "inputs, for every preset and expert-parallel size given, spawning the ranks itself (or "
+        "joining a torchrun job).",
     )
-    bench.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="layer shape")
+    bench.add_argument(
+        "--preset",
+        type=_preset_names,
+        default=["tiny"],
+        metavar="NAME[,NAME...]",
+        help=f"layer shapes, comma-separated: {', '.join(sorted(PRESETS))}",
+    )
     bench.add_argument(
         "--ep",
-        type=_positive_int,
+        type=_positive_ints,
         default=None,
-        help="expert-parallel size (default: 2 on the CPU, all GPUs on CUDA)",
+        metavar="N[,N...]",
+        help="expert-parallel sizes, comma-separated (default: 2 on the CPU, all GPUs on CUDA)",
     )
     bench.add_argument(
         "--tokens",
         type=_non_negative_int,
         default=None,
-        help="tokens per rank (default: the preset's)",
+        help="tokens per rank (default: each preset's)",
     )
     bench.add_argument("--backend", default="auto", help="auto, reference, ...")
     bench.add_argument(
@@ -69,7 +110,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--swiglu-limit", type=float, default=None)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    bench.add_argument(
+        "--dense-tflops",
+        type=_positive_float,
+        default=None,
+        help="dense bf16 TFLOP/s of one device, which defines the compute floor (FLOPs / rate) "
+        f"that times are compared with (default on CUDA: {H200_DENSE_BF16_TFLOPS:g}, cuBLAS on "
+        "an H200; on the CPU: no floor unless given)",
+    )
+    bench.add_argument(
+        "--json", metavar="PATH", help="also write the results as JSON (as in --out)"
+    )
+    bench.add_argument(
+        "--out",
+        metavar="DIR",
+        help=f"write {REPORT_NAME}.json, {REPORT_NAME}.md and {REPORT_NAME}.png (needs "
+        "matplotlib: pip install 'mok[bench]') into DIR, stamped with date, commit and machine",
+    )
     bench.add_argument("--no-progress", action="store_true")
 
     env = commands.add_parser("env", help="what this machine offers and which backends can run")
@@ -77,51 +134,83 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _bench(args) -> int:
+def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
-
-    from mok.bench import BenchSpec, run_bench
 
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    ep = args.ep
-    if ep is None:
-        ep = max(torch.cuda.device_count(), 1) if device == "cuda" else 2
-    spec = BenchSpec(
-        preset=args.preset,
-        ep=ep,
-        tokens=args.tokens,
-        backend=args.backend,
-        device=device,
-        routing=args.routing,
-        iters=args.iters,
-        warmup=args.warmup,
-        check_tokens=args.check_tokens,
-        swiglu_limit=args.swiglu_limit,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
-    result = run_bench(spec)
+    eps = args.ep
+    if eps is None:
+        eps = [max(torch.cuda.device_count(), 1) if device == "cuda" else 2]
+    for name in args.preset:
+        experts = PRESETS[name].num_experts
+        for ep in eps:
+            if experts % ep:
+                parser.error(f"--ep {ep}: preset {name} has {experts} experts, not a multiple")
+    dense_tflops = args.dense_tflops
+    if dense_tflops is None and device == "cuda":
+        dense_tflops = H200_DENSE_BF16_TFLOPS
+    console = Console()
+    if args.out and not matplotlib_available():
+        console.print("matplotlib is not installed: --out writes no PNG (pip install 'mok[bench]')")
+    specs = [
+        BenchSpec(
+            preset=preset,
+            ep=ep,
+            tokens=args.tokens,
+            backend=args.backend,
+            device=device,
+            routing=args.routing,
+            iters=args.iters,
+            warmup=args.warmup,
+            check_tokens=args.check_tokens,
+            swiglu_limit=args.swiglu_limit,
+            seed=args.seed,
+            progress=not args.no_progress,
+            dense_tflops=dense_tflops,
+        )
+        for preset in args.preset
+        for ep in eps
+    ]
+    results = run_bench(specs)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
-    console = Console()
-    title = (
-        f"mok bench: {spec.preset}, ep={spec.ep}, {spec.tokens_per_rank} tokens/rank, "
-        f"{spec.routing} routing, backend={result.backend}, {device}"
+    floor = (
+        f"x floor: time / (FLOPs / {dense_tflops:g} TFLOP/s dense bf16, --dense-tflops)"
+        if dense_tflops is not None
+        else "no compute floor (pass --dense-tflops)"
     )
-    table = Table(title=title)
-    for column in ("pass", "time (median)", "TFLOP/s per rank", "peak memory per rank"):
-        table.add_column(column)
-    for row in result.rows():
-        table.add_row(*row)
-    console.print(table)
-    errors = ", ".join(f"{name} {err:.1e}" for name, err in result.check_errors.items())
-    console.print(f"checked against the single-process reference (relative error): {errors}")
+    for result in results:
+        spec = result.spec
+        title = (
+            f"mok bench: {spec.preset}, ep={spec.ep}, {spec.tokens_per_rank} tokens/rank, "
+            f"{spec.routing} routing, backend={result.backend.name}, {device}"
+        )
+        caption = (
+            f"per rank; time: median over iterations of the slowest rank; {floor}; peak memory: "
+            f"{result.memory_kind}; speedup: baseline time / backend time"
+        )
+        table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
+        columns, rows = result.table()
+        for index, column in enumerate(columns):
+            table.add_column(column, justify="left" if index == 0 else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        console.print("checked against the single-process reference (relative error):")
+        for measurement in (result.backend, result.baseline):
+            errors = ", ".join(f"{n} {e:.1e}" for n, e in measurement.check_errors.items())
+            console.print(f"  {measurement.name}: {errors}")
+    header = report_header(device, dense_tflops, command)
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump(dataclasses.asdict(result), handle, indent=2)
+            json.dump(json_report(header, results), handle, indent=2)
+    if args.out:
+        for path in write_report(Path(args.out), header, results):
+            console.print(f"wrote {path}")
     return 0
 
 
@@ -137,9 +226,11 @@ def _env(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
     if args.command == "bench":
-        return _bench(args)
+        return _bench(args, parser, shlex.join(["mok", *argv]))
     return _env(args)
 
 
