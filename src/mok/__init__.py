@@ -18,7 +18,7 @@ from mok.functional import (
 )
 from mok.module import MoE, moe
 from mok.presets import PRESETS, get_preset
-from mok.validation import MoKInputError
+from mok.validation import MoKCapacityError, MoKInputError
 from mok.weights import MoEGradients, MoEWeights
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __all__ = [
     "MoEWeights",
     "MoKConfig",
     "MoKConfigError",
+    "MoKCapacityError",
     "MoKInputError",
     "Precision",
     "SavedForward",

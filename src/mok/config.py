@@ -25,6 +25,8 @@ class Backend(str, enum.Enum):
 
     AUTO = "auto"
     """The fastest backend that can run on the workspace's device and group."""
+    TRITON = "triton"
+    """Triton kernels and the NVLink exchange: CUDA GPUs, no host synchronization."""
     REFERENCE = "reference"
     """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
 

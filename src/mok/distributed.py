@@ -47,21 +47,48 @@ def all_gather_int64(values: torch.Tensor, group: dist.ProcessGroup | None) -> t
     return all_gather_rows(values.to(torch.int64), group).cpu()
 
 
+_GLOO_TWINS: dict[str, dist.ProcessGroup] = {}
+
+
+def gloo_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A gloo process group of the same ranks as `group`, built from the default store under a
+    prefix of its own, so that only the group's ranks take part (`dist.new_group` would need every
+    rank of the world). Collective over `group` the first time; cached per group."""
+    name = group.group_name
+    if name not in _GLOO_TWINS:
+        store = dist.PrefixStore(f"mok-gloo/{name}", dist.distributed_c10d._get_default_store())
+        _GLOO_TWINS[name] = dist.ProcessGroupGloo(
+            store, dist.get_rank(group), dist.get_world_size(group)
+        )
+    return _GLOO_TWINS[name]
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """Where host-side agreements (which rank rejected its input) run: `group` when it is gloo,
+    else its gloo twin, so that agreeing never synchronizes the host with a GPU."""
+    if group is None or dist.get_backend(group) == "gloo":
+        return group
+    return gloo_twin(group)
+
+
 def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | None) -> None:
     """Collective: every rank raises MoKInputError if any rank found a problem with its input.
 
     Ranks must reach every later collective together or not at all; a rank that raised alone would
     leave the others waiting forever. The rank with the problem raises its own message; the others
-    name the ranks that failed.
+    name the ranks that failed. Runs on the CPU over `control_group(group)`: no GPU sync.
     """
     if group is None:
         if problem is not None:
             raise MoKInputError(problem)
         return
-    flags = all_gather_int64(torch.tensor([problem is not None]), group)[:, 0]
+    control = control_group(group)
+    flag = torch.tensor([int(problem is not None)])
+    flags = [torch.empty_like(flag) for _ in range(control.size())]
+    control.allgather([flags], [flag]).wait()
     if problem is not None:
         raise MoKInputError(problem)
-    failed = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    failed = [rank for rank, value in enumerate(flags) if int(value)]
     if failed:
         raise MoKInputError(
             f"rank(s) {failed} of the expert-parallel group rejected their input (their error says "

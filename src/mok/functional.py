@@ -52,6 +52,13 @@ class Workspace:
     def backend_name(self) -> str:
         return self.backend.name
 
+    def check(self) -> None:
+        """Raise what the backend detected on the device since the last check: expert ids outside
+        [0, E) (MoKInputError) or a receive buffer too small (MoKCapacityError). Synchronizes with
+        the host; call it where the training loop synchronizes anyway (e.g. logging the loss).
+        Every rank holds the same verdict for capacity; an id error is raised on its own rank."""
+        _live(self).backend.check()
+
     def release(self) -> None:
         """Free the backend's buffers; the workspace cannot be used afterwards."""
         if self.backend is not None:
@@ -169,7 +176,9 @@ def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
     T may differ between ranks and may be 0.
     """
     ws = _live(workspace)
-    raise_if_any_rank_failed(check_routing(ws.config, topk_idx, ws.device), ws.group)
+    on_device = getattr(ws.backend, "checks_ids_on_device", False)
+    problem = check_routing(ws.config, topk_idx, ws.device, check_ids=not on_device)
+    raise_if_any_rank_failed(problem, ws.group)
     return Schedule(
         num_tokens=topk_idx.shape[0],
         topk_idx=topk_idx,

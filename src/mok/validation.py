@@ -17,6 +17,10 @@ class MoKInputError(ValueError):
     """An input the layer cannot process; the message names the tensor and the problem."""
 
 
+class MoKCapacityError(MoKInputError):
+    """More rows were routed to a rank than its receive buffers hold; rows were dropped."""
+
+
 def _check_tensor(
     name: str,
     value,
@@ -39,10 +43,13 @@ def _check_tensor(
     return None
 
 
-def check_routing(config: MoKConfig, topk_idx, device: torch.device) -> str | None:
+def check_routing(
+    config: MoKConfig, topk_idx, device: torch.device, check_ids: bool = True
+) -> str | None:
     """topk_idx must be [T, k] int32/int64 on `device` with every id in [0, E).
 
-    Reads the minimum and maximum id back to the host (a synchronization on GPUs)."""
+    With check_ids, reads the minimum and maximum id back to the host (a synchronization on GPUs);
+    backends that check the ids on the device pass False."""
     if not isinstance(topk_idx, torch.Tensor):
         return f"topk_idx must be a torch.Tensor, got {type(topk_idx).__name__}"
     if topk_idx.dim() != 2 or topk_idx.shape[1] != config.top_k:
@@ -50,7 +57,7 @@ def check_routing(config: MoKConfig, topk_idx, device: torch.device) -> str | No
     problem = _check_tensor(
         "topk_idx", topk_idx, tuple(topk_idx.shape), device, dtypes=INDEX_DTYPES
     )
-    if problem or topk_idx.numel() == 0:
+    if problem or topk_idx.numel() == 0 or not check_ids:
         return problem
     low, high = (int(v) for v in torch.aminmax(topk_idx))
     if low < 0 or high >= config.num_experts:

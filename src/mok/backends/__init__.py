@@ -6,16 +6,19 @@ A backend class provides:
   forward(plan, topk_idx, x, topk_weights, weights, need_backward) -> (y, saved or None)
   backward(plan, saved, grad_y) -> MoEGradients
   release()
+  check()                                     (raise what was found on the device)
 Inputs reach a backend already validated by `mok.functional`.
 """
 
 from __future__ import annotations
 
 from mok.backends.reference import ReferenceBackend
+from mok.backends.triton import TritonBackend
 from mok.config import Backend, MoKConfig
 
 # Fastest first: `auto` takes the first that can run.
 BACKENDS = {
+    Backend.TRITON: TritonBackend,
     Backend.REFERENCE: ReferenceBackend,
 }
 

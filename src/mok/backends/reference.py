@@ -74,6 +74,9 @@ class ReferenceBackend:
         weight_grads.update({name: g for (name, _), g in zip(weight_items, grads[2:], strict=True)})
         return MoEGradients(x=grads[0], topk_weights=grads[1], weights=MoEWeights(**weight_grads))
 
+    def check(self) -> None:
+        """Nothing is checked on the device: inputs were checked on the host."""
+
     def release(self) -> None:
         pass
 

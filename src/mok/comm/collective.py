@@ -118,11 +118,13 @@ class CollectiveExchange:
         expert_out: torch.Tensor,
         topk_weights: torch.Tensor,
         shared_out: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        save_pair_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y [T, H] from the grouped expert outputs [R, H], in the reference's combine order.
-        Also returns the gathered pair outputs [T, k, H], which combine_backward needs."""
+        Also returns the gathered pair outputs [T, k, H], which combine_backward needs (None
+        unless save_pair_out)."""
         pair_out = self.gather_outputs(routing, expert_out)
-        return combine(pair_out, topk_weights, shared_out), pair_out
+        return combine(pair_out, topk_weights, shared_out), pair_out if save_pair_out else None
 
     def combine_backward(
         self,

@@ -45,12 +45,7 @@ import torch.distributed as dist
 from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
 from mok.distributed import group_rank_and_size
 from mok.kernels.rows import copy_rows, push_rows, reduce_rows
-from mok.validation import MoKInputError
-
-
-class MoKCapacityError(MoKInputError):
-    """More rows were routed to a rank than its receive buffers hold; rows were dropped."""
-
+from mok.validation import MoKCapacityError, MoKInputError
 
 _ALIGN_BYTES = 256
 

@@ -183,6 +183,7 @@ def expert_mlp_forward(
     swiglu_limit: float | None = None,
     save_for_backward: bool = True,
     config: ExpertKernelConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
@@ -196,12 +197,18 @@ def expert_mlp_forward(
     swiglu_limit: None, or L > 0: gate <= L and -L <= up <= L before silu(gate) * up.
     save_for_backward: keep what `expert_mlp_backward` needs (else `saved` is None).
     config: tiles (None: `default_config`).
+    out: optional contiguous [>= M, H] tensor of the rows' dtype to write the outputs into (for
+      example a communication buffer); its first M rows are returned.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
     """
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
     m, hidden = rows.shape
+    if out is not None:
+        _check("out", out[:m], (m, hidden), (rows.dtype,), rows.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
     inter = w_gate.shape[1]
     cfg = config or default_config(rows.device, hidden, inter, m / w_gate.shape[0])
     if m == 0:
@@ -222,7 +229,8 @@ def expert_mlp_forward(
         save_for_backward,
         cfg.gate_up,
     )
-    out = gg.down(h, w_down, _row_tiles(tiles, group_offsets, m, cfg.down.block_m), cfg.down)
+    down_tiles = _row_tiles(tiles, group_offsets, m, cfg.down.block_m)
+    out = gg.down(h, w_down, down_tiles, cfg.down, out)
     if not save_for_backward:
         return out, None
     saved = ExpertMLPSaved(

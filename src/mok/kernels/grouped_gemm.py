@@ -822,12 +822,21 @@ def gate_up_swiglu(
     return h, gate_up if save_preact else None
 
 
-def down(h: torch.Tensor, w_down: torch.Tensor, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor:
-    """out [M, H] = h @ W_down[e].T per group; rows outside the groups are left unwritten."""
+def down(
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    tiles: RowTiles,
+    cfg: GemmTiles,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out [M, H] = h @ W_down[e].T per group; rows outside the groups are left unwritten.
+    `out` (contiguous, at least M rows): where to write (only its first M rows are used)."""
     m, inter = h.shape
     hidden = w_down.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    out = torch.empty(m, hidden, dtype=h.dtype, device=h.device)
+    if out is None:
+        out = torch.empty(m, hidden, dtype=h.dtype, device=h.device)
+    out = out[:m]
     programs = num_programs(h.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
     _use_scratch_allocator(h.device)
     _down_kernel[(programs,)](

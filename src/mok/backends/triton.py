@@ -1,0 +1,186 @@
+"""The `triton` backend: the token exchange and the Triton expert kernels, forward and backward,
+with no host synchronization.
+
+    route (build_schedule) -> dispatch -> expert MLP kernels -> combine        (forward)
+    combine_backward -> expert MLP backward kernels -> dispatch_backward       (backward)
+
+The exchange is the NVLink one (`mok.comm.symmetric`) on an expert-parallel group of one host,
+the local one (`mok.comm.local`) in a single process, and the collective one
+(`mok.comm.collective`; its `route` reads split sizes on the host) where symmetric memory is not
+available. The shared expert runs through the same kernels as one group of all the rank's tokens.
+Separate kernels on one stream: the fused, overlapped kernel is the next step.
+
+Errors found on the device (an expert id outside [0, E), a receive buffer too small) never touch
+memory out of bounds: bad pairs are dropped (zero weight, zero gradients) and `check()` raises at
+the next host synchronization the caller chooses (`mok.Workspace.check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+import torch.distributed as dist
+
+from mok.distributed import group_rank_and_size
+from mok.validation import MoKInputError
+from mok.weights import MoEGradients, MoEWeights
+
+KERNEL_MULTIPLE = 16
+"""The expert kernels' tiles need H and I (also the shared expert's) to be multiples of this."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonSchedule:
+    routing: object
+    valid: torch.Tensor
+    """[T, k] bool: pairs whose expert id is in range (the others are dropped)."""
+
+
+@dataclasses.dataclass
+class _Saved:
+    routing: object
+    weights: torch.Tensor
+    valid: torch.Tensor
+    experts: object
+    shared: object
+    pair_out: torch.Tensor
+
+
+class TritonBackend:
+    name = "triton"
+    checks_ids_on_device = True
+
+    def __init__(self, workspace) -> None:
+        # Imported here: Triton is an optional dependency of the package.
+        from mok.comm.collective import CollectiveExchange
+        from mok.comm.local import LocalExchange
+        from mok.comm.symmetric import SymmetricExchange, default_shape
+
+        self.workspace = workspace
+        config, device, group = workspace.config, workspace.device, workspace.group
+        _, ep = group_rank_and_size(group)
+        if ep == 1:
+            self.exchange = LocalExchange(config.num_experts, device)
+        elif SymmetricExchange.unavailable_reason(group, device) is None:
+            shape = default_shape(
+                config.hidden_size,
+                config.top_k,
+                workspace.local_experts,
+                ep,
+                config.max_tokens_per_rank,
+                config.recv_capacity,
+            )
+            self.exchange = SymmetricExchange(group, shape, device, programs=config.comm_sms)
+        else:
+            self.exchange = CollectiveExchange(group, workspace.local_experts)
+        self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
+
+    @staticmethod
+    def unavailable_reason(config, device: torch.device, group) -> str | None:
+        if device.type != "cuda":
+            return f"needs a CUDA device, got {device}"
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed (pip install mok[triton])"
+        if config.precision.value != "bf16":
+            return f"computes bf16 only so far, not {config.precision.value}"
+        sizes = {
+            "hidden_size": config.hidden_size,
+            "intermediate_size": config.intermediate_size,
+            "shared_intermediate_size": config.shared_intermediate_size,
+        }
+        for name, size in sizes.items():
+            if size % KERNEL_MULTIPLE:
+                return f"{name}={size} is not a multiple of {KERNEL_MULTIPLE}"
+        if group is not None and dist.get_backend(group) != "nccl":
+            return "expert parallelism on GPUs needs an NCCL group"
+        return None
+
+    def build_schedule(self, topk_idx: torch.Tensor) -> TritonSchedule:
+        experts = self.workspace.config.num_experts
+        valid = (topk_idx >= 0) & (topk_idx < experts)
+        self.bad_ids |= ~valid.all()
+        safe = torch.where(valid, topk_idx, 0).to(torch.int64)
+        return TritonSchedule(self.exchange.route(safe), valid)
+
+    def forward(self, plan: TritonSchedule, topk_idx, x, topk_weights, weights, need_backward):
+        from mok.kernels import expert_mlp_forward
+
+        config = self.workspace.config
+        routing = plan.routing
+        router = torch.where(plan.valid, topk_weights, 0).to(topk_weights.dtype)
+        grouped = self.exchange.dispatch(routing, x)
+        buffer = getattr(self.exchange, "expert_output_buffer", None)
+        expert_out, experts = expert_mlp_forward(
+            grouped,
+            routing.group_offsets,
+            weights.gate,
+            weights.up,
+            weights.down,
+            config.swiglu_limit,
+            save_for_backward=need_backward,
+            out=None if buffer is None else buffer(),
+        )
+        shared_out, shared = None, None
+        if weights.has_shared_expert:
+            shared_out, shared = expert_mlp_forward(
+                x,
+                self._all_tokens(x.shape[0]),
+                weights.shared_gate.unsqueeze(0),
+                weights.shared_up.unsqueeze(0),
+                weights.shared_down.unsqueeze(0),
+                config.swiglu_limit,
+                save_for_backward=need_backward,
+            )
+        y, pair_out = self.exchange.combine(
+            routing, expert_out, router, shared_out, save_pair_out=need_backward
+        )
+        if not need_backward:
+            return y, None
+        return y, _Saved(routing, router, plan.valid, experts, shared, pair_out)
+
+    def backward(self, plan: TritonSchedule, saved: _Saved, grad_y: torch.Tensor) -> MoEGradients:
+        from mok.kernels import expert_mlp_backward
+
+        grad_y = grad_y.contiguous()
+        grad_out, grad_router = self.exchange.combine_backward(
+            saved.routing, grad_y, saved.weights, saved.pair_out
+        )
+        grad_router = torch.where(saved.valid, grad_router, 0).to(grad_router.dtype)
+        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(grad_out, saved.experts)
+        grad_shared_x, shared_grads = None, {}
+        if saved.shared is not None:
+            grad_shared_x, gate, up, down = expert_mlp_backward(grad_y, saved.shared)
+            shared_grads = {
+                "shared_gate": gate.squeeze(0),
+                "shared_up": up.squeeze(0),
+                "shared_down": down.squeeze(0),
+            }
+        grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+        return MoEGradients(
+            x=grad_x,
+            topk_weights=grad_router,
+            weights=MoEWeights(gate=grad_gate, up=grad_up, down=grad_down, **shared_grads),
+        )
+
+    def check(self) -> None:
+        """Raise what the device found since the last check (synchronizes with the host)."""
+        if bool(self.bad_ids.item()):
+            self.bad_ids.zero_()
+            raise MoKInputError(
+                f"topk_idx held expert ids outside [0, num_experts="
+                f"{self.workspace.config.num_experts}); those pairs were dropped"
+            )
+        check = getattr(self.exchange, "check", None)
+        if check is not None:
+            check()
+
+    def release(self) -> None:
+        release = getattr(self.exchange, "release", None)
+        if release is not None:
+            release()
+
+    def _all_tokens(self, tokens: int) -> torch.Tensor:
+        """[2] int32 offsets of one group holding all `tokens` rows, made on the device."""
+        return torch.arange(2, dtype=torch.int32, device=self.workspace.device) * tokens

@@ -1,0 +1,137 @@
+"""The token "exchange" of a single process (EP = 1): the API of the NVLink exchange with nothing
+to send. Tokens are expanded into one row per pair grouped by expert, and the pairs' outputs are
+summed back in the reference's order. No host synchronization; deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
+from mok.kernels.rows import copy_rows, reduce_rows
+
+COPY_ROWS = 32
+COPY_TILE = {"num_warps": 8, "block_h": 1024}
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRouting:
+    """One call's routing: pair (t, j) is grouped row pair_row[t, j]."""
+
+    plan: ExchangePlan
+    top_k: int
+    group_offsets: torch.Tensor
+    pair_row: torch.Tensor
+    recv_pairs: torch.Tensor
+
+
+class LocalExchange:
+    """Dispatch and combine when one process holds every expert."""
+
+    def __init__(self, num_experts: int, device: torch.device) -> None:
+        self.num_experts = num_experts
+        self.device = device
+        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def route(self, topk_idx: torch.Tensor) -> LocalRouting:
+        topk_idx = topk_idx.to(torch.int64)
+        counts = local_counts(topk_idx, 1, self.num_experts).unsqueeze(0)
+        plan = plan_from_counts(topk_idx, counts, 0, self.num_experts)
+        return LocalRouting(
+            plan=plan,
+            top_k=topk_idx.shape[1],
+            group_offsets=plan.group_offsets,
+            pair_row=plan.pair_row.contiguous(),
+            recv_pairs=plan.group_offsets[-1:].to(torch.int64),
+        )
+
+    def _pairs(self, routing: LocalRouting) -> torch.Tensor:
+        """[T * k]: the token of each pair (t * k + j -> t)."""
+        count = routing.pair_row.numel()
+        return torch.arange(count, device=self.device) // routing.top_k
+
+    def _count(self, rows: int) -> torch.Tensor:
+        return torch.full((1,), rows, dtype=torch.int64, device=self.device)
+
+    def dispatch(self, routing: LocalRouting, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> grouped rows [T * k, H] (row pair_row[t, j] holds x[t])."""
+        pairs = routing.pair_row.numel()
+        grouped = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+        copy_rows(
+            grouped,
+            x.contiguous(),
+            self._pairs(routing),
+            self._count(pairs),
+            self.sms,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            **COPY_TILE,
+        )
+        return grouped
+
+    def combine(self, routing, expert_out, topk_weights, shared_out=None, save_pair_out=True):
+        """(y [T, H], the pairs' outputs [T, k, H] or None), in the reference's combine order."""
+        tokens, top_k = routing.pair_row.shape
+        hidden = expert_out.shape[1]
+        y = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=self.device)
+        pair_out = None
+        if save_pair_out:
+            pair_out = torch.empty(
+                tokens, top_k, hidden, dtype=expert_out.dtype, device=self.device
+            )
+        reduce_rows(
+            y,
+            expert_out,
+            routing.pair_row,
+            self.sms,
+            8,
+            weight=topk_weights.contiguous(),
+            init=None if shared_out is None else shared_out.contiguous(),
+            gathered=pair_out,
+            num_warps=8,
+        )
+        return y, pair_out
+
+    def combine_backward(self, routing, grad_y, topk_weights, pair_out):
+        """(grads of the grouped outputs [T * k, H], grad of topk_weights [T, k])."""
+        grad = grad_y.float()
+        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
+        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
+        pairs = routing.pair_row.numel()
+        grad_grouped = torch.empty(pairs, grad_y.shape[1], dtype=pair_out.dtype, device=self.device)
+        copy_rows(
+            grad_grouped,
+            grad_pairs.view(pairs, -1),
+            torch.arange(pairs, device=self.device),
+            self._count(pairs),
+            self.sms,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            **COPY_TILE,
+        )
+        return grad_grouped, grad_w
+
+    def dispatch_backward(self, routing, grad_grouped, extra=None):
+        """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`."""
+        tokens = routing.pair_row.shape[0]
+        grad_x = torch.empty(
+            tokens, grad_grouped.shape[1], dtype=grad_grouped.dtype, device=self.device
+        )
+        reduce_rows(
+            grad_x,
+            grad_grouped,
+            routing.pair_row,
+            self.sms,
+            8,
+            tail=None if extra is None else extra.contiguous(),
+            num_warps=8,
+        )
+        return grad_x
+
+    def check(self) -> None:
+        """Nothing can overflow in one process."""
+
+    def release(self) -> None:
+        """Nothing to free."""

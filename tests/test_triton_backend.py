@@ -1,0 +1,131 @@
+"""The `triton` backend on GPUs against the reference: every preset's layer shape (expert count cut
+to keep the single-process reference small), skewed routings, empty experts, no tokens on a rank;
+bitwise identical across runs; no host synchronization in forward or backward.
+
+One GPU (EP = 1) and two GPUs over NCCL (EP = 2, the NVLink exchange).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok
+from mok.launch import run_ranks
+from mok.routing import make_routing
+from mok.testing import RankInputs, compare_with_reference, global_weights
+
+# bf16 kernels against the fp32 reference: bf16 rounding of h, the outputs and the gradients.
+TOLERANCE = 2e-2
+
+
+def preset_configs(num_experts: int = 16) -> list[tuple[str, mok.MoKConfig]]:
+    """Every preset's H, I, k and shared expert, with `num_experts` routed experts (or fewer)."""
+    configs = []
+    for name, preset in mok.PRESETS.items():
+        experts = min(preset.num_experts, num_experts)
+        config = preset.config(num_experts=experts, backend="triton", max_tokens_per_rank=256)
+        configs.append((name, config))
+    return configs
+
+
+CASES = [(name, config, "uniform") for name, config in preset_configs()] + [
+    ("deepseek-v3 zipf", dict(preset_configs())["deepseek-v3"], "zipf"),
+    ("qwen3-30b half-empty", dict(preset_configs())["qwen3-30b-a3b"], "half-empty"),
+    ("qwen3-30b one-expert", dict(preset_configs())["qwen3-30b-a3b"], "one-expert"),
+    (
+        "tiny clamp",
+        mok.get_preset("tiny").config(backend="triton", swiglu_limit=0.5, max_tokens_per_rank=256),
+        "zipf",
+    ),
+]
+
+
+def rank_inputs(config, tokens, routing, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+    idx, w = make_routing(routing, tokens, config.num_experts, config.top_k, gen)
+    grad_y = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+    return RankInputs(x.to(device), idx.to(device), w.to(device), grad_y.to(device))
+
+
+def run_layer(layer, inputs: RankInputs):
+    """(y, grad x, grad topk_weights, every weight's grad) of one call."""
+    x = inputs.x.clone().requires_grad_(True)
+    w = inputs.topk_weights.clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, inputs.topk_idx, w)
+    y.backward(inputs.grad_y)
+    grads = [p.grad.clone() for p in layer.parameters()]
+    return [y.detach(), x.grad, w.grad, *grads]
+
+
+def check_cases(rank, world, cases, tokens_per_rank):
+    """Rank worker: errors against the reference, bitwise repeatability, and no host sync."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD if world > 1 else None
+    results = []
+    for index, (name, config, routing) in enumerate(cases):
+        everyone = [
+            rank_inputs(config, tokens, routing, 100 * index + r, device)
+            for r, tokens in enumerate(tokens_per_rank)
+        ]
+        full = global_weights(config, index, device)
+        layer = mok.MoE(config, group=group, device=device)
+        layer.load_global_weights(full)
+        assert layer.workspace(device).backend_name == "triton"
+        errors = compare_with_reference(layer, full, everyone, rank)
+        first = run_layer(layer, everyone[rank])
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            second = run_layer(layer, everyone[rank])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        layer.workspace(device).check()
+        repeatable = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+        results.append((name, errors, repeatable))
+    return results
+
+
+def assert_results(per_rank_results):
+    for results in per_rank_results:
+        for name, errors, repeatable in results:
+            assert repeatable, name
+            for key, error in errors.items():
+                assert error < TOLERANCE, (name, key, error)
+
+
+@pytest.mark.gpu
+def test_triton_backend_single_gpu_matches_reference():
+    results = check_cases(0, 1, CASES, [192])
+    assert_results([results])
+
+
+@pytest.mark.gpu
+def test_triton_backend_with_no_tokens():
+    results = check_cases(0, 1, CASES[-1:], [0])
+    assert_results([results])
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_triton_backend_over_nvlink_matches_reference():
+    results = run_ranks(check_cases, 2, args=(CASES, [160, 97]), backend="nccl")
+    assert_results(results)
+    empty_rank = run_ranks(check_cases, 2, args=(CASES[-2:], [0, 131]), backend="nccl")
+    assert_results(empty_rank)
+
+
+@pytest.mark.gpu
+def test_out_of_range_expert_ids_are_dropped_and_raised_at_check():
+    config = mok.get_preset("tiny").config(backend="triton")
+    device = torch.device("cuda")
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(global_weights(config, 0, device))
+    inputs = rank_inputs(config, 64, "uniform", 0, device)
+    bad = inputs.topk_idx.clone()
+    bad[3, 0] = config.num_experts + 5
+    y = layer(inputs.x, bad, inputs.topk_weights)
+    assert torch.isfinite(y.float()).all()
+    with pytest.raises(mok.MoKInputError, match="outside"):
+        layer.workspace(device).check()
+    layer.workspace(device).check()  # reported once
