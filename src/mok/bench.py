@@ -1,9 +1,9 @@
 """`mok bench`: check, then time, the layer forward and forward+backward next to the standard
 PyTorch path (`mok.baseline`), at one or several presets and expert-parallel sizes.
 
-Every rank builds the same global weights and every rank's inputs from seeded generators, so that
-each rank can check its expert-parallel results against the single-process reference on the inputs
-of all ranks before anything is timed. The baseline and the backend run on the same weights and
+Every rank builds the same global weights and its inputs from seeded generators, and checks the
+backend and the baseline against the reference backend (same group, same weights) before anything
+is timed. The baseline and the backend run on the same weights and
 inputs with the same iteration scheme: per iteration the slowest rank's time, then the median over
 iterations. The baseline runs first, before the backend's workspace exists, so that each peak
 memory figure holds the weights and inputs plus that implementation's own buffers only.
@@ -36,10 +36,10 @@ from mok.distributed import all_gather_int64
 from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
 from mok.routing import make_routing
-from mok.testing import RankInputs, compare_with_reference, global_weights
+from mok.testing import RankInputs, global_weights, relative_error
 
 BASELINE = "baseline"
-# Relative Frobenius error allowed against the single-process reference. The reference computes in
+# Relative Frobenius error allowed against the reference backend. The reference computes in
 # fp32; bf16 outputs round at ~4e-3 relative per element, and the baseline rounds to bf16 more
 # often (see mok.baseline).
 CHECK_TOLERANCE = {"reference": 1e-2, BASELINE: 2e-2}
@@ -170,16 +170,36 @@ def _output_gradient(spec: BenchSpec, rank: int, tokens: int, config, device) ->
 
 
 def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str, float]:
-    """Relative errors against the single-process reference (`spec.check_tokens` per rank)."""
+    """Relative errors of `layer` against the reference backend on the same group and the same
+    weights, on `spec.check_tokens` tokens per rank. The expert-parallel reference equals the
+    single-process one (tests/test_gpu_reference.py, tests/test_ep_gloo.py) and holds only this
+    rank's experts, so the check fits in memory for the largest presets."""
     tokens = min(spec.check_tokens, spec.tokens_per_rank)
-    everyone = [
-        RankInputs(
-            *_rank_inputs(spec, config, r, tokens, device),
-            _output_gradient(spec, r, tokens, config, device),
-        )
-        for r in range(ep)
-    ]
-    return compare_with_reference(layer, global_weights(config, spec.seed, device), everyone, rank)
+    inputs = RankInputs(
+        *_rank_inputs(spec, config, rank, tokens, device),
+        _output_gradient(spec, rank, tokens, config, device),
+    )
+    reference = mok.MoE(config.replace(backend="reference"), layer.group, device="meta")
+    for name, param in layer.named_parameters(recurse=False):
+        setattr(reference, name, param)
+    expected = _results_of_one_call(reference, inputs)
+    actual = _results_of_one_call(layer, inputs)
+    return {key: relative_error(actual[key], value) for key, value in expected.items()}
+
+
+def _results_of_one_call(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """y and every gradient (x, topk_weights, each parameter) of one forward and backward."""
+    x = inputs.x.detach().clone().requires_grad_(True)
+    weights = inputs.topk_weights.detach().clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, inputs.topk_idx, weights)
+    y.backward(inputs.grad_y)
+    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": weights.grad}
+    for name, param in layer.named_parameters(recurse=False):
+        grad = param.grad
+        results[f"grad {name}"] = torch.zeros_like(param) if grad is None else grad.clone()
+    layer.zero_grad(set_to_none=True)
+    return results
 
 
 def _tolerance(implementation: str, error_name: str, clamped: bool) -> float:
@@ -280,7 +300,7 @@ def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurem
     }
     if failed:
         raise AssertionError(
-            f"rank {rank}: {name} differs from the single-process reference beyond tolerance "
+            f"rank {rank}: {name} differs from the reference backend beyond tolerance "
             f"(relative error, tolerance): {failed}"
         )
     flops = config.forward_flops(spec.tokens_per_rank)
@@ -476,7 +496,8 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
         "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "
         f"{floor}; speedup = baseline time / backend time; peak memory of the largest rank "
-        f"({results[0].memory_kind}). Both checked against the single-process reference first.",
+        f"({results[0].memory_kind}). Both checked against the reference backend (same group "
+        "and weights) first.",
         "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
         "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
         "PyTorch, batched-matmul combine; autograd backward).",

@@ -68,9 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="time the MoE layer forward and forward+backward next to the PyTorch baseline",
         description="Check the layer and the standard PyTorch path (mok.baseline) against the "
-        "single-process reference, then time both forward and forward+backward on the same "
-        "inputs, for every preset and expert-parallel size given, spawning the ranks itself (or "
-        "joining a torchrun job).",
+        "reference backend (same group and weights), then time both forward and forward+backward "
+        "on the same inputs, for every preset and expert-parallel size given, spawning the ranks "
+        "itself (or joining a torchrun job).",
     )
     bench.add_argument(
         "--preset",
@@ -200,7 +200,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         for row in rows:
             table.add_row(*row)
         console.print(table)
-        console.print("checked against the single-process reference (relative error):")
+        console.print("checked against the reference backend (relative error):")
         for measurement in (result.backend, result.baseline):
             errors = ", ".join(f"{n} {e:.1e}" for n, e in measurement.check_errors.items())
             console.print(f"  {measurement.name}: {errors}")
