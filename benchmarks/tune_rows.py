@@ -6,20 +6,23 @@ Times, for one preset at its default tokens per rank and near-uniform routing, e
 (num_warps, rows per tile, columns per step) candidate of three access patterns, both GPUs at once:
   push      dispatch: each token row stored into the staging rows of the ranks that need it;
   pull      combine by loading: each pair's output loaded from its owner into [T * k, H];
-  scatter   combine by storing: the owner stores each output row into its token's pair slot.
-Remote bytes only, per rank and direction; median over iterations of the slowest rank.
+  scatter   combine by storing: the owner stores each output row into its token's pair slot;
+and (--local-sum) the local part of combine: y[t] = sum_j w[t, j] * pairs[t, j] over [T, k, H].
+Remote bytes only, per rank and direction (local sum: bytes read and written, GB/s of HBM);
+median over iterations of the slowest rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 
 import torch
 import torch.distributed as dist
 
 from mok.comm.symmetric import SymmetricExchange, default_shape
-from mok.kernels.rows import copy_rows, push_rows
+from mok.kernels.rows import copy_rows, push_rows, reduce_rows
 from mok.launch import run_ranks
 from mok.presets import get_preset
 
@@ -29,7 +32,7 @@ TILES = [(8, 2048), (16, 1024), (16, 2048), (32, 512), (32, 1024), (64, 512), (6
 WARPS = [8, 16, 32]
 
 
-def tune(rank, world, preset_name, programs, iters):
+def tune(rank, world, preset_name, programs, iters, local_sum):
     preset = get_preset(preset_name)
     tokens, hidden, top_k = preset.default_tokens, preset.hidden_size, preset.top_k
     local = preset.num_experts // world
@@ -91,6 +94,25 @@ def tune(rank, world, preset_name, programs, iters):
         )
 
     table = []
+    if local_sum:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        pairs = torch.randn(tokens, top_k, hidden, device=device).to(torch.bfloat16)
+        weights = torch.rand(tokens, top_k, device=device)
+        rows = torch.arange(tokens * top_k, device=device).view(tokens, top_k)
+        y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+        moved = (pairs.numel() + y.numel()) * 2
+        for warps, block_rows, cols in itertools.product([4, 8, 16], [4, 8, 16], [256, 512, 1024]):
+            call = functools.partial(
+                reduce_rows,
+                *(y, pairs.view(-1, hidden), rows, sms, block_rows),
+                weight=weights,
+                num_warps=warps,
+                block_h=cols,
+            )
+            ms = slowest_rank_median(timed(call, iters, 3, ex._barrier))
+            table.append(("local-sum", warps, block_rows, cols, ms, moved / ms / 1e6))
+        ex.release()
+        return table
     for name, make, remote in (
         ("push", push, remote_tokens),
         ("pull", pull, remote_pairs),
@@ -108,14 +130,17 @@ def main() -> None:
     parser.add_argument("--preset", default="deepseek-v3")
     parser.add_argument("--programs", type=int, default=24)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--local-sum", action="store_true", help="tune the local sum of combine")
     args = parser.parse_args()
     world = torch.cuda.device_count()
-    table = run_ranks(tune, world, args=(args.preset, args.programs, args.iters), backend="nccl")[0]
+    table = run_ranks(
+        tune, world, args=(args.preset, args.programs, args.iters, args.local_sum), backend="nccl"
+    )[0]
     print(f"{args.preset}, {args.programs} programs, {world} GPUs")
     print("| pattern | warps | rows | cols | ms | GB/s |\n| --- | --- | --- | --- | --- | --- |")
     for name, warps, rows, cols, ms, gbps in table:
         print(f"| {name} | {warps} | {rows} | {cols} | {ms:.3f} | {gbps:.0f} |")
-    for name in ("push", "pull", "scatter"):
+    for name in sorted({row[0] for row in table}):
         best = max((r for r in table if r[0] == name), key=lambda r: r[5])
         print(f"best {name}: warps={best[1]} rows={best[2]} cols={best[3]} {best[5]:.0f} GB/s")
 

@@ -1,6 +1,6 @@
 """The NVLink (symmetric-memory) exchange on 2 GPUs: bit for bit the collective exchange, in both
-directions and both dispatch variants; replay under a CUDA graph with changing routings; receive
-capacity overflow detected and raised, never a crash.
+directions and both dispatch variants (router-weight gradients to fp32 rounding); replay under a
+CUDA graph with changing routings; receive capacity overflow detected and raised, never a crash.
 
 Run alone with: python -m pytest tests/test_comm_symmetric.py (spawns 2 ranks, NCCL).
 """
@@ -99,7 +99,8 @@ def compare_case(rank, world, kind, config, tokens, seed, pull):
         "y": torch.equal(y_got, y_want),
         "pair outputs": torch.equal(pairs_got, pairs_want),
         "grad grouped": torch.equal(gg_got[:rows], gg_want),
-        "grad weights": torch.equal(gw_got, gw_want),
+        # fp32 dot products summed in another order than torch.einsum: equal to fp32 rounding
+        "grad weights": torch.allclose(gw_got, gw_want, rtol=1e-5, atol=1e-5),
         "grad x": torch.equal(gx_got, gx_want),
     }
 

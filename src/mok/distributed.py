@@ -82,7 +82,11 @@ def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | Non
         if problem is not None:
             raise MoKInputError(problem)
         return
-    control = control_group(group)
+    agree_or_raise(problem, control_group(group))
+
+
+def agree_or_raise(problem: str | None, control: dist.ProcessGroup) -> None:
+    """`raise_if_any_rank_failed` over a CPU (gloo) process group, e.g. a `gloo_twin`."""
     flag = torch.tensor([int(problem is not None)])
     flags = [torch.empty_like(flag) for _ in range(control.size())]
     control.allgather([flags], [flag]).wait()

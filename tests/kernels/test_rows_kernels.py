@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mok.kernels.rows import copy_rows, push_rows, reduce_rows
+from mok.kernels.rows import copy_rows, pair_gradients, push_rows, reduce_rows
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -226,3 +226,22 @@ def test_reduce_rows_matches_the_reference_combine_bitwise_in_bf16():
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=DEVICE)
     reduce_rows(out, outputs.view(-1, hidden), rows, 24, 8, weight=weights, init=shared)
     assert torch.equal(out, combine(outputs, weights, shared))
+
+
+@given(
+    tokens=st.integers(0, 20),
+    top_k=st.integers(1, 4),
+    hidden=st.sampled_from([8, 40, 1100]),
+    seed=st.integers(0, 2**16),
+)
+def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed):
+    generator = torch.Generator().manual_seed(seed)
+    grad_y = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE)
+    weights = torch.rand(tokens, top_k, generator=generator).to(DEVICE)
+    pair_out = torch.randn(tokens, top_k, hidden, generator=generator).to(DEVICE, DTYPE)
+    grad_pairs = torch.full((tokens * top_k, hidden), -7.0, dtype=DTYPE, device=DEVICE)
+    grad_w = pair_gradients(grad_y, weights, pair_out, grad_pairs, programs=3)
+    want_pairs = (weights.float()[..., None] * grad_y.float()[:, None]).to(DTYPE)
+    assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)
+    want_w = torch.einsum("th,tkh->tk", grad_y.float(), pair_out.float())
+    assert torch.allclose(grad_w, want_w, rtol=1e-5, atol=1e-5 * hidden)

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
-from mok.kernels.rows import copy_rows, reduce_rows
+from mok.kernels.rows import LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
 
 COPY_ROWS = 32
 COPY_TILE = {"num_warps": 8, "block_h": 1024}
@@ -86,24 +86,25 @@ class LocalExchange:
             expert_out,
             routing.pair_row,
             self.sms,
-            8,
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
             gathered=pair_out,
-            num_warps=8,
+            **LOCAL_SUM,
         )
         return y, pair_out
 
     def combine_backward(self, routing, grad_y, topk_weights, pair_out):
         """(grads of the grouped outputs [T * k, H], grad of topk_weights [T, k])."""
-        grad = grad_y.float()
-        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
-        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
         pairs = routing.pair_row.numel()
+        hidden = grad_y.shape[1]
+        grad_pairs = torch.empty(pairs, hidden, dtype=pair_out.dtype, device=self.device)
+        grad_w = pair_gradients(
+            grad_y.contiguous(), topk_weights.contiguous(), pair_out, grad_pairs, self.sms
+        )
         grad_grouped = torch.empty(pairs, grad_y.shape[1], dtype=pair_out.dtype, device=self.device)
         copy_rows(
             grad_grouped,
-            grad_pairs.view(pairs, -1),
+            grad_pairs,
             torch.arange(pairs, device=self.device),
             self._count(pairs),
             self.sms,
@@ -124,9 +125,8 @@ class LocalExchange:
             grad_grouped,
             routing.pair_row,
             self.sms,
-            8,
             tail=None if extra is None else extra.contiguous(),
-            num_warps=8,
+            **LOCAL_SUM,
         )
         return grad_x
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
 from mok.distributed import group_rank_and_size
-from mok.kernels.rows import copy_rows, push_rows, reduce_rows
+from mok.kernels.rows import LOCAL_SUM, copy_rows, pair_gradients, push_rows, reduce_rows
 from mok.validation import MoKCapacityError, MoKInputError
 
 _ALIGN_BYTES = 256
@@ -364,8 +364,9 @@ class SymmetricExchange:
             routing.grouped_to_staging,
             routing.recv_pairs,
             self.local_sms,
-            64,
+            COPY_ROWS,
             **waits,
+            **COPY_TILE,
         )
         return grouped
 
@@ -410,9 +411,9 @@ class SymmetricExchange:
             pairs,
             self._pair_rows(tokens),
             self.local_sms,
-            8,
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
+            **LOCAL_SUM,
         )
         return y, pair_out if save_pair_out else None
 
@@ -441,13 +442,17 @@ class SymmetricExchange:
         pair_out: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(grads of the grouped expert outputs [pair_capacity, H], grad of topk_weights [T, k]):
-        the same values as `CollectiveExchange.combine_backward`."""
+        the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
+        the summation order of their fp32 dot products)."""
         s = self.shape
         tokens = grad_y.shape[0]
-        grad = grad_y.float()
-        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
-        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
-        self.grad_pairs.local[: tokens * s.top_k].copy_(grad_pairs.view(-1, s.hidden))
+        grad_w = pair_gradients(
+            grad_y.contiguous(),
+            topk_weights.contiguous(),
+            pair_out,
+            self.grad_pairs.local[: tokens * s.top_k],
+            self.local_sms,
+        )
         self._barrier()
         grad_grouped = torch.empty(
             s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
@@ -486,8 +491,8 @@ class SymmetricExchange:
             grad_grouped,
             fan_in,
             self.local_sms,
-            8,
             count=routing.recv_tokens,
+            **LOCAL_SUM,
         )
         self._barrier()
         tokens, ep = routing.token_slot.shape
@@ -510,8 +515,8 @@ class SymmetricExchange:
             parts,
             part_rows,
             self.local_sms,
-            8,
             tail=None if extra is None else extra.contiguous(),
+            **LOCAL_SUM,
         )
         return grad_x
 

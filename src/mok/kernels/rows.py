@@ -30,6 +30,10 @@ if interpreting():
 BLOCK_H = 512
 """Columns one program moves per step."""
 
+LOCAL_SUM = {"block_rows": 16, "num_warps": 16, "block_h": 1024}
+"""reduce_rows tiles for sums over local memory (benchmarks/tune_rows.py --local-sum: ~2 TB/s of
+HBM traffic on an H200 for the combine of deepseek-v3 at 8192 tokens)."""
+
 
 @triton.jit
 def signal_ready(flag_pointer, epoch):
@@ -566,3 +570,75 @@ def reduce_rows(
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
+
+
+@triton.jit
+def pair_gradients_kernel(
+    grad_y_ptr,
+    weight_ptr,
+    pair_out_ptr,
+    grad_pairs_ptr,
+    grad_weight_ptr,
+    num_tokens,
+    hidden,
+    TOP_K: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """For every pair (t, j): grad_pairs[t, j] = round(w[t, j] * grad_y[t]) and
+    grad_weight[t, j] = sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out)."""
+    for tile in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_ROWS), NUM_PROGRAMS):
+        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        live = rows < num_tokens
+        token_rows = rows.to(tl.int64)[:, None] * hidden
+        for j in tl.static_range(TOP_K):
+            pair_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * hidden
+            weight = tl.load(weight_ptr + rows * TOP_K + j, mask=live, other=0.0).to(tl.float32)
+            dot = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
+            for start in range(0, hidden, BLOCK_H):
+                cols = start + tl.arange(0, BLOCK_H)
+                here = live[:, None] & (cols < hidden)[None, :]
+                grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
+                grad = grad.to(tl.float32)
+                out = tl.load(pair_out_ptr + pair_rows + cols[None, :], mask=here, other=0.0)
+                dot += tl.sum(grad * out.to(tl.float32), axis=1)
+                scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
+                tl.store(grad_pairs_ptr + pair_rows + cols[None, :], scaled, mask=here)
+            out_weight = dot.to(grad_weight_ptr.dtype.element_ty)
+            tl.store(grad_weight_ptr + rows * TOP_K + j, out_weight, mask=live)
+
+
+def pair_gradients(
+    grad_y: torch.Tensor,
+    weights: torch.Tensor,
+    pair_out: torch.Tensor,
+    grad_pairs: torch.Tensor,
+    programs: int,
+) -> torch.Tensor:
+    """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
+    a communication buffer) = w[t, j] * grad_y[t] rounded to grad_pairs' dtype, and the returned
+    grad of the router weights [T, k] (weights' dtype) = <grad_y[t], pair_out[t, j]> in fp32.
+    grad_y [T, H], weights [T, k], pair_out [T, k, H]; all contiguous."""
+    tokens, top_k, hidden = pair_out.shape
+    grad_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=weights.device)
+    if tokens == 0:
+        return grad_weights
+    block_rows = 4
+    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
+    pair_gradients_kernel[(programs,)](
+        grad_y,
+        weights,
+        pair_out,
+        grad_pairs,
+        grad_weights,
+        tokens,
+        hidden,
+        TOP_K=top_k,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        NUM_PROGRAMS=programs,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return grad_weights
