@@ -12,7 +12,7 @@ import torch.distributed as dist
 import mok
 from mok.launch import run_ranks
 from mok.routing import make_routing
-from mok.testing import RankInputs, compare_with_reference, global_weights
+from mok.testing import RankInputs, compare_with_reference, global_weights, relative_error
 
 # bf16 kernels against the fp32 reference: bf16 rounding of h, the outputs and the gradients.
 TOLERANCE = 2e-2
@@ -129,3 +129,47 @@ def test_out_of_range_expert_ids_are_dropped_and_raised_at_check():
     with pytest.raises(mok.MoKInputError, match="outside"):
         layer.workspace(device).check()
     layer.workspace(device).check()  # reported once
+
+
+def two_layers(rank, world):
+    """Two layers of one shape share one exchange; stacked, each still matches the reference."""
+    config = mok.get_preset("tiny").config(backend="triton", max_tokens_per_rank=128)
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers = []
+    for seed in (0, 1):
+        layer = mok.MoE(config, group=dist.group.WORLD, device=device)
+        layer.load_global_weights(global_weights(config, seed, device))
+        layers.append(layer)
+    exchanges = [layer.workspace(device).backend.exchange for layer in layers]
+    inputs = rank_inputs(config, 96 + rank, "zipf", rank, device)
+    x = inputs.x.clone().requires_grad_(True)
+    hidden = layers[1](
+        layers[0](x, inputs.topk_idx, inputs.topk_weights), inputs.topk_idx, inputs.topk_weights
+    )
+    hidden.backward(inputs.grad_y)
+    reference = [
+        mok.MoE(config.replace(backend="reference"), group=dist.group.WORLD, device="meta")
+        for _ in layers
+    ]
+    for ref, layer in zip(reference, layers, strict=True):
+        for name, param in layer.named_parameters(recurse=False):
+            setattr(ref, name, torch.nn.Parameter(param.detach().clone()))
+    x_ref = inputs.x.clone().requires_grad_(True)
+    want = reference[1](
+        reference[0](x_ref, inputs.topk_idx, inputs.topk_weights),
+        inputs.topk_idx,
+        inputs.topk_weights,
+    )
+    want.backward(inputs.grad_y)
+    errors = [relative_error(hidden.detach(), want.detach()), relative_error(x.grad, x_ref.grad)]
+    for ref, layer in zip(reference, layers, strict=True):
+        errors += [relative_error(layer.gate.grad, ref.gate.grad)]
+    return exchanges[0] is exchanges[1], errors
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_layers_of_one_shape_share_one_exchange():
+    for shared, errors in run_ranks(two_layers, 2, backend="nccl"):
+        assert shared
+        assert max(errors) < TOLERANCE, errors

@@ -439,7 +439,7 @@ def report_header(device: str, dense_tflops: float | None, command: str) -> Repo
     now = datetime.datetime.now(datetime.timezone.utc)
     return ReportHeader(
         date=now.strftime("%Y-%m-%d %H:%M UTC"),
-        commit=_git_commit(),
+        commit=git_commit(),
         machine=_machine(device),
         torch=torch.__version__,
         device=device,
@@ -448,8 +448,12 @@ def report_header(device: str, dense_tflops: float | None, command: str) -> Repo
     )
 
 
-def _git_commit() -> str:
-    """`git rev-parse --short HEAD` of the checkout mok runs from, or "unknown"."""
+def git_commit() -> str:
+    """The commit results are recorded under: $MOK_COMMIT when set (a copy of the tree without its
+    git history, e.g. on a remote GPU machine), else `git rev-parse --short HEAD` of the checkout
+    mok runs from, else "unknown"."""
+    if os.environ.get("MOK_COMMIT"):
+        return os.environ["MOK_COMMIT"]
     try:
         done = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],

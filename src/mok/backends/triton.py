@@ -56,7 +56,7 @@ class TritonBackend:
         # Imported here: Triton is an optional dependency of the package.
         from mok.comm.collective import CollectiveExchange
         from mok.comm.local import LocalExchange
-        from mok.comm.symmetric import SymmetricExchange, default_shape
+        from mok.comm.symmetric import SymmetricExchange, acquire_exchange, default_shape
 
         self.workspace = workspace
         config, device, group = workspace.config, workspace.device, workspace.group
@@ -72,7 +72,7 @@ class TritonBackend:
                 config.max_tokens_per_rank,
                 config.recv_capacity,
             )
-            self.exchange = SymmetricExchange(group, shape, device, programs=config.comm_sms)
+            self.exchange = acquire_exchange(group, shape, device, config.comm_sms)
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
@@ -177,9 +177,10 @@ class TritonBackend:
             check()
 
     def release(self) -> None:
-        release = getattr(self.exchange, "release", None)
-        if release is not None:
-            release()
+        from mok.comm.symmetric import SymmetricExchange, release_exchange
+
+        if isinstance(self.exchange, SymmetricExchange):
+            release_exchange(self.exchange)
 
     def _all_tokens(self, tokens: int) -> torch.Tensor:
         """[2] int32 offsets of one group holding all `tokens` rows, made on the device."""

@@ -521,6 +521,38 @@ class SymmetricExchange:
         return grad_x
 
 
+_SHARED_EXCHANGES: dict[tuple, list] = {}
+
+
+def acquire_exchange(
+    group: dist.ProcessGroup | None, shape: ExchangeShape, device: torch.device, programs: int
+) -> SymmetricExchange:
+    """The exchange of (group, device, shape, programs), created on first use (collective) and then
+    shared by every user of the same key, e.g. all MoE layers of one shape: their calls follow one
+    another on the stream, and every buffer is rewritten only behind a barrier that its readers
+    pass once done, so one set of buffers serves them all. Pair with `release_exchange`; all ranks
+    must acquire and release in the same order."""
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, str(device), shape, programs)
+    entry = _SHARED_EXCHANGES.get(key)
+    if entry is None:
+        entry = _SHARED_EXCHANGES[key] = [SymmetricExchange(group, shape, device, programs), 0]
+    entry[1] += 1
+    return entry[0]
+
+
+def release_exchange(exchange: SymmetricExchange) -> None:
+    """Drop one user of a shared exchange; the last one frees its buffers (collective then)."""
+    for key, entry in list(_SHARED_EXCHANGES.items()):
+        if entry[0] is exchange:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _SHARED_EXCHANGES[key]
+                exchange.release()
+            return
+    exchange.release()
+
+
 def staging_fan_in(
     grouped_to_staging: torch.Tensor, recv_pairs: torch.Tensor, staging_rows: int, width: int
 ) -> torch.Tensor:
