@@ -22,11 +22,11 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 
 import torch
 import torch.distributed as dist
 
+from mok.bench import git_commit
 from mok.comm.collective import CollectiveExchange
 from mok.comm.symmetric import COPY_ROWS, COPY_TILE, PUSH_TILE, SymmetricExchange, default_shape
 from mok.kernels.rows import copy_rows, push_rows
@@ -284,9 +284,7 @@ def bench_all(rank, world, presets, sms, iters, warmup):
 
 
 def markdown(results, world, command) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip() or os.environ.get("MOK_COMMIT", "unknown")
+    commit = git_commit()
     lines = [
         f"# NVLink token exchange vs NCCL, {world} x {torch.cuda.get_device_name()}",
         "",
