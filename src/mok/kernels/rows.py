@@ -397,6 +397,17 @@ def _alignment(hidden: int) -> int:
     return 1
 
 
+def _row_options(hidden: int, block_rows: int, block_h: int, programs: int, num_warps: int) -> dict:
+    """Tile meta-parameters and launch options shared by the row kernels' launchers."""
+    return {
+        "BLOCK_ROWS": block_rows,
+        "BLOCK_H": min(block_h, triton.next_power_of_2(hidden)),
+        "ALIGN": _alignment(hidden),
+        "NUM_PROGRAMS": programs,
+        "num_warps": num_warps,
+    }
+
+
 def _dummy(device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     return torch.zeros(1, dtype=dtype, device=device)
 
@@ -440,12 +451,8 @@ def push_rows(
         epoch if signal else _dummy(device, torch.int32),
         hidden,
         EP=ep,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
-        ALIGN=_alignment(hidden),
         SIGNAL=signal,
-        NUM_PROGRAMS=programs,
-        num_warps=num_warps,
+        **_row_options(hidden, block_rows, block_h, programs, num_warps),
     )
 
 
@@ -500,11 +507,7 @@ def copy_rows(
         DST_ROWS=dst_row is not None,
         DST_PEERS=dst_peers,
         WAIT=waits,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
-        ALIGN=_alignment(hidden),
-        NUM_PROGRAMS=programs,
-        num_warps=num_warps,
+        **_row_options(hidden, block_rows, block_h, programs, num_warps),
     )
 
 
@@ -563,11 +566,7 @@ def reduce_rows(
         HAS_TAIL=tail is not None,
         HAS_WEIGHT=weight is not None,
         SAVE_GATHERED=gathered is not None,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=min(block_h, triton.next_power_of_2(hidden)),
-        ALIGN=_alignment(hidden),
-        NUM_PROGRAMS=programs,
-        num_warps=num_warps,
+        **_row_options(hidden, block_rows, block_h, programs, num_warps),
         enable_fp_fusion=False,
     )
 
