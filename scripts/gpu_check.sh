@@ -2,15 +2,17 @@
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
-#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange]   (default: all four)
+#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton]   (default: all five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
+# triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
+# Set MOK_COMMIT=$(git rev-parse --short HEAD) when the tree travels without its git history.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-steps=${*:-tests bench kernels exchange}
+steps=${*:-tests bench kernels exchange triton}
 status=0
 
 log="$OUT/gpu_check.log"
@@ -43,6 +45,13 @@ for step in $steps; do
       run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
         tests/kernels/test_rows_kernels.py tests/test_comm_plan.py tests/test_comm_symmetric.py
       run exchange-bench python3 benchmarks/exchange.py --out "$OUT/exchange.md" ${EXCHANGE_ARGS:-} ;;
+    triton)
+      run triton-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_backend.py \
+        tests/test_comm_symmetric.py tests/kernels/test_rows_kernels.py
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      run triton-bench python3 -m mok bench --no-progress \
+        --preset qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3 --ep "1,$ngpu" --iters 10 --warmup 3 \
+        --out "$OUT/bench" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

@@ -28,12 +28,16 @@ class LocalRouting:
 
 
 class LocalExchange:
-    """Dispatch and combine when one process holds every expert."""
+    """Dispatch and combine when one process holds every expert. On the CPU the kernels run under
+    the Triton interpreter (tests only)."""
 
     def __init__(self, num_experts: int, device: torch.device) -> None:
         self.num_experts = num_experts
-        self.device = device
-        self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+        self.device = torch.device(device)
+        on_gpu = self.device.type == "cuda"
+        self.sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
+        )
 
     def route(self, topk_idx: torch.Tensor) -> LocalRouting:
         topk_idx = topk_idx.to(torch.int64)
