@@ -49,8 +49,9 @@ for step in $steps; do
       run triton-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_backend.py \
         tests/test_comm_symmetric.py tests/kernels/test_rows_kernels.py
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      eps=1; [ "$ngpu" -gt 1 ] && eps="1,$ngpu"
       run triton-bench python3 -m mok bench --no-progress \
-        --preset qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3 --ep "1,$ngpu" --iters 10 --warmup 3 \
+        --preset qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3 --ep "$eps" --iters 10 --warmup 3 \
         --out "$OUT/bench" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
