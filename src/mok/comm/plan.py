@@ -40,7 +40,11 @@ def destination_mask(topk_idx: torch.Tensor, ep_size: int, local_experts: int) -
 
 
 def _exclusive_cumsum(values: torch.Tensor, dim: int) -> torch.Tensor:
-    return torch.cumsum(values, dim) - values
+    """Sum of the entries before each one along `dim`, scanned along the contiguous last dimension:
+    PyTorch's CUDA scan over the outer dimension of a tall [T, ep] matrix took ~0.26 ms."""
+    moved = values.movedim(dim, -1).contiguous()
+    inclusive = torch.cumsum(moved, -1).movedim(-1, dim)
+    return inclusive - values
 
 
 @dataclasses.dataclass(frozen=True)
