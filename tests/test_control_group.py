@@ -1,8 +1,10 @@
 """Input agreement over the gloo twin of a process group: no GPU involved, only its ranks."""
 
+import socket
+
 import torch.distributed as dist
 
-from mok.distributed import agree_or_raise, gloo_twin
+from mok.distributed import agree_or_raise, gloo_twin, host_names
 from mok.launch import run_ranks
 from mok.validation import MoKInputError
 
@@ -26,3 +28,12 @@ def test_a_rejection_on_one_rank_raises_on_every_rank_of_the_group():
     assert outcomes[0].startswith("rank(s) [1]")
     assert outcomes[1] == "bad input"
     assert outcomes[2] == "outside"
+
+
+def names(rank, world):
+    return host_names(dist.group.WORLD), host_names(gloo_twin(dist.group.WORLD))
+
+
+def test_host_names_of_every_rank():
+    for on_group, on_twin in run_ranks(names, 2):
+        assert on_group == on_twin == [socket.gethostname()] * 2

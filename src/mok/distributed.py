@@ -5,6 +5,8 @@ Every helper accepts `group=None` for a single process (no communication at all)
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -66,9 +68,26 @@ def gloo_twin(group: dist.ProcessGroup) -> dist.ProcessGroup:
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """Where host-side agreements (which rank rejected its input) run: `group` when it is gloo,
     else its gloo twin, so that agreeing never synchronizes the host with a GPU."""
-    if group is None or dist.get_backend(group) == "gloo":
+    if group is None or group.name() == "gloo":  # name(): also for groups c10d does not list
         return group
     return gloo_twin(group)
+
+
+def host_names(group: dist.ProcessGroup | None) -> list[str]:
+    """The host name of every rank of `group` (collective, on the CPU over `control_group`)."""
+    name = socket.gethostname()
+    if group is None:
+        return [name]
+    control = control_group(group)
+    encoded = torch.zeros(_HOST_NAME_BYTES, dtype=torch.uint8)
+    raw = name.encode()[:_HOST_NAME_BYTES]
+    encoded[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    gathered = [torch.empty_like(encoded) for _ in range(control.size())]
+    control.allgather([gathered], [encoded]).wait()
+    return [bytes(t.tolist()).rstrip(b"\0").decode(errors="replace") for t in gathered]
+
+
+_HOST_NAME_BYTES = 256
 
 
 def raise_if_any_rank_failed(problem: str | None, group: dist.ProcessGroup | None) -> None:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
-from mok.distributed import group_rank_and_size
+from mok.distributed import group_rank_and_size, host_names
 from mok.kernels.rows import LOCAL_SUM, copy_rows, pair_gradients, push_rows, reduce_rows
 from mok.validation import MoKCapacityError, MoKInputError
 
@@ -216,7 +216,8 @@ class SymmetricExchange:
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
-        """None if this exchange can run for `group` on `device`, else why not."""
+        """None if this exchange can run for `group` on `device`, else why not. Collective (the
+        ranks compare their host names)."""
         if device.type != "cuda":
             return f"symmetric memory needs CUDA tensors, the device is {device}"
         if not dist.is_available() or not dist.is_initialized():
@@ -225,9 +226,13 @@ class SymmetricExchange:
             import torch.distributed._symmetric_memory  # noqa: F401
         except ImportError as error:
             return f"torch.distributed._symmetric_memory is missing ({error})"
-        _, size = group_rank_and_size(group if group is not None else dist.group.WORLD)
+        group = group if group is not None else dist.group.WORLD
+        hosts = len(set(host_names(group)))
+        if hosts > 1:
+            return f"the ranks run on {hosts} hosts: symmetric memory needs one"
+        size = dist.get_world_size(group)
         if size > torch.cuda.device_count():
-            return f"{size} ranks but {torch.cuda.device_count()} GPUs here: not one NVLink domain"
+            return f"{size} ranks share {torch.cuda.device_count()} GPUs: one GPU per rank needed"
         return None
 
     def release(self) -> None:
