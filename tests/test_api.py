@@ -67,6 +67,23 @@ def test_mxfp8_is_refused_until_a_backend_implements_it():
         mok.create_workspace(TINY.replace(precision="mxfp8"))
 
 
+def test_backends_say_why_they_cannot_run_here():
+    report = mok.backends.backend_report(TINY, torch.device("cpu"))
+    assert report["reference"] is None
+    assert "CUDA" in report["triton"]
+    with pytest.raises(mok.BackendUnavailableError, match="triton"):
+        mok.create_workspace(TINY.replace(backend="triton"))
+    assert mok.create_workspace(TINY).backend_name == "reference"  # auto on the CPU
+
+
+def test_workspace_check_on_the_reference_backend_finds_nothing():
+    ws = mok.create_workspace(TINY)
+    ws.check()
+    ws.release()
+    with pytest.raises(RuntimeError, match="released"):
+        ws.check()
+
+
 # -- module and autograd ---------------------------------------------------------------------
 
 

@@ -317,6 +317,9 @@ def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurem
             floor_ratio=ms / floor_ms if floor_ms else None,
             peak_memory_gib=peak,
         )
+    if not is_baseline:
+        # What only the device saw (rows dropped for capacity, bad ids) must not pass unnoticed.
+        layer.workspace(device).check()
     return Measurement(name, errors, timings["forward"], timings["forward+backward"])
 
 
