@@ -239,3 +239,13 @@ def test_load_global_weights_checks_what_it_copies():
         layer.load_global_weights(full.map(lambda t: t[:4] if t.dim() == 3 else t))
     layer.load_global_weights(full)
     assert torch.equal(layer.down, full.down)
+
+
+def test_a_backend_token_limit_is_checked_before_routing(monkeypatch):
+    ws = mok.create_workspace(TINY.replace(max_tokens_per_rank=8))
+    monkeypatch.setattr(ws.backend, "max_tokens", 8, raising=False)
+    _, idx, _ = inputs(TINY, 9)
+    with pytest.raises(mok.MoKInputError, match="max_tokens_per_rank=8"):
+        mok.build_schedule(ws, idx)
+    _, idx, _ = inputs(TINY, 8)
+    mok.build_schedule(ws, idx)

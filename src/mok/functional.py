@@ -178,6 +178,12 @@ def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
     ws = _live(workspace)
     on_device = getattr(ws.backend, "checks_ids_on_device", False)
     problem = check_routing(ws.config, topk_idx, ws.device, check_ids=not on_device)
+    max_tokens = getattr(ws.backend, "max_tokens", None)
+    if problem is None and max_tokens is not None and topk_idx.shape[0] > max_tokens:
+        problem = (
+            f"topk_idx has {topk_idx.shape[0]} tokens, more than max_tokens_per_rank={max_tokens} "
+            f"that sizes the {ws.backend_name} backend's buffers; raise it in the MoKConfig"
+        )
     raise_if_any_rank_failed(problem, ws.group)
     return Schedule(
         num_tokens=topk_idx.shape[0],

@@ -76,6 +76,8 @@ class TritonBackend:
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
+        # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
+        self.max_tokens = config.max_tokens_per_rank
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
