@@ -74,6 +74,8 @@ class ExchangeShape:
     rows per tile of the push kernel)."""
     pull_dispatch: bool = False
     """Owners load token rows from the senders instead of senders storing them."""
+    dtype: torch.dtype = torch.bfloat16
+    """Token rows and expert outputs (the gradients summed per staging row stay fp32)."""
 
     @property
     def blocks_per_rank(self) -> int:
@@ -152,13 +154,24 @@ class SymmetricRouting:
     flag_index: torch.Tensor
 
 
+def allocate_symmetric(nbytes: int, device: torch.device, group: dist.ProcessGroup):
+    """(this rank's buffer of nbytes uint8, its handle) from PyTorch symmetric memory. Collective.
+    The handle gives `buffer_ptrs` (every rank's buffer as mapped here), `get_buffer(rank, sizes,
+    dtype, storage_offset)` and `barrier(channel)`."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer, symm_mem.rendezvous(buffer, group)
+
+
 class SymmetricExchange:
     """Dispatch and combine of one expert-parallel group over NVLink symmetric memory.
 
     The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
     [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid. Collective:
     all ranks create it together and make the same calls in the same order. `programs` is the
-    number of SMs the NVLink copies use; local copies use every SM.
+    number of SMs the NVLink copies use; local copies use every SM. `allocate` replaces
+    `allocate_symmetric` (the CPU tests map one shared file instead).
     """
 
     def __init__(
@@ -167,36 +180,37 @@ class SymmetricExchange:
         shape: ExchangeShape,
         device: torch.device,
         programs: int = 24,
+        allocate=None,
     ) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
         self.shape, self.device, self.programs = shape, device, programs
-        self.local_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        on_gpu = device.type == "cuda"
+        self.local_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
+        )
         ep, s = self.ep_size, shape
         experts = ep * s.local_experts
         layout = [
             ("counts", (ep, experts + ep), torch.int64),
             ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
             ("flags", (ep * s.blocks_per_rank,), torch.int32),
-            ("staging", (s.token_capacity, s.hidden), torch.bfloat16),
-            ("expert_out", (s.pair_capacity, s.hidden), torch.bfloat16),
-            ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), torch.bfloat16),
+            ("staging", (s.token_capacity, s.hidden), s.dtype),
+            ("expert_out", (s.pair_capacity, s.hidden), s.dtype),
+            ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
             ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
         ]
         if s.pull_dispatch:
             layout += [
                 ("staging_source", (s.token_capacity + 1, 2), torch.int64),
-                ("x_copy", (s.max_tokens, s.hidden), torch.bfloat16),
+                ("x_copy", (s.max_tokens, s.hidden), s.dtype),
             ]
         offsets, total = {}, 0
         for name, dims, dtype in layout:
             offsets[name] = total
             nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
             total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        self._buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(self._buffer, self.group)
+        self._buffer, self._handle = (allocate or allocate_symmetric)(total, device, self.group)
         regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout

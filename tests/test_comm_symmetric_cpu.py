@@ -1,0 +1,144 @@
+"""The NVLink exchange's protocol on the CPU: spawned gloo ranks, one shared file standing in for
+symmetric memory, the row kernels under the Triton interpreter (fp32 rows: the interpreter's bf16
+math is wrong). Every phase (counts, metadata, pushes with readiness flags and the waits on them,
+barriers, capacity) runs as on GPUs; results must equal the collective exchange bit for bit.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mok.comm.collective import CollectiveExchange
+from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.launch import run_ranks
+from mok.routing import make_routing
+from mok.testing import relative_error
+from mok.validation import MoKCapacityError
+
+
+class SharedFileHandle:
+    """The handle API the exchange uses (`buffer_ptrs`, `get_buffer`, `barrier`) over one file that
+    every rank maps: rank r's buffer is its r-th slice, so offsets between buffers agree on all
+    ranks, as with symmetric memory. The barrier is gloo's (x86 keeps stores in order)."""
+
+    def __init__(self, whole: torch.Tensor, nbytes: int, group):
+        self.whole, self.nbytes, self.group = whole, nbytes, group
+        self.buffer_ptrs = [
+            whole.data_ptr() + r * nbytes for r in range(dist.get_world_size(group))
+        ]
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        region = self.whole[rank * self.nbytes : (rank + 1) * self.nbytes].view(dtype)
+        return region[storage_offset : storage_offset + math.prod(sizes)].view(sizes)
+
+    def barrier(self, channel=0):
+        dist.barrier(group=self.group)
+
+
+def shared_file_allocator(path):
+    def allocate(nbytes, device, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        if rank == 0:
+            with open(path, "wb") as handle:
+                handle.truncate(world * nbytes)
+        dist.barrier(group=group)
+        whole = torch.from_file(path, shared=True, size=world * nbytes, dtype=torch.uint8)
+        return whole[rank * nbytes : (rank + 1) * nbytes], SharedFileHandle(whole, nbytes, group)
+
+    return allocate
+
+
+def make_exchange(path, world, hidden, top_k, local, max_tokens, **options):
+    shape = default_shape(hidden, top_k, local, world, max_tokens, dtype=torch.float32, **options)
+    return SymmetricExchange(
+        dist.group.WORLD,
+        shape,
+        torch.device("cpu"),
+        programs=2,
+        allocate=shared_file_allocator(path),
+    )
+
+
+CASES = [  # (routing, hidden, top_k, local experts, tokens per rank)
+    ("uniform", 24, 2, 2, [13, 7, 9]),
+    ("zipf", 40, 3, 3, [0, 17, 5]),
+    ("one-expert", 24, 2, 2, [11, 0, 6]),
+    ("first-experts", 8, 4, 2, [20, 19, 3]),
+]
+
+
+def compare(rank, world, tmp, pull):
+    results = []
+    for index, (kind, hidden, top_k, local, tokens) in enumerate(CASES):
+        tokens = tokens[:world]
+        generator = torch.Generator().manual_seed(100 * index + rank)
+        x = torch.randn(tokens[rank], hidden, generator=generator)
+        idx, w = make_routing(kind, tokens[rank], world * local, top_k, generator)
+        grad_y = torch.randn(tokens[rank], hidden, generator=generator)
+        shared = torch.randn(tokens[rank], hidden, generator=generator)
+        path = f"{tmp}/case{index}-{'pull' if pull else 'push'}"
+        symmetric = make_exchange(
+            path, world, hidden, top_k, local, max(tokens), pull_dispatch=pull
+        )
+        collective = CollectiveExchange(dist.group.WORLD, local)
+
+        want, got = collective.route(idx), symmetric.route(idx)
+        grouped_want, grouped = collective.dispatch(want, x), symmetric.dispatch(got, x)
+        rows = int(got.recv_pairs)
+        expert_out = torch.randn(grouped_want.shape, generator=generator)
+        symmetric.expert_output_buffer()[:rows].copy_(expert_out)
+        y_want, pairs_want = collective.combine(want, expert_out, w, shared)
+        y, pairs = symmetric.combine(got, symmetric.expert_output_buffer(), w, shared)
+        gg_want, gw_want = collective.combine_backward(want, grad_y, w, pairs_want)
+        gg, gw = symmetric.combine_backward(got, grad_y, w, pairs)
+        grad_rows = torch.randn(grouped_want.shape, generator=generator)
+        padded = torch.zeros_like(grouped)
+        padded[:rows] = grad_rows
+        gx_want = collective.dispatch_backward(want, grad_rows, shared)
+        gx = symmetric.dispatch_backward(got, padded, shared)
+        symmetric.check()
+        symmetric.release()
+        results.append(
+            {
+                "case": kind,
+                "group offsets": torch.equal(got.group_offsets, want.group_offsets),
+                "grouped rows": rows == grouped_want.shape[0]
+                and torch.equal(grouped[:rows], grouped_want),
+                "y": torch.equal(y, y_want),
+                "pair outputs": torch.equal(pairs, pairs_want),
+                "grad grouped": torch.equal(gg[:rows], gg_want),
+                "grad weights": relative_error(gw, gw_want) < 1e-5,
+                "grad x": torch.equal(gx, gx_want),
+            }
+        )
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("pull", [False, True])
+def test_symmetric_exchange_protocol_matches_the_collective_exchange(world, pull, tmp_path):
+    for per_rank in run_ranks(compare, world, args=(str(tmp_path), pull), timeout_s=300):
+        for outcome in per_rank:
+            assert all(outcome.values()), outcome
+
+
+def overflow(rank, world, tmp):
+    symmetric = make_exchange(f"{tmp}/overflow", world, 16, 2, 2, 32, recv_capacity=10)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(32, 16, generator=generator)
+    idx, w = make_routing("first-experts", 32, world * 2, 2, generator)
+    routing = symmetric.route(idx)
+    y, _ = symmetric.combine(routing, symmetric.dispatch(routing, x), w)
+    try:
+        symmetric.check()
+    except MoKCapacityError as error:
+        return bool(torch.isfinite(y).all()), str(error)
+    return bool(torch.isfinite(y).all()), None
+
+
+def test_capacity_overflow_is_dropped_and_raised_at_check(tmp_path):
+    for finite, message in run_ranks(overflow, 2, args=(str(tmp_path),), timeout_s=300):
+        assert finite
+        assert message is not None and "recv_capacity" in message
