@@ -14,9 +14,10 @@ from mok.comm.collective import CollectiveExchange
 from mok.comm.symmetric import MoKCapacityError, SymmetricExchange, default_shape
 from mok.launch import run_ranks
 from mok.reference import grouped_expert_mlp
-from mok.testing import global_weights, relative_error
+from mok.testing import global_weights
 
 from ep_cases import TINY, rank_inputs
+from exchange_checks import compare_exchanges
 
 pytestmark = [
     pytest.mark.multigpu,
@@ -57,52 +58,23 @@ def inputs_on_rank(rank, config, tokens, kind, seed):
 def compare_case(rank, world, kind, config, tokens, seed, pull):
     """One layer call through both exchanges; which results are bitwise equal."""
     device = torch.device("cuda", rank)
-    x, idx, w, grad_y = inputs_on_rank(rank, config, tokens, kind, seed)
+    inputs = inputs_on_rank(rank, config, tokens, kind, seed)
     local = config.local_experts(world)
     full = global_weights(config, seed, device)
     experts = slice(rank * local, (rank + 1) * local)
-    collective = CollectiveExchange(dist.group.WORLD, local)
+
+    def expert(grouped, routing):
+        sizes = routing.group_offsets.diff().tolist()
+        weights = (full.gate[experts], full.up[experts], full.down[experts])
+        return grouped_expert_mlp(grouped, sizes, *weights, config.swiglu_limit)
+
     symmetric = make_exchange(config, world, max(tokens), pull_dispatch=pull)
-
-    want = collective.route(idx)
-    got = symmetric.route(idx)
-    grouped_want = collective.dispatch(want, x)
-    grouped_got = symmetric.dispatch(got, x)
-    rows = int(got.recv_pairs)
-    expert_out = grouped_expert_mlp(
-        grouped_want,
-        want.group_offsets.diff().tolist(),
-        full.gate[experts],
-        full.up[experts],
-        full.down[experts],
-        config.swiglu_limit,
-    )
-    shared = torch.randn_like(x) if config.has_shared_expert else None
-    y_want, pairs_want = collective.combine(want, expert_out, w, shared)
-    symmetric.expert_output_buffer()[:rows].copy_(expert_out)
-    y_got, pairs_got = symmetric.combine(got, symmetric.expert_output_buffer(), w, shared)
-
-    gg_want, gw_want = collective.combine_backward(want, grad_y, w, pairs_want)
-    gg_got, gw_got = symmetric.combine_backward(got, grad_y, w, pairs_got)
-    grad_rows = torch.randn_like(grouped_want)
-    extra = torch.randn_like(x) if config.has_shared_expert else None
-    gx_want = collective.dispatch_backward(want, grad_rows, extra)
-    padded = torch.zeros_like(grouped_got)
-    padded[:rows] = grad_rows
-    gx_got = symmetric.dispatch_backward(got, padded, extra)
-    symmetric.check()
+    collective = CollectiveExchange(dist.group.WORLD, local)
+    shared = torch.randn_like(inputs[0]) if config.has_shared_expert else None
+    extra = torch.randn_like(inputs[0]) if config.has_shared_expert else None
+    equal = compare_exchanges(symmetric, collective, inputs, expert, shared, extra)
     symmetric.release()
-    return {
-        "group offsets": torch.equal(got.group_offsets, want.group_offsets),
-        "grouped rows": rows == grouped_want.shape[0]
-        and torch.equal(grouped_got[:rows], grouped_want),
-        "y": torch.equal(y_got, y_want),
-        "pair outputs": torch.equal(pairs_got, pairs_want),
-        "grad grouped": torch.equal(gg_got[:rows], gg_want),
-        # fp32 dot products summed in another order than torch.einsum: equal to fp32 rounding
-        "grad weights": relative_error(gw_got, gw_want) < 1e-5,
-        "grad x": torch.equal(gx_got, gx_want),
-    }
+    return equal
 
 
 def compare_cases(rank, world):

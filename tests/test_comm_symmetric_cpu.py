@@ -4,6 +4,7 @@ math is wrong). Every phase (counts, metadata, pushes with readiness flags and t
 barriers, capacity) runs as on GPUs; results must equal the collective exchange bit for bit.
 """
 
+import functools
 import math
 
 import pytest
@@ -14,8 +15,9 @@ from mok.comm.collective import CollectiveExchange
 from mok.comm.symmetric import SymmetricExchange, default_shape
 from mok.launch import run_ranks
 from mok.routing import make_routing
-from mok.testing import relative_error
 from mok.validation import MoKCapacityError
+
+from exchange_checks import compare_exchanges
 
 
 class SharedFileHandle:
@@ -69,6 +71,11 @@ CASES = [  # (routing, hidden, top_k, local experts, tokens per rank)
 ]
 
 
+def random_outputs(grouped, routing, generator):
+    """A stand-in expert: random outputs of the grouped rows' shape."""
+    return torch.randn(grouped.shape, generator=generator)
+
+
 def compare(rank, world, tmp, pull):
     results = []
     for index, (kind, hidden, top_k, local, tokens) in enumerate(CASES):
@@ -84,35 +91,11 @@ def compare(rank, world, tmp, pull):
         )
         collective = CollectiveExchange(dist.group.WORLD, local)
 
-        want, got = collective.route(idx), symmetric.route(idx)
-        grouped_want, grouped = collective.dispatch(want, x), symmetric.dispatch(got, x)
-        rows = int(got.recv_pairs)
-        expert_out = torch.randn(grouped_want.shape, generator=generator)
-        symmetric.expert_output_buffer()[:rows].copy_(expert_out)
-        y_want, pairs_want = collective.combine(want, expert_out, w, shared)
-        y, pairs = symmetric.combine(got, symmetric.expert_output_buffer(), w, shared)
-        gg_want, gw_want = collective.combine_backward(want, grad_y, w, pairs_want)
-        gg, gw = symmetric.combine_backward(got, grad_y, w, pairs)
-        grad_rows = torch.randn(grouped_want.shape, generator=generator)
-        padded = torch.zeros_like(grouped)
-        padded[:rows] = grad_rows
-        gx_want = collective.dispatch_backward(want, grad_rows, shared)
-        gx = symmetric.dispatch_backward(got, padded, shared)
-        symmetric.check()
+        inputs = (x, idx, w, grad_y)
+        expert = functools.partial(random_outputs, generator=generator)
+        equal = compare_exchanges(symmetric, collective, inputs, expert, shared, shared)
         symmetric.release()
-        results.append(
-            {
-                "case": kind,
-                "group offsets": torch.equal(got.group_offsets, want.group_offsets),
-                "grouped rows": rows == grouped_want.shape[0]
-                and torch.equal(grouped[:rows], grouped_want),
-                "y": torch.equal(y, y_want),
-                "pair outputs": torch.equal(pairs, pairs_want),
-                "grad grouped": torch.equal(gg[:rows], gg_want),
-                "grad weights": relative_error(gw, gw_want) < 1e-5,
-                "grad x": torch.equal(gx, gx_want),
-            }
-        )
+        results.append({"case": kind, **equal})
     return results
 
 
