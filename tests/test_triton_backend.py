@@ -12,7 +12,13 @@ import torch.distributed as dist
 import mok
 from mok.launch import run_ranks
 from mok.routing import make_routing
-from mok.testing import RankInputs, compare_with_reference, global_weights, relative_error
+from mok.testing import (
+    RankInputs,
+    compare_with_reference,
+    global_weights,
+    one_call_results,
+    relative_error,
+)
 
 # bf16 kernels against the fp32 reference: bf16 rounding of h, the outputs and the gradients.
 TOLERANCE = 2e-2
@@ -48,17 +54,6 @@ def rank_inputs(config, tokens, routing, seed, device):
     return RankInputs(x.to(device), idx.to(device), w.to(device), grad_y.to(device))
 
 
-def run_layer(layer, inputs: RankInputs):
-    """(y, grad x, grad topk_weights, every weight's grad) of one call."""
-    x = inputs.x.clone().requires_grad_(True)
-    w = inputs.topk_weights.clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    y = layer(x, inputs.topk_idx, w)
-    y.backward(inputs.grad_y)
-    grads = [p.grad.clone() for p in layer.parameters()]
-    return [y.detach(), x.grad, w.grad, *grads]
-
-
 def check_cases(rank, world, cases, tokens_per_rank):
     """Rank worker: errors against the reference, bitwise repeatability, and no host sync."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -74,14 +69,14 @@ def check_cases(rank, world, cases, tokens_per_rank):
         layer.load_global_weights(full)
         assert layer.workspace(device).backend_name == "triton"
         errors = compare_with_reference(layer, full, everyone, rank)
-        first = run_layer(layer, everyone[rank])
+        first = one_call_results(layer, everyone[rank])
         torch.cuda.set_sync_debug_mode("error")
         try:
-            second = run_layer(layer, everyone[rank])
+            second = one_call_results(layer, everyone[rank])
         finally:
             torch.cuda.set_sync_debug_mode("default")
         layer.workspace(device).check()
-        repeatable = all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+        repeatable = all(torch.equal(first[key], second[key]) for key in first)
         results.append((name, errors, repeatable))
     return results
 

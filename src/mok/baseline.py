@@ -95,15 +95,8 @@ def baseline_moe(
 
 class BaselineMoE(MoE):
     """`mok.MoE`'s weights and expert placement with `baseline_moe` as forward:
-    x [T, H], topk_idx [T, k], topk_weights [T, k] -> y [T, H]."""
-
-    @classmethod
-    def sharing_weights_of(cls, layer: MoE) -> BaselineMoE:
-        """A BaselineMoE on the parameters of `layer` (the same tensors, not copies)."""
-        baseline = cls(layer.config, layer.group, device="meta")
-        for name, param in layer.named_parameters(recurse=False):
-            setattr(baseline, name, param)
-        return baseline
+    x [T, H], topk_idx [T, k], topk_weights [T, k] -> y [T, H]. Build it on another layer's
+    parameters with `BaselineMoE.sharing_weights_of(layer)`."""
 
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor

@@ -36,7 +36,7 @@ from mok.distributed import all_gather_int64
 from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
 from mok.routing import make_routing
-from mok.testing import RankInputs, global_weights, relative_error
+from mok.testing import RankInputs, global_weights, one_call_results, relative_error
 
 BASELINE = "baseline"
 # Relative Frobenius error allowed against the reference backend. The reference computes in
@@ -179,27 +179,10 @@ def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str,
         *_rank_inputs(spec, config, rank, tokens, device),
         _output_gradient(spec, rank, tokens, config, device),
     )
-    reference = mok.MoE(config.replace(backend="reference"), layer.group, device="meta")
-    for name, param in layer.named_parameters(recurse=False):
-        setattr(reference, name, param)
-    expected = _results_of_one_call(reference, inputs)
-    actual = _results_of_one_call(layer, inputs)
+    reference = mok.MoE.sharing_weights_of(layer, config.replace(backend="reference"))
+    expected = one_call_results(reference, inputs)
+    actual = one_call_results(layer, inputs)
     return {key: relative_error(actual[key], value) for key, value in expected.items()}
-
-
-def _results_of_one_call(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
-    """y and every gradient (x, topk_weights, each parameter) of one forward and backward."""
-    x = inputs.x.detach().clone().requires_grad_(True)
-    weights = inputs.topk_weights.detach().clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    y = layer(x, inputs.topk_idx, weights)
-    y.backward(inputs.grad_y)
-    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": weights.grad}
-    for name, param in layer.named_parameters(recurse=False):
-        grad = param.grad
-        results[f"grad {name}"] = torch.zeros_like(param) if grad is None else grad.clone()
-    layer.zero_grad(set_to_none=True)
-    return results
 
 
 def _tolerance(implementation: str, error_name: str, clamped: bool) -> float:

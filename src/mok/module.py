@@ -124,6 +124,15 @@ class MoE(nn.Module):
                 )
             target.copy_(source)
 
+    @classmethod
+    def sharing_weights_of(cls, layer: MoE, config: MoKConfig | None = None) -> MoE:
+        """A layer of this class on the parameters of `layer` (the same tensors, not copies), with
+        `layer`'s config or `config` (e.g. another backend)."""
+        twin = cls(config or layer.config, layer.group, device="meta")
+        for name, param in layer.named_parameters(recurse=False):
+            setattr(twin, name, param)
+        return twin
+
     def workspace(self, device: torch.device) -> functional.Workspace:
         """The workspace for `device`, created on first use (a collective over the group)."""
         ws = self._workspace

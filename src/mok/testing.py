@@ -99,6 +99,22 @@ def compare_with_reference(
     return errors
 
 
+def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """y and every gradient (x, topk_weights, each parameter) of one forward and backward of
+    `layer` on `inputs` (a parameter without a gradient counts as zeros); leaves no gradients."""
+    x = inputs.x.detach().clone().requires_grad_(True)
+    weights = inputs.topk_weights.detach().clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, inputs.topk_idx, weights)
+    y.backward(inputs.grad_y)
+    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": weights.grad}
+    for name, param in layer.named_parameters(recurse=False):
+        grad = param.grad
+        results[f"grad {name}"] = torch.zeros_like(param) if grad is None else grad.clone()
+    layer.zero_grad(set_to_none=True)
+    return results
+
+
 def grouped_expert_reference(rows, group_sizes, w_gate, w_up, w_down, grad_out, swiglu_limit=None):
     """The reference expert MLP on rows grouped by expert, forward and backward through autograd.
 

@@ -111,7 +111,7 @@ class TritonBackend:
 
         config = self.workspace.config
         routing = plan.routing
-        router = torch.where(plan.valid, topk_weights, 0).to(topk_weights.dtype)
+        router = torch.where(plan.valid, topk_weights, 0)
         grouped = self.exchange.dispatch(routing, x)
         buffer = getattr(self.exchange, "expert_output_buffer", None)
         expert_out, experts = expert_mlp_forward(
@@ -149,7 +149,7 @@ class TritonBackend:
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
-        grad_router = torch.where(saved.valid, grad_router, 0).to(grad_router.dtype)
+        grad_router = torch.where(saved.valid, grad_router, 0)
         grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(grad_out, saved.experts)
         grad_shared_x, shared_grads = None, {}
         if saved.shared is not None:

@@ -9,18 +9,14 @@ import dataclasses
 
 import torch
 
-from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
-from mok.kernels.rows import LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
-
-COPY_ROWS = 32
-COPY_TILE = {"num_warps": 8, "block_h": 1024}
+from mok.comm.plan import local_counts, plan_from_counts
+from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
 
 
 @dataclasses.dataclass(frozen=True)
 class LocalRouting:
     """One call's routing: pair (t, j) is grouped row pair_row[t, j]."""
 
-    plan: ExchangePlan
     top_k: int
     group_offsets: torch.Tensor
     pair_row: torch.Tensor
@@ -44,7 +40,6 @@ class LocalExchange:
         counts = local_counts(topk_idx, 1, self.num_experts).unsqueeze(0)
         plan = plan_from_counts(topk_idx, counts, 0, self.num_experts)
         return LocalRouting(
-            plan=plan,
             top_k=topk_idx.shape[1],
             group_offsets=plan.group_offsets,
             pair_row=plan.pair_row.contiguous(),

@@ -42,18 +42,21 @@ import math
 import torch
 import torch.distributed as dist
 
-from mok.comm.plan import ExchangePlan, local_counts, plan_from_counts
+from mok.comm.plan import local_counts, plan_from_counts
 from mok.distributed import group_rank_and_size, host_names
-from mok.kernels.rows import LOCAL_SUM, copy_rows, pair_gradients, push_rows, reduce_rows
+from mok.kernels.rows import (
+    COPY_ROWS,
+    COPY_TILE,
+    LOCAL_SUM,
+    PUSH_TILE,
+    copy_rows,
+    pair_gradients,
+    push_rows,
+    reduce_rows,
+)
 from mok.validation import MoKCapacityError, MoKInputError
 
 _ALIGN_BYTES = 256
-
-# Tiles of the NVLink copies, from benchmarks/tune_rows.py on 2 x H200 at 24 SMs: many warps keep
-# enough loads and stores in flight to cover the NVLink latency.
-PUSH_TILE = {"num_warps": 16, "block_h": 512}
-COPY_TILE = {"num_warps": 16, "block_h": 1024}
-COPY_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,14 +136,13 @@ class _Region:
 class SymmetricRouting:
     """One call's routing on this rank (device tensors only).
 
-    plan: the exchange plan (`mok.comm.plan`). group_offsets [E_loc + 1] int32: grouped rows per
-    local expert, clipped to the pair capacity. recv_tokens / recv_pairs: [1] int64 staging and
-    grouped rows received (clipped). On the token's side: token_slot [T, ep] (staging row per owner,
-    -1 none or dropped), pair_row [T, k] and owner [T, k] (where each pair's output is, -1 dropped).
-    On the owner's side, per grouped row: grouped_to_staging, return_rank, return_row (-1 dropped)
-    and flag_index (the readiness flag of its token block)."""
+    group_offsets [E_loc + 1] int32: grouped rows per local expert, clipped to the pair capacity.
+    recv_tokens / recv_pairs: [1] int64 staging and grouped rows received (clipped). On the token's
+    side: token_slot [T, ep] (staging row per owner, -1 none or dropped), pair_row [T, k] and
+    owner [T, k] (where each pair's output is, -1 dropped). On the owner's side, per grouped row:
+    grouped_to_staging, return_rank, return_row (-1 dropped) and flag_index (the readiness flag of
+    its token block)."""
 
-    plan: ExchangePlan
     top_k: int
     group_offsets: torch.Tensor
     recv_tokens: torch.Tensor
@@ -289,7 +291,8 @@ class SymmetricExchange:
         for peer in range(ep):
             self.counts.peer(peer)[rank].copy_(mine)
         self._barrier()
-        counts = self.counts.local.clone()
+        # Peers overwrite these counts only in their next route, after this rank's second barrier.
+        counts = self.counts.local
         plan = plan_from_counts(topk_idx, counts, rank, local)
 
         token_totals = counts[:, experts:].sum(0)
@@ -327,7 +330,6 @@ class SymmetricExchange:
         block = (return_row.clamp(min=0) // top_k) // s.block_tokens
         group_offsets = plan.group_offsets.clamp(max=s.pair_capacity)
         return SymmetricRouting(
-            plan=plan,
             top_k=top_k,
             group_offsets=group_offsets,
             recv_tokens=plan.recv_tokens.clamp(max=s.token_capacity).view(1),

@@ -30,6 +30,13 @@ if interpreting():
 BLOCK_H = 512
 """Columns one program moves per step."""
 
+# Tiles from benchmarks/tune_rows.py on 2 x H200: many warps keep enough loads and stores in
+# flight to cover the NVLink latency (24 SMs) and feed HBM (all SMs).
+PUSH_TILE = {"num_warps": 16, "block_h": 512}
+"""push_rows at 24 SMs."""
+COPY_TILE = {"num_warps": 16, "block_h": 1024}
+COPY_ROWS = 32
+"""copy_rows, over NVLink and locally."""
 LOCAL_SUM = {"block_rows": 16, "num_warps": 16, "block_h": 1024}
 """reduce_rows tiles for sums over local memory (benchmarks/tune_rows.py --local-sum: ~2 TB/s of
 HBM traffic on an H200 for the combine of deepseek-v3 at 8192 tokens)."""
