@@ -370,9 +370,10 @@ def _torchrun_world() -> tuple[int, int] | None:
 
 
 def run_bench(specs: Sequence[BenchSpec]) -> list[BenchResult]:
-    """Run the benchmark of every spec: in this process for ep=1, under an existing torchrun job, or
-    by spawning ep ranks (gloo on the CPU, NCCL with one GPU per rank), once per expert-parallel
-    size. Returns rank 0's results, in the order of `specs`."""
+    """Run the benchmark of every spec: under an existing torchrun job, in this process for ep=1 on
+    the CPU, or by spawning ep ranks (gloo on the CPU, NCCL with one GPU per rank; also for ep=1,
+    so that each size starts with all of the GPU's memory free), once per expert-parallel size.
+    Returns rank 0's results, in the order of `specs`."""
     torchrun = _torchrun_world()
     for spec in specs:
         if spec.device == "cuda" and torch.cuda.device_count() < spec.ep:
@@ -392,9 +393,7 @@ def run_bench(specs: Sequence[BenchSpec]) -> list[BenchResult]:
             if not dist.is_initialized():
                 init_from_env(backend)
             done = bench_rank(torchrun[0], ep, same_ep)
-        elif ep == 1:
-            if same_ep[0].device == "cuda":
-                torch.cuda.set_device(0)
+        elif ep == 1 and same_ep[0].device == "cpu":
             done = bench_rank(0, 1, same_ep)
         else:
             done = run_ranks(bench_rank, ep, args=(same_ep,), backend=backend)[0]

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from mok.comm.plan import local_counts, plan_from_counts
+from mok.kernels.plan import PlanKernels
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
 
 
@@ -34,16 +34,29 @@ class LocalExchange:
         self.sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
         )
+        self._plans: dict[int, PlanKernels] = {}
+        self._counts = torch.zeros(1, num_experts + 1, dtype=torch.int64, device=self.device)
+        self._no_offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # Nothing overflows in one process; the plan kernels still want somewhere to say so.
+        self._overflowed = torch.zeros(1, dtype=torch.bool, device=self.device)
+        self._most_needed = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def route(self, topk_idx: torch.Tensor) -> LocalRouting:
-        topk_idx = topk_idx.to(torch.int64)
-        counts = local_counts(topk_idx, 1, self.num_experts).unsqueeze(0)
-        plan = plan_from_counts(topk_idx, counts, 0, self.num_experts)
+        tokens, top_k = topk_idx.shape
+        if top_k not in self._plans:
+            self._plans[top_k] = PlanKernels(1, self.num_experts, top_k, self.device)
+        kernels = self._plans[top_k]
+        topk_idx = topk_idx.contiguous()
+        block_counts = kernels.count(topk_idx, self._counts, self._no_offsets, 0)
+        pairs = max(tokens * top_k, 1)
+        plan = kernels.place(
+            topk_idx, block_counts, self._counts, 0, tokens, pairs, self._overflowed, self._most_needed
+        )
         return LocalRouting(
-            top_k=topk_idx.shape[1],
+            top_k=top_k,
             group_offsets=plan.group_offsets,
-            pair_row=plan.pair_row.contiguous(),
-            recv_pairs=plan.group_offsets[-1:].to(torch.int64),
+            pair_row=plan.pair_row,
+            recv_pairs=plan.recv_pairs,
         )
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:

@@ -8,8 +8,9 @@ token's rank, where the k outputs are summed in fp32, j ascending.
 
 Who moves what (the side that knows the addresses does the copy):
   route     counts: every rank writes its counts into every peer, barrier; each sender computes
-            its rows' places (`plan_from_counts`) and writes each pair's (staging row, return
-            address) into the owner's metadata, barrier.
+            its rows' places (`mok.kernels.plan`, the values of `mok.comm.plan.plan_from_counts`)
+            and writes each pair's (staging row, return address) into the owner's metadata,
+            barrier.
   dispatch  push: the sender stores its token rows into the owners' staging and sets one flag
             per block of tokens on each owner; the owner's expand waits on the flags of the rows
             it copies (the hook a fused GEMM uses to start on the first rows).
@@ -42,8 +43,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from mok.comm.plan import local_counts, plan_from_counts
 from mok.distributed import group_rank_and_size, host_names
+from mok.kernels.plan import PlanKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
     COPY_TILE,
@@ -227,7 +228,7 @@ class SymmetricExchange:
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
-        self.capacities = torch.tensor([s.token_capacity, s.pair_capacity], device=device)
+        self.plan_kernels = PlanKernels(ep, s.local_experts, s.top_k, device)
         self._barrier()
 
     @staticmethod
@@ -276,71 +277,54 @@ class SymmetricExchange:
 
     def route(self, topk_idx: torch.Tensor) -> SymmetricRouting:
         """Exchange counts and pair addresses for topk_idx [T, k] (T <= max_tokens). Collective."""
-        s, ep, rank = self.shape, self.ep_size, self.rank
-        local = s.local_experts
-        experts = ep * local
+        s, rank = self.shape, self.rank
         tokens, top_k = topk_idx.shape
         if tokens > s.max_tokens or top_k != s.top_k:
             raise MoKInputError(
                 f"topk_idx has shape {tuple(topk_idx.shape)}; this exchange takes at most "
                 f"{s.max_tokens} tokens with top_k={s.top_k}"
             )
-        topk_idx = topk_idx.to(torch.int64)
+        topk_idx = topk_idx.contiguous()
         self.epoch.add_(1)
-        mine = local_counts(topk_idx, ep, local)
-        for peer in range(ep):
-            self.counts.peer(peer)[rank].copy_(mine)
+        block_counts = self.plan_kernels.count(topk_idx, self.counts.local, self.counts.offsets, rank)
         self._barrier()
         # Peers overwrite these counts only in their next route, after this rank's second barrier.
-        counts = self.counts.local
-        plan = plan_from_counts(topk_idx, counts, rank, local)
-
-        token_totals = counts[:, experts:].sum(0)
-        pair_totals = counts[:, :experts].view(ep, ep, local).sum((0, 2))
-        needed = torch.stack([token_totals.max(), pair_totals.max()])
-        self.overflowed |= (needed > self.capacities).any()
-        torch.maximum(self.most_needed, needed, out=self.most_needed)
-
-        owner = topk_idx // local
-        token_slot = torch.where(plan.token_slot < s.token_capacity, plan.token_slot, -1)
-        pair_slot = token_slot.gather(1, owner)
-        delivered = (pair_slot >= 0) & (plan.pair_row < s.pair_capacity)
-        pair_row = torch.where(delivered, plan.pair_row, -1)
-        pair_index = torch.arange(tokens * top_k, device=self.device).view(tokens, top_k)
-        return_address = torch.where(delivered, rank * s.max_tokens * top_k + pair_index, -1)
-        meta = torch.stack([pair_slot, return_address], dim=-1).view(-1, 2)
-        in_capacity = plan.pair_row < s.pair_capacity
-        for peer in range(ep):
-            target = torch.where((owner == peer) & in_capacity, plan.pair_row, s.pair_capacity)
-            self.pair_meta.peer(peer).index_put_((target.view(-1),), meta)
-        if s.pull_dispatch:
-            token_index = torch.arange(tokens, device=self.device)
-            source = torch.stack([torch.full_like(token_index, rank), token_index], dim=-1)
-            for peer in range(ep):
-                slot = token_slot[:, peer]
-                target = torch.where(slot >= 0, slot, s.token_capacity)
-                self.staging_source.peer(peer).index_put_((target,), source)
+        plan = self.plan_kernels.place(
+            topk_idx,
+            block_counts,
+            self.counts.local,
+            rank,
+            s.token_capacity,
+            s.pair_capacity,
+            self.overflowed,
+            self.most_needed,
+            s.max_tokens,
+            meta=(self.pair_meta.local, self.pair_meta.offsets),
+            source=(self.staging_source.local, self.staging_source.offsets)
+            if s.pull_dispatch
+            else None,
+        )
         self._barrier()
-
-        meta = self.pair_meta.local[: s.pair_capacity].clone()
-        grouped_to_staging, return_address = meta[:, 0], meta[:, 1]
-        per_rank = s.max_tokens * top_k
-        return_rank = torch.where(return_address >= 0, return_address // per_rank, 0)
-        return_row = torch.where(return_address >= 0, return_address % per_rank, -1)
-        block = (return_row.clamp(min=0) // top_k) // s.block_tokens
-        group_offsets = plan.group_offsets.clamp(max=s.pair_capacity)
+        rows = owner_rows(
+            self.pair_meta.local[: s.pair_capacity],
+            plan.recv_pairs,
+            s.max_tokens * top_k,
+            top_k,
+            s.block_tokens,
+            s.blocks_per_rank,
+        )
         return SymmetricRouting(
             top_k=top_k,
-            group_offsets=group_offsets,
-            recv_tokens=plan.recv_tokens.clamp(max=s.token_capacity).view(1),
-            recv_pairs=group_offsets[-1:].to(torch.int64),
-            token_slot=token_slot.contiguous(),
-            pair_row=pair_row.contiguous(),
-            owner=owner.contiguous(),
-            grouped_to_staging=grouped_to_staging.contiguous(),
-            return_rank=return_rank.contiguous(),
-            return_row=return_row.contiguous(),
-            flag_index=(return_rank * s.blocks_per_rank + block).contiguous(),
+            group_offsets=plan.group_offsets,
+            recv_tokens=plan.recv_tokens,
+            recv_pairs=plan.recv_pairs,
+            token_slot=plan.token_slot,
+            pair_row=plan.pair_row,
+            owner=plan.owner,
+            grouped_to_staging=rows.grouped_to_staging,
+            return_rank=rows.return_rank,
+            return_row=rows.return_row,
+            flag_index=rows.flag_index,
         )
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,8 @@ only meet flags that are already set, since programs run one after another.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -415,7 +417,10 @@ def _row_options(hidden: int, block_rows: int, block_h: int, programs: int, num_
     }
 
 
-def _dummy(device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def placeholder(device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A one-element tensor for pointer arguments a kernel variant never touches (made once:
+    a fresh one per launch cost a fill kernel each)."""
     return torch.zeros(1, dtype=dtype, device=device)
 
 
@@ -452,10 +457,10 @@ def push_rows(
         dst,
         dst_offsets,
         dst.shape[0],
-        flags if signal else _dummy(device, torch.int32),
-        flag_offsets if signal else _dummy(device),
+        flags if signal else placeholder(device, torch.int32),
+        flag_offsets if signal else placeholder(device),
         flag_base,
-        epoch if signal else _dummy(device, torch.int32),
+        epoch if signal else placeholder(device, torch.int32),
         hidden,
         EP=ep,
         SIGNAL=signal,
@@ -495,21 +500,21 @@ def copy_rows(
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
     copy_rows_kernel[(programs,)](
         dst,
-        dst_offsets if dst_peers else _dummy(device),
-        dst_rank if dst_peers else _dummy(device),
-        dst_row if dst_row is not None else _dummy(device),
+        dst_offsets if dst_peers else placeholder(device),
+        dst_rank if dst_peers else placeholder(device),
+        dst_row if dst_row is not None else placeholder(device),
         dst_capacity,
         count,
         rows,
         src,
-        src_offsets if src_peers else _dummy(device),
-        src_rank if src_peers else _dummy(device),
+        src_offsets if src_peers else placeholder(device),
+        src_rank if src_peers else placeholder(device),
         src_row,
         src.shape[0],
         hidden,
-        flags if waits else _dummy(device, torch.int32),
-        wait if waits else _dummy(device),
-        epoch if waits else _dummy(device, torch.int32),
+        flags if waits else placeholder(device, torch.int32),
+        wait if waits else placeholder(device),
+        epoch if waits else placeholder(device, torch.int32),
         SRC_PEERS=src_peers,
         DST_ROWS=dst_row is not None,
         DST_PEERS=dst_peers,
@@ -554,15 +559,15 @@ def reduce_rows(
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
     reduce_rows_kernel[(programs,)](
         out,
-        count if count is not None else _dummy(device),
+        count if count is not None else placeholder(device),
         rows,
         init if init is not None else out,
         tail if tail is not None else out,
         src,
-        src_offsets if src_offsets is not None else _dummy(device),
-        rank if rank is not None else _dummy(device),
+        src_offsets if src_offsets is not None else placeholder(device),
+        rank if rank is not None else placeholder(device),
         row,
-        weight if weight is not None else _dummy(device, torch.float32),
+        weight if weight is not None else placeholder(device, torch.float32),
         gathered if gathered is not None else out,
         src.shape[0],
         hidden,

@@ -1,0 +1,532 @@
+"""The routing plan of the token exchange in four Triton kernels: what `mok.comm.plan` computes
+with a hundred small PyTorch operations (whose launches, not their work, cost milliseconds of
+host time per layer), computed in a few launches with the same results.
+
+    count_blocks    per block of BLOCK_T tokens: pairs per global expert, tokens per rank
+    publish_counts  this rank's totals (sums over blocks) stored into row `rank` of every peer's
+                    counts table (symmetric memory; a table of zero offsets for one process)
+    -- the caller's barrier: every rank now holds the counts of all ranks --
+    plan_bases      one program: where each block's rows start on every owner (a scan over
+                    blocks on top of the ranks and experts before it), this rank's group offsets,
+                    row totals, the overflow flag
+    place_pairs     per block: each token's staging slot on each owner, each pair's grouped row
+                    and each pair's metadata written to its owner
+
+Layouts and orders are those of `mok.comm.plan` (the reference the tests compare against):
+staging by (source rank, token), grouped rows by (local expert, source rank, token, slot j).
+Pairs with an expert id outside [0, E) are dropped (row -1), never counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.rows import placeholder
+
+if interpreting():
+    patch_interpreter()
+
+TILE_ELEMENTS = 8192
+"""Bound on the tiles of the kernels: [tokens, experts] and [tokens, k, ranks] of the per-block
+kernels, [blocks, experts] of the scan."""
+
+
+@triton.jit
+def _owner_mask(experts, valid, local_experts, EP_PAD: tl.constexpr):
+    """[BLOCK_T, EP_PAD] int32: 1 where a token has at least one valid pair owned by rank d."""
+    owner = tl.where(valid, experts // local_experts, -1)
+    ranks = tl.arange(0, EP_PAD)
+    hits = (owner[:, :, None] == ranks[None, None, :]).to(tl.int32)
+    return tl.max(hits, axis=1)
+
+
+@triton.jit
+def _load_block(idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD):
+    """(token ids [BLOCK_T], slots [K_PAD], expert ids [BLOCK_T, K_PAD], valid pairs)."""
+    token = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    slot = tl.arange(0, K_PAD)
+    live = (token < tokens)[:, None] & (slot < TOP_K)[None, :]
+    experts = tl.load(idx_ptr + token[:, None] * TOP_K + slot[None, :], mask=live, other=-1)
+    experts = experts.to(tl.int32)
+    valid = live & (experts >= 0) & (experts < num_experts)
+    return token, slot, experts, valid
+
+
+@triton.jit
+def count_blocks_kernel(
+    idx_ptr,
+    tokens,
+    num_experts,
+    local_experts,
+    counts_ptr,
+    columns,
+    TOP_K: tl.constexpr,
+    EP: tl.constexpr,
+    EP_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_BINS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """counts[b] = (pairs per global expert [E], tokens per owner rank [EP]) of token block b."""
+    block = tl.program_id(0)
+    _, _, experts, valid = _load_block(
+        idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
+    )
+    flat_experts = tl.reshape(tl.where(valid, experts, 0), [BLOCK_T * K_PAD])
+    histogram = tl.histogram(flat_experts, E_BINS, mask=tl.reshape(valid, [BLOCK_T * K_PAD]))
+    bins = tl.arange(0, E_BINS)
+    row = counts_ptr + block * columns
+    tl.store(row + bins, histogram, mask=bins < num_experts)
+    ranks = tl.arange(0, EP_PAD)
+    sent = tl.sum(_owner_mask(experts, valid, local_experts, EP_PAD), axis=0)
+    tl.store(row + num_experts + ranks, sent, mask=ranks < EP)
+
+
+@triton.jit
+def publish_counts_kernel(
+    block_counts_ptr,
+    blocks,
+    columns,
+    table_ptr,
+    table_offsets_ptr,
+    rank,
+    EP: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """table_{d}[rank, c] = sum over blocks of block_counts[:, c], for every rank d (int64)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < columns
+    total = tl.zeros((BLOCK_C,), dtype=tl.int64)
+    for start in range(0, blocks, BLOCK_B):
+        rows = start + tl.arange(0, BLOCK_B)
+        mask = (rows < blocks)[:, None] & col_ok[None, :]
+        values = tl.load(block_counts_ptr + rows[:, None] * columns + cols[None, :], mask=mask)
+        total += tl.sum(values.to(tl.int64), axis=0)
+    for peer in tl.static_range(EP):
+        offset = tl.load(table_offsets_ptr + peer)
+        tl.store(table_ptr + offset + rank * columns + cols, total, mask=col_ok)
+
+
+@triton.jit
+def plan_bases_kernel(
+    table_ptr,
+    block_counts_ptr,
+    blocks,
+    rank,
+    local_experts,
+    num_experts,
+    columns,
+    block_base_ptr,
+    group_offsets_ptr,
+    received_ptr,
+    token_capacity,
+    pair_capacity,
+    overflowed_ptr,
+    most_needed_ptr,
+    EP: tl.constexpr,
+    EP_PAD: tl.constexpr,
+    L_PAD: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    """One program. From the counts table [EP, E + EP] of all ranks and this rank's block counts:
+    block_base[b, e] = grouped row on e's owner of block b's first pair of expert e, and
+    block_base[b, E + d] = staging row on rank d of block b's first token sent there;
+    group_offsets [L + 1] and received = (staging rows, grouped rows) of this rank as owner,
+    clipped to the capacities; overflowed |= any rank needs more; most_needed = running max."""
+    src = tl.arange(0, EP_PAD)
+    owner = tl.arange(0, EP_PAD)
+    local = tl.arange(0, L_PAD)
+    expert = owner[:, None] * local_experts + local[None, :]  # [owner, local]
+    expert_ok = (owner < EP)[:, None] & (local < local_experts)[None, :]
+    src_ok = src < EP
+    pairs = tl.load(
+        table_ptr + src[:, None, None] * columns + expert[None, :, :],
+        mask=src_ok[:, None, None] & expert_ok[None, :, :],
+        other=0,
+    )  # [src, owner, local]
+    expert_totals = tl.sum(pairs, axis=0)
+    before_me = (src < rank)[:, None, None]
+    pair_base = (
+        tl.cumsum(expert_totals, axis=1)
+        - expert_totals
+        + tl.sum(tl.where(before_me, pairs, 0), axis=0)
+    )
+    sent = tl.load(
+        table_ptr + src[:, None] * columns + num_experts + owner[None, :],
+        mask=src_ok[:, None] & (owner < EP)[None, :],
+        other=0,
+    )  # [src, owner]
+    token_totals = tl.sum(sent, axis=0)
+    token_base = tl.sum(tl.where((src < rank)[:, None], sent, 0), axis=0)
+
+    mine = tl.sum(tl.where((owner == rank)[:, None], expert_totals, 0), axis=0)  # [local]
+    tl.store(group_offsets_ptr, 0)
+    tl.store(
+        group_offsets_ptr + 1 + local,
+        tl.minimum(tl.cumsum(mine, axis=0), pair_capacity).to(tl.int32),
+        mask=local < local_experts,
+    )
+    received_tokens = tl.sum(tl.where(owner == rank, token_totals, 0))
+    tl.store(received_ptr, tl.minimum(received_tokens, token_capacity))
+    tl.store(received_ptr + 1, tl.minimum(tl.sum(mine), pair_capacity))
+    needed_tokens = tl.max(token_totals)
+    needed_pairs = tl.max(tl.sum(expert_totals, axis=1))
+    over = (needed_tokens > token_capacity) | (needed_pairs > pair_capacity)
+    tl.store(overflowed_ptr, (tl.load(overflowed_ptr) != 0) | over)
+    tl.store(most_needed_ptr, tl.maximum(tl.load(most_needed_ptr), needed_tokens))
+    tl.store(most_needed_ptr + 1, tl.maximum(tl.load(most_needed_ptr + 1), needed_pairs))
+
+    pair_carry = tl.zeros((EP_PAD, L_PAD), dtype=tl.int64)
+    token_carry = tl.zeros((EP_PAD,), dtype=tl.int64)
+    for start in range(0, blocks, BLOCK_B):
+        rows = start + tl.arange(0, BLOCK_B)
+        row_ok = rows < blocks
+        mask = row_ok[:, None, None] & expert_ok[None, :, :]
+        cells = rows[:, None, None] * columns + expert[None, :, :]
+        counts = tl.load(block_counts_ptr + cells, mask=mask, other=0).to(tl.int64)
+        before = tl.cumsum(counts, axis=0) - counts + pair_carry[None, :, :]
+        tl.store(block_base_ptr + cells, (pair_base[None, :, :] + before).to(tl.int32), mask=mask)
+        pair_carry += tl.sum(counts, axis=0)
+        mask = row_ok[:, None] & (owner < EP)[None, :]
+        cells = rows[:, None] * columns + num_experts + owner[None, :]
+        counts = tl.load(block_counts_ptr + cells, mask=mask, other=0).to(tl.int64)
+        before = tl.cumsum(counts, axis=0) - counts + token_carry[None, :]
+        tl.store(block_base_ptr + cells, (token_base[None, :] + before).to(tl.int32), mask=mask)
+        token_carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def _slot_experts(idx_ptr, token, tokens, num_experts, j, TOP_K):
+    """(expert ids [BLOCK_T] of slot j, valid) of the block's tokens."""
+    experts = tl.load(idx_ptr + token * TOP_K + j, mask=token < tokens, other=-1).to(tl.int32)
+    return experts, (token < tokens) & (experts >= 0) & (experts < num_experts)
+
+
+@triton.jit
+def place_pairs_kernel(
+    idx_ptr,
+    tokens,
+    num_experts,
+    local_experts,
+    columns,
+    block_base_ptr,
+    rank,
+    token_capacity,
+    pair_capacity,
+    return_base,
+    token_slot_ptr,
+    pair_row_ptr,
+    owner_ptr,
+    meta_ptr,
+    meta_offsets_ptr,
+    source_ptr,
+    source_offsets_ptr,
+    TOP_K: tl.constexpr,
+    EP: tl.constexpr,
+    EP_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E_BINS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    WRITE_META: tl.constexpr,
+    WRITE_SOURCE: tl.constexpr,
+):
+    """For token block b: token_slot[t, d] (staging row on rank d, -1 if none or past the
+    capacity), pair_row[t, j] (grouped row on the owner, -1 if dropped) and owner[t, j].
+    WRITE_META: the owner's meta[pair_row] = (staging row, return address return_base +
+    t * TOP_K + j, -1 if dropped) for pairs within its capacity. WRITE_SOURCE: rank d's
+    source[token_slot[t, d]] = (rank, t) (pull dispatch)."""
+    block = tl.program_id(0)
+    token, _, experts, valid = _load_block(
+        idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
+    )
+    ranks = tl.arange(0, EP_PAD)
+    sends = _owner_mask(experts, valid, local_experts, EP_PAD)
+    first = tl.load(block_base_ptr + block * columns + num_experts + ranks, mask=ranks < EP)
+    staging = first[None, :] + tl.cumsum(sends, axis=0) - sends
+    staging = tl.where((sends > 0) & (staging < token_capacity), staging, -1).to(tl.int64)
+    token_rank_ok = (token < tokens)[:, None] & (ranks < EP)[None, :]
+    tl.store(token_slot_ptr + token[:, None] * EP + ranks[None, :], staging, mask=token_rank_ok)
+    if WRITE_SOURCE:
+        landed = token_rank_ok & (staging >= 0)
+        target = source_ptr + tl.load(source_offsets_ptr + ranks, mask=ranks < EP, other=0)
+        target = target[None, :] + staging * 2
+        tl.store(target, tl.zeros_like(staging) + rank, mask=landed)
+        tl.store(target + 1, (tl.zeros_like(staging) + token[:, None]).to(tl.int64), mask=landed)
+    # The pairs below read token_slot entries this program stored (from other threads).
+    tl.debug_barrier()
+
+    # A pair's place inside its expert counts the block's pairs of that expert before it in
+    # (t, j) order: those of earlier tokens (a scan over per-token expert counts) and those of
+    # earlier slots of the same token.
+    bins = tl.arange(0, E_BINS)
+    per_token = tl.zeros((BLOCK_T, E_BINS), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        expert, ok = _slot_experts(idx_ptr, token, tokens, num_experts, j, TOP_K)
+        per_token += ((expert[:, None] == bins[None, :]) & ok[:, None]).to(tl.int32)
+    earlier_tokens = tl.cumsum(per_token, axis=0) - per_token
+    for j in tl.static_range(TOP_K):
+        expert, ok = _slot_experts(idx_ptr, token, tokens, num_experts, j, TOP_K)
+        hit = expert[:, None] == bins[None, :]
+        place = tl.sum(tl.where(hit, earlier_tokens, 0), axis=1)
+        for i in tl.static_range(j):
+            other, other_ok = _slot_experts(idx_ptr, token, tokens, num_experts, i, TOP_K)
+            place += (other_ok & (other == expert)).to(tl.int32)
+        row = tl.load(block_base_ptr + block * columns + expert, mask=ok, other=0).to(tl.int64)
+        row += place
+        owner = tl.where(ok, expert // local_experts, 0)
+        pair_slot = tl.load(token_slot_ptr + token * EP + owner, mask=ok, other=-1)
+        in_capacity = ok & (row < pair_capacity)
+        delivered = in_capacity & (pair_slot >= 0)
+        live = token < tokens
+        tl.store(pair_row_ptr + token * TOP_K + j, tl.where(delivered, row, -1), mask=live)
+        tl.store(owner_ptr + token * TOP_K + j, owner.to(tl.int64), mask=live)
+        if WRITE_META:
+            back = tl.where(delivered, return_base + token.to(tl.int64) * TOP_K + j, -1)
+            meta_offset = tl.load(meta_offsets_ptr + owner, mask=in_capacity, other=0)
+            target = meta_ptr + meta_offset + row * 2
+            tl.store(target, pair_slot, mask=in_capacity)
+            tl.store(target + 1, back, mask=in_capacity)
+
+
+@triton.jit
+def owner_rows_kernel(
+    meta_ptr,
+    count_ptr,
+    rows,
+    per_rank,
+    blocks_per_rank,
+    grouped_to_staging_ptr,
+    return_rank_ptr,
+    return_row_ptr,
+    flag_index_ptr,
+    TOP_K: tl.constexpr,
+    FLAG_TOKENS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The owner's view of its grouped rows r < count[0] from meta [rows, 2] = (staging row,
+    return address): the staging row, the rank and row (address // per_rank, % per_rank) its
+    output returns to, and the readiness flag of its token block on that rank. Rows past the
+    count and dropped pairs get staging / return row -1, rank and flag 0."""
+    row = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = row < tl.minimum(tl.load(count_ptr), rows)
+    staging = tl.load(meta_ptr + row * 2, mask=live, other=-1)
+    address = tl.load(meta_ptr + row * 2 + 1, mask=live, other=-1)
+    back = address >= 0
+    rank = tl.where(back, address // per_rank, 0)
+    pair = tl.where(back, address % per_rank, -1)
+    block = tl.where(back, pair // TOP_K // FLAG_TOKENS, 0)
+    keep = row < rows
+    tl.store(grouped_to_staging_ptr + row, staging, mask=keep)
+    tl.store(return_rank_ptr + row, rank, mask=keep)
+    tl.store(return_row_ptr + row, pair, mask=keep)
+    tl.store(flag_index_ptr + row, rank * blocks_per_rank + block, mask=keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class OwnerRows:
+    """Per grouped row of the owner ([rows] int64 each): see owner_rows_kernel."""
+
+    grouped_to_staging: torch.Tensor
+    return_rank: torch.Tensor
+    return_row: torch.Tensor
+    flag_index: torch.Tensor
+
+
+def owner_rows(
+    meta: torch.Tensor,
+    recv_pairs: torch.Tensor,
+    per_rank: int,
+    top_k: int,
+    flag_tokens: int,
+    blocks_per_rank: int,
+) -> OwnerRows:
+    """OwnerRows of the grouped rows from the pair metadata meta [rows, 2] int64 that the senders
+    wrote (the first recv_pairs rows are this call's; recv_pairs is [1] on the device). A return
+    address is rank * per_rank + t * top_k + j; flags cover flag_tokens tokens each."""
+    rows = meta.shape[0]
+    out = torch.empty(4, rows, dtype=torch.int64, device=meta.device)
+    block = 1024
+    if rows:
+        owner_rows_kernel[(triton.cdiv(rows, block),)](
+            meta,
+            recv_pairs,
+            rows,
+            per_rank,
+            blocks_per_rank,
+            out[0],
+            out[1],
+            out[2],
+            out[3],
+            TOP_K=top_k,
+            FLAG_TOKENS=flag_tokens,
+            BLOCK=block,
+        )
+    return OwnerRows(*out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DevicePlan:
+    """The plan of one call (device tensors), as `mok.comm.plan.ExchangePlan` plus the owner of
+    each pair and the received row counts (recv_tokens / recv_pairs: [1] int64, clipped)."""
+
+    token_slot: torch.Tensor  # [T, ep] int64
+    pair_row: torch.Tensor  # [T, k] int64, -1 dropped
+    owner: torch.Tensor  # [T, k] int64
+    group_offsets: torch.Tensor  # [E_loc + 1] int32
+    recv_tokens: torch.Tensor
+    recv_pairs: torch.Tensor
+
+
+class PlanKernels:
+    """The launches of one call's plan for a rank of an `ep`-rank group with `local_experts`
+    experts each: `count` (before the counts barrier) and `place` (after it)."""
+
+    def __init__(self, ep: int, local_experts: int, top_k: int, device: torch.device) -> None:
+        self.ep, self.local_experts, self.top_k = ep, local_experts, top_k
+        self.num_experts = ep * local_experts
+        self.columns = self.num_experts + ep
+        self.device = device
+        self.ep_pad = triton.next_power_of_2(ep)
+        self.k_pad = triton.next_power_of_2(top_k)
+        self.e_bins = triton.next_power_of_2(self.num_experts)
+        per_block = TILE_ELEMENTS // max(self.e_bins, self.k_pad * self.ep_pad)
+        self.block_tokens = max(1, per_block)
+        self.l_pad = triton.next_power_of_2(local_experts)
+        self.scan_rows = max(1, TILE_ELEMENTS // (self.ep_pad * self.l_pad))
+
+    def blocks(self, tokens: int) -> int:
+        return triton.cdiv(tokens, self.block_tokens)
+
+    def count(self, topk_idx: torch.Tensor, table: torch.Tensor, table_offsets, rank: int):
+        """Count topk_idx [T, k] and store this rank's totals into row `rank` of every rank's
+        counts table (int64 [ep, E + ep]; `table_offsets` its peer-offset table). Returns the
+        block counts for `place`."""
+        tokens = topk_idx.shape[0]
+        blocks = self.blocks(tokens)
+        block_counts = torch.empty(
+            max(blocks, 1), self.columns, dtype=torch.int32, device=self.device
+        )
+        if blocks:
+            count_blocks_kernel[(blocks,)](
+                topk_idx,
+                tokens,
+                self.num_experts,
+                self.local_experts,
+                block_counts,
+                self.columns,
+                TOP_K=self.top_k,
+                EP=self.ep,
+                EP_PAD=self.ep_pad,
+                K_PAD=self.k_pad,
+                E_BINS=self.e_bins,
+                BLOCK_T=self.block_tokens,
+            )
+        block_c = min(1024, triton.next_power_of_2(self.columns))
+        publish_counts_kernel[(triton.cdiv(self.columns, block_c),)](
+            block_counts,
+            blocks,
+            self.columns,
+            table,
+            table_offsets,
+            rank,
+            EP=self.ep,
+            BLOCK_B=max(1, TILE_ELEMENTS // block_c),
+            BLOCK_C=block_c,
+        )
+        return block_counts
+
+    def place(
+        self,
+        topk_idx: torch.Tensor,
+        block_counts: torch.Tensor,
+        table: torch.Tensor,
+        rank: int,
+        token_capacity: int,
+        pair_capacity: int,
+        overflowed: torch.Tensor,
+        most_needed: torch.Tensor,
+        max_tokens: int = 0,
+        meta: tuple[torch.Tensor, torch.Tensor] | None = None,
+        source: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> DevicePlan:
+        """The plan from the counts table of all ranks (local, after the barrier). meta / source:
+        (this rank's buffer, its peer-offset table) of the owners' pair metadata [pair_capacity,
+        2] and pull sources [token_capacity, 2] (int64) to fill. overflowed ([1] bool) and
+        most_needed ([2] int64) are updated on the device."""
+        tokens = topk_idx.shape[0]
+        blocks = self.blocks(tokens)
+        ints = torch.empty(
+            tokens * (self.ep + 2 * self.top_k) + 2, dtype=torch.int64, device=self.device
+        )
+        token_slot = ints[: tokens * self.ep].view(tokens, self.ep)
+        pairs = tokens * self.top_k
+        pair_row = ints[tokens * self.ep :][:pairs].view(tokens, self.top_k)
+        owner = ints[tokens * self.ep + pairs :][:pairs].view(tokens, self.top_k)
+        received = ints[-2:]
+        block_base = torch.empty_like(block_counts)
+        group_offsets = torch.empty(self.local_experts + 1, dtype=torch.int32, device=self.device)
+        plan_bases_kernel[(1,)](
+            table,
+            block_counts,
+            blocks,
+            rank,
+            self.local_experts,
+            self.num_experts,
+            self.columns,
+            block_base,
+            group_offsets,
+            received,
+            token_capacity,
+            pair_capacity,
+            overflowed,
+            most_needed,
+            EP=self.ep,
+            EP_PAD=self.ep_pad,
+            L_PAD=self.l_pad,
+            BLOCK_B=self.scan_rows,
+        )
+        if blocks:
+            unused = placeholder(self.device)
+            meta_buffer, meta_offsets = meta if meta is not None else (unused, unused)
+            source_buffer, source_offsets = source if source is not None else (unused, unused)
+            place_pairs_kernel[(blocks,)](
+                topk_idx,
+                tokens,
+                self.num_experts,
+                self.local_experts,
+                self.columns,
+                block_base,
+                rank,
+                token_capacity,
+                pair_capacity,
+                rank * max_tokens * self.top_k,
+                token_slot,
+                pair_row,
+                owner,
+                meta_buffer,
+                meta_offsets,
+                source_buffer,
+                source_offsets,
+                TOP_K=self.top_k,
+                EP=self.ep,
+                EP_PAD=self.ep_pad,
+                K_PAD=self.k_pad,
+                E_BINS=self.e_bins,
+                BLOCK_T=self.block_tokens,
+                WRITE_META=meta is not None,
+                WRITE_SOURCE=source is not None,
+            )
+        return DevicePlan(
+            token_slot=token_slot,
+            pair_row=pair_row,
+            owner=owner,
+            group_offsets=group_offsets,
+            recv_tokens=received[0:1],
+            recv_pairs=received[1:2],
+        )
