@@ -46,6 +46,7 @@ def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir):
     grad_y = torch.randn_like(x)
 
     def forward():
+        layer.zero_grad(set_to_none=True)  # as `mok bench` does: no gradient accumulation
         xx = x.detach().requires_grad_(True)
         ww = w.detach().requires_grad_(True)
         return layer(xx, idx, ww)

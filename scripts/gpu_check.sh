@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton]   (default: all five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
-# Set MOK_COMMIT=$(git rev-parse --short HEAD) when the tree travels without its git history.
+# Set MOK_COMMIT=$(git rev-parse --short HEAD) when the tree travels without its git history, and
+# HYPOTHESIS_PROFILE=dev for fewer fuzzed cases (each new shape compiles kernels: minutes on GPUs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -43,11 +44,13 @@ for step in $steps; do
       fi ;;
     exchange)
       run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/kernels/test_rows_kernels.py tests/test_comm_plan.py tests/test_comm_symmetric.py
+        tests/kernels/test_rows_kernels.py tests/kernels/test_plan_kernels.py tests/test_comm_plan.py \
+        tests/test_comm_symmetric.py
       run exchange-bench python3 benchmarks/exchange.py --out "$OUT/exchange.md" ${EXCHANGE_ARGS:-} ;;
     triton)
       run triton-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_backend.py \
-        tests/test_comm_symmetric.py tests/kernels/test_rows_kernels.py
+        tests/test_comm_symmetric.py tests/kernels/test_rows_kernels.py \
+        tests/kernels/test_plan_kernels.py
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       eps=1; [ "$ngpu" -gt 1 ] && eps="1,$ngpu"
       run triton-bench python3 -m mok bench --no-progress \

@@ -151,6 +151,19 @@ def test_functional_forward_backward_equals_autograd():
         assert torch.equal(value, getattr(layer, name).grad), name
 
 
+def test_schedule_and_forward_is_both_steps_with_one_check():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 9)
+    ws = mok.create_workspace(TINY)
+    schedule, y, saved = mok.schedule_and_forward(ws, idx, x, w, layer.weights)
+    y_two, _ = mok.forward(ws, mok.build_schedule(ws, idx), x, w, layer.weights)
+    assert torch.equal(y, y_two) and saved is not None and schedule.num_tokens == 9
+    with pytest.raises(mok.MoKInputError, match="expected bfloat16"):
+        mok.schedule_and_forward(ws, idx, x.float(), w, layer.weights)
+    with pytest.raises(mok.MoKInputError, match="topk_idx"):
+        mok.schedule_and_forward(ws, idx[:, :1], x, w, layer.weights)
+
+
 def test_forward_without_backward_state_and_released_workspace():
     layer = layer_for(TINY)
     x, idx, w = inputs(TINY, 4)

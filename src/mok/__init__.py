@@ -15,6 +15,7 @@ from mok.functional import (
     build_schedule,
     create_workspace,
     forward,
+    schedule_and_forward,
 )
 from mok.module import MoE, moe
 from mok.presets import PRESETS, get_preset
@@ -44,4 +45,5 @@ __all__ = [
     "forward",
     "get_preset",
     "moe",
+    "schedule_and_forward",
 ]

@@ -3,6 +3,7 @@
     ws = mok.create_workspace(config, group)          # once per layer shape and group (collective)
     schedule = mok.build_schedule(ws, topk_idx)       # once per routing (collective)
     y, saved = mok.forward(ws, schedule, x, topk_weights, weights)
+    # or both at once, with one input agreement: mok.schedule_and_forward(ws, topk_idx, ...)
     grads = mok.backward(ws, schedule, saved, grad_y) # a mok.MoEGradients
 
 Every call is collective over the workspace's expert-parallel group: all ranks make the same calls
@@ -170,12 +171,7 @@ def _live(workspace: Workspace) -> Workspace:
     return workspace
 
 
-def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
-    """The routing of one call from topk_idx [T, k] (global expert ids). Collective.
-
-    T may differ between ranks and may be 0.
-    """
-    ws = _live(workspace)
+def _routing_problem(ws: Workspace, topk_idx) -> str | None:
     on_device = getattr(ws.backend, "checks_ids_on_device", False)
     problem = check_routing(ws.config, topk_idx, ws.device, check_ids=not on_device)
     max_tokens = getattr(ws.backend, "max_tokens", None)
@@ -184,12 +180,37 @@ def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
             f"topk_idx has {topk_idx.shape[0]} tokens, more than max_tokens_per_rank={max_tokens} "
             f"that sizes the {ws.backend_name} backend's buffers; raise it in the MoKConfig"
         )
-    raise_if_any_rank_failed(problem, ws.group)
+    return problem
+
+
+def _forward_problem(ws: Workspace, num_tokens: int, x, topk_weights, weights) -> str | None:
+    problem = check_tokens(ws.config, x, topk_weights, num_tokens, ws.device)
+    return problem or check_weights(ws.config, weights, ws.local_experts, ws.device)
+
+
+def _schedule(ws: Workspace, topk_idx: torch.Tensor) -> Schedule:
     return Schedule(
         num_tokens=topk_idx.shape[0],
         topk_idx=topk_idx,
         plan=ws.backend.build_schedule(topk_idx),
     )
+
+
+def _forward(ws, schedule, x, topk_weights, weights, need_backward):
+    y, saved = ws.backend.forward(
+        schedule.plan, schedule.topk_idx, x, topk_weights, weights, need_backward
+    )
+    return y, None if saved is None else SavedForward(schedule.num_tokens, saved)
+
+
+def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
+    """The routing of one call from topk_idx [T, k] (global expert ids). Collective.
+
+    T may differ between ranks and may be 0.
+    """
+    ws = _live(workspace)
+    raise_if_any_rank_failed(_routing_problem(ws, topk_idx), ws.group)
+    return _schedule(ws, topk_idx)
 
 
 def forward(
@@ -206,13 +227,28 @@ def forward(
     need_backward is False. Collective.
     """
     ws = _live(workspace)
-    problem = check_tokens(ws.config, x, topk_weights, schedule.num_tokens, ws.device)
-    problem = problem or check_weights(ws.config, weights, ws.local_experts, ws.device)
+    problem = _forward_problem(ws, schedule.num_tokens, x, topk_weights, weights)
     raise_if_any_rank_failed(problem, ws.group)
-    y, saved = ws.backend.forward(
-        schedule.plan, schedule.topk_idx, x, topk_weights, weights, need_backward
-    )
-    return y, None if saved is None else SavedForward(schedule.num_tokens, saved)
+    return _forward(ws, schedule, x, topk_weights, weights, need_backward)
+
+
+def schedule_and_forward(
+    workspace: Workspace,
+    topk_idx: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    need_backward: bool = True,
+) -> tuple[Schedule, torch.Tensor, SavedForward | None]:
+    """`build_schedule` then `forward`, with one agreement of the ranks on all inputs instead of
+    two (each is a round trip between the hosts). Returns (schedule, y, saved). Collective."""
+    ws = _live(workspace)
+    problem = _routing_problem(ws, topk_idx)
+    if problem is None:
+        problem = _forward_problem(ws, topk_idx.shape[0], x, topk_weights, weights)
+    raise_if_any_rank_failed(problem, ws.group)
+    schedule = _schedule(ws, topk_idx)
+    return (schedule, *_forward(ws, schedule, x, topk_weights, weights, need_backward))
 
 
 def backward(
@@ -239,4 +275,5 @@ __all__ = [
     "build_schedule",
     "create_workspace",
     "forward",
+    "schedule_and_forward",
 ]

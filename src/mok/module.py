@@ -22,9 +22,8 @@ class _MoEFunction(torch.autograd.Function):
     def forward(ctx, workspace, topk_idx, x, topk_weights, *weight_tensors):
         weights = MoEWeights(*weight_tensors)
         need_backward = any(ctx.needs_input_grad[2:])
-        schedule = functional.build_schedule(workspace, topk_idx)
-        y, saved = functional.forward(
-            workspace, schedule, x, topk_weights, weights, need_backward=need_backward
+        schedule, y, saved = functional.schedule_and_forward(
+            workspace, topk_idx, x, topk_weights, weights, need_backward=need_backward
         )
         ctx.state = (workspace, schedule, saved)
         return y

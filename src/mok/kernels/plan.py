@@ -2,9 +2,9 @@
 with a hundred small PyTorch operations (whose launches, not their work, cost milliseconds of
 host time per layer), computed in a few launches with the same results.
 
-    count_blocks    per block of BLOCK_T tokens: pairs per global expert, tokens per rank
-    publish_counts  this rank's totals (sums over blocks) stored into row `rank` of every peer's
-                    counts table (symmetric memory; a table of zero offsets for one process)
+    count_blocks    per block of BLOCK_T tokens: pairs per global expert, tokens per rank; the
+                    last block stores this rank's totals into row `rank` of every peer's counts
+                    table (symmetric memory; a table of zero offsets for one process)
     -- the caller's barrier: every rank now holds the counts of all ranks --
     plan_bases      one program: where each block's rows start on every owner (a scan over
                     blocks on top of the ranks and experts before it), this rank's group offsets,
@@ -65,14 +65,23 @@ def count_blocks_kernel(
     local_experts,
     counts_ptr,
     columns,
+    totals_ptr,
+    done_ptr,
+    table_ptr,
+    table_offsets_ptr,
+    rank,
     TOP_K: tl.constexpr,
     EP: tl.constexpr,
     EP_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     E_BINS: tl.constexpr,
+    C_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    """counts[b] = (pairs per global expert [E], tokens per owner rank [EP]) of token block b."""
+    """counts[b] = (pairs per global expert [E], tokens per owner rank [EP]) of token block b;
+    the last program to finish stores the sums over blocks into row `rank` of every rank's
+    counts table (int64). totals [columns] int64 and done [1] int32 are zero on entry and are
+    left zero."""
     block = tl.program_id(0)
     _, _, experts, valid = _load_block(
         idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
@@ -85,32 +94,22 @@ def count_blocks_kernel(
     ranks = tl.arange(0, EP_PAD)
     sent = tl.sum(_owner_mask(experts, valid, local_experts, EP_PAD), axis=0)
     tl.store(row + num_experts + ranks, sent, mask=ranks < EP)
-
-
-@triton.jit
-def publish_counts_kernel(
-    block_counts_ptr,
-    blocks,
-    columns,
-    table_ptr,
-    table_offsets_ptr,
-    rank,
-    EP: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """table_{d}[rank, c] = sum over blocks of block_counts[:, c], for every rank d (int64)."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < columns
-    total = tl.zeros((BLOCK_C,), dtype=tl.int64)
-    for start in range(0, blocks, BLOCK_B):
-        rows = start + tl.arange(0, BLOCK_B)
-        mask = (rows < blocks)[:, None] & col_ok[None, :]
-        values = tl.load(block_counts_ptr + rows[:, None] * columns + cols[None, :], mask=mask)
-        total += tl.sum(values.to(tl.int64), axis=0)
-    for peer in tl.static_range(EP):
-        offset = tl.load(table_offsets_ptr + peer)
-        tl.store(table_ptr + offset + rank * columns + cols, total, mask=col_ok)
+    # Integer sums: the same totals whatever order the programs add in.
+    tl.atomic_add(totals_ptr + bins, histogram.to(tl.int64), mask=bins < num_experts, sem="relaxed")
+    tl.atomic_add(
+        totals_ptr + num_experts + ranks, sent.to(tl.int64), mask=ranks < EP, sem="relaxed"
+    )
+    # Every thread's additions precede the one release below; the last program acquires them.
+    tl.debug_barrier()
+    finished = tl.atomic_add(done_ptr, 1, sem="acq_rel")
+    if finished == tl.num_programs(0) - 1:
+        cols = tl.arange(0, C_PAD)
+        zeros = tl.zeros((C_PAD,), dtype=tl.int64)
+        total = tl.atomic_xchg(totals_ptr + cols, zeros, mask=cols < columns)
+        for peer in tl.static_range(EP):
+            offset = tl.load(table_offsets_ptr + peer)
+            tl.store(table_ptr + offset + rank * columns + cols, total, mask=cols < columns)
+        tl.atomic_xchg(done_ptr, 0)
 
 
 @triton.jit
@@ -399,6 +398,9 @@ class PlanKernels:
         self.block_tokens = max(1, per_block)
         self.l_pad = triton.next_power_of_2(local_experts)
         self.scan_rows = max(1, TILE_ELEMENTS // (self.ep_pad * self.l_pad))
+        # Scratch of count_blocks_kernel, which leaves it zeroed for the next call.
+        self._totals = torch.zeros(self.columns, dtype=torch.int64, device=device)
+        self._done = torch.zeros(1, dtype=torch.int32, device=device)
 
     def blocks(self, tokens: int) -> int:
         return triton.cdiv(tokens, self.block_tokens)
@@ -408,36 +410,27 @@ class PlanKernels:
         counts table (int64 [ep, E + ep]; `table_offsets` its peer-offset table). Returns the
         block counts for `place`."""
         tokens = topk_idx.shape[0]
-        blocks = self.blocks(tokens)
-        block_counts = torch.empty(
-            max(blocks, 1), self.columns, dtype=torch.int32, device=self.device
-        )
-        if blocks:
-            count_blocks_kernel[(blocks,)](
-                topk_idx,
-                tokens,
-                self.num_experts,
-                self.local_experts,
-                block_counts,
-                self.columns,
-                TOP_K=self.top_k,
-                EP=self.ep,
-                EP_PAD=self.ep_pad,
-                K_PAD=self.k_pad,
-                E_BINS=self.e_bins,
-                BLOCK_T=self.block_tokens,
-            )
-        block_c = min(1024, triton.next_power_of_2(self.columns))
-        publish_counts_kernel[(triton.cdiv(self.columns, block_c),)](
+        blocks = max(self.blocks(tokens), 1)  # with T = 0, one program publishes zeros
+        block_counts = torch.empty(blocks, self.columns, dtype=torch.int32, device=self.device)
+        count_blocks_kernel[(blocks,)](
+            topk_idx,
+            tokens,
+            self.num_experts,
+            self.local_experts,
             block_counts,
-            blocks,
             self.columns,
+            self._totals,
+            self._done,
             table,
             table_offsets,
             rank,
+            TOP_K=self.top_k,
             EP=self.ep,
-            BLOCK_B=max(1, TILE_ELEMENTS // block_c),
-            BLOCK_C=block_c,
+            EP_PAD=self.ep_pad,
+            K_PAD=self.k_pad,
+            E_BINS=self.e_bins,
+            C_PAD=triton.next_power_of_2(self.columns),
+            BLOCK_T=self.block_tokens,
         )
         return block_counts
 
