@@ -233,15 +233,28 @@ def test_reduce_rows_matches_the_reference_combine_bitwise_in_bf16():
     top_k=st.integers(1, 4),
     hidden=st.sampled_from([8, 40, 1100]),
     seed=st.integers(0, 2**16),
+    scatter=st.booleans(),
 )
-def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed):
+def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed, scatter):
     generator = torch.Generator().manual_seed(seed)
     grad_y = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE)
     weights = torch.rand(tokens, top_k, generator=generator).to(DEVICE)
     pair_out = torch.randn(tokens, top_k, hidden, generator=generator).to(DEVICE, DTYPE)
-    grad_pairs = torch.full((tokens * top_k, hidden), -7.0, dtype=DTYPE, device=DEVICE)
-    grad_w = pair_gradients(grad_y, weights, pair_out, grad_pairs, programs=3)
+    rows = tokens * top_k
+    grad_pairs = torch.full((rows, hidden), -7.0, dtype=DTYPE, device=DEVICE)
     want_pairs = (weights.float()[..., None] * grad_y.float()[:, None]).to(DTYPE)
-    assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)
+    if scatter:  # a permutation, some pairs dropped (-1) or past the end
+        dst_row = torch.randperm(rows, generator=generator).view(tokens, top_k)
+        dst_row = torch.where(torch.rand(tokens, top_k, generator=generator) < 0.2, -1, dst_row)
+        dst_row[:1, :1] = rows  # skipped: outside grad_pairs
+        dst_row = dst_row.to(DEVICE)
+        grad_w = pair_gradients(grad_y, weights, pair_out, grad_pairs, programs=3, dst_row=dst_row)
+        want = torch.full_like(grad_pairs, -7.0)
+        kept = (dst_row >= 0) & (dst_row < rows)
+        want[dst_row[kept]] = want_pairs[kept]
+        assert torch.equal(grad_pairs, want)
+    else:
+        grad_w = pair_gradients(grad_y, weights, pair_out, grad_pairs, programs=3)
+        assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)
     want_w = torch.einsum("th,tkh->tk", grad_y.float(), pair_out.float())
     assert torch.allclose(grad_w, want_w, rtol=1e-5, atol=1e-5 * hidden)

@@ -107,22 +107,16 @@ class LocalExchange:
 
     def combine_backward(self, routing, grad_y, topk_weights, pair_out):
         """(grads of the grouped outputs [T * k, H], grad of topk_weights [T, k])."""
-        pairs = routing.pair_row.numel()
-        hidden = grad_y.shape[1]
-        grad_pairs = torch.empty(pairs, hidden, dtype=pair_out.dtype, device=self.device)
-        grad_w = pair_gradients(
-            grad_y.contiguous(), topk_weights.contiguous(), pair_out, grad_pairs, self.sms
+        grad_grouped = torch.empty(
+            routing.pair_row.numel(), grad_y.shape[1], dtype=pair_out.dtype, device=self.device
         )
-        grad_grouped = torch.empty(pairs, grad_y.shape[1], dtype=pair_out.dtype, device=self.device)
-        copy_rows(
+        grad_w = pair_gradients(
+            grad_y.contiguous(),
+            topk_weights.contiguous(),
+            pair_out,
             grad_grouped,
-            grad_pairs,
-            torch.arange(pairs, device=self.device),
-            self._count(pairs),
             self.sms,
-            COPY_ROWS,
-            dst_row=routing.pair_row.view(-1),
-            **COPY_TILE,
+            dst_row=routing.pair_row,
         )
         return grad_grouped, grad_w
 

@@ -590,32 +590,44 @@ def pair_gradients_kernel(
     pair_out_ptr,
     grad_pairs_ptr,
     grad_weight_ptr,
+    dst_row_ptr,
+    dst_capacity,
     num_tokens,
     hidden,
     TOP_K: tl.constexpr,
+    SCATTER: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """For every pair (t, j): grad_pairs[t, j] = round(w[t, j] * grad_y[t]) and
-    grad_weight[t, j] = sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out)."""
+    """For every pair (t, j): grad_pairs[t * TOP_K + j] (SCATTER: grad_pairs[dst_row[t, j]],
+    skipped outside [0, dst_capacity)) = round(w[t, j] * grad_y[t]) and grad_weight[t, j] =
+    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out)."""
     for tile in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_ROWS), NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = rows < num_tokens
         token_rows = rows.to(tl.int64)[:, None] * hidden
         for j in tl.static_range(TOP_K):
             pair_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * hidden
+            keep = live
+            dst_rows = pair_rows
+            if SCATTER:
+                dst = tl.load(dst_row_ptr + rows * TOP_K + j, mask=live, other=-1)
+                keep = live & (dst >= 0) & (dst < dst_capacity)
+                dst_rows = dst.to(tl.int64)[:, None] * hidden
             weight = tl.load(weight_ptr + rows * TOP_K + j, mask=live, other=0.0).to(tl.float32)
             dot = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
             for start in range(0, hidden, BLOCK_H):
                 cols = start + tl.arange(0, BLOCK_H)
-                here = live[:, None] & (cols < hidden)[None, :]
+                cols_ok = (cols < hidden)[None, :]
+                here = live[:, None] & cols_ok
                 grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
                 grad = grad.to(tl.float32)
                 out = tl.load(pair_out_ptr + pair_rows + cols[None, :], mask=here, other=0.0)
                 dot += tl.sum(grad * out.to(tl.float32), axis=1)
                 scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
-                tl.store(grad_pairs_ptr + pair_rows + cols[None, :], scaled, mask=here)
+                target = grad_pairs_ptr + dst_rows + cols[None, :]
+                tl.store(target, scaled, mask=keep[:, None] & cols_ok)
             out_weight = dot.to(grad_weight_ptr.dtype.element_ty)
             tl.store(grad_weight_ptr + rows * TOP_K + j, out_weight, mask=live)
 
@@ -626,15 +638,39 @@ def pair_gradients(
     pair_out: torch.Tensor,
     grad_pairs: torch.Tensor,
     programs: int,
+    dst_row: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
     a communication buffer) = w[t, j] * grad_y[t] rounded to grad_pairs' dtype, and the returned
     grad of the router weights [T, k] (weights' dtype) = <grad_y[t], pair_out[t, j]> in fp32.
-    grad_y [T, H], weights [T, k], pair_out [T, k, H]; all contiguous."""
+    grad_y [T, H], weights [T, k], pair_out [T, k, H]; all contiguous. With dst_row [T, k] int64,
+    pair (t, j) goes to row dst_row[t, j] of grad_pairs [R, H] instead (skipped outside [0, R))."""
     tokens, top_k, hidden = pair_out.shape
     grad_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=weights.device)
     if tokens == 0:
         return grad_weights
+    block_rows = 4
+    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
+    scatter = dst_row is not None
+    pair_gradients_kernel[(programs,)](
+        grad_y,
+        weights,
+        pair_out,
+        grad_pairs,
+        grad_weights,
+        dst_row if scatter else placeholder(grad_y.device),
+        grad_pairs.shape[0],
+        tokens,
+        hidden,
+        TOP_K=top_k,
+        SCATTER=scatter,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        NUM_PROGRAMS=programs,
+        num_warps=8,
+        enable_fp_fusion=False,
+    )
+    return grad_weights
     block_rows = 4
     programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
     pair_gradients_kernel[(programs,)](
