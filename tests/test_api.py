@@ -43,6 +43,8 @@ def layer_for(config, seed=0):
         ({"precision": "fp4"}, "precision must be one of 'bf16', 'mxfp8'"),
         ({"backend": "cuda"}, "backend must be one of"),
         ({"recv_capacity": 0}, "recv_capacity must be >= 1"),
+        ({"recv_pair_capacity": 0}, "recv_pair_capacity must be >= 1"),
+        ({"recv_pair_capacity": 2.5}, "recv_pair_capacity must be an int"),
         ({"comm_sms": 0}, "comm_sms must be >= 1"),
     ],
 )

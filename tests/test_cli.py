@@ -1,11 +1,13 @@
 """The command line: `mok bench` checks and times the layer; `mok env` describes the machine."""
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
 
+from mok.bench import BenchSpec
 from mok.cli import main
 from mok.presets import PRESETS, Preset
 
@@ -150,3 +152,12 @@ def test_env_reports_backends_as_json():
     assert info["backends"]["reference"] == "ok"
     assert info["distributed"]["gloo"] is True
     assert "torch" in info and "symmetric_memory" in info
+
+
+def test_pair_capacity_factor_sizes_the_expert_buffers():
+    spec = BenchSpec(preset="tiny", tokens=37, pair_capacity_factor=1.25)
+    top_k = PRESETS["tiny"].top_k
+    assert spec.config().recv_pair_capacity == math.ceil(1.25 * 37 * top_k)
+    assert BenchSpec(preset="tiny").config().recv_pair_capacity is None
+    with pytest.raises(SystemExit):
+        main(["bench", "--pair-capacity-factor", "0"])

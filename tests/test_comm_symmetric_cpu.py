@@ -107,8 +107,8 @@ def test_symmetric_exchange_protocol_matches_the_collective_exchange(world, pull
             assert all(outcome.values()), outcome
 
 
-def overflow(rank, world, tmp):
-    symmetric = make_exchange(f"{tmp}/overflow", world, 16, 2, 2, 32, recv_capacity=10)
+def overflow(rank, world, tmp, capacity):
+    symmetric = make_exchange(f"{tmp}/overflow", world, 16, 2, 2, 32, **capacity)
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(32, 16, generator=generator)
     idx, w = make_routing("first-experts", 32, world * 2, 2, generator)
@@ -121,7 +121,21 @@ def overflow(rank, world, tmp):
     return bool(torch.isfinite(y).all()), None
 
 
-def test_capacity_overflow_is_dropped_and_raised_at_check(tmp_path):
-    for finite, message in run_ranks(overflow, 2, args=(str(tmp_path),), timeout_s=300):
+@pytest.mark.parametrize(
+    "capacity", [{"recv_capacity": 10}, {"pair_capacity": 12}], ids=["tokens", "pairs"]
+)
+def test_capacity_overflow_is_dropped_and_raised_at_check(tmp_path, capacity):
+    outcomes = run_ranks(overflow, 2, args=(str(tmp_path), capacity), timeout_s=300)
+    for finite, message in outcomes:
         assert finite
-        assert message is not None and "recv_capacity" in message
+        assert message is not None and "recv_pair_capacity" in message
+        needed = "/ 12: rows were dropped" if "pair_capacity" in capacity else "10 / 20: rows"
+        assert needed in message, message
+
+
+def test_default_shape_capacities():
+    worst = default_shape(16, 4, 2, 3, 10)
+    assert (worst.token_capacity, worst.pair_capacity) == (30, 60)  # min(k, E_loc) = 2 per row
+    assert default_shape(16, 4, 2, 3, 10, recv_capacity=7).pair_capacity == 14
+    assert default_shape(16, 4, 2, 3, 10, pair_capacity=25).pair_capacity == 25
+    assert default_shape(16, 4, 2, 3, 10, pair_capacity=99).pair_capacity == 60

@@ -18,6 +18,7 @@ import dataclasses
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import resource
@@ -72,16 +73,25 @@ class BenchSpec:
     progress: bool = True
     dense_tflops: float | None = None
     """Dense bf16 TFLOP/s that defines the compute floor (FLOPs / rate); None: no floor."""
+    pair_capacity_factor: float | None = None
+    """Pairs each rank's experts can take, as a multiple of the mean T * k
+    (`MoKConfig.recv_pair_capacity`); None: the worst case."""
 
     @property
     def tokens_per_rank(self) -> int:
         return self.tokens if self.tokens is not None else get_preset(self.preset).default_tokens
 
     def config(self) -> mok.MoKConfig:
-        return get_preset(self.preset).config(
+        preset = get_preset(self.preset)
+        tokens = max(self.tokens_per_rank, 1)
+        pairs = None
+        if self.pair_capacity_factor is not None:
+            pairs = max(1, math.ceil(self.pair_capacity_factor * tokens * preset.top_k))
+        return preset.config(
             backend=self.backend,
             swiglu_limit=self.swiglu_limit,
-            max_tokens_per_rank=max(self.tokens_per_rank, 1),
+            max_tokens_per_rank=tokens,
+            recv_pair_capacity=pairs,
         )
 
 
@@ -485,8 +495,14 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
         "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "
         f"{floor}; speedup = baseline time / backend time; peak memory of the largest rank "
-        f"({results[0].memory_kind}). Both checked against the reference backend (same group "
-        "and weights) first.",
+        f"({results[0].memory_kind}); the backend's receive buffers sized "
+        + (
+            "for the worst-case routing"
+            if first.pair_capacity_factor is None
+            else f"for {first.pair_capacity_factor:g} x the mean pairs per rank "
+            "(`--pair-capacity-factor`; overflow raises)"
+        )
+        + ". Both checked against the reference backend (same group and weights) first.",
         "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
         "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
         "PyTorch, batched-matmul combine; autograd backward).",

@@ -109,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per rank of the correctness check before timing",
     )
     bench.add_argument("--swiglu-limit", type=float, default=None)
+    bench.add_argument(
+        "--pair-capacity-factor",
+        type=_positive_float,
+        default=None,
+        metavar="C",
+        help="size the fused backend's per-rank expert buffers for C x the mean pairs (T x k) "
+        "instead of the worst case (less memory; a routing that needs more raises "
+        "MoKCapacityError after timing)",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--dense-tflops",
@@ -171,6 +180,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             seed=args.seed,
             progress=not args.no_progress,
             dense_tflops=dense_tflops,
+            pair_capacity_factor=args.pair_capacity_factor,
         )
         for preset in args.preset
         for ep in eps

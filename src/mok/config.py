@@ -64,6 +64,12 @@ class MoKConfig:
     recv_capacity: int | None = None
     """Rows of the per-rank receive buffer of fused backends; None sizes it for the worst case
     (every token of every rank routed here), which can never overflow."""
+    recv_pair_capacity: int | None = None
+    """(token, expert) pairs a rank's experts can take in one call in fused backends: the rows of
+    the expert GEMMs' buffers and activations. None: min(top_k, local experts) per receive-buffer
+    row, which can never overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
+    capacity factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and
+    reported by `Workspace.check()`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -86,8 +92,9 @@ class MoKConfig:
             if not math.isfinite(limit) or limit <= 0:
                 raise MoKConfigError(f"swiglu_limit must be finite and > 0, got {limit}")
             object.__setattr__(self, "swiglu_limit", float(limit))
-        if self.recv_capacity is not None:
-            _require_int(self, "recv_capacity", minimum=1)
+        for name in ("recv_capacity", "recv_pair_capacity"):
+            if getattr(self, name) is not None:
+                _require_int(self, name, minimum=1)
 
     @property
     def has_shared_expert(self) -> bool:

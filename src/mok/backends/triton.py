@@ -71,6 +71,7 @@ class TritonBackend:
                 ep,
                 config.max_tokens_per_rank,
                 config.recv_capacity,
+                config.recv_pair_capacity,
             )
             self.exchange = acquire_exchange(group, shape, device, config.comm_sms)
         else:

@@ -93,19 +93,23 @@ def default_shape(
     ep_size: int,
     max_tokens: int,
     recv_capacity: int | None = None,
+    pair_capacity: int | None = None,
     **options,
 ) -> ExchangeShape:
     """Capacities for `recv_capacity` staging rows (None: the worst case, every token of every
-    rank, which never overflows); pairs: up to min(k, E_loc) per staging row."""
+    rank, which never overflows) and `pair_capacity` grouped rows (None: the worst case for those
+    staging rows, min(k, E_loc) pairs each)."""
     worst = ep_size * max_tokens
     tokens = worst if recv_capacity is None else min(recv_capacity, worst)
+    worst_pairs = tokens * min(top_k, local_experts)
+    pairs = worst_pairs if pair_capacity is None else min(pair_capacity, worst_pairs)
     return ExchangeShape(
         hidden=hidden,
         top_k=top_k,
         local_experts=local_experts,
         max_tokens=max_tokens,
         token_capacity=max(tokens, 1),
-        pair_capacity=max(tokens * min(top_k, local_experts), 1),
+        pair_capacity=max(pairs, 1),
         **options,
     )
 
@@ -272,7 +276,8 @@ class SymmetricExchange:
             raise MoKCapacityError(
                 f"a rank was routed {tokens} tokens / {pairs} pairs but its receive buffers hold "
                 f"{self.shape.token_capacity} / {self.shape.pair_capacity}: rows were dropped. "
-                "Raise MoKConfig.recv_capacity (None sizes for the worst case)."
+                "Raise MoKConfig.recv_capacity (tokens) or recv_pair_capacity (pairs); None sizes "
+                "them for the worst case."
             )
 
     def route(self, topk_idx: torch.Tensor) -> SymmetricRouting:
