@@ -40,7 +40,9 @@ def main() -> None:
             start = (event["ts"] - origin) / 1e3
             print(f"{start:9.3f} {gap:8.1f} {event['dur']:9.1f}  {name}")
         end = max(end, event["ts"] + event["dur"])
-    print(f"span {(end - origin) / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms")
+    print(
+        f"span {(end - origin) / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The routing-plan kernels (mok.kernels.plan), on a GPU or under the Triton interpreter, every
-rank of a group simulated in one process (one tensor holds every rank's copy of a buffer, so that peer offsets
-are plain element distances), against a plain-Python oracle of the documented layout: staging by
-(source, token), grouped rows by (local expert, source, token, j), capacities clipping, ids
-outside [0, E) dropped."""
+rank of a group simulated in one process (one tensor holds every rank's copy of a buffer, so that
+peer offsets are plain element distances), against a plain-Python oracle of the documented
+layout: staging by (source, token), grouped rows by (local expert, source, token, j), capacities
+clipping, ids outside [0, E) dropped."""
 
 import pytest
 import torch

@@ -50,7 +50,14 @@ class LocalExchange:
         block_counts = kernels.count(topk_idx, self._counts, self._no_offsets, 0)
         pairs = max(tokens * top_k, 1)
         plan = kernels.place(
-            topk_idx, block_counts, self._counts, 0, tokens, pairs, self._overflowed, self._most_needed
+            topk_idx,
+            block_counts,
+            self._counts,
+            0,
+            tokens,
+            pairs,
+            self._overflowed,
+            self._most_needed,
         )
         return LocalRouting(
             top_k=top_k,

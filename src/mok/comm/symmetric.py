@@ -291,7 +291,9 @@ class SymmetricExchange:
             )
         topk_idx = topk_idx.contiguous()
         self.epoch.add_(1)
-        block_counts = self.plan_kernels.count(topk_idx, self.counts.local, self.counts.offsets, rank)
+        block_counts = self.plan_kernels.count(
+            topk_idx, self.counts.local, self.counts.offsets, rank
+        )
         self._barrier()
         # Peers overwrite these counts only in their next route, after this rank's second barrier.
         plan = self.plan_kernels.place(

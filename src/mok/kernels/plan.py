@@ -83,9 +83,7 @@ def count_blocks_kernel(
     counts table (int64). totals [columns] int64 and done [1] int32 are zero on entry and are
     left zero."""
     block = tl.program_id(0)
-    _, _, experts, valid = _load_block(
-        idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
-    )
+    _, _, experts, valid = _load_block(idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD)
     flat_experts = tl.reshape(tl.where(valid, experts, 0), [BLOCK_T * K_PAD])
     histogram = tl.histogram(flat_experts, E_BINS, mask=tl.reshape(valid, [BLOCK_T * K_PAD]))
     bins = tl.arange(0, E_BINS)

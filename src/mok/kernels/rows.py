@@ -417,7 +417,7 @@ def _row_options(hidden: int, block_rows: int, block_h: int, programs: int, num_
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def placeholder(device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A one-element tensor for pointer arguments a kernel variant never touches (made once:
     a fresh one per launch cost a fill kernel each)."""
