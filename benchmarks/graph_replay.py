@@ -23,7 +23,7 @@ import torch.distributed as dist
 import mok
 from mok.launch import run_ranks
 from mok.routing import make_routing
-from mok.testing import global_weights
+from mok.testing import capture_in_graph, global_weights
 
 
 def _inputs(config, tokens, rank, device):
@@ -75,14 +75,7 @@ def _measure_preset(name, rank, device, group, iters, warmup):
         call = _step(layer, x, idx, w, grad_y, backward)
         eager_y = call().detach().clone()
         eager_grad = x.grad.clone() if backward else None
-        side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graph asks
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graph_y = call()
+        graph, graph_y = capture_in_graph(call)
         graph.replay()
         same = torch.equal(graph_y, eager_y) and (not backward or torch.equal(x.grad, eager_grad))
         row[pass_name] = {

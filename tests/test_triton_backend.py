@@ -14,6 +14,7 @@ from mok.launch import run_ranks
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,
+    capture_in_graph,
     compare_with_reference,
     global_weights,
     one_call_results,
@@ -197,14 +198,7 @@ def graph_replays(rank, world):
         y.backward(grad_y)
         return y
 
-    side = torch.cuda.Stream()  # warm-up off the capturing stream, as torch.cuda.graph asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = step()
+    graph, y = capture_in_graph(step)
     same = []
     for case, want in zip(cases, eager, strict=True):
         with torch.no_grad():

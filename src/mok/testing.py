@@ -124,6 +124,21 @@ def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
     return results
 
 
+def capture_in_graph(call):
+    """(a CUDA graph of `call()`, the output of the captured call). `call` runs once first on a
+    side stream, the warm-up torch.cuda.graph asks for; `graph.replay()` then reruns it on
+    whatever its input tensors hold."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = call()
+    return graph, output
+
+
 def grouped_expert_reference(rows, group_sizes, w_gate, w_up, w_down, grad_out, swiglu_limit=None):
     """The reference expert MLP on rows grouped by expert, forward and backward through autograd.
 

@@ -19,7 +19,8 @@ FLAG_TOKENS = 2
 
 
 def oracle(experts, per_rank, token_capacity, pair_capacity, max_tokens):
-    """Per rank: dict of the expected plan, pair metadata, pull sources and owner rows."""
+    """(the counts table every rank should hold, per rank a dict of the expected plan, pair
+    metadata, pull sources and owner rows, whether a capacity overflows, the most rows needed)."""
     ep = len(per_rank)
     local = experts // ep
     top_k = per_rank[0].shape[1]
