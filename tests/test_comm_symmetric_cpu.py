@@ -5,7 +5,6 @@ barriers, capacity) runs as on GPUs; results must equal the collective exchange 
 """
 
 import functools
-import math
 
 import pytest
 import torch
@@ -15,51 +14,20 @@ from mok.comm.collective import CollectiveExchange
 from mok.comm.symmetric import SymmetricExchange, default_shape
 from mok.launch import run_ranks
 from mok.routing import make_routing
+from mok.testing import shared_file_allocator
 from mok.validation import MoKCapacityError
 
 from exchange_checks import compare_exchanges
 
 
-class SharedFileHandle:
-    """The handle API the exchange uses (`buffer_ptrs`, `get_buffer`, `barrier`) over one file that
-    every rank maps: rank r's buffer is its r-th slice, so offsets between buffers agree on all
-    ranks, as with symmetric memory. The barrier is gloo's (x86 keeps stores in order)."""
-
-    def __init__(self, whole: torch.Tensor, nbytes: int, group):
-        self.whole, self.nbytes, self.group = whole, nbytes, group
-        self.buffer_ptrs = [
-            whole.data_ptr() + r * nbytes for r in range(dist.get_world_size(group))
-        ]
-
-    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
-        region = self.whole[rank * self.nbytes : (rank + 1) * self.nbytes].view(dtype)
-        return region[storage_offset : storage_offset + math.prod(sizes)].view(sizes)
-
-    def barrier(self, channel=0):
-        dist.barrier(group=self.group)
-
-
-def shared_file_allocator(path):
-    def allocate(nbytes, device, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        if rank == 0:
-            with open(path, "wb") as handle:
-                handle.truncate(world * nbytes)
-        dist.barrier(group=group)
-        whole = torch.from_file(path, shared=True, size=world * nbytes, dtype=torch.uint8)
-        return whole[rank * nbytes : (rank + 1) * nbytes], SharedFileHandle(whole, nbytes, group)
-
-    return allocate
-
-
-def make_exchange(path, world, hidden, top_k, local, max_tokens, **options):
+def make_exchange(directory, world, hidden, top_k, local, max_tokens, **options):
     shape = default_shape(hidden, top_k, local, world, max_tokens, dtype=torch.float32, **options)
     return SymmetricExchange(
         dist.group.WORLD,
         shape,
         torch.device("cpu"),
         programs=2,
-        allocate=shared_file_allocator(path),
+        allocate=shared_file_allocator(directory),
     )
 
 
@@ -85,9 +53,8 @@ def compare(rank, world, tmp, pull):
         idx, w = make_routing(kind, tokens[rank], world * local, top_k, generator)
         grad_y = torch.randn(tokens[rank], hidden, generator=generator)
         shared = torch.randn(tokens[rank], hidden, generator=generator)
-        path = f"{tmp}/case{index}-{'pull' if pull else 'push'}"
         symmetric = make_exchange(
-            path, world, hidden, top_k, local, max(tokens), pull_dispatch=pull
+            tmp, world, hidden, top_k, local, max(tokens), pull_dispatch=pull
         )
         collective = CollectiveExchange(dist.group.WORLD, local)
 
@@ -108,7 +75,7 @@ def test_symmetric_exchange_protocol_matches_the_collective_exchange(world, pull
 
 
 def overflow(rank, world, tmp, capacity):
-    symmetric = make_exchange(f"{tmp}/overflow", world, 16, 2, 2, 32, **capacity)
+    symmetric = make_exchange(tmp, world, 16, 2, 2, 32, **capacity)
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(32, 16, generator=generator)
     idx, w = make_routing("first-experts", 32, world * 2, 2, generator)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -161,3 +164,45 @@ def grouped_expert_reference(rows, group_sizes, w_gate, w_up, w_down, grad_out, 
                 grad[expert] = weight.grad.float()
         start += size
     return torch.cat(out), torch.cat(grad_rows), grads
+
+
+_ALLOCATIONS = itertools.count()
+
+
+class SharedFileHandle:
+    """The handle API the NVLink exchange uses (`buffer_ptrs`, `get_buffer`, `barrier`) over one
+    file that every rank maps: rank r's buffer is its r-th slice, so the offsets between buffers
+    agree on all ranks, as with symmetric memory. The barrier is gloo's (x86 keeps stores in
+    order)."""
+
+    def __init__(self, whole: torch.Tensor, nbytes: int, group):
+        self.whole, self.nbytes, self.group = whole, nbytes, group
+        self.buffer_ptrs = [
+            whole.data_ptr() + r * nbytes for r in range(dist.get_world_size(group))
+        ]
+
+    def get_buffer(self, rank, sizes, dtype, storage_offset=0):
+        region = self.whole[rank * self.nbytes : (rank + 1) * self.nbytes].view(dtype)
+        return region[storage_offset : storage_offset + math.prod(sizes)].view(sizes)
+
+    def barrier(self, channel=0):
+        dist.barrier(group=self.group)
+
+
+def shared_file_allocator(directory):
+    """An allocator for `mok.comm.symmetric` (the signature of `allocate_symmetric`) that maps one
+    new file under `directory` per allocation, shared by the CPU processes of a gloo group: the
+    NVLink protocol with CPU tensors, kernels under the Triton interpreter. Every rank must
+    allocate in the same order (the files are numbered, per process)."""
+
+    def allocate(nbytes, device, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        path = os.path.join(os.fspath(directory), f"symmetric-{group.group_name}-{next(_ALLOCATIONS)}")
+        if rank == 0:
+            with open(path, "wb") as handle:
+                handle.truncate(world * nbytes)
+        dist.barrier(group=group)
+        whole = torch.from_file(path, shared=True, size=world * nbytes, dtype=torch.uint8)
+        return whole[rank * nbytes : (rank + 1) * nbytes], SharedFileHandle(whole, nbytes, group)
+
+    return allocate

@@ -37,6 +37,7 @@ to piggyback on.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -217,7 +218,8 @@ class SymmetricExchange:
             offsets[name] = total
             nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
             total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        self._buffer, self._handle = (allocate or allocate_symmetric)(total, device, self.group)
+        allocate = allocate or _simulated_allocator or allocate_symmetric
+        self._buffer, self._handle = allocate(total, device, self.group)
         regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout
@@ -238,11 +240,13 @@ class SymmetricExchange:
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
         """None if this exchange can run for `group` on `device`, else why not. Collective (the
-        ranks compare their host names)."""
-        if device.type != "cuda":
-            return f"symmetric memory needs CUDA tensors, the device is {device}"
+        ranks compare their host names). On the CPU: only inside `simulated_symmetric_memory`."""
         if not dist.is_available() or not dist.is_initialized():
             return "no torch.distributed process group"
+        if device.type != "cuda":
+            if _simulated_allocator is not None:
+                return None
+            return f"symmetric memory needs CUDA tensors, the device is {device}"
         try:
             import torch.distributed._symmetric_memory  # noqa: F401
         except ImportError as error:
@@ -531,6 +535,23 @@ class SymmetricExchange:
             **LOCAL_SUM,
         )
         return grad_x
+
+
+_simulated_allocator = None
+
+
+@contextlib.contextmanager
+def simulated_symmetric_memory(allocate):
+    """Inside this block, every SymmetricExchange made without its own `allocate` takes its buffer
+    from `allocate` (the signature of `allocate_symmetric`), and CPU devices can run the exchange:
+    how the CPU tests drive the whole NVLink protocol, through the layer too, with a shared file
+    standing in for symmetric memory (`mok.testing.shared_file_allocator`)."""
+    global _simulated_allocator
+    previous, _simulated_allocator = _simulated_allocator, allocate
+    try:
+        yield
+    finally:
+        _simulated_allocator = previous
 
 
 _SHARED_EXCHANGES: dict[tuple, list] = {}
