@@ -2,11 +2,15 @@
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
-#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton]   (default: all five)
+#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz]
+#   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
 # Set MOK_COMMIT=$(git rev-parse --short HEAD) when the tree travels without its git history, and
 # HYPOTHESIS_PROFILE=dev for fewer fuzzed cases (each new shape compiles kernels: minutes on GPUs).
+# PYTEST_ARGS adds pytest options to the tests step (e.g. "-n 4" with pytest-xdist).
+# clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
+# fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -32,7 +36,11 @@ run env python3 -m mok env
 for step in $steps; do
   case $step in
     tests)
-      run pytest python3 -m pytest -q -rs -p no:cacheprovider ;;
+      run pytest python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} ;;
+    clamp)
+      run clamp python3 benchmarks/clamp_accuracy.py --out "$OUT/clamp-accuracy.md" ;;
+    fuzz)
+      run fuzz python3 benchmarks/fuzz.py ${FUZZ_ARGS:---cases 1000} --out "$OUT/fuzz.md" ;;
     bench)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       run bench-tiny python3 -m mok bench --no-progress --ep "$ngpu" --json "$OUT/bench-tiny.json"

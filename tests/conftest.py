@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests are skipped without CUDA; hypothesis profiles for CI."""
+"""Shared test set-up: GPU tests are skipped without CUDA; hypothesis profiles (HYPOTHESIS_PROFILE:
+ci, the default; dev; long)."""
 
 import os
 
@@ -14,13 +15,20 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=20, deadline=None)
+# A fuzzing run to start by hand: fresh random examples each time, many of them.
+settings.register_profile("long", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        reason, marks = (
+            "an interpreter test (TRITON_INTERPRET is set only without a GPU)",
+            ["interpreter"],
+        )
+    else:
+        reason, marks = "needs a CUDA GPU", ["gpu", "multigpu"]
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if "gpu" in item.keywords or "multigpu" in item.keywords:
+        if any(mark in item.keywords for mark in marks):
             item.add_marker(skip)

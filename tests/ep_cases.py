@@ -72,6 +72,8 @@ def standard_scenarios(world):
     cases.append(scenario(TINY.replace(swiglu_limit=0.8), [23] * world, "zipf", 10))
     top1 = TINY.replace(top_k=1, shared_intermediate_size=0, swiglu_limit=1.0)
     cases.append(scenario(top1, [19] * world, "uniform", 11))
+    # top_k = num_experts: every token goes to every expert on every rank.
+    cases.append(scenario(TINY.replace(top_k=TINY.num_experts), [13] * world, "uniform", 13))
     odd = mok.MoKConfig(
         hidden_size=48,
         intermediate_size=40,

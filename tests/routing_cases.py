@@ -29,6 +29,12 @@ def routings(draw):
     return experts, per_rank
 
 
+def every_expert(tokens, experts, seed):
+    """topk_idx [tokens, experts] with top_k = num_experts: each row a random permutation."""
+    keys = torch.rand(tokens, experts, generator=torch.Generator().manual_seed(seed))
+    return torch.argsort(keys, dim=1)
+
+
 def simulate_exchange(experts, per_rank):
     """Build every rank's plan and move labelled pairs through them as the reference exchange does.
 

@@ -1,6 +1,8 @@
 """The public API in one process: config validation, functional forward/backward, the module,
 autograd, and the errors bad input gets."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -53,6 +55,98 @@ def test_config_rejects_bad_fields(changes, message):
         TINY.replace(**changes)
 
 
+def int_limits(minimum, optional=False):
+    """(accepted, rejected with message) values of an int field that must be >= minimum."""
+    accepted = [minimum, minimum + 1] + ([None] if optional else [])
+    wrong_type = "must be an int"
+    rejected = [(minimum - 1, f"must be >= {minimum}"), (float(minimum), wrong_type)]
+    return accepted, rejected + [(True, wrong_type), (str(minimum), wrong_type)]
+
+
+def positive_number_limits(optional):
+    """(accepted, rejected with message) values of a float field that must be finite and > 0."""
+    accepted = [1e-3, 7, 2.5] + ([None] if optional else [])
+    bad_value = "must be finite and > 0"
+    rejected = [(0, bad_value), (0.0, bad_value), (-1.0, bad_value)]
+    rejected += [(float("inf"), bad_value), (float("nan"), bad_value)]
+    rejected += [(True, "must be a number"), ("1", "must be a number")]
+    if not optional:
+        rejected.append((None, "must be a number"))
+    return accepted, rejected
+
+
+def enum_limits(enum_type):
+    """(accepted, rejected with message) values of a field that parses enum_type's strings."""
+    members = list(enum_type)
+    accepted = [member.value for member in members] + members
+    message = "must be one of " + ", ".join(repr(member.value) for member in members)
+    unknown = ["fp4", "cuda", None, members[0].value.upper()]
+    return accepted, [(value, message) for value in unknown]
+
+
+# Every MoKConfig field: values it accepts and values it rejects (with the message), on LIMITS_BASE
+# (TINY with top_k = 1, so that num_experts = 1 is valid; its 8 experts allow top_k up to 8).
+LIMITS_BASE = TINY.replace(top_k=1)
+FIELD_LIMITS = {
+    "hidden_size": int_limits(1),
+    "intermediate_size": int_limits(1),
+    "num_experts": int_limits(1),
+    "top_k": (int_limits(1)[0] + [8], int_limits(1)[1] + [(9, "top_k=9 exceeds num_experts=8")]),
+    "shared_intermediate_size": int_limits(0),
+    "swiglu_limit": positive_number_limits(optional=True),
+    "precision": enum_limits(mok.Precision),
+    "backend": enum_limits(mok.Backend),
+    "max_tokens_per_rank": int_limits(1),
+    "comm_sms": int_limits(1),
+    "overlap_tokens": int_limits(1),
+    "recv_capacity": int_limits(1, optional=True),
+    "recv_pair_capacity": int_limits(1, optional=True),
+    "peer_timeout_s": positive_number_limits(optional=False),
+}
+# What an accepted value is stored as (int fields: int).
+STORED_TYPES = {
+    "swiglu_limit": float,
+    "peer_timeout_s": float,
+    "precision": mok.Precision,
+    "backend": mok.Backend,
+}
+
+
+def test_every_config_field_has_its_limits_tested():
+    """Catches a new MoKConfig field added without limit cases (and so, likely, without checks)."""
+    assert set(FIELD_LIMITS) == {field.name for field in dataclasses.fields(mok.MoKConfig)}
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [(name, value) for name, (accepted, _) in FIELD_LIMITS.items() for value in accepted],
+)
+def test_config_accepts_each_field_at_its_limits(name, value):
+    """Catches a bound off by one (rejecting a field at its minimum, top_k = num_experts) and a
+    value stored unparsed (a string for an enum, an int for a float)."""
+    stored = getattr(LIMITS_BASE.replace(**{name: value}), name)
+    assert stored == value
+    if value is not None:
+        assert type(stored) is STORED_TYPES.get(name, int)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (name, value, message)
+        for name, (_, rejected) in FIELD_LIMITS.items()
+        for value, message in rejected
+    ],
+)
+def test_config_rejects_each_field_past_its_limits(name, value, message):
+    """Catches a missing or off-by-one check (minimum - 1, 0 or a non-finite float accepted), bools
+    taken for ints or numbers, and an error that does not name the field."""
+    with pytest.raises(mok.MoKConfigError) as raised:
+        LIMITS_BASE.replace(**{name: value})
+    assert name in str(raised.value)
+    assert message in str(raised.value)
+
+
 def test_config_accepts_strings_and_reports_layout():
     config = TINY.replace(precision="bf16", backend="reference", swiglu_limit=7)
     assert config.precision is mok.Precision.BF16 and config.backend is mok.Backend.REFERENCE
@@ -69,10 +163,11 @@ def test_mxfp8_is_refused_until_a_backend_implements_it():
         mok.create_workspace(TINY.replace(precision="mxfp8"))
 
 
-def test_backends_say_why_they_cannot_run_here():
+def test_backends_say_why_they_cannot_run_here(monkeypatch):
     report = mok.backends.backend_report(TINY, torch.device("cpu"))
     assert report["reference"] is None
     assert "CUDA" in report["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # with it, triton runs on CPUs (a test mode)
     with pytest.raises(mok.BackendUnavailableError, match="triton"):
         mok.create_workspace(TINY.replace(backend="triton"))
     assert mok.create_workspace(TINY).backend_name == "reference"  # auto on the CPU
@@ -91,8 +186,9 @@ def test_workspace_check_on_the_reference_backend_finds_nothing():
 
 @pytest.mark.parametrize("tokens", [0, 1, 37])
 @pytest.mark.parametrize("limit", [None, 1.5])
-def test_module_matches_reference_values_and_gradients(tokens, limit):
-    config = TINY.replace(swiglu_limit=limit)
+@pytest.mark.parametrize("top_k", [2, 8], ids=["k=2", "k=E"])  # k = E: every token, every expert
+def test_module_matches_reference_values_and_gradients(tokens, limit, top_k):
+    config = TINY.replace(swiglu_limit=limit, top_k=top_k)
     layer = layer_for(config)
     x, idx, w = inputs(config, tokens)
     x.requires_grad_(True)

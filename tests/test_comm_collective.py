@@ -14,6 +14,7 @@ from mok.reference import expert_mlp, grouped_expert_mlp, moe_forward
 from mok.testing import RankInputs, global_weights, relative_error
 
 from ep_cases import EIGHT_RANK_TOKENS, TINY, rank_inputs
+from sum_order_cases import order_sensitive_addends, sequential_sum
 
 
 def exchange_case(rank, world, config, tokens_per_rank, routing, seed, device="cpu"):
@@ -151,3 +152,37 @@ def check(cases, results, world):
             assert staging * config.top_k == grouped * owners, (staging, grouped)
             # only those owners receive anything
             assert all(r["grouped rows"] == 0 for r in per_rank[owners:]), per_rank
+
+
+ORDER_TOKENS = [10, 0, 7]
+ORDER_HIDDEN = 32
+
+
+def grad_x_over_owners(rank, world):
+    """Rank worker: one expert per rank, every token picks all of them (in a random order), so
+    each owner holds one pair of every token. Source s's addends [T_s, world + 1, H]: the gradient
+    of its pair on owner 0, 1, ..., then `extra`. Returns (this rank's grad x, its addends)."""
+    addends = [
+        order_sensitive_addends(tokens, world + 1, ORDER_HIDDEN, seed=source)
+        for source, tokens in enumerate(ORDER_TOKENS)
+    ]
+    keys = torch.rand(ORDER_TOKENS[rank], world, generator=torch.Generator().manual_seed(rank))
+    exchange = CollectiveExchange(dist.group.WORLD, 1)
+    routing = exchange.route(torch.argsort(keys, dim=1))
+    # Owner `rank` holds its pairs by source rank, then token.
+    grad_grouped = torch.cat([source[:, rank] for source in addends])
+    extra = addends[rank][:, world].contiguous()
+    return exchange.dispatch_backward(routing, grad_grouped, extra), addends[rank]
+
+
+def test_dispatch_backward_adds_owners_by_rank_then_extra():
+    """Catches a grad-x reduction over owners that leaves its documented order (owners by
+    ascending rank, then `extra`): owners reversed, or `extra` added first. It takes 3 ranks:
+    with one or two owners the partial sums commute."""
+    results = run_ranks(grad_x_over_owners, 3, timeout_s=120)
+    for rank, (grad_x, addends) in enumerate(results):
+        assert torch.equal(grad_x, sequential_sum(addends)), rank
+        if rank == 1:
+            continue  # no tokens
+        for order in ([2, 1, 0, 3], [3, 0, 1, 2]):
+            assert not torch.equal(sequential_sum(addends[:, order]), grad_x), (rank, order)

@@ -16,6 +16,7 @@ class FakeExchange:
     shape: object
     device: object
     programs: int
+    timeout_s: float = 10.0
     released: int = 0
 
     def release(self):
@@ -36,8 +37,10 @@ def test_one_exchange_per_key_freed_by_its_last_user(monkeypatch):
     second = acquire_exchange(group, shape, device, 24)
     other_shape = acquire_exchange(group, default_shape(64, 2, 4, 2, 256), device, 24)
     other_group = acquire_exchange(FakeGroup("other"), shape, device, 24)
+    other_timeout = acquire_exchange(group, shape, device, 24, timeout_s=3.0)
     assert first is second
-    assert len({id(first), id(other_shape), id(other_group)}) == 3
+    assert len({id(first), id(other_shape), id(other_group), id(other_timeout)}) == 4
+    assert other_timeout.timeout_s == 3.0
 
     release_exchange(first)
     assert first.released == 0

@@ -66,12 +66,42 @@ def compare(rank, world, tmp, pull):
     return results
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("pull", [False, True])
 def test_symmetric_exchange_protocol_matches_the_collective_exchange(world, pull, tmp_path):
     for per_rank in run_ranks(compare, world, args=(str(tmp_path), pull), timeout_s=300):
         for outcome in per_rank:
             assert all(outcome.values()), outcome
+
+
+def many_routings(rank, world, tmp, pull):
+    """One exchange through several routings in a row (as all layers of a shape share one)."""
+    symmetric = make_exchange(tmp, world, 24, 3, 2, 20, pull_dispatch=pull)
+    collective = CollectiveExchange(dist.group.WORLD, 2)
+    results = []
+    for call, kind in enumerate(["uniform", "one-expert", "zipf", "first-experts", "uniform"]):
+        generator = torch.Generator().manual_seed(10 * call + rank)
+        tokens = [20, 0, 13][(call + rank) % 3]
+        x = torch.randn(tokens, 24, generator=generator)
+        idx, w = make_routing(kind, tokens, world * 2, 3, generator)
+        grad_y = torch.randn(tokens, 24, generator=generator)
+        expert = functools.partial(random_outputs, generator=generator)
+        equal = compare_exchanges(symmetric, collective, (x, idx, w, grad_y), expert)
+        results.append((call, equal))
+    symmetric.release()
+    return results
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("pull", [False, True])
+def test_one_exchange_through_many_routings(pull, tmp_path):
+    """Every call of one exchange instance equals the collective exchange. Catches: readiness
+    flags or barrier sequence numbers that only work on a fresh exchange (stale epochs letting a
+    wait pass on the previous call's rows), buffers not fully rewritten between calls."""
+    for per_rank in run_ranks(many_routings, 2, args=(str(tmp_path), pull), timeout_s=300):
+        for call, outcome in per_rank:
+            assert all(outcome.values()), (call, outcome)
 
 
 def overflow(rank, world, tmp, capacity):
@@ -91,6 +121,7 @@ def overflow(rank, world, tmp, capacity):
 @pytest.mark.parametrize(
     "capacity", [{"recv_capacity": 10}, {"pair_capacity": 12}], ids=["tokens", "pairs"]
 )
+@pytest.mark.interpreter
 def test_capacity_overflow_is_dropped_and_raised_at_check(tmp_path, capacity):
     outcomes = run_ranks(overflow, 2, args=(str(tmp_path), capacity), timeout_s=300)
     for finite, message in outcomes:

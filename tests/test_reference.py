@@ -5,8 +5,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mok.reference import combine, expert_mlp, moe_forward, swiglu
+from mok.reference import combine, expert_mlp, grouped_expert_mlp, moe_forward, swiglu
 from mok.weights import MoEWeights
+
+from sum_order_cases import (
+    contraction_sensitive_terms,
+    order_sensitive_addends,
+    power_of_two_weights,
+    sequential_sum,
+)
 
 
 def naive_moe(x, topk_idx, topk_weights, weights, limit=None):
@@ -87,20 +94,59 @@ def test_gradients_match_finite_differences():
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
 
 
-def test_combine_sums_in_the_documented_order():
-    gen = torch.Generator().manual_seed(1)
-    out = torch.randn(33, 4, 16, generator=gen).to(torch.bfloat16)
-    shared = torch.randn(33, 16, generator=gen).to(torch.bfloat16)
-    w = torch.rand(33, 4, generator=gen)
-    acc = shared.float()
-    for j in range(4):
-        acc = acc + w[:, j, None] * out[:, j].float()
-    assert torch.equal(combine(out, w, shared), acc.to(torch.bfloat16))
-    # A different order rounds differently somewhere: the order is observable, hence a contract.
-    reverse = shared.float()
-    for j in reversed(range(4)):
-        reverse = reverse + w[:, j, None] * out[:, j].float()
-    assert not torch.equal(acc, reverse)
+@pytest.mark.parametrize("shared", [False, True], ids=["no-shared", "shared"])
+def test_combine_order_decides_the_result_on_order_sensitive_data(shared):
+    """Catches a combine that adds the k outputs in another order than j = 0, 1, ..., k-1 after
+    the shared output (reversed, pairwise, shared output last): on these addends every other order
+    changes the bf16 result, which the test checks too."""
+    tokens, top_k, hidden = 16, 4, 64
+    addends = order_sensitive_addends(tokens, shared + top_k, hidden, seed=top_k + shared)
+    weights = power_of_two_weights(tokens, top_k, seed=1)
+    products = addends[:, shared:]
+    expert_out = (products / weights[..., None]).to(torch.bfloat16)
+    shared_out = addends[:, 0].to(torch.bfloat16) if shared else None
+    want = sequential_sum(addends).to(torch.bfloat16)
+    assert torch.equal(combine(expert_out, weights, shared_out), want)
+
+    other_orders = [torch.cat([addends[:, :shared], products.flip(1)], 1)]
+    if shared:
+        other_orders.append(torch.cat([products, addends[:, :1]], 1))
+    for addends_in_other_order in other_orders:
+        assert not torch.equal(sequential_sum(addends_in_other_order).to(torch.bfloat16), want)
+
+
+def test_combine_rounds_each_product_before_adding_it():
+    """Catches a combine that fuses multiply and add (torch.addcmul, an FMA): the contract rounds
+    w * out to fp32 first, which gives 0 here where one rounding gives 2^-24."""
+    terms, weights = contraction_sensitive_terms(64)
+    result = combine(terms.to(torch.bfloat16), weights)
+    assert torch.equal(result, torch.zeros(1, 64, dtype=torch.bfloat16))
+    fused = torch.addcmul(weights[:, 0, None] * terms[:, 0], weights[:, 1, None], terms[:, 1])
+    assert torch.equal(fused, torch.full((1, 64), 2.0**-24))
+
+
+def test_grouped_expert_mlp_reaches_each_weight_tensor_through_one_graph_node():
+    """Catches a backward that grows with the square of the experts: indexing w[e] inside the loop
+    over experts makes autograd build and add a full-size [E, ...] gradient per expert (about 20 s
+    of backward at E = 64); unbinding each weight tensor once stacks one buffer."""
+    x, _, _, weights = random_layer(12, 16, 8, 6, 1, 0, torch.float32)
+    weights = weights.map(lambda t: t.requires_grad_(True))
+    out = grouped_expert_mlp(x, [2, 0, 3, 4, 1, 2], weights.gate, weights.up, weights.down)
+    edges_into = {name: 0 for name in ("gate", "up", "down")}
+    leaves = {id(getattr(weights, name)): name for name in edges_into}
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        for successor, _ in node.next_functions:
+            if successor is None:
+                continue
+            variable = getattr(successor, "variable", None)
+            if variable is not None and id(variable) in leaves:
+                edges_into[leaves[id(variable)]] += 1
+            if successor not in seen:
+                seen.add(successor)
+                stack.append(successor)
+    assert edges_into == {"gate": 1, "up": 1, "down": 1}
 
 
 @given(limit=st.floats(0.1, 5.0), seed=st.integers(0, 2**16))

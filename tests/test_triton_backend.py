@@ -11,14 +11,18 @@ import torch.distributed as dist
 
 import mok
 from mok.launch import run_ranks
+from mok.reference import combine, moe_forward
+from mok.reference.expert import swiglu
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,
     capture_in_graph,
     compare_with_reference,
+    float64_results,
     global_weights,
     one_call_results,
     relative_error,
+    weights_of_preactivation_std,
 )
 
 # bf16 kernels against the fp32 reference: bf16 rounding of h, the outputs and the gradients.
@@ -226,3 +230,107 @@ def test_layer_forward_and_backward_replay_in_a_cuda_graph():
 def test_layer_replays_in_a_cuda_graph_over_nvlink():
     for same in run_ranks(graph_replays, 2, backend="nccl"):
         assert same == [True] * 4
+
+
+def clamp_case(device, tokens=4096, limit=7.0, std=4.0):
+    """(config, weights, inputs) of a layer whose pre-activations reach the clamp often."""
+    config = mok.MoKConfig(
+        hidden_size=1024,
+        intermediate_size=512,
+        num_experts=8,
+        top_k=2,
+        shared_intermediate_size=256,
+        swiglu_limit=limit,
+        backend="triton",
+        max_tokens_per_rank=tokens,
+    )
+    weights = weights_of_preactivation_std(config, std, device)
+    return config, weights, rank_inputs(config, tokens, "uniform", 0, device)
+
+
+def clamped_share(inputs, weights, limit):
+    """Share of the routed gate/up elements that the clamp changes."""
+    clamped = total = 0
+    for expert in range(weights.gate.shape[0]):
+        rows = inputs.x[(inputs.topk_idx == expert).any(1)].float()
+        gate = rows @ weights.gate[expert].float().T
+        up = rows @ weights.up[expert].float().T
+        clamped += int(((gate > limit) | (up.abs() > limit)).sum())
+        total += gate.numel()
+    return clamped / total
+
+
+@pytest.mark.gpu
+def test_gradients_under_an_active_clamp_match_float64():
+    """Every output within bf16 level of float64 when the clamp changes >= 5 % of the elements.
+    Catches: the backward's clamp masks evaluated on bf16-rounded pre-activations (values within
+    half an ulp of L flip their mask: gradients ~3e-2 off), a mask with < for <=."""
+    device = torch.device("cuda")
+    config, weights, inputs = clamp_case(device)
+    assert clamped_share(inputs, weights, config.swiglu_limit) >= 0.05
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(weights)
+    got = one_call_results(layer, inputs)
+    exact = float64_results(
+        inputs.x, inputs.topk_idx, inputs.topk_weights, inputs.grad_y, weights, config.swiglu_limit
+    )
+    errors = {key: relative_error(got[key], exact[key]) for key in exact}
+    assert max(errors.values()) <= 5e-3, errors
+
+
+# The triton backend computes the reference's rounding points (gate and up in fp32 through SwiGLU,
+# h and each expert output rounded once): only the GEMMs' accumulation order differs, ~1e-4 on y.
+# Rounding gate and up to bf16 before SwiGLU (an unfused path) costs ~5e-3.
+CONTRACT_TOLERANCE = 1e-3
+
+
+def unfused_bf16_y(inputs, weights, limit):
+    """y of a layer that rounds gate and up to bf16 before SwiGLU (no shared expert)."""
+    tokens, top_k = inputs.topk_idx.shape
+    out = torch.zeros(
+        tokens, top_k, inputs.x.shape[1], dtype=torch.bfloat16, device=inputs.x.device
+    )
+    for expert in range(weights.gate.shape[0]):
+        t, j = (inputs.topk_idx == expert).nonzero(as_tuple=True)
+        rows = inputs.x[t].float()
+        gate = (rows @ weights.gate[expert].float().T).to(torch.bfloat16).float()
+        up = (rows @ weights.up[expert].float().T).to(torch.bfloat16).float()
+        h = swiglu(gate, up, limit).to(torch.bfloat16)
+        out[t, j] = (h.float() @ weights.down[expert].float().T).to(torch.bfloat16)
+    return combine(out, inputs.topk_weights)
+
+
+def contract_case(device):
+    config = mok.MoKConfig(
+        hidden_size=1024,
+        intermediate_size=512,
+        num_experts=8,
+        top_k=2,
+        backend="triton",
+        max_tokens_per_rank=2048,
+    )
+    weights = global_weights(config, 3, device)
+    return config, weights, rank_inputs(config, 2048, "zipf", 3, device)
+
+
+@pytest.mark.gpu
+def test_forward_follows_the_bf16_contract():
+    """y within CONTRACT_TOLERANCE of the reference on the same bf16 inputs. Catches: gate and up
+    rounded to bf16 before SwiGLU, h rounded twice or not at all, expert outputs kept in fp32
+    into the combine (each a rounding point of the contract moved)."""
+    device = torch.device("cuda")
+    config, weights, inputs = contract_case(device)
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(weights)
+    y = layer(inputs.x, inputs.topk_idx, inputs.topk_weights)
+    want = moe_forward(inputs.x, inputs.topk_idx, inputs.topk_weights, weights)
+    assert relative_error(y, want) <= CONTRACT_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_contract_tolerance_rejects_the_unfused_bf16_path():
+    """Canary: CONTRACT_TOLERANCE is tight enough that an unfused bf16 path fails it."""
+    device = torch.device("cuda")
+    config, weights, inputs = contract_case(device)
+    want = moe_forward(inputs.x, inputs.topk_idx, inputs.topk_weights, weights)
+    assert relative_error(unfused_bf16_y(inputs, weights, None), want) > 2 * CONTRACT_TOLERANCE

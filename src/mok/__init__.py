@@ -19,7 +19,7 @@ from mok.functional import (
 )
 from mok.module import MoE, moe
 from mok.presets import PRESETS, get_preset
-from mok.validation import MoKCapacityError, MoKInputError
+from mok.validation import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.weights import MoEGradients, MoEWeights
 
 __version__ = "0.1.0"
@@ -35,6 +35,7 @@ __all__ = [
     "MoKConfigError",
     "MoKCapacityError",
     "MoKInputError",
+    "MoKTimeoutError",
     "Precision",
     "SavedForward",
     "Schedule",

@@ -70,6 +70,11 @@ class MoKConfig:
     row, which can never overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
     capacity factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and
     reported by `Workspace.check()`."""
+    peer_timeout_s: float = 10.0
+    """Longest time a rank of a fused backend waits on the device for a peer (a barrier, rows in
+    flight) before it gives up, records the failure and lets the call finish; `Workspace.check()`
+    then raises `MoKTimeoutError`. It must exceed the longest lag between the ranks' GPUs reaching
+    the same layer call (the module's input agreement keeps the hosts together)."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -92,6 +97,12 @@ class MoKConfig:
             if not math.isfinite(limit) or limit <= 0:
                 raise MoKConfigError(f"swiglu_limit must be finite and > 0, got {limit}")
             object.__setattr__(self, "swiglu_limit", float(limit))
+        timeout = self.peer_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise MoKConfigError(f"peer_timeout_s must be a number, got {timeout!r}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise MoKConfigError(f"peer_timeout_s must be finite and > 0, got {timeout}")
+        object.__setattr__(self, "peer_timeout_s", float(timeout))
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)

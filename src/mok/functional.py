@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mok.backends import select_backend
+from mok.comm.simulation import simulated_allocator
 from mok.config import MoKConfig
 from mok.distributed import (
     all_gather_int64,
@@ -54,11 +55,17 @@ class Workspace:
         return self.backend.name
 
     def check(self) -> None:
-        """Raise what the backend detected on the device since the last check: expert ids outside
+        """Raise what the backend detected on the device since the last check: a wait on another
+        rank that failed (MoKTimeoutError: call `reset()` on every rank), expert ids outside
         [0, E) (MoKInputError) or a receive buffer too small (MoKCapacityError). Synchronizes with
         the host; call it where the training loop synchronizes anyway (e.g. logging the loss).
         Every rank holds the same verdict for capacity; an id error is raised on its own rank."""
         _live(self).backend.check()
+
+    def reset(self) -> None:
+        """Make the workspace usable again after `check()` raised MoKTimeoutError. Collective: every
+        rank calls it together (it meets the other ranks on the host)."""
+        _live(self).backend.reset()
 
     def release(self) -> None:
         """Free the backend's buffers; the workspace cannot be used afterwards."""
@@ -134,7 +141,7 @@ def create_workspace(
         backend = dist.get_backend(group)
         if backend == "nccl" and device.type != "cuda":
             problem = f"the group uses NCCL, which moves CUDA tensors only, but device is {device}"
-        elif backend == "gloo" and device.type != "cpu":
+        elif backend == "gloo" and device.type != "cpu" and simulated_allocator() is None:
             problem = f"the group uses gloo; use an NCCL group for tensors on {device}"
     raise_if_any_rank_failed(problem, group)
     if group is not None:

@@ -62,6 +62,44 @@ def global_weights(config: MoKConfig, seed: int, device) -> MoEWeights:
     return MoEWeights(**{name: draw(shape) for name, shape in shapes.items()})
 
 
+def weights_of_preactivation_std(
+    config: MoKConfig, std: float, device, seed: int = 0
+) -> MoEWeights:
+    """`global_weights` with the gate and up projections (routed and shared) scaled so that rows
+    of N(0, 1) entries give pre-activations of standard deviation about `std`."""
+    scaled = {"gate", "up", "shared_gate", "shared_up"}
+    return MoEWeights(
+        **{
+            name: (t.float() * std).to(t.dtype) if name in scaled and t is not None else t
+            for name, t in global_weights(config, seed, device).tensors().items()
+        }
+    )
+
+
+def float64_results(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    grad_y: torch.Tensor,
+    weights: MoEWeights,
+    swiglu_limit: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """y and every gradient of the single-process layer computed in float64 (exact math up to
+    float64 rounding), keyed as `one_call_results`: "y", "grad x", "grad topk_weights",
+    "grad <weight>" (zeros for experts no token reached)."""
+    x64 = x.double().requires_grad_(True)
+    w64 = topk_weights.double().requires_grad_(True)
+    full = weights.map(lambda t: t.double().requires_grad_(True))
+    y = moe_forward(x64, topk_idx, w64, full, swiglu_limit)
+    y.backward(grad_y.double())
+    results = {"y": y.detach(), "grad x": x64.grad, "grad topk_weights": w64.grad}
+    for name, tensor in full.tensors().items():
+        if tensor is not None:
+            grad = tensor.grad
+            results[f"grad {name}"] = torch.zeros_like(tensor) if grad is None else grad
+    return results
+
+
 def compare_with_reference(
     layer, full_weights: MoEWeights, everyone: list[RankInputs], rank: int
 ) -> dict[str, float]:
@@ -169,11 +207,10 @@ def grouped_expert_reference(rows, group_sizes, w_gate, w_up, w_down, grad_out, 
 _ALLOCATIONS = itertools.count()
 
 
-class SharedFileHandle:
-    """The handle API the NVLink exchange uses (`buffer_ptrs`, `get_buffer`, `barrier`) over one
-    file that every rank maps: rank r's buffer is its r-th slice, so the offsets between buffers
-    agree on all ranks, as with symmetric memory. The barrier is gloo's (x86 keeps stores in
-    order)."""
+class SharedBufferHandle:
+    """The handle API the NVLink exchange uses (`buffer_ptrs`, `get_buffer`) over one buffer that
+    every rank maps (`whole`, world * nbytes bytes): rank r's buffer is its r-th slice, so the
+    offsets between buffers agree on all ranks, as with symmetric memory."""
 
     def __init__(self, whole: torch.Tensor, nbytes: int, group):
         self.whole, self.nbytes, self.group = whole, nbytes, group
@@ -185,24 +222,43 @@ class SharedFileHandle:
         region = self.whole[rank * self.nbytes : (rank + 1) * self.nbytes].view(dtype)
         return region[storage_offset : storage_offset + math.prod(sizes)].view(sizes)
 
-    def barrier(self, channel=0):
-        dist.barrier(group=self.group)
-
 
 def shared_file_allocator(directory):
     """An allocator for `mok.comm.symmetric` (the signature of `allocate_symmetric`) that maps one
     new file under `directory` per allocation, shared by the CPU processes of a gloo group: the
-    NVLink protocol with CPU tensors, kernels under the Triton interpreter. Every rank must
+    NVLink protocol with CPU tensors, kernels under the Triton interpreter (x86 keeps each
+    process's stores in order, as the exchange's flags and barriers need). Every rank must
     allocate in the same order (the files are numbered, per process)."""
 
     def allocate(nbytes, device, group):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        path = os.path.join(os.fspath(directory), f"symmetric-{group.group_name}-{next(_ALLOCATIONS)}")
+        name = f"symmetric-{group.group_name}-{next(_ALLOCATIONS)}"
+        path = os.path.join(os.fspath(directory), name)
         if rank == 0:
             with open(path, "wb") as handle:
                 handle.truncate(world * nbytes)
         dist.barrier(group=group)
         whole = torch.from_file(path, shared=True, size=world * nbytes, dtype=torch.uint8)
-        return whole[rank * nbytes : (rank + 1) * nbytes], SharedFileHandle(whole, nbytes, group)
+        return whole[rank * nbytes : (rank + 1) * nbytes], SharedBufferHandle(whole, nbytes, group)
 
     return allocate
+
+
+def cuda_ipc_allocator(nbytes: int, device: torch.device, group) -> tuple:
+    """An allocator for `mok.comm.symmetric` (the signature of `allocate_symmetric`) for ranks that
+    share one GPU, as processes of a gloo group: the group's first rank allocates world * nbytes
+    bytes and the others map them through CUDA IPC. Ranks simulated on one GPU run the NVLink
+    protocol's kernels compiled, with real cross-process flags and timers (kernels of different
+    processes take turns on the GPU, so it is slow)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    payload = [None]
+    if rank == 0:
+        whole = torch.zeros(world * nbytes, dtype=torch.uint8, device=device)
+        payload = [reduce_tensor(whole)]
+    dist.broadcast_object_list(payload, src=dist.get_global_rank(group, 0), group=group)
+    if rank != 0:
+        rebuild, args = payload[0]
+        whole = rebuild(*args)
+    return whole[rank * nbytes : (rank + 1) * nbytes], SharedBufferHandle(whole, nbytes, group)

@@ -6,13 +6,13 @@ clipping, ids outside [0, E) dropped."""
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import mok.kernels.plan as plan_kernels
 from mok.kernels.plan import PlanKernels, owner_rows
 
-from routing_cases import routings
+from routing_cases import every_expert, routings
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FLAG_TOKENS = 2
@@ -159,8 +159,16 @@ def plan_cases(draw):
     return experts, per_rank, token_capacity, pair_capacity, max_tokens, tile
 
 
+# 2 ranks of 5 tokens with top_k = num_experts = 4: with capacities of 10 tokens and 20 pairs the
+# worst-case buffers are exactly full (every token of every rank on each owner, with
+# min(k, E_loc) = 2 pairs each): catches an off-by-one in the clipping or the overflow test (a full
+# buffer taken as overflowing).
+EVERY_EXPERT = [every_expert(5, 4, seed=rank) for rank in range(2)]
+
+
 @settings(deadline=None)
 @given(plan_cases())
+@example((4, EVERY_EXPERT, 10, 20, 5, plan_kernels.TILE_ELEMENTS))
 def test_plan_kernels_match_the_layout_oracle(case):
     experts, per_rank, token_capacity, pair_capacity, max_tokens, tile = case
     with pytest.MonkeyPatch.context() as patch:

@@ -12,6 +12,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mok.kernels.rows import copy_rows, pair_gradients, push_rows, reduce_rows
+from mok.kernels.sync import new_status
+
+from sum_order_cases import (
+    contraction_sensitive_terms,
+    order_sensitive_addends,
+    power_of_two_weights,
+    sequential_sum,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -107,6 +115,8 @@ def test_copy_rows_moves_each_row_between_ranks(rows, hidden, ep, wait, scatter,
             "flags": flags,
             "wait": index,
             "epoch": torch.tensor([9], dtype=torch.int32, device=DEVICE),
+            "status": new_status(DEVICE),
+            "timeout_s": 10.0,
         }
     targets = {}
     if scatter:
@@ -212,6 +222,61 @@ def test_reduce_rows_count_bounds_the_rows_written():
     assert torch.equal(out[2:], torch.full((2, 8), -1.0, dtype=DTYPE, device=DEVICE))
 
 
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("with_init", [False, True], ids=["no-init", "init"])
+@pytest.mark.parametrize("with_tail", [False, True], ids=["no-tail", "tail"])
+def test_reduce_rows_order_decides_the_result_on_order_sensitive_data(
+    weighted, with_init, with_tail
+):
+    """Catches a reduce that adds init, the terms j = 0 .. W-1 and tail in another order (terms
+    reversed or in source-row order, init added last, tail first): on these addends every such
+    order changes the result, which the test checks too."""
+    tokens, width, hidden = 8, 3, 64
+    addends = order_sensitive_addends(tokens, with_init + width + with_tail, hidden, seed=width)
+    init = addends[:, 0].contiguous() if with_init else None
+    products = addends[:, with_init : with_init + width]
+    tail = addends[:, -1].contiguous() if with_tail else None
+    weights = power_of_two_weights(tokens, width, seed=2) if weighted else None
+    terms = products / weights[..., None] if weighted else products
+    # Term (t, j) sits at a shuffled source row: the sum must follow j, not the rows.
+    shuffle = torch.randperm(tokens * width, generator=torch.Generator().manual_seed(3))
+    src = torch.empty(tokens * width, hidden)
+    src[shuffle] = terms.reshape(-1, hidden)
+    out = torch.empty(tokens, hidden, dtype=DTYPE, device=DEVICE)
+    reduce_rows(
+        out,
+        src.to(DEVICE, DTYPE),
+        shuffle.view(tokens, width).to(DEVICE),
+        programs=2,
+        block_rows=4,
+        weight=None if weights is None else weights.to(DEVICE),
+        init=None if init is None else init.to(DEVICE, DTYPE),
+        tail=None if tail is None else tail.to(DEVICE, DTYPE),
+    )
+    want = sequential_sum(addends).to(DTYPE)
+    assert torch.equal(out.cpu(), want)
+
+    head, rest = addends[:, :with_init], addends[:, with_init:]
+    other_orders = [torch.cat([head, products.flip(1), addends[:, with_init + width :]], 1)]
+    if with_init:
+        other_orders.append(torch.cat([rest, head], 1))
+    if with_tail:
+        other_orders.append(torch.cat([addends[:, -1:], addends[:, :-1]], 1))
+    for addends_in_other_order in other_orders:
+        assert not torch.equal(sequential_sum(addends_in_other_order).to(DTYPE), want)
+
+
+def test_reduce_rows_rounds_each_product_before_adding_it():
+    """Catches a launch with fp fusion on: a multiply-add contracted into an FMA gives 2^-24 here
+    where the contract's rounded products give 0. Only a GPU can show it (the interpreter computes
+    in numpy, which never contracts)."""
+    terms, weights = contraction_sensitive_terms(64)
+    out = torch.empty(1, 64, dtype=DTYPE, device=DEVICE)
+    rows = torch.tensor([[0, 1]], device=DEVICE)
+    reduce_rows(out, terms[0].to(DEVICE, DTYPE), rows, 1, 4, weight=weights.to(DEVICE))
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 @pytest.mark.gpu
 def test_reduce_rows_matches_the_reference_combine_bitwise_in_bf16():
     """No multiply-add contraction: the same bits as mok.reference.combine."""
@@ -258,3 +323,13 @@ def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed, 
         assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)
     want_w = torch.einsum("th,tkh->tk", grad_y.float(), pair_out.float())
     assert torch.allclose(grad_w, want_w, rtol=1e-5, atol=1e-5 * hidden)
+
+
+def test_reduce_rows_refuses_strided_operands():
+    """Catches: a strided init or tail read as if dense (silently wrong sums)."""
+    out = torch.empty(4, 8, dtype=DTYPE, device=DEVICE)
+    src = torch.randn(6, 8, dtype=DTYPE, device=DEVICE)
+    row = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
+    strided = torch.randn(8, 4, dtype=DTYPE, device=DEVICE).T
+    with pytest.raises(ValueError, match="init must be contiguous"):
+        reduce_rows(out, src, row, programs=1, block_rows=4, init=strided)

@@ -2,6 +2,7 @@
 
 A backend class provides:
   unavailable_reason(config, device, group) -> str | None   (staticmethod; None: it can run)
+  auto_skip_reason(device) -> str | None      (optional staticmethod; None: `auto` may pick it)
   build_schedule(topk_idx) -> plan
   forward(plan, topk_idx, x, topk_weights, weights, need_backward) -> (y, saved or None)
   backward(plan, saved, grad_y) -> MoEGradients
@@ -27,12 +28,20 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run with this config, device or group."""
 
 
+def _auto_reason(backend, config: MoKConfig, device, group) -> str | None:
+    """Why `auto` does not pick `backend` here (None: it may)."""
+    reason = backend.unavailable_reason(config, device, group)
+    if reason is None and hasattr(backend, "auto_skip_reason"):
+        reason = backend.auto_skip_reason(device)
+    return reason
+
+
 def select_backend(config: MoKConfig, device, group):
     """The backend class for `config.backend` (for `auto`: the fastest that can run here)."""
     if config.backend is Backend.AUTO:
         reasons = {}
         for name, backend in BACKENDS.items():
-            reason = backend.unavailable_reason(config, device, group)
+            reason = _auto_reason(backend, config, device, group)
             if reason is None:
                 return backend
             reasons[name.value] = reason
@@ -46,8 +55,8 @@ def select_backend(config: MoKConfig, device, group):
 
 
 def backend_report(config: MoKConfig, device, group=None) -> dict[str, str | None]:
-    """Backend name -> None if it can run here, else why not."""
+    """Backend name -> None if `auto` may pick it here, else why not."""
     return {
-        name.value: backend.unavailable_reason(config, device, group)
+        name.value: _auto_reason(backend, config, device, group)
         for name, backend in BACKENDS.items()
     }

@@ -77,6 +77,9 @@ class ReferenceBackend:
     def check(self) -> None:
         """Nothing is checked on the device: inputs were checked on the host."""
 
+    def reset(self) -> None:
+        """Nothing waits on the device: nothing to reset."""
+
     def release(self) -> None:
         pass
 

@@ -13,6 +13,14 @@ Separate kernels on one stream: the fused, overlapped kernel is the next step.
 Errors found on the device (an expert id outside [0, E), a receive buffer too small) never touch
 memory out of bounds: bad pairs are dropped (zero weight, zero gradients) and `check()` raises at
 the next host synchronization the caller chooses (`mok.Workspace.check`).
+
+CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
+code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
+or a shared file standing in for symmetric memory). The interpreter computes bf16 wrongly, so
+there x, the weights, the router weights and grad_y are upcast to fp32 at entry, everything runs
+in fp32, and results are cast back to the dtypes of the API at exit: the rounding points differ
+from the bf16 contract of GPUs (h and the expert outputs are not rounded to bf16). For tests only,
+slow; `auto` never picks it on a CPU.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
+from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
+from mok.kernels._triton_compat import interpreting
 from mok.validation import MoKInputError
 from mok.weights import MoEGradients, MoEWeights
 
@@ -46,6 +56,8 @@ class _Saved:
     experts: object
     shared: object
     pair_out: torch.Tensor
+    dtypes: dict[str, torch.dtype]
+    """What each gradient is returned in: "x", "topk_weights" and every weight field."""
 
 
 class TritonBackend:
@@ -60,6 +72,8 @@ class TritonBackend:
 
         self.workspace = workspace
         config, device, group = workspace.config, workspace.device, workspace.group
+        # The kernels' dtype: bf16 on GPUs; fp32 on the CPU, where the interpreter's bf16 is wrong.
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         _, ep = group_rank_and_size(group)
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
@@ -72,8 +86,11 @@ class TritonBackend:
                 config.max_tokens_per_rank,
                 config.recv_capacity,
                 config.recv_pair_capacity,
+                dtype=self.dtype,
             )
-            self.exchange = acquire_exchange(group, shape, device, config.comm_sms)
+            self.exchange = acquire_exchange(
+                group, shape, device, config.comm_sms, config.peer_timeout_s
+            )
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
@@ -82,10 +99,14 @@ class TritonBackend:
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
-        if device.type != "cuda":
-            return f"needs a CUDA device, got {device}"
+        """None if the backend can run when asked for by name, else why not."""
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (pip install mok[triton])"
+        if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+            return (
+                f"needs a CUDA device, got {device} (a CPU only under the Triton interpreter, "
+                "TRITON_INTERPRET=1, a test mode)"
+            )
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
         sizes = {
@@ -96,8 +117,20 @@ class TritonBackend:
         for name, size in sizes.items():
             if size % KERNEL_MULTIPLE:
                 return f"{name}={size} is not a multiple of {KERNEL_MULTIPLE}"
-        if group is not None and dist.get_backend(group) != "nccl":
-            return "expert parallelism on GPUs needs an NCCL group"
+        collectives = "nccl" if device.type == "cuda" else "gloo"
+        simulated = simulated_allocator() is not None  # any group: ranks share a GPU or the CPU
+        if group is not None and dist.get_backend(group) != collectives and not simulated:
+            return f"expert parallelism on {device.type} tensors needs a {collectives} group"
+        return None
+
+    @staticmethod
+    def auto_skip_reason(device: torch.device) -> str | None:
+        """Why `auto` passes the backend over on `device` although it may run there."""
+        if device.type != "cuda":
+            return (
+                "auto picks it on CUDA devices only: on the CPU it runs under the Triton "
+                "interpreter, slowly and in fp32, for tests (backend='triton', TRITON_INTERPRET=1)"
+            )
         return None
 
     def build_schedule(self, topk_idx: torch.Tensor) -> TritonSchedule:
@@ -112,6 +145,13 @@ class TritonBackend:
 
         config = self.workspace.config
         routing = plan.routing
+        dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
+        dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
+        x, weights = x.to(self.dtype), weights.map(lambda w: w.to(self.dtype))
+        if self.dtype == torch.float32:
+            # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
+            # PyTorch rounds it at exit.
+            topk_weights = topk_weights.float()
         router = torch.where(plan.valid, topk_weights, 0)
         grouped = self.exchange.dispatch(routing, x)
         buffer = getattr(self.exchange, "expert_output_buffer", None)
@@ -139,14 +179,15 @@ class TritonBackend:
         y, pair_out = self.exchange.combine(
             routing, expert_out, router, shared_out, save_pair_out=need_backward
         )
+        y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
-        return y, _Saved(routing, router, plan.valid, experts, shared, pair_out)
+        return y, _Saved(routing, router, plan.valid, experts, shared, pair_out, dtypes)
 
     def backward(self, plan: TritonSchedule, saved: _Saved, grad_y: torch.Tensor) -> MoEGradients:
         from mok.kernels import expert_mlp_backward
 
-        grad_y = grad_y.contiguous()
+        grad_y = grad_y.to(self.dtype).contiguous()
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
@@ -161,29 +202,36 @@ class TritonBackend:
                 "shared_down": down.squeeze(0),
             }
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
         return MoEGradients(
-            x=grad_x,
-            topk_weights=grad_router,
-            weights=MoEWeights(gate=grad_gate, up=grad_up, down=grad_down, **shared_grads),
+            x=grad_x.to(saved.dtypes["x"]),
+            topk_weights=grad_router.to(saved.dtypes["topk_weights"]),
+            weights=MoEWeights(**{name: g.to(saved.dtypes[name]) for name, g in grads.items()}),
         )
 
     def check(self) -> None:
-        """Raise what the device found since the last check (synchronizes with the host)."""
+        """Raise what the device found since the last check (synchronizes with the host): a
+        failed wait on a peer first (the results since are undefined), then a capacity overflow,
+        then expert ids out of range."""
+        self.exchange.check()
         if bool(self.bad_ids.item()):
             self.bad_ids.zero_()
             raise MoKInputError(
                 f"topk_idx held expert ids outside [0, num_experts="
                 f"{self.workspace.config.num_experts}); those pairs were dropped"
             )
-        check = getattr(self.exchange, "check", None)
-        if check is not None:
-            check()
+
+    def reset(self) -> None:
+        """After a MoKTimeoutError: make the exchange usable again (collective)."""
+        self.exchange.reset()
 
     def release(self) -> None:
         from mok.comm.symmetric import SymmetricExchange, release_exchange
 
         if isinstance(self.exchange, SymmetricExchange):
             release_exchange(self.exchange)
+        else:
+            self.exchange.release()
 
     def _all_tokens(self, tokens: int) -> torch.Tensor:
         """[2] int32 offsets of one group holding all `tokens` rows, made on the device."""

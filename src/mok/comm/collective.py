@@ -174,6 +174,15 @@ class CollectiveExchange:
             acc += extra.float()
         return acc.to(grad_grouped.dtype)
 
+    def check(self) -> None:
+        """Nothing is found on the device: the collectives' split sizes are checked on the host."""
+
+    def reset(self) -> None:
+        """Nothing waits on the device (the collectives are bounded by the group's timeout)."""
+
+    def release(self) -> None:
+        """Nothing to free."""
+
 
 def _fan_in(grouped_to_staging: torch.Tensor, staging_rows: int, width: int) -> torch.Tensor:
     """[staging_rows, width]: the grouped rows reading each staging row, ascending, -1 padded."""

@@ -146,5 +146,8 @@ class LocalExchange:
     def check(self) -> None:
         """Nothing can overflow in one process."""
 
+    def reset(self) -> None:
+        """Nothing waits on another rank in one process."""
+
     def release(self) -> None:
         """Nothing to free."""

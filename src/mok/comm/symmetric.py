@@ -22,6 +22,12 @@ Who moves what (the side that knows the addresses does the copy):
             gradients per staging row in fp32, barrier, the token's rank loads and sums them over
             owners in ascending rank (dispatch_backward).
 
+Every wait is bounded (`mok.kernels.sync`): a barrier or flag that a peer never reaches gives up
+after `timeout_s`, records which wait and which peer on the device, and `check()` raises
+`MoKTimeoutError`; a peer found two or more barriers ahead (the ranks' calls diverged) is
+recorded at once. After either, the buffers' contents are undefined until every rank calls
+`reset()` (collective); the CUDA context stays usable.
+
 Why the barriers suffice: every phase writes into a peer only after a barrier that the peer
 passes only once its earlier work on that buffer is done (stream order), and reads a peer's
 buffer only after a barrier (or a flag) that the peer passes after writing it.
@@ -37,14 +43,14 @@ to piggyback on.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
 import torch
 import torch.distributed as dist
 
-from mok.distributed import group_rank_and_size, host_names
+from mok.comm.simulation import simulated_allocator
+from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.kernels.plan import PlanKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
@@ -56,9 +62,22 @@ from mok.kernels.rows import (
     push_rows,
     reduce_rows,
 )
-from mok.validation import MoKCapacityError, MoKInputError
+from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT, barrier, new_status
+from mok.validation import MoKCapacityError, MoKInputError, MoKTimeoutError
 
 _ALIGN_BYTES = 256
+
+WAITS = (
+    "route: every rank's counts written",
+    "route: the pair addresses written",
+    "dispatch: token rows pushed",
+    "dispatch: x copied for pulling",
+    "combine: expert outputs written",
+    "combine backward: pair gradients written",
+    "dispatch backward: staging gradients summed",
+    "release: peers done with the buffers",
+)
+"""Every place where a rank waits for its peers, by wait id (what a timeout names)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +184,7 @@ class SymmetricRouting:
 def allocate_symmetric(nbytes: int, device: torch.device, group: dist.ProcessGroup):
     """(this rank's buffer of nbytes uint8, its handle) from PyTorch symmetric memory. Collective.
     The handle gives `buffer_ptrs` (every rank's buffer as mapped here), `get_buffer(rank, sizes,
-    dtype, storage_offset)` and `barrier(channel)`."""
+    dtype, storage_offset)`."""
     import torch.distributed._symmetric_memory as symm_mem
 
     buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
@@ -178,8 +197,9 @@ class SymmetricExchange:
     The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
     [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid. Collective:
     all ranks create it together and make the same calls in the same order. `programs` is the
-    number of SMs the NVLink copies use; local copies use every SM. `allocate` replaces
-    `allocate_symmetric` (the CPU tests map one shared file instead).
+    number of SMs the NVLink copies use; local copies use every SM. `timeout_s` bounds every wait
+    on a peer. `allocate` replaces `allocate_symmetric` (the CPU tests map one shared file
+    instead).
     """
 
     def __init__(
@@ -189,10 +209,12 @@ class SymmetricExchange:
         device: torch.device,
         programs: int = 24,
         allocate=None,
+        timeout_s: float = 10.0,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
         self.shape, self.device, self.programs = shape, device, programs
+        self.timeout_s = timeout_s
         on_gpu = device.type == "cuda"
         self.local_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
@@ -200,6 +222,7 @@ class SymmetricExchange:
         ep, s = self.ep_size, shape
         experts = ep * s.local_experts
         layout = [
+            ("signals", (ep,), torch.int64),
             ("counts", (ep, experts + ep), torch.int64),
             ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
             ("flags", (ep * s.blocks_per_rank,), torch.int32),
@@ -218,34 +241,53 @@ class SymmetricExchange:
             offsets[name] = total
             nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
             total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
-        allocate = allocate or _simulated_allocator or allocate_symmetric
+        allocate = allocate or simulated_allocator() or allocate_symmetric
         self._buffer, self._handle = allocate(total, device, self.group)
         regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout
         }
+        self.signals = regions["signals"]
         self.counts, self.pair_meta = regions["counts"], regions["pair_meta"]
         self.flags, self.staging = regions["flags"], regions["staging"]
         self.expert_out, self.grad_pairs = regions["expert_out"], regions["grad_pairs"]
         self.grad_staging = regions["grad_staging"]
         self.staging_source = regions.get("staging_source")
         self.x_copy = regions.get("x_copy")
-        self.flags.local.zero_()
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        self.sequence = torch.zeros(1, dtype=torch.int64, device=device)
+        self.status = new_status(device)
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
         self.plan_kernels = PlanKernels(ep, s.local_experts, s.top_k, device)
-        self._barrier()
+        self._restart()
+
+    def _restart(self) -> None:
+        """Zero this rank's flags, signals, epoch, barrier sequence and status between two
+        meetings of every rank on the host: the first once every rank's queued work (which may
+        still write into its peers' flags) is done, the second once every rank has zeroed (no
+        peer may signal into a buffer not yet zeroed)."""
+        self._finish_queued_work()
+        raise_if_any_rank_failed(None, self.group)
+        for tensor in (self.flags.local, self.signals.local, self.epoch, self.sequence):
+            tensor.zero_()
+        self.status.zero_()
+        self._finish_queued_work()
+        raise_if_any_rank_failed(None, self.group)
+
+    def _finish_queued_work(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
         """None if this exchange can run for `group` on `device`, else why not. Collective (the
-        ranks compare their host names). On the CPU: only inside `simulated_symmetric_memory`."""
+        ranks compare their host names). Anywhere inside `simulated_symmetric_memory`."""
         if not dist.is_available() or not dist.is_initialized():
             return "no torch.distributed process group"
+        if simulated_allocator() is not None:
+            return None
         if device.type != "cuda":
-            if _simulated_allocator is not None:
-                return None
             return f"symmetric memory needs CUDA tensors, the device is {device}"
         try:
             import torch.distributed._symmetric_memory  # noqa: F401
@@ -262,17 +304,38 @@ class SymmetricExchange:
 
     def release(self) -> None:
         """Free the symmetric buffers (collective; the exchange cannot be used afterwards)."""
-        self._barrier()
-        for name in ("counts", "pair_meta", "flags", "staging", "expert_out", "grad_pairs"):
+        self._barrier("release: peers done with the buffers")
+        names = ("signals", "counts", "pair_meta", "flags", "staging", "expert_out", "grad_pairs")
+        for name in names:
             setattr(self, name, None)
         self.grad_staging = self.staging_source = self.x_copy = None
         self._handle = self._buffer = None
 
-    def _barrier(self) -> None:
-        self._handle.barrier(channel=0)
+    def _barrier(self, wait: str) -> None:
+        barrier(
+            self.signals.local,
+            self.signals.offsets,
+            self.sequence,
+            self.status,
+            self.rank,
+            self.timeout_s,
+            WAITS.index(wait),
+        )
+
+    def reset(self) -> None:
+        """Make the exchange usable again after a MoKTimeoutError: every rank calls it together
+        (collective, on the host; it waits for this rank's queued work, which every bounded wait
+        lets finish). Not possible while a rank is gone: then rebuild the process group."""
+        self._restart()
+        self.overflowed.zero_()
+        self.most_needed.zero_()
 
     def check(self) -> None:
-        """Raise MoKCapacityError if any call since the last check dropped rows (synchronizes)."""
+        """Raise MoKTimeoutError if a wait on a peer failed (until `reset`), else
+        MoKCapacityError if any call since the last check dropped rows (synchronizes)."""
+        code, wait_id, where, seen = self.status.tolist()
+        if code:
+            raise MoKTimeoutError(self._failure(code, wait_id, where, seen))
         if bool(self.overflowed.item()):
             tokens, pairs = self.most_needed.tolist()
             self.overflowed.zero_()
@@ -283,6 +346,31 @@ class SymmetricExchange:
                 "Raise MoKConfig.recv_capacity (tokens) or recv_pair_capacity (pairs); None sizes "
                 "them for the worst case."
             )
+
+    def _failure(self, code: int, wait_id: int, where: int, seen: int) -> str:
+        """The message of a failed wait recorded in the status."""
+        wait = WAITS[wait_id] if 0 <= wait_id < len(WAITS) else f"wait {wait_id}"
+        flags = wait == "dispatch: token rows pushed"
+        peer = where // self.shape.blocks_per_rank if flags else where
+        after = (
+            " Every rank must call Workspace.reset() (for a mok.MoE: layer.workspace(device)"
+            ".reset()) before the next call;"
+            "if a rank is gone, rebuild the process group instead."
+        )
+        if code == OUT_OF_STEP:
+            ahead = f"flag {where} at exchange {seen}" if flags else f"{seen} barriers ahead"
+            return (
+                f"rank {self.rank} found rank {peer} out of step at '{wait}' ({ahead}): the ranks' "
+                "calls diverged (a rank skipped or repeated a call, or routed with another config)."
+                + after
+            )
+        if code == TIMED_OUT:
+            return (
+                f"rank {self.rank} gave up waiting for rank {peer} at '{wait}' after "
+                f"{self.timeout_s:g} s (MoKConfig.peer_timeout_s): the peer never arrived (it "
+                "crashed, skipped a call, or is slower than the timeout allows)." + after
+            )
+        return f"rank {self.rank}: unknown failure code {code} at '{wait}'." + after
 
     def route(self, topk_idx: torch.Tensor) -> SymmetricRouting:
         """Exchange counts and pair addresses for topk_idx [T, k] (T <= max_tokens). Collective."""
@@ -298,7 +386,7 @@ class SymmetricExchange:
         block_counts = self.plan_kernels.count(
             topk_idx, self.counts.local, self.counts.offsets, rank
         )
-        self._barrier()
+        self._barrier("route: every rank's counts written")
         # Peers overwrite these counts only in their next route, after this rank's second barrier.
         plan = self.plan_kernels.place(
             topk_idx,
@@ -315,7 +403,7 @@ class SymmetricExchange:
             if s.pull_dispatch
             else None,
         )
-        self._barrier()
+        self._barrier("route: the pair addresses written")
         rows = owner_rows(
             self.pair_meta.local[: s.pair_capacity],
             plan.recv_pairs,
@@ -344,7 +432,7 @@ class SymmetricExchange:
         x = x.contiguous()
         if s.pull_dispatch:
             self.x_copy.local[: x.shape[0]].copy_(x)
-            self._barrier()
+            self._barrier("dispatch: x copied for pulling")
             source = self.staging_source.local[: s.token_capacity]
             copy_rows(
                 self.staging.local,
@@ -372,7 +460,14 @@ class SymmetricExchange:
                 epoch=self.epoch,
                 **PUSH_TILE,
             )
-            waits = {"flags": self.flags.local, "wait": routing.flag_index, "epoch": self.epoch}
+            waits = {
+                "flags": self.flags.local,
+                "wait": routing.flag_index,
+                "epoch": self.epoch,
+                "status": self.status,
+                "timeout_s": self.timeout_s,
+                "wait_id": WAITS.index("dispatch: token rows pushed"),
+            }
         grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
         copy_rows(
             grouped,
@@ -406,7 +501,7 @@ class SymmetricExchange:
         if expert_out.data_ptr() != buffer.data_ptr():
             rows = min(expert_out.shape[0], s.pair_capacity)
             buffer[:rows].copy_(expert_out[:rows])
-        self._barrier()
+        self._barrier("combine: expert outputs written")
         tokens = routing.pair_row.shape[0]
         pair_out = torch.empty(tokens, s.top_k, s.hidden, dtype=buffer.dtype, device=self.device)
         pairs = pair_out.view(-1, s.hidden)
@@ -469,7 +564,7 @@ class SymmetricExchange:
             self.grad_pairs.local[: tokens * s.top_k],
             self.local_sms,
         )
-        self._barrier()
+        self._barrier("combine backward: pair gradients written")
         grad_grouped = torch.empty(
             s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
         )
@@ -510,7 +605,7 @@ class SymmetricExchange:
             count=routing.recv_tokens,
             **LOCAL_SUM,
         )
-        self._barrier()
+        self._barrier("dispatch backward: staging gradients summed")
         tokens, ep = routing.token_slot.shape
         parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
         copy_rows(
@@ -537,39 +632,28 @@ class SymmetricExchange:
         return grad_x
 
 
-_simulated_allocator = None
-
-
-@contextlib.contextmanager
-def simulated_symmetric_memory(allocate):
-    """Inside this block, every SymmetricExchange made without its own `allocate` takes its buffer
-    from `allocate` (the signature of `allocate_symmetric`), and CPU devices can run the exchange:
-    how the CPU tests drive the whole NVLink protocol, through the layer too, with a shared file
-    standing in for symmetric memory (`mok.testing.shared_file_allocator`)."""
-    global _simulated_allocator
-    previous, _simulated_allocator = _simulated_allocator, allocate
-    try:
-        yield
-    finally:
-        _simulated_allocator = previous
-
-
 _SHARED_EXCHANGES: dict[tuple, list] = {}
 
 
 def acquire_exchange(
-    group: dist.ProcessGroup | None, shape: ExchangeShape, device: torch.device, programs: int
+    group: dist.ProcessGroup | None,
+    shape: ExchangeShape,
+    device: torch.device,
+    programs: int,
+    timeout_s: float = 10.0,
 ) -> SymmetricExchange:
-    """The exchange of (group, device, shape, programs), created on first use (collective) and then
+    """The exchange of (group, device, shape, programs, timeout), created on first use (collective)
+    and then
     shared by every user of the same key, e.g. all MoE layers of one shape: their calls follow one
     another on the stream, and every buffer is rewritten only behind a barrier that its readers
     pass once done, so one set of buffers serves them all. Pair with `release_exchange`; all ranks
     must acquire and release in the same order."""
     group = group if group is not None else dist.group.WORLD
-    key = (group.group_name, str(device), shape, programs)
+    key = (group.group_name, str(device), shape, programs, timeout_s)
     entry = _SHARED_EXCHANGES.get(key)
     if entry is None:
-        entry = _SHARED_EXCHANGES[key] = [SymmetricExchange(group, shape, device, programs), 0]
+        exchange = SymmetricExchange(group, shape, device, programs, timeout_s=timeout_s)
+        entry = _SHARED_EXCHANGES[key] = [exchange, 0]
     entry[1] += 1
     return entry[0]
 

@@ -8,7 +8,8 @@ These are the rounding points of `mok.reference.expert`. Backward:
 
     grad_h          = grad_out @ W_down[e]           rounded to bf16 (as autograd does for h),
     grad_gate, grad_up = swiglu'(...)               in the same kernel's epilogue, from the saved
-                                                    bf16 pre-activations
+                                                    bf16 pre-activations (saved so that the clamp
+                                                    decisions are the forward's fp32 ones)
     grad_x          = grad_gate @ W_gate[e] + grad_up @ W_up[e]       one kernel
     grad_W_down[e]  = grad_out[e].T @ h[e];  grad_W_gate[e] = grad_gate[e].T @ x[e]; likewise up
 

@@ -307,9 +307,32 @@ def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: tl.constexpr):
+    """gate and up (fp32) as they are to be saved for the backward in a narrower dtype, such that
+    the clamp decisions made on the saved values equal the forward's on the fp32 ones.
+
+    `below` is the largest value of the saved dtype <= L, `above` the smallest > L. Rounding alone
+    could move a value within half an ulp of L across it, flipping its mask in the backward; so a
+    clamped value is saved at least as large as `above` and an unclamped one at most `below` (both
+    representable, and rounding is monotone). Clamped values are only compared in the backward,
+    and an unclamped one moves by less than one ulp. NaN stays NaN."""
+    if HAS_LIMIT:
+        clamped_gate = tl.maximum(gate, above, propagate_nan=tl.PropagateNan.ALL)
+        kept_gate = tl.minimum(gate, below, propagate_nan=tl.PropagateNan.ALL)
+        gate = tl.where(gate > limit, clamped_gate, kept_gate)
+        high_up = tl.maximum(up, above, propagate_nan=tl.PropagateNan.ALL)
+        low_up = tl.minimum(up, -above, propagate_nan=tl.PropagateNan.ALL)
+        kept_up = tl.maximum(up, -below, propagate_nan=tl.PropagateNan.ALL)
+        kept_up = tl.minimum(kept_up, below, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.where(up > limit, high_up, tl.where(up < -limit, low_up, kept_up))
+    return gate, up
+
+
+@triton.jit
 def swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
     """Gradients of swiglu_tile with respect to gate and up (pre-clamp), in fp32. Where the clamp
-    is active (gate > L, |up| > L) the gradient is zero, as torch.clamp's."""
+    is active (gate > L, |up| > L) the gradient is zero, as torch.clamp's. The clamp decisions are
+    those of the forward when gate and up were saved through `saved_preactivations`."""
     g = gate
     u = up
     if HAS_LIMIT:
@@ -399,6 +422,8 @@ def _gate_up_swiglu_kernel(
     hidden,
     inter,
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
+    limit_below,  # float, the largest value of gate_up's dtype <= limit
+    limit_above,  # float, the smallest value of gate_up's dtype > limit
     HAS_LIMIT: tl.constexpr,
     SAVE_PREACT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -420,6 +445,7 @@ def _gate_up_swiglu_kernel(
         h = swiglu_tile(gate, up, limit, HAS_LIMIT)
         store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
         if SAVE_PREACT:
+            gate, up = saved_preactivations(gate, up, limit, limit_below, limit_above, HAS_LIMIT)
             store_row_tile(
                 gate_desc,
                 gate_up_ptr,
@@ -768,6 +794,20 @@ def _limit(swiglu_limit: float | None) -> float:
     return 0.0 if swiglu_limit is None else float(swiglu_limit)
 
 
+def limit_edges(swiglu_limit: float | None, dtype: torch.dtype) -> tuple[float, float]:
+    """(largest value of `dtype` <= L, smallest > L) for L = the limit in fp32, as the kernels
+    compare it (zeros without a limit): the bounds `saved_preactivations` saves clamped and
+    unclamped pre-activations at."""
+    if swiglu_limit is None:
+        return 0.0, 0.0
+    limit = torch.tensor(float(swiglu_limit), dtype=torch.float32)
+    below = limit.to(dtype)
+    if below.float() > limit:
+        below = torch.nextafter(below, torch.zeros_like(below))
+    above = torch.nextafter(below, torch.full_like(below, float("inf")))
+    return below.item(), above.item()
+
+
 def _launch_options(cfg: GemmTiles, programs: int) -> dict:
     """The tile meta-parameters and launch options every persistent kernel here takes."""
     return {
@@ -815,6 +855,7 @@ def gate_up_swiglu(
         hidden,
         inter,
         _limit(swiglu_limit),
+        *limit_edges(swiglu_limit, gate_up.dtype),
         HAS_LIMIT=swiglu_limit is not None,
         SAVE_PREACT=save_preact,
         **_launch_options(cfg, programs),

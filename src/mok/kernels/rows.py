@@ -6,9 +6,10 @@ is the distance, in elements, from this rank's buffer to rank r's mapping of the
 `local_pointer + offset`, so Triton can prove the 16-byte alignment it needs for vector accesses
 (a pointer loaded from memory would have unknown alignment). A table of zeros is a local buffer.
 
-Readiness flags (`signal_ready` / `wait_ready`) carry an epoch: a device counter every rank bumps
-once per exchange. A flag equal to the current epoch means "written in this exchange", so flags
-never need resetting, also under CUDA-graph replay.
+Readiness flags (`mok.kernels.sync.signal_ready` / `wait_ready`) carry an epoch: a device counter
+every rank bumps once per exchange. A flag equal to the current epoch means "written in this
+exchange", so flags never need resetting, also under CUDA-graph replay. Waits are bounded: see
+`mok.kernels.sync`.
 
 The tile functions are meant to be called from other task loops too (the fused kernel). Launchers
 take `programs`, the number of persistent programs (SMs) given to the copy. Under the CPU
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.sync import signal_ready, timeout_ns, wait_ready
 
 if interpreting():
     patch_interpreter()
@@ -42,29 +44,6 @@ COPY_ROWS = 32
 LOCAL_SUM = {"block_rows": 16, "num_warps": 16, "block_h": 1024}
 """reduce_rows tiles for sums over local memory (benchmarks/tune_rows.py --local-sum: ~2 TB/s of
 HBM traffic on an H200 for the combine of deepseek-v3 at 8192 tokens)."""
-
-
-@triton.jit
-def signal_ready(flag_pointer, epoch):
-    """Publish this program's earlier stores (to any GPU) by setting one flag to `epoch`.
-
-    The barrier makes every thread's stores precede the one release by the thread that signals;
-    system scope because the flag and the data may live on another GPU."""
-    tl.debug_barrier()
-    tl.atomic_xchg(flag_pointer, epoch, sem="release", scope="sys")
-
-
-@triton.jit
-def wait_ready(flag_pointers, epoch, mask):
-    """Spin until every flag under `mask` has reached `epoch`, then acquire what they publish.
-
-    Volatile loads poll without caching; one acquire per flag orders the later loads after the
-    producer's release; the barrier extends that to every thread of the program."""
-    seen = tl.load(flag_pointers, mask=mask, other=epoch, volatile=True)
-    while tl.min(seen - epoch) < 0:
-        seen = tl.load(flag_pointers, mask=mask, other=epoch, volatile=True)
-    tl.atomic_add(flag_pointers, 0, mask=mask, sem="acquire", scope="sys")
-    tl.debug_barrier()
 
 
 @triton.jit
@@ -167,6 +146,9 @@ def copy_rows_tile(
     flags_ptr,
     wait_ptr,
     epoch,
+    status_ptr,
+    timeout_ns,
+    wait_id,
     SRC_PEERS: tl.constexpr,
     DST_ROWS: tl.constexpr,
     DST_PEERS: tl.constexpr,
@@ -179,14 +161,23 @@ def copy_rows_tile(
     src_row is < 0 or >= src_capacity); stored to dst row r, or (DST_ROWS) to
     dst_{dst_rank[r]}[dst_row[r]], skipped where dst_row is < 0 or >= dst_capacity. Ranks come
     from the tables only with SRC_PEERS / DST_PEERS (else the buffer is local). WAIT: first spin
-    until flags[wait[r]] reaches the epoch for every row that has a source."""
+    until flags[wait[r]] equals the epoch for every row that has a source (bounded: a failure
+    goes to the status, see mok.kernels.sync.wait_ready)."""
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     live = rows < count
     src_row = tl.load(src_row_ptr + rows, mask=live, other=-1)
     valid = live & (src_row >= 0) & (src_row < src_capacity)
     if WAIT:
         wait_index = tl.load(wait_ptr + rows, mask=valid, other=0)
-        wait_ready(flags_ptr + wait_index, epoch, valid)
+        wait_ready(
+            flags_ptr + wait_index,
+            wait_index,
+            epoch,
+            valid,
+            status_ptr,
+            timeout_ns,
+            wait_id,
+        )
     src_offset = src_row * hidden
     if SRC_PEERS:
         rank = tl.load(src_rank_ptr + rows, mask=valid, other=0)
@@ -214,7 +205,7 @@ def copy_rows_tile(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["timeout_ns", "wait_id"])
 def copy_rows_kernel(
     dst_ptr,
     dst_offsets_ptr,
@@ -232,6 +223,9 @@ def copy_rows_kernel(
     flags_ptr,
     wait_ptr,
     epoch_ptr,
+    status_ptr,
+    timeout_ns,
+    wait_id,
     SRC_PEERS: tl.constexpr,
     DST_ROWS: tl.constexpr,
     DST_PEERS: tl.constexpr,
@@ -262,6 +256,9 @@ def copy_rows_kernel(
             flags_ptr,
             wait_ptr,
             epoch,
+            status_ptr,
+            timeout_ns,
+            wait_id,
             SRC_PEERS,
             DST_ROWS,
             DST_PEERS,
@@ -483,18 +480,25 @@ def copy_rows(
     flags: torch.Tensor | None = None,
     wait: torch.Tensor | None = None,
     epoch: torch.Tensor | None = None,
+    status: torch.Tensor | None = None,
+    timeout_s: float = 0.0,
+    wait_id: int = 0,
     num_warps: int = 4,
     block_h: int = BLOCK_H,
 ) -> None:
     """Row r (r < count, a device scalar, and r < len(src_row)) of src_{src_rank[r]} at row
     src_row[r] (zeros if outside src) goes to dst row r, or with dst_row to row dst_row[r] of
     dst_{dst_rank[r]} (skipped if outside dst). Without offsets/rank tables a buffer is this
-    rank's own. With flags/wait/epoch: row r is read only once flags[wait[r]] reaches epoch[0]."""
+    rank's own. With flags/wait/epoch/status: row r is read only once flags[wait[r]] equals
+    epoch[0], waiting timeout_s at most (a failure is recorded in status, [4] int64, with
+    wait_id; see mok.kernels.sync)."""
     rows = src_row.shape[0]
     dst_capacity, hidden = dst.shape
     device = dst.device
     src_peers, dst_peers = src_offsets is not None, dst_offsets is not None
     waits = flags is not None
+    if waits and (wait is None or epoch is None or status is None):
+        raise ValueError("waiting on flags needs wait, epoch and status")
     if rows == 0:
         return
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
@@ -515,6 +519,9 @@ def copy_rows(
         flags if waits else placeholder(device, torch.int32),
         wait if waits else placeholder(device),
         epoch if waits else placeholder(device, torch.int32),
+        status if waits else placeholder(device),
+        timeout_ns(timeout_s),
+        wait_id,
         SRC_PEERS=src_peers,
         DST_ROWS=dst_row is not None,
         DST_PEERS=dst_peers,
@@ -548,6 +555,10 @@ def reduce_rows(
     rows, hidden = out.shape
     width = row.shape[1]
     device = out.device
+    tensors = {"out": out, "src": src, "row": row, "weight": weight, "init": init, "tail": tail}
+    for name, tensor in {**tensors, "gathered": gathered}.items():
+        if tensor is not None and not tensor.is_contiguous():
+            raise ValueError(f"reduce_rows: {name} must be contiguous (rows are addressed densely)")
     if rows == 0:
         return
     if src_offsets is None:
@@ -664,24 +675,6 @@ def pair_gradients(
         hidden,
         TOP_K=top_k,
         SCATTER=scatter,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        NUM_PROGRAMS=programs,
-        num_warps=8,
-        enable_fp_fusion=False,
-    )
-    return grad_weights
-    block_rows = 4
-    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
-    pair_gradients_kernel[(programs,)](
-        grad_y,
-        weights,
-        pair_out,
-        grad_pairs,
-        grad_weights,
-        tokens,
-        hidden,
-        TOP_K=top_k,
         BLOCK_ROWS=block_rows,
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         NUM_PROGRAMS=programs,

@@ -61,13 +61,16 @@ def grouped_expert_mlp(
         raise ValueError(
             f"group sizes sum to {sum(group_sizes)}, but there are {rows.shape[0]} rows"
         )
+    # Unbind once: backward then stacks one gradient buffer per weight tensor. Indexing w[e] per
+    # expert would add a full-size [E, ...] gradient per expert, quadratic in E.
+    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
     outputs = []
     start = 0
     for expert, size in enumerate(group_sizes):
         if size:
             chunk = rows[start : start + size]
             outputs.append(
-                expert_mlp(chunk, w_gate[expert], w_up[expert], w_down[expert], swiglu_limit)
+                expert_mlp(chunk, gates[expert], ups[expert], downs[expert], swiglu_limit)
             )
         start += size
     if not outputs:

@@ -1,0 +1,284 @@
+"""The `triton` backend on the CPU against a float64 oracle, through the public API: its kernels
+under the Triton interpreter, fp32 inside (the CPU test mode of `mok.backends.triton`), in one
+process (the local exchange) and on 2 or 3 spawned gloo ranks, with the collective exchange and
+with the NVLink protocol over a shared file (`simulated_symmetric_memory`). Covered: the shared
+expert, the SwiGLU clamp, expert ids out of range, receive-buffer overflow, ranks without tokens,
+and the gradients of x, the router weights and every weight.
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mok
+from mok.backends.triton import TritonBackend
+from mok.comm.simulation import simulated_symmetric_memory
+from mok.launch import run_ranks
+from mok.reference import moe_forward
+from mok.routing import make_routing
+from mok.testing import RankInputs, global_weights, relative_error, shared_file_allocator
+
+# Computed in fp32, rounded once to bf16 (y and the gradients of x and the weights): normwise
+# errors of ~1e-3, where a wrong or missing term of any gradient costs far more than 5e-3.
+TOLERANCE = 5e-3
+CPU = torch.device("cpu")
+
+CONFIG = mok.MoKConfig(
+    hidden_size=48,
+    intermediate_size=32,
+    num_experts=6,
+    top_k=3,
+    shared_intermediate_size=16,
+    swiglu_limit=0.8,
+    backend="triton",
+    max_tokens_per_rank=64,
+)
+SMALL = mok.MoKConfig(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=4,
+    top_k=2,
+    backend="triton",
+    max_tokens_per_rank=32,
+)
+
+
+@dataclasses.dataclass
+class Scenario:
+    """One layer call on every rank: the config, the weights' seed and each rank's inputs;
+    `bad_pair` (rank, token, slot) holds the expert id E (out of range), if given."""
+
+    config: mok.MoKConfig
+    seed: int
+    ranks: list[RankInputs]
+    bad_pair: tuple[int, int, int] | None = None
+
+
+def scenario(config, tokens_per_rank, seed, routing="uniform", bad_pair=None) -> Scenario:
+    """Random bf16 x and grad_y and a `routing` per rank; expert id E at `bad_pair`."""
+    ranks = []
+    for rank, tokens in enumerate(tokens_per_rank):
+        gen = torch.Generator().manual_seed(100 * seed + rank)
+        x = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+        idx, w = make_routing(routing, tokens, config.num_experts, config.top_k, gen)
+        grad_y = torch.randn(tokens, config.hidden_size, generator=gen).to(torch.bfloat16)
+        ranks.append(RankInputs(x, idx, w, grad_y))
+    if bad_pair is not None:
+        rank, token, slot = bad_pair
+        ranks[rank].topk_idx[token, slot] = config.num_experts
+    return Scenario(config, seed, ranks, bad_pair)
+
+
+def oracle(case: Scenario) -> dict[str, torch.Tensor]:
+    """y and every gradient of the tokens of all ranks in float64 (`mok.reference` on float64
+    copies): pairs with an id out of range are dropped (no output, zero router-weight gradient).
+    Weight gradients cover all E experts."""
+    config = case.config
+    weights = global_weights(config, case.seed, CPU).map(lambda w: w.double().requires_grad_(True))
+    x = torch.cat([r.x for r in case.ranks]).double().requires_grad_(True)
+    topk_weights = torch.cat([r.topk_weights for r in case.ranks]).double().requires_grad_(True)
+    idx = torch.cat([r.topk_idx for r in case.ranks])
+    valid = (idx >= 0) & (idx < config.num_experts)
+    router = torch.where(valid, topk_weights, 0)
+    y = moe_forward(x, torch.where(valid, idx, 0), router, weights, config.swiglu_limit)
+    y.backward(torch.cat([r.grad_y for r in case.ranks]).double())
+    want = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": topk_weights.grad}
+    for name, weight in weights.tensors().items():
+        if weight is not None:
+            grad = weight.grad
+            want[f"grad {name}"] = torch.zeros_like(weight) if grad is None else grad
+    return want
+
+
+def layer_results(layer: mok.MoE, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """y and every gradient of one forward and backward of `layer`; the shared expert's
+    gradients summed over the layer's group (data parallelism sums the replicas)."""
+    x = inputs.x.clone().requires_grad_(True)
+    topk_weights = inputs.topk_weights.clone().requires_grad_(True)
+    y = layer(x, inputs.topk_idx, topk_weights)
+    y.backward(inputs.grad_y)
+    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": topk_weights.grad}
+    for name, param in layer.named_parameters(recurse=False):
+        grad = torch.zeros_like(param) if param.grad is None else param.grad.float()
+        if name.startswith("shared") and layer.group is not None:
+            dist.all_reduce(grad, group=layer.group)
+        results[f"grad {name}"] = grad
+    return results
+
+
+def check_verdict(workspace) -> str | None:
+    """The error `workspace.check()` raises (its class name, None if none); a second check must
+    find nothing (an error is reported once)."""
+    try:
+        workspace.check()
+    except mok.MoKInputError as error:
+        verdict = type(error).__name__
+    else:
+        verdict = None
+    workspace.check()
+    return verdict
+
+
+def run_scenarios(rank, world, scenarios, shared_dir=None):
+    """Rank worker: per scenario, the triton layer's results on this rank's inputs, the exchange
+    it used and the verdict of check(). With `shared_dir`, symmetric memory is simulated by files
+    there (the NVLink exchange); without, a multi-rank group uses the collective exchange."""
+    group = dist.group.WORLD if world > 1 else None
+    simulated = (
+        contextlib.nullcontext()
+        if shared_dir is None
+        else simulated_symmetric_memory(shared_file_allocator(shared_dir))
+    )
+    outcomes = []
+    with simulated:
+        for case in scenarios:
+            layer = mok.MoE(case.config, group=group, device=CPU)
+            layer.load_global_weights(global_weights(case.config, case.seed, CPU))
+            results = layer_results(layer, case.ranks[rank])
+            workspace = layer.workspace(CPU)
+            results["exchange"] = type(workspace.backend.exchange).__name__
+            results["check"] = check_verdict(workspace)
+            workspace.release()
+            outcomes.append(results)
+    return outcomes
+
+
+def assert_matches_oracle(case: Scenario, rank: int, results: dict) -> None:
+    """Every result of `rank` within TOLERANCE of the oracle, and an exact zero router-weight
+    gradient at the dropped pair."""
+    want = oracle(case)
+    world = len(case.ranks)
+    start = sum(r.x.shape[0] for r in case.ranks[:rank])
+    tokens = slice(start, start + case.ranks[rank].x.shape[0])
+    local = case.config.local_experts(world)
+    experts = slice(rank * local, (rank + 1) * local)
+    assert results["y"].dtype == torch.bfloat16
+    for key, expected in want.items():
+        if key in ("y", "grad x", "grad topk_weights"):
+            expected = expected[tokens]
+        elif key in ("grad gate", "grad up", "grad down"):
+            expected = expected[experts]
+        error = relative_error(results[key], expected)
+        assert error <= TOLERANCE, (rank, key, error)
+    if case.bad_pair is not None and case.bad_pair[0] == rank:
+        _, token, slot = case.bad_pair
+        assert results["grad topk_weights"][token, slot] == 0
+
+
+def assert_id_error_on_its_rank(case: Scenario, rank: int, results: dict) -> None:
+    """check() raised an id error on the rank holding the bad pair, nothing elsewhere."""
+    bad_here = case.bad_pair is not None and case.bad_pair[0] == rank
+    assert results["check"] == ("MoKInputError" if bad_here else None), rank
+
+
+def test_auto_keeps_the_reference_backend_on_the_cpu(monkeypatch):
+    """Catches `auto` picking the slow interpreter on CPUs, and the CPU test mode leaking out of
+    the interpreter (triton asked for on a CPU without TRITON_INTERPRET=1 must be refused)."""
+    report = mok.backends.backend_report(CONFIG, CPU)
+    assert report["reference"] is None and "interpreter" in report["triton"]
+    assert mok.create_workspace(CONFIG.replace(backend="auto")).backend_name == "reference"
+    assert mok.create_workspace(CONFIG).backend_name == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(mok.BackendUnavailableError, match="CUDA"):
+        mok.create_workspace(CONFIG)
+
+
+def test_triton_is_auto_on_cuda_devices_and_refuses_what_its_kernels_cannot_run():
+    """Catches the CPU rule of `auto` spilling onto CUDA devices (no GPU is touched: selection
+    only), and triton accepting sizes its 16-wide tiles cannot cover or a precision it lacks."""
+    auto = CONFIG.replace(backend="auto")
+    assert mok.backends.select_backend(auto, torch.device("cuda"), None) is TritonBackend
+    with pytest.raises(mok.BackendUnavailableError, match="hidden_size=40 is not a multiple"):
+        mok.create_workspace(CONFIG.replace(hidden_size=40))
+    with pytest.raises(mok.BackendUnavailableError, match="bf16 only"):
+        mok.create_workspace(CONFIG.replace(precision="mxfp8"))
+
+
+@pytest.mark.interpreter
+def test_one_process_matches_float64_with_shared_expert_clamp_and_a_bad_id():
+    """Catches wrong gradients anywhere in one process (e.g. the shared expert's gate and up
+    gradients swapped, the clamp missing), an out-of-range pair that still contributes to y or
+    keeps its router-weight gradient, an id check off by one (id E accepted), and an id error
+    not raised at check() or raised twice."""
+    case = scenario(CONFIG, [29], seed=1, routing="zipf", bad_pair=(0, 5, 1))
+    (results,) = run_scenarios(0, 1, [case])
+    assert results["exchange"] == "LocalExchange"
+    assert_matches_oracle(case, 0, results)
+    assert_id_error_on_its_rank(case, 0, results)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tokens", [21, 0])
+def test_functional_api_returns_the_promised_dtypes(tokens):
+    """Catches the CPU mode's fp32 leaking out (y, gradients of x and weights not bf16; router-
+    weight gradient not in topk_weights' dtype), a forward without backward computing something
+    else, and failures on a call without tokens; grad_y may be fp32 (any float dtype)."""
+    case = scenario(SMALL, [tokens], seed=2)
+    inputs = case.ranks[0]
+    weights = global_weights(SMALL, case.seed, CPU)
+    router = inputs.topk_weights.to(torch.bfloat16)
+    case.ranks[0] = dataclasses.replace(inputs, topk_weights=router)
+    ws = mok.create_workspace(SMALL)
+    schedule = mok.build_schedule(ws, inputs.topk_idx)
+    y, saved = mok.forward(ws, schedule, inputs.x, router, weights)
+    grads = mok.backward(ws, schedule, saved, inputs.grad_y.float())
+    y_only, nothing = mok.forward(ws, schedule, inputs.x, router, weights, need_backward=False)
+    ws.check()
+    assert nothing is None and torch.equal(y_only, y)
+    assert grads.topk_weights.dtype == torch.bfloat16
+    results = {"y": y, "grad x": grads.x, "grad topk_weights": grads.topk_weights}
+    for name, grad in grads.weights.tensors().items():
+        if grad is not None:
+            assert grad.dtype == torch.bfloat16, name
+            results[f"grad {name}"] = grad
+    assert grads.x.dtype == torch.bfloat16
+    assert_matches_oracle(case, 0, results)
+
+
+EXPERT_PARALLEL = {
+    2: scenario(CONFIG, [0, 27], seed=3, routing="zipf", bad_pair=(1, 4, 2)),
+    3: scenario(CONFIG, [19, 0, 13], seed=4, bad_pair=(2, 12, 0)),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "collective"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_parallel_matches_float64(world, symmetric, tmp_path):
+    """Catches expert-parallel bugs of either exchange on spawned gloo ranks: tokens or outputs
+    sent to the wrong rank, gradients (x, router weights, every weight) lost on the way back, the
+    shared expert's gate and up gradients swapped, a pair with id E routed past the last rank or
+    kept, a rank without tokens that fails or hangs, and symmetric buffers of the wrong dtype."""
+    case = EXPERT_PARALLEL[world]
+    shared_dir = str(tmp_path) if symmetric else None
+    per_rank = run_ranks(run_scenarios, world, args=([case], shared_dir), timeout_s=300)
+    for rank, (results,) in enumerate(per_rank):
+        assert results["exchange"] == ("SymmetricExchange" if symmetric else "CollectiveExchange")
+        assert_matches_oracle(case, rank, results)
+        assert_id_error_on_its_rank(case, rank, results)
+
+
+def overflow_outcomes(rank, world, shared_dir):
+    """Rank worker: run_scenarios on routings that overflow the receive buffers, reduced to
+    (finite results, check() verdict) per capacity."""
+    cases = [
+        scenario(SMALL.replace(**capacity), [16] * world, seed=5, routing="first-experts")
+        for capacity in ({"recv_capacity": 10}, {"recv_pair_capacity": 12})
+    ]
+    outcomes = []
+    for results in run_scenarios(rank, world, cases, shared_dir):
+        tensors = [v for v in results.values() if isinstance(v, torch.Tensor)]
+        finite = all(bool(torch.isfinite(t.float()).all()) for t in tensors)
+        outcomes.append((finite, results["check"]))
+    return outcomes
+
+
+@pytest.mark.interpreter
+def test_capacity_overflow_drops_rows_and_raises_at_check(tmp_path):
+    """Catches receive-buffer overflow (staging rows or grouped pairs) that crashes, yields
+    non-finite values, or goes unreported at check() on some rank (every rank must raise)."""
+    for outcomes in run_ranks(overflow_outcomes, 2, args=(str(tmp_path),), timeout_s=300):
+        assert outcomes == [(True, "MoKCapacityError")] * 2
