@@ -174,6 +174,7 @@ def assert_id_error_on_its_rank(case: Scenario, rank: int, results: dict) -> Non
     assert results["check"] == ("MoKInputError" if bad_here else None), rank
 
 
+@pytest.mark.interpreter
 def test_auto_keeps_the_reference_backend_on_the_cpu(monkeypatch):
     """Catches `auto` picking the slow interpreter on CPUs, and the CPU test mode leaking out of
     the interpreter (triton asked for on a CPU without TRITON_INTERPRET=1 must be refused)."""
@@ -190,11 +191,14 @@ def test_triton_is_auto_on_cuda_devices_and_refuses_what_its_kernels_cannot_run(
     """Catches the CPU rule of `auto` spilling onto CUDA devices (no GPU is touched: selection
     only), and triton accepting sizes its 16-wide tiles cannot cover or a precision it lacks."""
     auto = CONFIG.replace(backend="auto")
-    assert mok.backends.select_backend(auto, torch.device("cuda"), None) is TritonBackend
-    with pytest.raises(mok.BackendUnavailableError, match="hidden_size=40 is not a multiple"):
-        mok.create_workspace(CONFIG.replace(hidden_size=40))
-    with pytest.raises(mok.BackendUnavailableError, match="bf16 only"):
-        mok.create_workspace(CONFIG.replace(precision="mxfp8"))
+    cuda = torch.device("cuda")
+    assert mok.backends.select_backend(auto, cuda, None) is TritonBackend
+    for change, reason in (
+        ({"hidden_size": 40}, "hidden_size=40 is not a multiple"),
+        ({"precision": "mxfp8"}, "bf16 only"),
+    ):
+        with pytest.raises(mok.BackendUnavailableError, match=reason):
+            mok.backends.select_backend(CONFIG.replace(**change), cuda, None)
 
 
 @pytest.mark.interpreter
