@@ -17,9 +17,14 @@ import mok
 from mok.backends.triton import TritonBackend
 from mok.comm.simulation import simulated_symmetric_memory
 from mok.launch import run_ranks
-from mok.reference import moe_forward
 from mok.routing import make_routing
-from mok.testing import RankInputs, global_weights, relative_error, shared_file_allocator
+from mok.testing import (
+    RankInputs,
+    float64_results,
+    global_weights,
+    relative_error,
+    shared_file_allocator,
+)
 
 # Computed in fp32, rounded once to bf16 (y and the gradients of x and the weights): normwise
 # errors of ~1e-3, where a wrong or missing term of any gradient costs far more than 5e-3.
@@ -73,23 +78,21 @@ def scenario(config, tokens_per_rank, seed, routing="uniform", bad_pair=None) ->
 
 
 def oracle(case: Scenario) -> dict[str, torch.Tensor]:
-    """y and every gradient of the tokens of all ranks in float64 (`mok.reference` on float64
-    copies): pairs with an id out of range are dropped (no output, zero router-weight gradient).
-    Weight gradients cover all E experts."""
+    """y and every gradient of the tokens of all ranks in float64 (`mok.testing.float64_results`):
+    pairs with an id out of range are dropped (no output, zero router-weight gradient). Weight
+    gradients cover all E experts."""
     config = case.config
-    weights = global_weights(config, case.seed, CPU).map(lambda w: w.double().requires_grad_(True))
-    x = torch.cat([r.x for r in case.ranks]).double().requires_grad_(True)
-    topk_weights = torch.cat([r.topk_weights for r in case.ranks]).double().requires_grad_(True)
     idx = torch.cat([r.topk_idx for r in case.ranks])
     valid = (idx >= 0) & (idx < config.num_experts)
-    router = torch.where(valid, topk_weights, 0)
-    y = moe_forward(x, torch.where(valid, idx, 0), router, weights, config.swiglu_limit)
-    y.backward(torch.cat([r.grad_y for r in case.ranks]).double())
-    want = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": topk_weights.grad}
-    for name, weight in weights.tensors().items():
-        if weight is not None:
-            grad = weight.grad
-            want[f"grad {name}"] = torch.zeros_like(weight) if grad is None else grad
+    want = float64_results(
+        torch.cat([r.x for r in case.ranks]),
+        torch.where(valid, idx, 0),
+        torch.where(valid, torch.cat([r.topk_weights for r in case.ranks]), 0),
+        torch.cat([r.grad_y for r in case.ranks]),
+        global_weights(config, case.seed, CPU),
+        config.swiglu_limit,
+    )
+    want["grad topk_weights"] = torch.where(valid, want["grad topk_weights"], 0)
     return want
 
 

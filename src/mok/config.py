@@ -91,18 +91,8 @@ class MoKConfig:
                 "a token cannot pick more experts than exist"
             )
         if self.swiglu_limit is not None:
-            limit = self.swiglu_limit
-            if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-                raise MoKConfigError(f"swiglu_limit must be a number or None, got {limit!r}")
-            if not math.isfinite(limit) or limit <= 0:
-                raise MoKConfigError(f"swiglu_limit must be finite and > 0, got {limit}")
-            object.__setattr__(self, "swiglu_limit", float(limit))
-        timeout = self.peer_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-            raise MoKConfigError(f"peer_timeout_s must be a number, got {timeout!r}")
-        if not math.isfinite(timeout) or timeout <= 0:
-            raise MoKConfigError(f"peer_timeout_s must be finite and > 0, got {timeout}")
-        object.__setattr__(self, "peer_timeout_s", float(timeout))
+            _require_positive_float(self, "swiglu_limit", "a number or None")
+        _require_positive_float(self, "peer_timeout_s", "a number")
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
@@ -139,6 +129,16 @@ def _parse_enum(enum_type, value, name):
     except ValueError:
         allowed = ", ".join(repr(member.value) for member in enum_type)
         raise MoKConfigError(f"{name} must be one of {allowed}; got {value!r}") from None
+
+
+def _require_positive_float(config: MoKConfig, name: str, expected: str) -> None:
+    """The field must be a finite number > 0; stored as a float."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise MoKConfigError(f"{name} must be {expected}, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise MoKConfigError(f"{name} must be finite and > 0, got {value}")
+    object.__setattr__(config, name, float(value))
 
 
 def _require_int(config: MoKConfig, name: str, minimum: int) -> None:
