@@ -75,6 +75,7 @@ def test_bench_in_one_process_with_skewed_routing(capsys):
                 "0",
                 "--routing",
                 "zipf",
+                "--accumulate-grads",
                 "--no-progress",
             ]
         )

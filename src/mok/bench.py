@@ -76,6 +76,9 @@ class BenchSpec:
     pair_capacity_factor: float | None = None
     """Pairs each rank's experts can take, as a multiple of the mean T * k
     (`MoKConfig.recv_pair_capacity`); None: the worst case."""
+    accumulate_grads: bool = False
+    """Keep the weights' gradients between iterations (gradient accumulation over micro-batches:
+    every backward but the first adds into existing `.grad`) instead of setting them to None."""
 
     @property
     def tokens_per_rank(self) -> int:
@@ -264,7 +267,8 @@ def _time_pass(spec, layer, inputs, with_backward, group, progress, label) -> tu
                 y.backward(grad_y)
         elapsed = timer.ms()
         del y  # so that the next forward's peak does not hold this one's graph
-        layer.zero_grad(set_to_none=True)
+        if not spec.accumulate_grads:
+            layer.zero_grad(set_to_none=True)
         x.grad = weights.grad = None
         if it >= spec.warmup:
             times.append(elapsed)
@@ -501,6 +505,11 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             if first.pair_capacity_factor is None
             else f"for {first.pair_capacity_factor:g} x the mean pairs per rank "
             "(`--pair-capacity-factor`; overflow raises)"
+        )
+        + (
+            "; weight gradients accumulate across iterations (`--accumulate-grads`)"
+            if first.accumulate_grads
+            else "; weight gradients set to None between iterations"
         )
         + ". Both checked against the reference backend (same group and weights) first.",
         "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "

@@ -118,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
         "instead of the worst case (less memory; a routing that needs more raises "
         "MoKCapacityError after timing)",
     )
+    bench.add_argument(
+        "--accumulate-grads",
+        action="store_true",
+        help="keep the weights' gradients between iterations, as gradient accumulation over "
+        "micro-batches does (every backward adds into existing .grad), instead of setting them to "
+        "None",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--dense-tflops",
@@ -181,6 +188,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             progress=not args.no_progress,
             dense_tflops=dense_tflops,
             pair_capacity_factor=args.pair_capacity_factor,
+            accumulate_grads=args.accumulate_grads,
         )
         for preset in args.preset
         for ep in eps

@@ -30,6 +30,7 @@ from mok.distributed import (
 )
 from mok.validation import (
     MoKInputError,
+    check_accumulation_buffers,
     check_grad_output,
     check_routing,
     check_tokens,
@@ -263,15 +264,26 @@ def backward(
     schedule: Schedule,
     saved: SavedForward,
     grad_y: torch.Tensor,
+    accumulate_into: dict[str, torch.Tensor] | None = None,
 ) -> MoEGradients:
-    """Gradients of sum(y * grad_y) for x, topk_weights and every weight. Collective."""
+    """Gradients of sum(y * grad_y) for x, topk_weights and every weight. Collective.
+
+    accumulate_into: weight name -> an existing gradient buffer (contiguous, fp32 or bf16, the
+    weight's shape; e.g. a parameter's `.grad` or an fp32 `main_grad`): that weight's gradient is
+    ADDED into the buffer in place and the buffer is returned in its place. The triton backend adds
+    inside its weight-gradient kernels (fp32 sum of the old value and the fp32 gradient, rounded
+    once to the buffer's dtype; no extra pass); the reference backend adds its bf16 gradient
+    afterwards (rounded once more)."""
     ws = _live(workspace)
+    into = accumulate_into or {}
     if saved is None:
         problem = "backward needs the state of a forward run with need_backward=True"
     else:
         problem = check_grad_output(grad_y, saved.num_tokens, ws.config, ws.device)
+    if problem is None:
+        problem = check_accumulation_buffers(ws.config, into, ws.local_experts, ws.device)
     raise_if_any_rank_failed(problem, ws.group)
-    return ws.backend.backward(schedule.plan, saved.saved, grad_y)
+    return ws.backend.backward(schedule.plan, saved.saved, grad_y, into)
 
 
 __all__ = [

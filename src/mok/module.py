@@ -11,30 +11,69 @@ from torch import nn
 from mok import functional
 from mok.config import MoKConfig
 from mok.distributed import group_rank_and_size
-from mok.validation import ACTIVATION_DTYPE, MoKInputError, expected_weight_shapes
+from mok.validation import (
+    ACTIVATION_DTYPE,
+    GRADIENT_BUFFER_DTYPES,
+    MoKInputError,
+    expected_weight_shapes,
+)
 from mok.weights import MoEWeights
 
 _WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
 
 
+def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
+    """Where the layer adds `weight`'s gradient itself in this backward, or None (autograd gets
+    it): `weight.main_grad` when set (Megatron-style fp32 buffer), else `weight.grad` when it
+    exists; in both cases only if this backward accumulates into the weight at all (not under
+    `torch.autograd.grad`, nor for a `backward(inputs=...)` that leaves it out) and the buffer is
+    a contiguous fp32 or bf16 tensor of the weight's shape."""
+    if weight is None or not weight.requires_grad or not weight.is_leaf:
+        return None
+    buffer = getattr(weight, "main_grad", None)
+    if buffer is None:
+        buffer = weight.grad
+    if buffer is None or buffer.shape != weight.shape or not buffer.is_contiguous():
+        return None
+    if buffer.dtype not in GRADIENT_BUFFER_DTYPES:
+        return None
+    try:
+        accumulates = torch._C._will_engine_execute_node(
+            torch.autograd.graph.get_gradient_edge(weight).node
+        )
+    except RuntimeError:  # torch.autograd.grad(..., inputs=[weight]): it never touches .grad
+        accumulates = False
+    return buffer if accumulates else None
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, workspace, topk_idx, x, topk_weights, *weight_tensors):
+    def forward(ctx, workspace, fuse_accumulation, topk_idx, x, topk_weights, *weight_tensors):
         weights = MoEWeights(*weight_tensors)
-        need_backward = any(ctx.needs_input_grad[2:])
+        need_backward = any(ctx.needs_input_grad[3:])
         schedule, y, saved = functional.schedule_and_forward(
             workspace, topk_idx, x, topk_weights, weights, need_backward=need_backward
         )
         ctx.state = (workspace, schedule, saved)
+        ctx.weight_tensors = weight_tensors if fuse_accumulation else None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         workspace, schedule, saved = ctx.state
         ctx.state = None  # frees the saved forward as soon as it is used
-        grads = functional.backward(workspace, schedule, saved, grad_y)
-        weight_grads = [getattr(grads.weights, name) for name in _WEIGHT_FIELDS]
-        return (None, None, grads.x, grads.topk_weights, *weight_grads)
+        into = {}
+        if ctx.weight_tensors is not None:
+            for name, weight in zip(_WEIGHT_FIELDS, ctx.weight_tensors, strict=True):
+                buffer = accumulation_target(weight)
+                if buffer is not None:
+                    into[name] = buffer
+        grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
+        # A weight whose gradient went into its buffer gets none from autograd (no extra pass).
+        weight_grads = [
+            None if name in into else getattr(grads.weights, name) for name in _WEIGHT_FIELDS
+        ]
+        return (None, None, None, grads.x, grads.topk_weights, *weight_grads)
 
 
 def moe(
@@ -43,14 +82,25 @@ def moe(
     topk_weights: torch.Tensor,
     weights: MoEWeights,
     workspace: functional.Workspace,
+    fuse_grad_accumulation: bool = True,
 ) -> torch.Tensor:
     """The MoE layer as one differentiable call: y [T, H] from x [T, H], topk_idx [T, k],
     topk_weights [T, k] and this rank's weights. Collective over the workspace's group; every rank
-    must run backward when one does."""
+    must run backward when one does.
+
+    fuse_grad_accumulation: where a weight already has a gradient buffer (`main_grad`, else
+    `.grad`; see `accumulation_target`), backward adds the new gradient into it in place (inside
+    the weight-gradient kernels of the triton backend) instead of handing it to autograd, which
+    would add it in a separate pass. The values are autograd's up to rounding (one rounding of the
+    fp32 sum instead of two). Autograd receives no gradient for those weights: their tensor hooks
+    see None, and their post-accumulate-grad hooks still run, after the layer has added (they see
+    the summed `.grad`, as DDP-like wrappers need)."""
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
     tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
-    return _MoEFunction.apply(workspace, topk_idx, x, topk_weights, *tensors)
+    return _MoEFunction.apply(
+        workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
+    )
 
 
 class MoE(nn.Module):
@@ -62,6 +112,12 @@ class MoE(nn.Module):
 
         layer = mok.MoE(config, group=ep_group, device="cuda")
         y = layer(x, topk_idx, topk_weights)      # x [..., H] bf16, topk_* [..., k]
+
+    Gradient accumulation over micro-batches costs no extra pass: once a weight has a `.grad` (or
+    an fp32 `main_grad` attribute, Megatron-style, which then takes the gradient instead of
+    `.grad`), backward adds into it in place (`fuse_grad_accumulation`, see `mok.moe`). Set
+    `fuse_grad_accumulation=False` where a tensor hook on these weights must see each
+    micro-batch's gradient.
     """
 
     def __init__(
@@ -69,9 +125,11 @@ class MoE(nn.Module):
         config: MoKConfig,
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        fuse_grad_accumulation: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
+        self.fuse_grad_accumulation = fuse_grad_accumulation
         self.group = group
         self.rank, self.ep_size = group_rank_and_size(group)
         self.local_experts = config.local_experts(self.ep_size)
@@ -156,6 +214,7 @@ class MoE(nn.Module):
             _flatten_leading(topk_weights, top_k),
             self.weights,
             self.workspace(x.device),
+            self.fuse_grad_accumulation,
         )
         return y.view(x.shape)
 

@@ -127,6 +127,32 @@ def check_weights(
     return None
 
 
+GRADIENT_BUFFER_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_accumulation_buffers(
+    config: MoKConfig, buffers, local_experts: int, device: torch.device
+) -> str | None:
+    """`buffers` (weight field -> tensor) must name weights the layer has, each a contiguous fp32
+    or bf16 tensor of that weight's shape on `device`: the gradient is added into it in place."""
+    if not isinstance(buffers, dict):
+        return (
+            f"accumulate_into must be a dict of weight name -> tensor, got {type(buffers).__name__}"
+        )
+    shapes = expected_weight_shapes(config, local_experts)
+    for name, buffer in buffers.items():
+        if shapes.get(name) is None:
+            return f"accumulate_into names {name!r}, which is not a weight of this layer"
+        problem = _check_tensor(
+            f"accumulate_into[{name!r}]", buffer, shapes[name], device, GRADIENT_BUFFER_DTYPES
+        )
+        if problem is None and not buffer.is_contiguous():
+            problem = f"accumulate_into[{name!r}] must be contiguous (it is added into in place)"
+        if problem:
+            return problem
+    return None
+
+
 def check_grad_output(grad_y, num_tokens: int, config: MoKConfig, device) -> str | None:
     """The gradient of the output must be [T, H] on `device`, floating point."""
     return _check_tensor(

@@ -5,7 +5,8 @@ A backend class provides:
   auto_skip_reason(device) -> str | None      (optional staticmethod; None: `auto` may pick it)
   build_schedule(topk_idx) -> plan
   forward(plan, topk_idx, x, topk_weights, weights, need_backward) -> (y, saved or None)
-  backward(plan, saved, grad_y) -> MoEGradients
+  backward(plan, saved, grad_y, accumulate_into) -> MoEGradients
+                                              (accumulate_into: weight name -> buffer to add into)
   release()
   check()                                     (raise what was found on the device)
 Inputs reach a backend already validated by `mok.functional`.

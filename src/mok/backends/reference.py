@@ -63,7 +63,9 @@ class ReferenceBackend:
             )
         return leaves.y.detach(), leaves
 
-    def backward(self, plan, saved: _SavedGraph, grad_y: torch.Tensor) -> MoEGradients:
+    def backward(
+        self, plan, saved: _SavedGraph, grad_y: torch.Tensor, accumulate_into: dict
+    ) -> MoEGradients:
         weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
         inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]
         grads = torch.autograd.grad(saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True)
@@ -72,6 +74,10 @@ class ReferenceBackend:
         ]
         weight_grads = dict.fromkeys(saved.weights.tensors())
         weight_grads.update({name: g for (name, _), g in zip(weight_items, grads[2:], strict=True)})
+        for name, buffer in accumulate_into.items():
+            # Not fused: the bf16 gradient is added afterwards, in fp32, rounded once more.
+            buffer.copy_(buffer.float() + weight_grads[name].float())
+            weight_grads[name] = buffer
         return MoEGradients(x=grads[0], topk_weights=grads[1], weights=MoEWeights(**weight_grads))
 
     def check(self) -> None:

@@ -184,18 +184,29 @@ class TritonBackend:
             return y, None
         return y, _Saved(routing, router, plan.valid, experts, shared, pair_out, dtypes)
 
-    def backward(self, plan: TritonSchedule, saved: _Saved, grad_y: torch.Tensor) -> MoEGradients:
+    def backward(
+        self, plan: TritonSchedule, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
+    ) -> MoEGradients:
+        """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
+        that buffer by the weight-gradient kernels themselves (no extra pass)."""
         from mok.kernels import expert_mlp_backward
 
+        into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
         grad_router = torch.where(saved.valid, grad_router, 0)
-        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(grad_out, saved.experts)
+        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
+            grad_out, saved.experts, into.get("gate"), into.get("up"), into.get("down")
+        )
         grad_shared_x, shared_grads = None, {}
         if saved.shared is not None:
-            grad_shared_x, gate, up, down = expert_mlp_backward(grad_y, saved.shared)
+            # The shared expert runs as one expert of a group of one: [1, ...] views of its buffers.
+            buffers = [into.get(name) for name in ("shared_gate", "shared_up", "shared_down")]
+            grad_shared_x, gate, up, down = expert_mlp_backward(
+                grad_y, saved.shared, *(None if b is None else b.unsqueeze(0) for b in buffers)
+            )
             shared_grads = {
                 "shared_gate": gate.squeeze(0),
                 "shared_up": up.squeeze(0),
@@ -206,7 +217,12 @@ class TritonBackend:
         return MoEGradients(
             x=grad_x.to(saved.dtypes["x"]),
             topk_weights=grad_router.to(saved.dtypes["topk_weights"]),
-            weights=MoEWeights(**{name: g.to(saved.dtypes[name]) for name, g in grads.items()}),
+            weights=MoEWeights(
+                **{
+                    name: into[name] if name in into else g.to(saved.dtypes[name])
+                    for name, g in grads.items()
+                }
+            ),
         )
 
     def check(self) -> None:
