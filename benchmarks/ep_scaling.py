@@ -5,12 +5,12 @@
 Per rank and direction: bytes of the dispatch, the combine and the backward (the layouts of
 `mok.comm`: a token crosses once per remote owner; one row per (token, expert) pair returns; the
 backward sends per-pair bf16 gradients to the owners and fp32 per-(token, owner) sums back), the
-compute (FLOPs as `shared/presets.md` counts them), the time of both at measured rates, their ratio,
-the smallest overlap chunk, and the receive buffers. Routing is uniform top-k without replacement;
+compute (FLOPs counted as in `docs/reference-machine.md`), the time of both at measured rates,
+their ratio, the smallest overlap chunk, and the receive buffers. Routing is uniform top-k without replacement;
 experts are split evenly, expert e on rank e // (E / ep). `docs/ep-scaling.md` holds the output.
 
 No GPU is used: every time here is bytes or FLOPs divided by a rate. The rates marked "measured"
-come from the 2 x H200 machine (`shared/hardware.md`, `benchmarks/results/`); the others are
+come from the 2 x H200 machine (`docs/reference-machine.md`, `benchmarks/results/`); the others are
 assumptions, named as such.
 """
 
@@ -25,7 +25,7 @@ import mok
 EP_SIZES = (2, 4, 8, 16, 32, 64)
 PRESETS = ("deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b")
 
-# Measured (shared/hardware.md, 2 x H200, 2026-11-30).
+# Measured (docs/reference-machine.md, 2 x H200, 2026-11-30).
 DENSE_TFLOPS = 794.0  # cuBLAS bf16 GEMM 8192^3
 NVLINK_COPY_ENGINE = 387e9  # bytes/s per direction, tensor.copy_ into a peer symmetric buffer
 SMS = 132

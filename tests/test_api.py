@@ -154,7 +154,7 @@ def test_config_accepts_strings_and_reports_layout():
     assert config.local_experts(4) == 2
     with pytest.raises(mok.MoKConfigError, match="num_experts=8 is not divisible .* size 3"):
         config.local_experts(3)
-    # presets.md: 2 * T * k * 3 * H * I + 2 * T * 3 * H * I_shared
+    # docs/reference-machine.md: 2 * T * k * 3 * H * I + 2 * T * 3 * H * I_shared
     assert config.forward_flops(10) == 2 * 10 * 2 * 3 * 128 * 64 + 2 * 10 * 3 * 128 * 64
 
 

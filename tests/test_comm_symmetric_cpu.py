@@ -12,10 +12,10 @@ import torch.distributed as dist
 
 from mok.comm.collective import CollectiveExchange
 from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.errors import MoKCapacityError
 from mok.launch import run_ranks
 from mok.routing import make_routing
 from mok.testing import shared_file_allocator
-from mok.validation import MoKCapacityError
 
 from exchange_checks import compare_exchanges
 
@@ -53,9 +53,7 @@ def compare(rank, world, tmp, pull):
         idx, w = make_routing(kind, tokens[rank], world * local, top_k, generator)
         grad_y = torch.randn(tokens[rank], hidden, generator=generator)
         shared = torch.randn(tokens[rank], hidden, generator=generator)
-        symmetric = make_exchange(
-            tmp, world, hidden, top_k, local, max(tokens), pull_dispatch=pull
-        )
+        symmetric = make_exchange(tmp, world, hidden, top_k, local, max(tokens), pull_dispatch=pull)
         collective = CollectiveExchange(dist.group.WORLD, local)
 
         inputs = (x, idx, w, grad_y)

@@ -5,8 +5,8 @@ import socket
 import torch.distributed as dist
 
 from mok.distributed import agree_or_raise, gloo_twin, host_names
+from mok.errors import MoKInputError
 from mok.launch import run_ranks
-from mok.validation import MoKInputError
 
 
 def agree(rank, world):

@@ -67,7 +67,8 @@ def test_bytes_and_times_by_hand(ep_scaling):
     # backward: the same bf16 pair rows, then fp32 sums per (token, remote owner)
     assert s.backward_pair_bytes == s.combine_bytes
     assert s.backward_sum_bytes == pytest.approx(2 * s.dispatch_bytes)
-    # forward FLOPs 2*T*(k*3*H*I + 3*H*I_s) at 794 TFLOP/s: shared/presets.md's 8.18 ms floor
+    # forward FLOPs 2*T*(k*3*H*I + 3*H*I_s) at 794 TFLOP/s: the 8.18 ms floor of
+    # docs/reference-machine.md
     assert s.compute_s("fwd", "dense") * 1e3 == pytest.approx(8.18, abs=0.01)
     # the smallest chunk gives each of the 32 local experts 128 rows: 128 * 32 / 8 tokens
     assert s.chunk == 512

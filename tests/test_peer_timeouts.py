@@ -22,6 +22,7 @@ import torch.distributed as dist
 import mok
 from mok.comm.simulation import simulated_symmetric_memory
 from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.errors import MoKTimeoutError
 from mok.kernels.sync import INTERPRETER_SLOWDOWN
 from mok.launch import run_ranks
 from mok.routing import make_routing
@@ -32,7 +33,6 @@ from mok.testing import (
     global_weights,
     shared_file_allocator,
 )
-from mok.validation import MoKTimeoutError
 
 WAIT_S = 2.0
 """How long, in seconds of wall time, a wait that times out lasts."""

@@ -5,8 +5,14 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 `mok.MoE`) -> `mok bench` and the command line.
 """
 
-from mok.backends import BackendUnavailableError
-from mok.config import Backend, MoKConfig, MoKConfigError, Precision
+from mok.config import Backend, MoKConfig, Precision
+from mok.errors import (
+    BackendUnavailableError,
+    MoKCapacityError,
+    MoKConfigError,
+    MoKInputError,
+    MoKTimeoutError,
+)
 from mok.functional import (
     SavedForward,
     Schedule,
@@ -19,7 +25,6 @@ from mok.functional import (
 )
 from mok.module import MoE, moe
 from mok.presets import PRESETS, get_preset
-from mok.validation import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.weights import MoEGradients, MoEWeights
 
 __version__ = "0.1.0"

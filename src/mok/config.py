@@ -6,9 +6,7 @@ import dataclasses
 import enum
 import math
 
-
-class MoKConfigError(ValueError):
-    """A configuration that cannot describe a valid MoE layer."""
+from mok.errors import MoKConfigError
 
 
 class Precision(str, enum.Enum):

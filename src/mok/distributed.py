@@ -10,7 +10,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from mok.validation import MoKInputError
+from mok.errors import MoKInputError
 
 
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:

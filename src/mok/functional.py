@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mok.backends import select_backend
+from mok.backends.protocol import LayerBackend
 from mok.comm.simulation import simulated_allocator
 from mok.config import MoKConfig
 from mok.distributed import (
@@ -28,8 +29,8 @@ from mok.distributed import (
     group_rank_and_size,
     raise_if_any_rank_failed,
 )
+from mok.errors import MoKInputError
 from mok.validation import (
-    MoKInputError,
     check_accumulation_buffers,
     check_grad_output,
     check_routing,
@@ -49,7 +50,7 @@ class Workspace:
     rank: int
     ep_size: int
     local_experts: int
-    backend: object = dataclasses.field(repr=False, default=None)
+    backend: LayerBackend | None = dataclasses.field(repr=False, default=None)
 
     @property
     def backend_name(self) -> str:
@@ -180,9 +181,9 @@ def _live(workspace: Workspace) -> Workspace:
 
 
 def _routing_problem(ws: Workspace, topk_idx) -> str | None:
-    on_device = getattr(ws.backend, "checks_ids_on_device", False)
+    on_device = ws.backend.checks_ids_on_device
     problem = check_routing(ws.config, topk_idx, ws.device, check_ids=not on_device)
-    max_tokens = getattr(ws.backend, "max_tokens", None)
+    max_tokens = ws.backend.max_tokens
     if problem is None and max_tokens is not None and topk_idx.shape[0] > max_tokens:
         problem = (
             f"topk_idx has {topk_idx.shape[0]} tokens, more than max_tokens_per_rank={max_tokens} "

@@ -11,12 +11,8 @@ from torch import nn
 from mok import functional
 from mok.config import MoKConfig
 from mok.distributed import group_rank_and_size
-from mok.validation import (
-    ACTIVATION_DTYPE,
-    GRADIENT_BUFFER_DTYPES,
-    MoKInputError,
-    expected_weight_shapes,
-)
+from mok.errors import MoKInputError
+from mok.validation import ACTIVATION_DTYPE, GRADIENT_BUFFER_DTYPES, expected_weight_shapes
 from mok.weights import MoEWeights
 
 _WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)

@@ -13,20 +13,6 @@ ACTIVATION_DTYPE = torch.bfloat16
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-class MoKInputError(ValueError):
-    """An input the layer cannot process; the message names the tensor and the problem."""
-
-
-class MoKCapacityError(MoKInputError):
-    """More rows were routed to a rank than its receive buffers hold; rows were dropped."""
-
-
-class MoKTimeoutError(RuntimeError):
-    """A rank waited on a peer longer than the timeout allows, or found the peers' calls out of
-    step; the message names the rank, the peer and the wait. The results of the calls since the
-    last check are undefined; every rank must reset the workspace before the next call."""
-
-
 def _check_tensor(
     name: str,
     value,

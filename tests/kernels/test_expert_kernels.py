@@ -1,6 +1,6 @@
 """The expert MLP kernels under the Triton interpreter (CPU, in CI) against the reference.
 
-The interpreter computes bf16 wrongly (see shared/hardware.md), so these tests run the kernels,
+The interpreter computes bf16 wrongly (a limitation of Triton's), so these tests run the kernels,
 which are dtype-generic, in fp32: the interpreter does fp32 math exactly, so a wrong index, mask,
 offset or tile bound shows as an error far above fp32 rounding (~1e-7) against the float64
 reference. Shapes are tiny and tiles are 16 x 32 x 32, so every case has ragged row tails, partial

@@ -1,22 +1,12 @@
-"""Backends behind the functional API, and how `auto` chooses among them.
-
-A backend class provides:
-  unavailable_reason(config, device, group) -> str | None   (staticmethod; None: it can run)
-  auto_skip_reason(device) -> str | None      (optional staticmethod; None: `auto` may pick it)
-  build_schedule(topk_idx) -> plan
-  forward(plan, topk_idx, x, topk_weights, weights, need_backward) -> (y, saved or None)
-  backward(plan, saved, grad_y, accumulate_into) -> MoEGradients
-                                              (accumulate_into: weight name -> buffer to add into)
-  release()
-  check()                                     (raise what was found on the device)
-Inputs reach a backend already validated by `mok.functional`.
-"""
+"""Backends behind the functional API (each a `mok.backends.protocol.LayerBackend`), and how
+`auto` chooses among them."""
 
 from __future__ import annotations
 
 from mok.backends.reference import ReferenceBackend
 from mok.backends.triton import TritonBackend
 from mok.config import Backend, MoKConfig
+from mok.errors import BackendUnavailableError
 
 # Fastest first: `auto` takes the first that can run.
 BACKENDS = {
@@ -25,16 +15,10 @@ BACKENDS = {
 }
 
 
-class BackendUnavailableError(RuntimeError):
-    """The requested backend cannot run with this config, device or group."""
-
-
 def _auto_reason(backend, config: MoKConfig, device, group) -> str | None:
     """Why `auto` does not pick `backend` here (None: it may)."""
     reason = backend.unavailable_reason(config, device, group)
-    if reason is None and hasattr(backend, "auto_skip_reason"):
-        reason = backend.auto_skip_reason(device)
-    return reason
+    return reason if reason is not None else backend.auto_skip_reason(device)
 
 
 def select_backend(config: MoKConfig, device, group):

@@ -27,6 +27,8 @@ class _SavedGraph:
 
 class ReferenceBackend:
     name = "reference"
+    checks_ids_on_device = False
+    max_tokens = None
 
     def __init__(self, workspace) -> None:
         self.workspace = workspace
@@ -35,6 +37,10 @@ class ReferenceBackend:
     def unavailable_reason(config, device: torch.device, group) -> str | None:
         if config.precision.value != "bf16":
             return f"the reference backend computes bf16 only, not {config.precision.value}"
+        return None
+
+    @staticmethod
+    def auto_skip_reason(device: torch.device) -> str | None:
         return None
 
     def build_schedule(self, topk_idx: torch.Tensor) -> RoutingPlan:

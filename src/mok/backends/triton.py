@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from mok.comm.exchange import Exchange, ExchangeRouting
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
+from mok.errors import MoKInputError
 from mok.kernels._triton_compat import interpreting
-from mok.validation import MoKInputError
 from mok.weights import MoEGradients, MoEWeights
+
+if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
+    from mok.kernels import ExpertMLPSaved
 
 KERNEL_MULTIPLE = 16
 """The expert kernels' tiles need H and I (also the shared expert's) to be multiples of this."""
@@ -43,19 +48,24 @@ KERNEL_MULTIPLE = 16
 
 @dataclasses.dataclass(frozen=True)
 class TritonSchedule:
-    routing: object
+    """One call's routing: the exchange's, and which pairs are valid."""
+
+    routing: ExchangeRouting
     valid: torch.Tensor
     """[T, k] bool: pairs whose expert id is in range (the others are dropped)."""
 
 
 @dataclasses.dataclass
 class _Saved:
-    routing: object
+    """What forward keeps for backward."""
+
+    routing: ExchangeRouting
     weights: torch.Tensor
+    """[T, k] the router weights as used (zero for dropped pairs)."""
     valid: torch.Tensor
-    experts: object
-    shared: object
-    pair_out: torch.Tensor
+    experts: ExpertMLPSaved
+    shared: ExpertMLPSaved | None
+    pair_out: torch.Tensor | None
     dtypes: dict[str, torch.dtype]
     """What each gradient is returned in: "x", "topk_weights" and every weight field."""
 
@@ -71,6 +81,7 @@ class TritonBackend:
         from mok.comm.symmetric import SymmetricExchange, acquire_exchange, default_shape
 
         self.workspace = workspace
+        self.exchange: Exchange
         config, device, group = workspace.config, workspace.device, workspace.group
         # The kernels' dtype: bf16 on GPUs; fp32 on the CPU, where the interpreter's bf16 is wrong.
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -154,7 +165,7 @@ class TritonBackend:
             topk_weights = topk_weights.float()
         router = torch.where(plan.valid, topk_weights, 0)
         grouped = self.exchange.dispatch(routing, x)
-        buffer = getattr(self.exchange, "expert_output_buffer", None)
+        buffer = self.exchange.expert_output_buffer()
         expert_out, experts = expert_mlp_forward(
             grouped,
             routing.group_offsets,
@@ -163,7 +174,7 @@ class TritonBackend:
             weights.down,
             config.swiglu_limit,
             save_for_backward=need_backward,
-            out=None if buffer is None else buffer(),
+            out=buffer,
         )
         shared_out, shared = None, None
         if weights.has_shared_expert:

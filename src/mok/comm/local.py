@@ -90,6 +90,10 @@ class LocalExchange:
         )
         return grouped
 
+    def expert_output_buffer(self) -> None:
+        """The expert outputs stay where the kernels write them."""
+        return None
+
     def combine(self, routing, expert_out, topk_weights, shared_out=None, save_pair_out=True):
         """(y [T, H], the pairs' outputs [T, k, H] or None), in the reference's combine order."""
         tokens, top_k = routing.pair_row.shape

@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
+from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.kernels.plan import PlanKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
@@ -63,7 +64,6 @@ from mok.kernels.rows import (
     reduce_rows,
 )
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT, barrier, new_status
-from mok.validation import MoKCapacityError, MoKInputError, MoKTimeoutError
 
 _ALIGN_BYTES = 256
 
