@@ -130,8 +130,10 @@ def test_capacity_overflow_is_dropped_and_raised_at_check(tmp_path, capacity):
 
 
 def test_default_shape_capacities():
+    """k pairs per staging row, not min(k, E_loc): a token may pick one expert more than once (the
+    layer maps an id out of range to expert 0). Catches a worst case that can overflow."""
     worst = default_shape(16, 4, 2, 3, 10)
-    assert (worst.token_capacity, worst.pair_capacity) == (30, 60)  # min(k, E_loc) = 2 per row
-    assert default_shape(16, 4, 2, 3, 10, recv_capacity=7).pair_capacity == 14
+    assert (worst.token_capacity, worst.pair_capacity) == (30, 120)
+    assert default_shape(16, 4, 2, 3, 10, recv_capacity=7).pair_capacity == 28
     assert default_shape(16, 4, 2, 3, 10, pair_capacity=25).pair_capacity == 25
-    assert default_shape(16, 4, 2, 3, 10, pair_capacity=99).pair_capacity == 60
+    assert default_shape(16, 4, 2, 3, 10, pair_capacity=999).pair_capacity == 120

@@ -289,3 +289,27 @@ def test_capacity_overflow_drops_rows_and_raises_at_check(tmp_path):
     non-finite values, or goes unreported at check() on some rank (every rank must raise)."""
     for outcomes in run_ranks(overflow_outcomes, 2, args=(str(tmp_path),), timeout_s=300):
         assert outcomes == [(True, "MoKCapacityError")] * 2
+
+
+def repeated_expert_case() -> Scenario:
+    """EP 2 with one local expert per rank and k = 2: tokens that pick expert 0 twice (legal
+    input, the reference computes each pair), and an id out of range, which the backend routes to
+    expert 0 with weight 0 (a repeat, too)."""
+    config = SMALL.replace(num_experts=2, shared_intermediate_size=0)
+    case = scenario(config, [9, 7], seed=6, bad_pair=(0, 2, 1))
+    for inputs in case.ranks:
+        inputs.topk_idx[::3] = 0
+    return case
+
+
+@pytest.mark.interpreter
+def test_a_token_that_picks_one_expert_twice(tmp_path):
+    """Regression (found by the fuzz campaign): grad x of a token with more pairs on one owner
+    than that owner has experts lost all but min(k, E_loc) of them in the NVLink exchange's
+    backward, silently (8-46 % off)."""
+    case = repeated_expert_case()
+    per_rank = run_ranks(run_scenarios, 2, args=([case], str(tmp_path)), timeout_s=300)
+    for rank, (results,) in enumerate(per_rank):
+        assert results["exchange"] == "SymmetricExchange"
+        assert_matches_oracle(case, rank, results)
+        assert_id_error_on_its_rank(case, rank, results)

@@ -64,8 +64,8 @@ class MoKConfig:
     (every token of every rank routed here), which can never overflow."""
     recv_pair_capacity: int | None = None
     """(token, expert) pairs a rank's experts can take in one call in fused backends: the rows of
-    the expert GEMMs' buffers and activations. None: min(top_k, local experts) per receive-buffer
-    row, which can never overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
+    the expert GEMMs' buffers and activations. None: top_k per receive-buffer row, which can never
+    overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
     capacity factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and
     reported by `Workspace.check()`."""
     peer_timeout_s: float = 10.0

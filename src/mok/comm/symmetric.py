@@ -118,10 +118,11 @@ def default_shape(
 ) -> ExchangeShape:
     """Capacities for `recv_capacity` staging rows (None: the worst case, every token of every
     rank, which never overflows) and `pair_capacity` grouped rows (None: the worst case for those
-    staging rows, min(k, E_loc) pairs each)."""
+    staging rows, k pairs each: a token may pick one expert more than once, and the triton backend
+    routes a pair with an id out of range to expert 0 with weight 0)."""
     worst = ep_size * max_tokens
     tokens = worst if recv_capacity is None else min(recv_capacity, worst)
-    worst_pairs = tokens * min(top_k, local_experts)
+    worst_pairs = tokens * top_k
     pairs = worst_pairs if pair_capacity is None else min(pair_capacity, worst_pairs)
     return ExchangeShape(
         hidden=hidden,
@@ -595,7 +596,7 @@ class SymmetricExchange:
             routing.grouped_to_staging,
             routing.recv_pairs,
             s.token_capacity,
-            min(s.top_k, s.local_experts),
+            s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
         )
         reduce_rows(
             self.grad_staging.local,
