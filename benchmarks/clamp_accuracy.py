@@ -22,6 +22,7 @@ import mok
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,
+    clamped_share,
     float64_results,
     one_call_results,
     relative_error,
@@ -41,18 +42,6 @@ def layer_results(config, weights, x, idx, w, grad_y):
 def largest_entry_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|."""
     return float((actual.double() - expected).abs().max() / expected.abs().max())
-
-
-def clamped_fraction(x, idx, weights, limit) -> float:
-    """Share of the routed pre-activation elements (gate or up) that the clamp changes."""
-    clamped = total = 0
-    for expert in range(weights.gate.shape[0]):
-        rows = x[(idx == expert).any(1)].float()
-        gate = rows @ weights.gate[expert].float().T
-        up = rows @ weights.up[expert].float().T
-        clamped += int(((gate > limit) | (up.abs() > limit)).sum())
-        total += gate.numel()
-    return clamped / max(total, 1)
 
 
 def time_ms(config, weights, x, idx, w, grad_y, iters, warmup):
@@ -101,7 +90,7 @@ def main() -> None:
     weights = weights_of_preactivation_std(config, args.std, device)
 
     exact = float64_results(x, idx, w, grad_y, weights, args.limit)
-    fraction = clamped_fraction(x, idx, weights, args.limit)
+    fraction = clamped_share(x, idx, weights, args.limit)
     lines = [
         f"{args.preset} (E={config.num_experts}), {args.tokens} tokens, one GPU, L={args.limit}, "
         f"pre-activation std {args.std}: the clamp changes {fraction:.1%} of the routed gate/up "

@@ -6,8 +6,9 @@ Per rank and direction: bytes of the dispatch, the combine and the backward (the
 `mok.comm`: a token crosses once per remote owner; one row per (token, expert) pair returns; the
 backward sends per-pair bf16 gradients to the owners and fp32 per-(token, owner) sums back), the
 compute (FLOPs counted as in `docs/reference-machine.md`), the time of both at measured rates,
-their ratio, the smallest overlap chunk, and the receive buffers. Routing is uniform top-k without replacement;
-experts are split evenly, expert e on rank e // (E / ep). `docs/ep-scaling.md` holds the output.
+their ratio, the smallest overlap chunk, and the receive buffers. Routing is uniform top-k without
+replacement; experts are split evenly, expert e on rank e // (E / ep). `docs/ep-scaling.md` holds
+the output.
 
 No GPU is used: every time here is bytes or FLOPs divided by a rate. The rates marked "measured"
 come from the 2 x H200 machine (`docs/reference-machine.md`, `benchmarks/results/`); the others are

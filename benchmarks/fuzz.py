@@ -46,8 +46,10 @@ from mok.launch import RankFailedError, run_ranks  # noqa: E402
 from mok.reference import moe_forward  # noqa: E402
 from mok.routing import ROUTINGS, make_routing  # noqa: E402
 from mok.testing import (  # noqa: E402
+    RankInputs,
     cuda_ipc_allocator,
     global_weights,
+    one_call_results,
     relative_error,
     shared_file_allocator,
 )
@@ -88,7 +90,7 @@ def draw_case(rng: random.Random, ep: int, index: int) -> dict:
     return case
 
 
-def rank_inputs(case: dict, rank: int, device) -> dict:
+def rank_inputs(case: dict, rank: int, device) -> RankInputs:
     """Inputs of `rank` in `case` (every rank can rebuild every rank's)."""
     generator = torch.Generator().manual_seed(case["seed"] * 8 + rank)
     tokens, experts, top_k = case["tokens"][rank], case["experts"], case["top_k"]
@@ -101,20 +103,20 @@ def rank_inputs(case: dict, rank: int, device) -> dict:
         )
         bad = torch.tensor([experts, experts + 7, -1])[torch.arange(picks.numel()) % 3]
         idx.view(-1)[picks] = bad
-    return {
-        "x": x.to(device, torch.bfloat16),
-        "idx": idx.to(device),
-        "w": w.to(device),
-        "grad_y": grad_y.to(device, torch.bfloat16),
-    }
+    return RankInputs(
+        x.to(device, torch.bfloat16),
+        idx.to(device),
+        w.to(device),
+        grad_y.to(device, torch.bfloat16),
+    )
 
 
-def needs(case: dict, everyone: list[dict]) -> tuple[list[int], list[int]]:
+def needs(case: dict, everyone: list[RankInputs]) -> tuple[list[int], list[int]]:
     """(tokens, pairs) each rank receives: its tokens once per owner, and the valid pairs."""
     local = case["experts"] // case["ep"]
     tokens, pairs = [0] * case["ep"], [0] * case["ep"]
     for inputs in everyone:
-        idx = inputs["idx"].cpu()
+        idx = inputs.topk_idx.cpu()
         valid = (idx >= 0) & (idx < case["experts"])
         owner = torch.where(valid, idx // local, -1)
         for rank in range(case["ep"]):
@@ -123,7 +125,7 @@ def needs(case: dict, everyone: list[dict]) -> tuple[list[int], list[int]]:
     return tokens, pairs
 
 
-def config_of(case: dict, everyone: list[dict]) -> tuple[mok.MoKConfig, bool]:
+def config_of(case: dict, everyone: list[RankInputs]) -> tuple[mok.MoKConfig, bool]:
     """(the case's config, whether a receive buffer overflows)."""
     capacities, overflow = {}, False
     if case["capacity"]:
@@ -151,20 +153,21 @@ def reference_results(config, full, everyone, rank, group):
     """The reference on every rank's inputs; ids out of range become zero-weight pairs."""
     xs, idxs, ws, grads = [], [], [], []
     for inputs in everyone:
-        idx = inputs["idx"]
+        idx = inputs.topk_idx
         valid = (idx >= 0) & (idx < config.num_experts)
-        xs.append(inputs["x"])
+        xs.append(inputs.x)
         idxs.append(torch.where(valid, idx, 0))
-        ws.append(torch.where(valid, inputs["w"], 0))
-        grads.append(inputs["grad_y"])
+        ws.append(torch.where(valid, inputs.topk_weights, 0))
+        grads.append(inputs.grad_y)
     x = torch.cat(xs).requires_grad_(True)
     w = torch.cat(ws).requires_grad_(True)
     weights = full.map(lambda t: t.detach().clone().requires_grad_(True))
     y = moe_forward(x, torch.cat(idxs), w, weights, config.swiglu_limit)
     y.backward(torch.cat(grads))
-    start = sum(inputs["x"].shape[0] for inputs in everyone[:rank])
-    rows = slice(start, start + everyone[rank]["x"].shape[0])
-    valid = (everyone[rank]["idx"] >= 0) & (everyone[rank]["idx"] < config.num_experts)
+    start = sum(inputs.x.shape[0] for inputs in everyone[:rank])
+    rows = slice(start, start + everyone[rank].x.shape[0])
+    idx = everyone[rank].topk_idx
+    valid = (idx >= 0) & (idx < config.num_experts)
     results = {
         "y": y[rows].detach(),
         "grad x": x.grad[rows],
@@ -179,17 +182,6 @@ def reference_results(config, full, everyone, rank, group):
         results[f"grad {name}"] = (
             grad[first : first + local] if name in ("gate", "up", "down") else grad
         )
-    return results
-
-
-def layer_results(layer, inputs, device):
-    x = inputs["x"].clone().requires_grad_(True)
-    w = inputs["w"].clone().requires_grad_(True)
-    y = layer(x, inputs["idx"], w)
-    y.backward(inputs["grad_y"])
-    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": w.grad}
-    for name, param in layer.named_parameters(recurse=False):
-        results[f"grad {name}"] = torch.zeros_like(param) if param.grad is None else param.grad
     return results
 
 
@@ -215,7 +207,7 @@ def run_case(case: dict, rank: int, group, device) -> tuple[str, float, str]:
     layer = mok.MoE(config, group=group, device=device)
     layer.load_global_weights(full)
     workspace = layer.workspace(device)
-    got = layer_results(layer, everyone[rank], device)
+    got = one_call_results(layer, everyone[rank])
     raised = raised_errors(workspace)
     if group is not None:
         for name in ("shared_gate", "shared_up", "shared_down"):
@@ -225,7 +217,7 @@ def run_case(case: dict, rank: int, group, device) -> tuple[str, float, str]:
                 got[f"grad {name}"] = grad
     want = reference_results(config, full, everyone, rank, group)
     workspace.release()
-    idx = everyone[rank]["idx"]
+    idx = everyone[rank].topk_idx
     bad_here = bool(((idx < 0) | (idx >= config.num_experts)).any())
     due = ({"bad ids"} if bad_here else set()) | ({"overflow"} if overflow else set())
     finite = all(bool(torch.isfinite(t.float()).all()) for t in got.values())

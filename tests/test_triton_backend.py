@@ -17,6 +17,7 @@ from mok.routing import make_routing
 from mok.testing import (
     RankInputs,
     capture_in_graph,
+    clamped_share,
     compare_with_reference,
     float64_results,
     global_weights,
@@ -248,18 +249,6 @@ def clamp_case(device, tokens=4096, limit=7.0, std=4.0):
     return config, weights, rank_inputs(config, tokens, "uniform", 0, device)
 
 
-def clamped_share(inputs, weights, limit):
-    """Share of the routed gate/up elements that the clamp changes."""
-    clamped = total = 0
-    for expert in range(weights.gate.shape[0]):
-        rows = inputs.x[(inputs.topk_idx == expert).any(1)].float()
-        gate = rows @ weights.gate[expert].float().T
-        up = rows @ weights.up[expert].float().T
-        clamped += int(((gate > limit) | (up.abs() > limit)).sum())
-        total += gate.numel()
-    return clamped / total
-
-
 @pytest.mark.gpu
 def test_gradients_under_an_active_clamp_match_float64():
     """Every output within bf16 level of float64 when the clamp changes >= 5 % of the elements.
@@ -267,7 +256,7 @@ def test_gradients_under_an_active_clamp_match_float64():
     half an ulp of L flip their mask: gradients ~3e-2 off), a mask with < for <=."""
     device = torch.device("cuda")
     config, weights, inputs = clamp_case(device)
-    assert clamped_share(inputs, weights, config.swiglu_limit) >= 0.05
+    assert clamped_share(inputs.x, inputs.topk_idx, weights, config.swiglu_limit) >= 0.05
     layer = mok.MoE(config, device=device)
     layer.load_global_weights(weights)
     got = one_call_results(layer, inputs)

@@ -22,6 +22,7 @@ from mok.testing import (
     RankInputs,
     float64_results,
     global_weights,
+    one_call_results,
     relative_error,
     shared_file_allocator,
 )
@@ -97,18 +98,13 @@ def oracle(case: Scenario) -> dict[str, torch.Tensor]:
 
 
 def layer_results(layer: mok.MoE, inputs: RankInputs) -> dict[str, torch.Tensor]:
-    """y and every gradient of one forward and backward of `layer`; the shared expert's
-    gradients summed over the layer's group (data parallelism sums the replicas)."""
-    x = inputs.x.clone().requires_grad_(True)
-    topk_weights = inputs.topk_weights.clone().requires_grad_(True)
-    y = layer(x, inputs.topk_idx, topk_weights)
-    y.backward(inputs.grad_y)
-    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": topk_weights.grad}
-    for name, param in layer.named_parameters(recurse=False):
-        grad = torch.zeros_like(param) if param.grad is None else param.grad.float()
-        if name.startswith("shared") and layer.group is not None:
-            dist.all_reduce(grad, group=layer.group)
-        results[f"grad {name}"] = grad
+    """`one_call_results`, with the shared expert's gradients summed over the layer's group in
+    fp32 (data parallelism sums the replicas)."""
+    results = one_call_results(layer, inputs)
+    if layer.group is not None:
+        for key in [key for key in results if key.startswith("grad shared")]:
+            results[key] = results[key].float()
+            dist.all_reduce(results[key], group=layer.group)
     return results
 
 

@@ -76,6 +76,21 @@ def weights_of_preactivation_std(
     )
 
 
+def clamped_share(
+    x: torch.Tensor, topk_idx: torch.Tensor, weights: MoEWeights, swiglu_limit: float
+) -> float:
+    """Share of the routed gate/up pre-activation elements that the SwiGLU clamp changes
+    (gate > L or |up| > L), computed per local expert on the rows routed to it."""
+    clamped = total = 0
+    for expert in range(weights.gate.shape[0]):
+        rows = x[(topk_idx == expert).any(1)].float()
+        gate = rows @ weights.gate[expert].float().T
+        up = rows @ weights.up[expert].float().T
+        clamped += int(((gate > swiglu_limit) | (up.abs() > swiglu_limit)).sum())
+        total += gate.numel()
+    return clamped / max(total, 1)
+
+
 def float64_results(
     x: torch.Tensor,
     topk_idx: torch.Tensor,

@@ -78,6 +78,8 @@ WAITS = (
     "release: peers done with the buffers",
 )
 """Every place where a rank waits for its peers, by wait id (what a timeout names)."""
+_PUSH_WAIT = WAITS.index("dispatch: token rows pushed")
+"""The one wait on readiness flags (its `where` is a flag index, not a rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,11 +353,11 @@ class SymmetricExchange:
     def _failure(self, code: int, wait_id: int, where: int, seen: int) -> str:
         """The message of a failed wait recorded in the status."""
         wait = WAITS[wait_id] if 0 <= wait_id < len(WAITS) else f"wait {wait_id}"
-        flags = wait == "dispatch: token rows pushed"
+        flags = wait_id == _PUSH_WAIT
         peer = where // self.shape.blocks_per_rank if flags else where
         after = (
             " Every rank must call Workspace.reset() (for a mok.MoE: layer.workspace(device)"
-            ".reset()) before the next call;"
+            ".reset()) before the next call; "
             "if a rank is gone, rebuild the process group instead."
         )
         if code == OUT_OF_STEP:
@@ -467,7 +469,7 @@ class SymmetricExchange:
                 "epoch": self.epoch,
                 "status": self.status,
                 "timeout_s": self.timeout_s,
-                "wait_id": WAITS.index("dispatch: token rows pushed"),
+                "wait_id": _PUSH_WAIT,
             }
         grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
         copy_rows(
