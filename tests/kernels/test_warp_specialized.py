@@ -1,0 +1,87 @@
+"""The warp-specialized Gluon grouped GEMM (Hopper) against its interpretable twin and fp32 math.
+
+Gluon does not run under the interpreter, so these are GPU tests. The twin is `grouped_gemm.down`
+(the tl kernel the CPU tests cover); the two walk the same reduction in the same BLOCK_K-step
+order with fp32 accumulators, so on a group's rows they must agree bit for bit. Bugs these catch:
+a wrong ring slot or barrier phase (stale or mixed operand tiles: O(1) errors, or a hang that the
+pytest timeout turns into a failure), a tile's tail rows written into the next group, a weight
+tile read from the wrong expert, columns or reduction steps past N or K not dropped.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok.kernels import grouped_gemm as gg
+from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+from mok.testing import relative_error
+
+pytestmark = pytest.mark.gpu
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+CASES = {
+    # name: (group sizes, N (output features), K (reduction))
+    "uniform": ([300, 257, 128, 511], 384, 256),
+    "empty and one-row groups": ([0, 1, 0, 640, 0, 3], 256, 128),
+    "all rows on one expert": ([0, 0, 1000, 0], 256, 192),
+    "N and K not tile multiples": ([200, 77, 129], 200, 80),
+    "fewer rows than a tile": ([5, 9], 128, 64),
+    "many short groups": ([37] * 40, 128, 128),
+}
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["128x128", "64x256"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_rows_wt_matches_its_twin_bitwise(name, tiles):
+    from mok.kernels import warp_specialized as ws
+
+    sizes, n, k = CASES[name]
+    bm, bn = map(int, tiles.split("x"))
+    cfg = GemmTiles(bm, bn, 64, num_warps=4, num_stages=4)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    before, after = 3, 5  # rows outside every group, which must stay untouched
+    m = before + sum(sizes) + after
+    rows = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    weights = (torch.randn(len(sizes), n, k, generator=gen, device="cuda") * k**-0.5).bfloat16()
+    offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
+    tiles_map = row_tile_map(offsets, m, bm)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    ws.rows_wt(rows, weights, tiles_map, cfg, out=out)
+    twin = gg.down(rows, weights, tiles_map, GemmTiles(bm, 128, 64, num_warps=4, num_stages=3))
+    inside = slice(before, before + sum(sizes))
+    assert torch.equal(out[inside], twin[inside])
+    assert out[:before].isnan().all() and out[inside.stop :].isnan().all()
+    expected = torch.cat(
+        [
+            rows[start:end].float() @ weights[e].float().T
+            for e, (start, end) in enumerate(
+                zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+            )
+        ]
+    )
+    # fp32 accumulation, one bf16 rounding of the result: 2^-9 relative per element at most.
+    assert relative_error(out[inside], expected) < 4e-3
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_rows_wt_is_repeatable_and_handles_no_rows():
+    from mok.kernels import warp_specialized as ws
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    sizes = [700, 0, 1500, 33]
+    m, n, k = sum(sizes), 512, 384
+    rows = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
+    weights = torch.randn(len(sizes), n, k, generator=gen, device="cuda").bfloat16()
+    offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    tiles_map = row_tile_map(offsets, m, ws.PING_PONG.block_m)
+    first = ws.rows_wt(rows, weights, tiles_map)
+    assert all(torch.equal(first, ws.rows_wt(rows, weights, tiles_map)) for _ in range(3))
+    empty = torch.zeros(len(sizes) + 1, dtype=torch.int32, device="cuda")
+    none = ws.rows_wt(rows[:0], weights, row_tile_map(empty, 0, ws.PING_PONG.block_m))
+    assert none.shape == (0, n)
