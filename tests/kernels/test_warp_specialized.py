@@ -3,9 +3,10 @@
 Gluon does not run under the interpreter, so these are GPU tests. The twin is `grouped_gemm.down`
 (the tl kernel the CPU tests cover); the two walk the same reduction in the same BLOCK_K-step
 order with fp32 accumulators, so on a group's rows they must agree bit for bit. Bugs these catch:
-a wrong ring slot or barrier phase (stale or mixed operand tiles: O(1) errors, or a hang that the
-pytest timeout turns into a failure), a tile's tail rows written into the next group, a weight
-tile read from the wrong expert, columns or reduction steps past N or K not dropped.
+a wrong ring slot or barrier phase (stale or mixed operand tiles: O(1) errors, a hang that the
+pytest timeout turns into a failure, or a kernel fault), consumers running out of turn, a tile's
+tail rows written into the next group, a weight tile read from the wrong expert, columns or
+reduction steps past N or K not dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ CASES = {
     "N and K not tile multiples": ([200, 77, 129], 200, 80),
     "fewer rows than a tile": ([5, 9], 128, 64),
     "many short groups": ([37] * 40, 128, 128),
+    # More tasks than programs and more reduction steps than ring slots: both consumers of every
+    # program run several tiles, and the ring wraps many times within one tile.
+    "several tiles per consumer": ([5000, 0, 7000, 3003, 1], 512, 1024),
 }
 
 

@@ -77,7 +77,7 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
 @gluon.jit
 def _load_partition(shared, problem):
     """Loader: the A and W tiles of every step of every task of this program, in order."""
-    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty) = shared
+    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns) = shared
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
@@ -106,7 +106,7 @@ def _load_partition(shared, problem):
 @gluon.jit
 def _consume(shared, problem, ROLE: gl.constexpr):
     """Consumer ROLE (0 or 1): tasks ROLE, ROLE + 2, ... of this program; main loop, epilogue."""
-    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty) = shared
+    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns) = shared
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -127,6 +127,11 @@ def _consume(shared, problem, ROLE: gl.constexpr):
         row = gl.load(table_ptr + capacity + m_idx)
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
         step = nth * k_steps
+        # Wait for the other consumer to have issued its tile's main loop: it has then waited on
+        # every slot before ours, so our ready waits are at most one phase ahead of the barriers
+        # (phase parity cannot tell a phase from the one two later). This also orders the two
+        # main loops on the tensor cores.
+        mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
         for k in range(k_steps):
             slot = step % STAGES
@@ -138,6 +143,7 @@ def _consume(shared, problem, ROLE: gl.constexpr):
             acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(slot), w_bufs.index(slot)))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
             step += 1
+        mbarrier.arrive(turns.index(1 - ROLE))
         acc = warpgroup_mma_wait(0, deps=(acc,))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
         value = acc.to(out_desc.dtype)
@@ -190,10 +196,13 @@ def _rows_wt_kernel(
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.init(turns.index(role), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=1)
-    shared = (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty)
+    shared = (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns)
     problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS)
     gl.warp_specialize(
         [
@@ -207,6 +216,8 @@ def _rows_wt_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(slot))
         mbarrier.invalidate(empty.index(slot))
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(turns.index(role))
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
