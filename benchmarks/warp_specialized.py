@@ -1,12 +1,14 @@
-"""The warp-specialized Gluon grouped GEMM against the tl kernel it would replace, one GPU.
+"""The warp-specialized Gluon grouped GEMMs against the tl kernels they replace, one GPU.
 
     PYTHONPATH=src python3 benchmarks/warp_specialized.py [--tokens 8192] [--out F]
 
-The product timed is the down projection of the expert MLP, out[group e] = h[group e] @ W_down[e].T
-(h [M, I], W_down [E, H, I]), at each preset's shape with every expert on this GPU and near-uniform
-top-k routing (rows = tokens x k). Both kernels get the same inputs; first their results are
-compared (bitwise on the groups' rows, and with fp32 math), then each is timed: CUDA events around
-each call, median and the 10-90 % range over alternating input sets, the two kernels interleaved.
+The products timed are the forward's two: gate/up + SwiGLU, h[group e] = swiglu(x @ W_gate[e].T,
+x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate and W_up [E, I, H]),
+and down, out[group e] = h[group e] @ W_down[e].T (W_down [E, H, I]), at each preset's shape with
+every expert on this GPU and near-uniform top-k routing (rows = tokens x k). The kernels get the
+same inputs; first their results are compared (bitwise on the groups' rows, and with fp32 math),
+then each is timed: CUDA events around each call, median and the 10-90 % range over alternating
+input sets, the kernels interleaved.
 "% of dense" divides by cuBLAS (torch.mm) at 8192^3 in the same run.
 """
 
@@ -30,8 +32,11 @@ from mok.testing import relative_error
 
 PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 GLUON_TILES = {
-    "gluon 128x128": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
-    "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
+    "down": {
+        "gluon 128x128": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
+        "gluon 64x256": ws.PING_PONG,
+    },
+    "gate_up": {"gluon 64x128": ws.SWIGLU_PING_PONG},
 }
 
 
@@ -58,7 +63,7 @@ def time_each(fns: dict, inputs: int, iters: int = 30) -> dict[str, tuple[float,
     return result
 
 
-def bench(name: str, tokens: int, dense: float, gen) -> list[str]:
+def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
     shape = mok.PRESETS[name]
     experts, hidden, inter, top_k = (
         shape.num_experts,
@@ -66,53 +71,68 @@ def bench(name: str, tokens: int, dense: float, gen) -> list[str]:
         shape.intermediate_size,
         shape.top_k,
     )
+    down = product == "down"
+    k_dim = inter if down else hidden
     sets = []
     for _ in range(2):
         sizes = near_uniform_sizes(tokens, top_k, experts, gen)
-        m = sum(sizes)
         offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
-        h = randn(m, inter, gen=gen)
-        sets.append((h, offsets))
-    w_down = randn(experts, hidden, inter, gen=gen, scale=inter**-0.5)
+        sets.append((randn(sum(sizes), k_dim, gen=gen), offsets))
+    if down:
+        weights = [randn(experts, hidden, inter, gen=gen, scale=inter**-0.5)]
+    else:
+        weights = [randn(experts, inter, hidden, gen=gen, scale=hidden**-0.5) for _ in range(2)]
     m = sets[0][0].shape[0]
-    tl_cfg = default_config(torch.device("cuda"), hidden, inter, m / experts).down
-    configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **GLUON_TILES}
+    default = default_config(torch.device("cuda"), hidden, inter, m / experts)
+    tl_cfg = default.down if down else default.gate_up
+    configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **GLUON_TILES[product]}
     maps = {
-        (i, cfg.block_m): row_tile_map(offsets, h.shape[0], cfg.block_m)
-        for i, (h, offsets) in enumerate(sets)
+        (i, cfg.block_m): row_tile_map(offsets, rows.shape[0], cfg.block_m)
+        for i, (rows, offsets) in enumerate(sets)
         for cfg in configs.values()
     }
 
     def runner(label, cfg):
-        kernel = gg.down if label.startswith("tl") else ws.rows_wt
-        return lambda i: kernel(sets[i][0], w_down, maps[i, cfg.block_m], cfg)
+        tl_kernel = label.startswith("tl")
+        if down:
+            kernel = gg.down if tl_kernel else ws.rows_wt
+            return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
+        kernel = gg.gate_up_swiglu if tl_kernel else ws.gate_up_swiglu
+        return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], None, True, cfg)
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
-    h, offsets = sets[0]
+    rows, offsets = sets[0]
     results = {label: fn(0) for label, fn in fns.items()}
     bounds = offsets.tolist()
-    expected = torch.cat(
-        [
-            h[a:b].float() @ w_down[e].float().T
-            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
-        ]
-    )
+    pieces = []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        products = [rows[a:b].float() @ w[e].float().T for w in weights]
+        pieces.append(products[0] if down else torch.nn.functional.silu(products[0]) * products[1])
+    expected = torch.cat(pieces)
     tl_label = next(iter(configs))
     lines = []
     times = time_each(fns, len(sets))
-    flops = 2 * m * hidden * inter
+    flops = 2 * m * hidden * inter * len(weights)
     for label in configs:
-        error = relative_error(results[label], expected)
-        bitwise = torch.equal(results[label], results[tl_label])
+        result = results[label] if down else results[label][0]
+        error = relative_error(result, expected)
+        bitwise = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                results[label] if not down else [results[label]],
+                results[tl_label] if not down else [results[tl_label]],
+                strict=True,
+            )
+        )
         ms, low, high = times[label]
         tflops = flops / ms / 1e9
         lines.append(
-            f"| {name} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) | "
-            f"{tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | "
+            f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | "
             f"{'yes' if bitwise else 'no'} |"
         )
         if error > 4e-3:
-            raise AssertionError(f"{name} {label}: relative error {error:.2e} against fp32")
+            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
     return lines
 
 
@@ -120,6 +140,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192", help="comma-separated token counts")
     parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--products", default="gate_up,down")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -132,17 +153,18 @@ def main(argv=None) -> int:
         f"{torch.__version__}; command: `{' '.join(sys.argv)}`",
         f"- cuBLAS dense 8192^3 in this run: {dense:.0f} TFLOP/s",
         "",
-        "| preset | tokens | rows | kernel | ms (10-90 %) | TFLOP/s | % of dense | "
+        "| preset | product | tokens | rows | kernel | ms (10-90 %) | TFLOP/s | % of dense | "
         "error vs fp32 | bitwise = tl |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     lines = list(header)
     print("\n".join(header), flush=True)
     for name in args.presets.split(","):
         for tokens in map(int, args.tokens.split(",")):
-            rows = bench(name, tokens, dense, gen)
-            print("\n".join(rows), flush=True)
-            lines += rows
+            for product in args.products.split(","):
+                rows = bench(name, product, tokens, dense, gen)
+                print("\n".join(rows), flush=True)
+                lines += rows
     if args.out:
         with open(args.out, "w") as handle:
             handle.write("\n".join(lines) + "\n")

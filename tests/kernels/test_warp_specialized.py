@@ -89,3 +89,37 @@ def test_rows_wt_is_repeatable_and_handles_no_rows():
     empty = torch.zeros(len(sizes) + 1, dtype=torch.int32, device="cuda")
     none = ws.rows_wt(rows[:0], weights, row_tile_map(empty, 0, ws.PING_PONG.block_m))
     assert none.shape == (0, n)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit):
+    """h and the saved pre-activations (with the clamp-preserving rounding) of the dual kernel
+    equal the tl kernel's bit for bit; a swapped gate/up, a clamp applied to the wrong operand or
+    a pre-activation saved into the other half of gate | up would not."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = CASES[name]
+    cfg = ws.SWIGLU_PING_PONG
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    before, after = 2, 7
+    m = before + sum(sizes) + after
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    scale = hidden**-0.5 * (4.0 if limit else 1.0)  # pre-activations past the clamp often
+    w_gate = (
+        torch.randn(len(sizes), inter, hidden, generator=gen, device="cuda") * scale
+    ).bfloat16()
+    w_up = (torch.randn(len(sizes), inter, hidden, generator=gen, device="cuda") * scale).bfloat16()
+    offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
+    tiles_map = row_tile_map(offsets, m, cfg.block_m)
+    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, True, cfg)
+    twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
+    twin_h, twin_gate_up = gg.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, True, twin_cfg)
+    inside = slice(before, before + sum(sizes))
+    assert torch.equal(h[inside], twin_h[inside])
+    assert torch.equal(gate_up[inside], twin_gate_up[inside])
+    if limit is not None and sum(sizes) > 100:
+        assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
+    h_only, none = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, False, cfg)
+    assert none is None and torch.equal(h_only[inside], h[inside])

@@ -29,6 +29,7 @@ import math
 import torch
 
 from mok.kernels import grouped_gemm as gg
+from mok.kernels import warp_specialized as ws
 from mok.kernels._triton_compat import interpreting
 from mok.kernels.grouped_gemm import GemmTiles, RowTiles
 
@@ -49,6 +50,9 @@ class ExpertKernelConfig:
     """grad of W_down: H x I tiles, reduction over the expert's rows."""
     gate_up_wgrad: GemmTiles
     """grads of W_gate and W_up: I x H tiles, reduction over the expert's rows."""
+    warp_specialized_down: GemmTiles | None = None
+    """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
+    of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
 
 
 def default_config(
@@ -67,6 +71,7 @@ def default_config(
     short = rows_per_expert is not None and rows_per_expert < 192
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     return ExpertKernelConfig(
+        warp_specialized_down=ws.PING_PONG if ws.available(device) else None,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
         down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),
@@ -230,8 +235,14 @@ def expert_mlp_forward(
         save_for_backward,
         cfg.gate_up,
     )
-    down_tiles = _row_tiles(tiles, group_offsets, m, cfg.down.block_m)
-    out = gg.down(h, w_down, down_tiles, cfg.down, out)
+    ws_down = cfg.warp_specialized_down
+    if ws_down is not None and ws.supported(h, w_down):
+        down_tiles = _row_tiles(tiles, group_offsets, m, ws_down.block_m)
+        out = ws.rows_wt(h, w_down, down_tiles, ws_down, out)
+    else:
+        out = gg.down(
+            h, w_down, _row_tiles(tiles, group_offsets, m, cfg.down.block_m), cfg.down, out
+        )
     if not save_for_backward:
         return out, None
     saved = ExpertMLPSaved(

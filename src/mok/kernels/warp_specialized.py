@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -40,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
+from mok.kernels.grouped_gemm import GemmTiles, RowTiles, limit_edges, num_programs
 
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
@@ -51,9 +52,15 @@ CONSUMER_REGISTERS = gl.constexpr(232)
 MAX_REGISTERS = 168
 """The kernel's register limit before redistribution: 168 x 12 warps x 32 fits the 64 K file."""
 
-PING_PONG = GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8)
-"""Tiles of one consumer warpgroup, and the ring depth (4 slots of 32 KiB, plus two 32 KiB
-epilogue buffers: 192 KiB of the 227 KiB of shared memory)."""
+PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
+"""Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
+epilogue buffers: 224 KiB of the 227 KiB of shared memory). Measured on an H200 against 128 x 128
+tiles (benchmarks/warp_specialized.py): as fast or faster at every preset, 10 % at kimi-k2, whose
+~170 rows per expert leave most of a second 128-row tile idle."""
+SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+"""Tiles of the gate/up + SwiGLU kernel: two 64 x 128 fp32 accumulators per consumer (128
+registers a thread); 3 slots of 40 KiB and six 16 KiB epilogue buffers (h, gate, up of two
+consumers): 216 KiB."""
 
 
 @gluon.jit
@@ -75,13 +82,40 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _load_partition(shared, problem):
-    """Loader: the A and W tiles of every step of every task of this program, in order."""
-    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns) = shared
+def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
+    """`grouped_gemm.swiglu_tile`, operation for operation (the twins agree bit for bit)."""
+    if HAS_LIMIT:
+        gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = gl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate * (1 / (1 + gl.exp(-gate))) * up
+
+
+@gluon.jit
+def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr):
+    """`grouped_gemm.saved_preactivations`: gate and up as saved for the backward, such that its
+    clamp decisions on the saved values are the forward's on the fp32 ones."""
+    if HAS_LIMIT:
+        clamped_gate = gl.maximum(gate, above, propagate_nan=tl.PropagateNan.ALL)
+        kept_gate = gl.minimum(gate, below, propagate_nan=tl.PropagateNan.ALL)
+        gate = gl.where(gate > limit, clamped_gate, kept_gate)
+        high_up = gl.maximum(up, above, propagate_nan=tl.PropagateNan.ALL)
+        low_up = gl.minimum(up, -above, propagate_nan=tl.PropagateNan.ALL)
+        kept_up = gl.maximum(up, -below, propagate_nan=tl.PropagateNan.ALL)
+        kept_up = gl.minimum(kept_up, below, propagate_nan=tl.PropagateNan.ALL)
+        up = gl.where(up > limit, high_up, gl.where(up < -limit, low_up, kept_up))
+    return gate, up
+
+
+@gluon.jit
+def _load_partition(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """Loader: the A and W (and W2) tiles of every step of every task of this program, in order."""
+    (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    step_bytes: gl.constexpr = a_desc.block_type.nbytes + (1 + DUAL) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     step = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -95,34 +129,56 @@ def _load_partition(shared, problem):
             # A fresh barrier counts as having completed the phase before its first: the first
             # pass over the ring does not wait.
             mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
-            mbarrier.expect(ready.index(slot), a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(a_desc, [row, k], ready.index(slot), a_bufs.index(slot))
-            tma.async_copy_global_to_shared(
-                w_desc, [w_row, k], ready.index(slot), w_bufs.index(slot)
-            )
+            bar = ready.index(slot)
+            mbarrier.expect(bar, step_bytes)
+            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(slot))
+            if DUAL:
+                tma.async_copy_global_to_shared(w2_desc, [w_row, k], bar, w2_bufs.index(slot))
             step += 1
 
 
 @gluon.jit
-def _consume(shared, problem, ROLE: gl.constexpr):
+def _store_tile(desc, buf, ptr, row_stride, value, row, row_end, n_off, N, layout: gl.constexpr):
+    """Stage a full tile for a TMA store (issued by the caller after a fence), or store a
+    group's last, partial tile from registers, rows [row, row_end) and columns [n_off, N) only.
+    Returns whether the tile went through shared memory."""
+    BLOCK_M: gl.constexpr = desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = desc.block_type.shape[1]
+    full = row + BLOCK_M <= row_end
+    if full:
+        buf.store(value)
+    else:
+        rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+        cols = n_off + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+        mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+        offsets = rows.to(gl.int64)[:, None] * row_stride + cols[None, :]
+        gl.store(ptr + offsets, value, mask=mask)
+    return full
+
+
+@gluon.jit
+def _consume(
+    operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr, ROLE: gl.constexpr
+):
     """Consumer ROLE (0 or 1): tasks ROLE, ROLE + 2, ... of this program; main loop, epilogue."""
-    (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns) = shared
+    (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
+    (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
+    (limit, limit_below, limit_above) = limits
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
+    dtype: gl.constexpr = out_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
-    rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-    out_buf = out_bufs.index(ROLE)
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
-    first = gl.program_id(0) + ROLE * NUM_PROGRAMS
     nth = ROLE
-    for task in range(first, num_tasks, CONSUMERS * NUM_PROGRAMS):
+    for task in range(gl.program_id(0) + ROLE * NUM_PROGRAMS, num_tasks, CONSUMERS * NUM_PROGRAMS):
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         row = gl.load(table_ptr + capacity + m_idx)
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
@@ -133,66 +189,123 @@ def _consume(shared, problem, ROLE: gl.constexpr):
         # main loops on the tensor cores.
         mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+        acc2 = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
         for k in range(k_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), step // STAGES & 1)
-            acc = warpgroup_mma(
-                a_bufs.index(slot), w_bufs.index(slot).permute((1, 0)), acc, is_async=True
-            )
-            # Keep one wgmma in flight; the one before it has read its slot, which goes back.
-            acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(slot), w_bufs.index(slot)))
+            a = a_bufs.index(slot)
+            acc = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            if DUAL:
+                acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
+                # At most this step's second wgmma in flight: the step before has read its slot.
+                acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
+            else:
+                acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
             step += 1
         mbarrier.arrive(turns.index(1 - ROLE))
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-        value = acc.to(out_desc.dtype)
-        n_off = n_idx * BLOCK_N
-        if row + BLOCK_M <= row_end:
-            tma.store_wait(0)  # this consumer's previous store has left its buffer
-            out_buf.store(value)
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [row, n_off], out_buf)
+        if DUAL:
+            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
         else:
-            rows = row + gl.arange(0, BLOCK_M, rows_layout)
-            cols = n_off + gl.arange(0, BLOCK_N, cols_layout)
-            mask = (rows < row_end)[:, None] & (cols < N)[None, :]
-            gl.store(out_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], value, mask=mask)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+
+        # Epilogue; the other consumer's main loop runs meanwhile.
+        n_off = n_idx * BLOCK_N
+        tma.store_wait(0)  # this consumer's previous stores have left its buffers
+        first = ROLE * OUTPUTS
+        if DUAL:
+            value = _swiglu(acc, acc2, limit, HAS_LIMIT).to(dtype)
+        else:
+            value = acc.to(dtype)
+        full = _store_tile(
+            out_desc, out_bufs.index(first), out_ptr, N, value, row, row_end, n_off, N, acc_layout
+        )
+        if OUTPUTS == 3:
+            gate, up = _saved_preactivations(acc, acc2, limit, limit_below, limit_above, HAS_LIMIT)
+            _store_tile(
+                gate_desc,
+                out_bufs.index(first + 1),
+                gate_up_ptr,
+                2 * N,
+                gate.to(dtype),
+                row,
+                row_end,
+                n_off,
+                N,
+                acc_layout,
+            )
+            _store_tile(
+                up_desc,
+                out_bufs.index(first + 2),
+                gate_up_ptr + N,
+                2 * N,
+                up.to(dtype),
+                row,
+                row_end,
+                n_off,
+                N,
+                acc_layout,
+            )
+        if full:
+            fence_async_shared()
+            tma.async_copy_shared_to_global(out_desc, [row, n_off], out_bufs.index(first))
+            if OUTPUTS == 3:
+                tma.async_copy_shared_to_global(gate_desc, [row, n_off], out_bufs.index(first + 1))
+                tma.async_copy_shared_to_global(up_desc, [row, n_off], out_bufs.index(first + 2))
         nth += CONSUMERS
     tma.store_wait(0)
 
 
 @gluon.jit
-def _first_consumer(shared, problem):
-    _consume(shared, problem, 0)
+def _first_consumer(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    _consume(operands, outputs, problem, DUAL, HAS_LIMIT, 0)
 
 
 @gluon.jit
-def _second_consumer(shared, problem):
-    _consume(shared, problem, 1)
+def _second_consumer(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    _consume(operands, outputs, problem, DUAL, HAS_LIMIT, 1)
 
 
 @gluon.jit(do_not_specialize=["capacity"])
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     w_desc,  # [E * N, K], block [BLOCK_N, BLOCK_K]
+    w2_desc,  # [E * N, K] when DUAL (else w_desc), block [BLOCK_N, BLOCK_K]
     out_desc,  # [M, N] out, block [BLOCK_M, BLOCK_N]
+    gate_desc,  # [M, N] (row stride 2N) out when SAVE_PREACT: pre-activations A @ W.T
+    up_desc,  # [M, N] (row stride 2N) out when SAVE_PREACT: pre-activations A @ W2.T
     out_ptr,  # out's first element (contiguous)
+    gate_up_ptr,  # [M, 2N] the storage of gate_desc and up_desc
     table_ptr,  # [3, capacity] int32 row tiles
     counts_ptr,  # [2] int32
     capacity,
     N,
     K,
+    limit,  # float, the SwiGLU clamp when HAS_LIMIT
+    limit_below,  # float, the largest value of the output dtype <= limit
+    limit_above,  # float, the smallest value of the output dtype > limit
+    DUAL: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    SAVE_PREACT: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS, num_warps 4. out = A @ W[e].T for every group's rows."""
+    """Grid: NUM_PROGRAMS, num_warps 4. For every group's rows: out = A @ W[e].T, or with DUAL
+    out = swiglu(A @ W[e].T, A @ W2[e].T) (and with SAVE_PREACT both products saved)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    if DUAL:
+        w2_bufs = gl.allocate_shared_memory(
+            dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout
+        )
+    else:
+        w2_bufs = w_bufs
+    OUTPUTS: gl.constexpr = 3 if SAVE_PREACT else 1
     out_bufs = gl.allocate_shared_memory(
-        dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout
+        dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -202,13 +315,15 @@ def _rows_wt_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=1)
-    shared = (a_desc, w_desc, out_desc, out_ptr, a_bufs, w_bufs, out_bufs, ready, empty, turns)
+    operands = (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns)
+    limits = (limit, limit_below, limit_above)
+    outputs = (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits)
     problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS)
     gl.warp_specialize(
         [
-            (_first_consumer, (shared, problem)),
-            (_second_consumer, (shared, problem)),
-            (_load_partition, (shared, problem)),
+            (_first_consumer, (operands, outputs, problem, DUAL, HAS_LIMIT)),
+            (_second_consumer, (operands, outputs, problem, DUAL, HAS_LIMIT)),
+            (_load_partition, (operands, outputs, problem, DUAL, HAS_LIMIT)),
         ],
         [4, 1],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
@@ -228,12 +343,55 @@ def _descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(tensor, block, layout)
 
 
-def supported(rows: torch.Tensor) -> bool:
-    """Whether the warp-specialized kernels can run on `rows`' device and dtype (Hopper, 16-bit)."""
+def available(device: torch.device) -> bool:
+    """Whether the warp-specialized kernels can run on `device` (a Hopper GPU)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether the kernels here take these operands: 16-bit, on a Hopper GPU, every weight
+    tensor [E, N, K] viewable as [E * N, K] (contiguous experts)."""
     return (
-        rows.is_cuda
-        and torch.cuda.get_device_capability(rows.device)[0] == 9
+        available(rows.device)
         and rows.dtype in _GLUON_DTYPES
+        and all(w.stride() == (w.shape[1] * w.shape[2], w.shape[2], 1) for w in weights)
+    )
+
+
+def _launch(rows, weights, weights2, tiles, cfg, out, gate_up, swiglu_limit):
+    m, k = rows.shape
+    num_experts, n, _ = weights.shape
+    if tiles.block_m != cfg.block_m:
+        raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    dual = weights2 is not None
+    gate, up = (gate_up[:, :n], gate_up[:, n:]) if gate_up is not None else (out, out)
+    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(n, bn), cfg)
+    w_desc = _descriptor(weights.view(num_experts * n, k), [bn, bk])
+    _rows_wt_kernel[(programs,)](
+        _descriptor(rows, [bm, bk]),
+        w_desc,
+        _descriptor(weights2.view(num_experts * n, k), [bn, bk]) if dual else w_desc,
+        _descriptor(out, [bm, bn]),
+        _descriptor(gate, [bm, bn]),
+        _descriptor(up, [bm, bn]),
+        out,
+        gate_up if gate_up is not None else out,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        n,
+        k,
+        0.0 if swiglu_limit is None else float(swiglu_limit),
+        *limit_edges(swiglu_limit, rows.dtype),
+        DUAL=dual,
+        HAS_LIMIT=swiglu_limit is not None,
+        SAVE_PREACT=gate_up is not None,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
     )
 
 
@@ -244,33 +402,35 @@ def rows_wt(
     cfg: GemmTiles = PING_PONG,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [M, N] = rows[group e] @ weights[e].T (rows [M, K], weights [E, N, K], contiguous);
+    """out [M, N] = rows[group e] @ weights[e].T (rows [M, K], weights [E, N, K], `supported`);
     rows outside the groups are left unwritten. The result of `grouped_gemm.down`."""
-    m, k = rows.shape
-    num_experts, n, _ = weights.shape
-    if tiles.block_m != cfg.block_m:
-        raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
+    m = rows.shape[0]
     if out is None:
-        out = torch.empty(m, n, dtype=rows.dtype, device=rows.device)
+        out = torch.empty(m, weights.shape[1], dtype=rows.dtype, device=rows.device)
     out = out[:m]
-    if m == 0:
-        return out
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(n, bn), cfg)
-    _rows_wt_kernel[(programs,)](
-        _descriptor(rows, [bm, bk]),
-        _descriptor(weights.view(num_experts * n, k), [bn, bk]),
-        _descriptor(out, [bm, bn]),
-        out,
-        tiles.table,
-        tiles.counts,
-        tiles.capacity,
-        n,
-        k,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
-    )
+    if m:
+        _launch(rows, weights, None, tiles, cfg, out, None, None)
     return out
+
+
+def gate_up_swiglu(
+    rows: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    save_preact: bool,
+    cfg: GemmTiles = SWIGLU_PING_PONG,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [M, I] = swiglu(rows @ W_gate[e].T, rows @ W_up[e].T) per group, and when `save_preact`
+    the pre-activations gate | up [M, 2I] as `grouped_gemm.saved_preactivations` saves them: the
+    results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left unwritten."""
+    m = rows.shape[0]
+    inter = w_gate.shape[1]
+    h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
+    gate_up = (
+        torch.empty(m, 2 * inter, dtype=rows.dtype, device=rows.device) if save_preact else None
+    )
+    if m:
+        _launch(rows, w_gate, w_up, tiles, cfg, h, gate_up, swiglu_limit)
+    return h, gate_up
