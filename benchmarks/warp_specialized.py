@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     dense = dense_tflops(8192, 8192, 8192, gen)
     commit = git_commit()
     header = [
-        f"# Warp-specialized Gluon grouped GEMM vs tl, down projection ({datetime.date.today()})",
+        f"# Warp-specialized Gluon grouped GEMMs vs tl, the forward's products "
+        f"({datetime.date.today()})",
         "",
         f"- commit {commit}; {torch.cuda.get_device_name()}; torch "
         f"{torch.__version__}; command: `{' '.join(sys.argv)}`",

@@ -2,7 +2,7 @@
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
-#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz]
+#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -11,6 +11,7 @@
 # PYTEST_ARGS adds pytest options to the tests step (e.g. "-n 4" with pytest-xdist).
 # clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
+# gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -64,6 +65,9 @@ for step in $steps; do
       run triton-bench python3 -m mok bench --no-progress \
         --preset qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3 --ep "$eps" --iters 10 --warmup 3 \
         --out "$OUT/bench" ;;
+    gluon)
+      run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
+      run gluon-bench python3 benchmarks/warp_specialized.py --out "$OUT/warp-specialized.md" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done

@@ -123,3 +123,32 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit):
         assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
     h_only, none = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, False, cfg)
     assert none is None and torch.equal(h_only[inside], h[inside])
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
+    """On Hopper the default config sends the down projection to the Gluon kernel, with the tl
+    path's results bit for bit; W_down whose experts are not contiguous falls back to tl."""
+    import dataclasses
+
+    from mok.kernels import default_config, expert_mlp_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    sizes, hidden, inter = [400, 0, 129, 700], 256, 192
+    m = sum(sizes)
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    w_gate, w_up = (
+        (torch.randn(4, inter, hidden, generator=gen, device="cuda") * hidden**-0.5).bfloat16()
+        for _ in range(2)
+    )
+    padded = torch.randn(4, hidden, inter + 16, generator=gen, device="cuda") * inter**-0.5
+    w_down_view = padded.bfloat16()[:, :, :inter]
+    w_down = w_down_view.contiguous()
+    offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    cfg = default_config(rows.device, hidden, inter, m / 4)
+    assert cfg.warp_specialized_down is not None
+    tl_only = dataclasses.replace(cfg, warp_specialized_down=None)
+    gluon, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
+    tl, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
+    fallback, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down_view, config=cfg)
+    assert torch.equal(gluon, tl) and torch.equal(fallback, tl)

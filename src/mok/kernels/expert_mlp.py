@@ -63,7 +63,9 @@ def default_config(
     Under the interpreter: small tiles, so that tests at small H and I still have ragged rows,
     partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
     H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
-    groups average under 192 rows (a 128-row tiling would leave a third of the rows idle).
+    groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
+    Hopper the forward's down projection runs the warp-specialized Gluon kernel (2-10 % faster,
+    docs/notes/warp-specialized-gemm.md).
     """
     if device.type != "cuda":
         small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)

@@ -1,18 +1,20 @@
-"""Warp-specialized persistent grouped GEMM for Hopper, in Gluon.
+"""Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: the forward's two products.
 
-    out[rows of group e] = A[rows of group e] @ W[e].T      A [M, K], W [E, N, K], out [M, N]
+    out[rows of group e] = A[rows of group e] @ W[e].T                      (`rows_wt`: down)
+    h[rows of group e]   = swiglu(A @ W[e].T, A @ W2[e].T), and both saved  (`gate_up_swiglu`)
 
-the row-tiled product of the expert MLP (the down projection forward; `grouped_gemm._down_kernel`
-is its interpretable twin: same task order, same row-tile table, same result contract).
+with A [M, K], W and W2 [E, N, K]. Their interpretable twins are `grouped_gemm.down` and
+`grouped_gemm.gate_up_swiglu`: same task order, same row-tile table, and results equal bit for bit.
 
 Roles inside one persistent program (one per SM):
-  loader     one warp: walks the program's tasks and streams their A and W tiles into a ring of
-             STAGES shared-memory slots with TMA; a slot's `ready` barrier completes when both
-             tiles landed, its `empty` barrier when the consumer that read it is done with it.
+  loader     one warp: walks the program's tasks and streams their A and W (and W2) tiles into a
+             ring of STAGES shared-memory slots with TMA; a slot's `ready` barrier completes when
+             its tiles landed, its `empty` barrier when the consumer that read it is done with it.
   consumers  two warpgroups taking the program's tasks in turn (the default partition even ones,
-             a worker odd ones). The ring hands out slots in task order, so while one consumer
-             runs its tile's epilogue (convert, store) the other's wgmma main loop already runs
-             on the next tile: the tensor cores do not wait for epilogues (ping-pong).
+             a worker odd ones). A `turns` barrier passes the main loop from one to the other, so
+             while one consumer runs its tile's epilogue (SwiGLU, converts, stores) the other's
+             wgmma main loop runs on the next tile: the tensor cores do not wait for epilogues
+             (ping-pong).
 
 Every task is BLOCK_K steps over all of K, so the ring position of step k of the program's t-th
 task is t * k_steps + k: loader and consumers agree on slots and barrier phases without talking.
@@ -21,8 +23,13 @@ Stores: a tile inside its group goes through shared memory and a TMA store (TMA 
 past N); a group's last, partial tile is stored from registers with a row mask, so that nothing
 outside the group is written.
 
-Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twin, and the GPU tests compare
-this kernel with it bit for bit.
+Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): the down
+product is 2-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
+dual product, with 64-row tiles per consumer, is 5-30 % slower than the tl kernel's 128-row tiles
+on two warpgroups (twice the weight traffic per row), so the forward keeps the tl kernel for it.
+
+Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twins, and the GPU tests
+compare these kernels with them bit for bit.
 """
 
 from __future__ import annotations
