@@ -64,7 +64,7 @@ def default_config(
     partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
     H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
     groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
-    Hopper the forward's down projection runs the warp-specialized Gluon kernel (2-10 % faster,
+    Hopper the forward's down projection runs the warp-specialized Gluon kernel (5-10 % faster,
     docs/notes/warp-specialized-gemm.md).
     """
     if device.type != "cuda":

@@ -24,8 +24,8 @@ past N); a group's last, partial tile is stored from registers with a row mask, 
 outside the group is written.
 
 Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): the down
-product is 2-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
-dual product, with 64-row tiles per consumer, is 5-30 % slower than the tl kernel's 128-row tiles
+product is 5-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
+dual product, with 64-row tiles per consumer, is 4-31 % slower than the tl kernel's 128-row tiles
 on two warpgroups (twice the weight traffic per row), so the forward keeps the tl kernel for it.
 
 Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twins, and the GPU tests
@@ -62,8 +62,8 @@ MAX_REGISTERS = 168
 PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
 """Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
 epilogue buffers: 224 KiB of the 227 KiB of shared memory). Measured on an H200 against 128 x 128
-tiles (benchmarks/warp_specialized.py): as fast or faster at every preset, 10 % at kimi-k2, whose
-~170 rows per expert leave most of a second 128-row tile idle."""
+tiles (benchmarks/warp_specialized.py): faster or within 1 % at every preset, 12 % faster at
+kimi-k2, whose ~170 rows per expert leave most of a second 128-row tile idle."""
 SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 """Tiles of the gate/up + SwiGLU kernel: two 64 x 128 fp32 accumulators per consumer (128
 registers a thread); 3 slots of 40 KiB and six 16 KiB epilogue buffers (h, gate, up of two
