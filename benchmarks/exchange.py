@@ -111,7 +111,7 @@ def bench_preset(rank, world, name, sms, iters, warmup):
 
     # remote rows per rank and direction
     remote = [d for d in range(world) if d != rank]
-    remote_tokens = sum(int((s[4].plan.token_slot[:, remote] >= 0).sum()) for s in sets)
+    remote_tokens = sum(int((s[4].placement.token_slot[:, remote] >= 0).sum()) for s in sets)
     remote_tokens /= INPUT_SETS
     remote_pairs = sum(int((s[1] // local != rank).sum()) for s in sets) / INPUT_SETS
     row_bytes = hidden * 2

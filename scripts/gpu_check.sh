@@ -53,13 +53,13 @@ for step in $steps; do
       fi ;;
     exchange)
       run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/kernels/test_rows_kernels.py tests/kernels/test_plan_kernels.py tests/test_comm_plan.py \
+        tests/kernels/test_rows_kernels.py tests/kernels/test_placement_kernels.py tests/test_comm_placement.py \
         tests/test_comm_symmetric.py
       run exchange-bench python3 benchmarks/exchange.py --out "$OUT/exchange.md" ${EXCHANGE_ARGS:-} ;;
     triton)
       run triton-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_triton_backend.py \
         tests/test_comm_symmetric.py tests/kernels/test_rows_kernels.py \
-        tests/kernels/test_plan_kernels.py
+        tests/kernels/test_placement_kernels.py
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       eps=1; [ "$ngpu" -gt 1 ] && eps="1,$ngpu"
       run triton-bench python3 -m mok bench --no-progress \

@@ -3,7 +3,7 @@
 import torch
 from hypothesis import strategies as st
 
-from mok.reference import RoutingPlan, expert_counts
+from mok.reference import ReferenceRouting, expert_counts
 
 
 @st.composite
@@ -41,7 +41,7 @@ def simulate_exchange(experts, per_rank):
     Returns, per owner rank, the labels (src, t, j, expert) in the owner's grouped order, and the
     plans."""
     counts = torch.stack([expert_counts(idx, experts) for idx in per_rank])
-    plans = [RoutingPlan.build(idx, counts, rank) for rank, idx in enumerate(per_rank)]
+    plans = [ReferenceRouting.build(idx, counts, rank) for rank, idx in enumerate(per_rank)]
     sent = []
     for src, (idx, plan) in enumerate(zip(per_rank, plans, strict=True)):
         top_k = idx.shape[1]

@@ -98,7 +98,6 @@ FIELD_LIMITS = {
     "backend": enum_limits(mok.Backend),
     "max_tokens_per_rank": int_limits(1),
     "comm_sms": int_limits(1),
-    "overlap_tokens": int_limits(1),
     "recv_capacity": int_limits(1, optional=True),
     "recv_pair_capacity": int_limits(1, optional=True),
     "peer_timeout_s": positive_number_limits(optional=False),

@@ -172,14 +172,14 @@ def _rank_inputs(spec: BenchSpec, config: mok.MoKConfig, rank: int, tokens: int,
     idx, weights = make_routing(
         spec.routing, tokens, config.num_experts, config.top_k, generator, device
     )
-    return x.to(torch.bfloat16), idx, weights
+    return x.to(config.activation_dtype), idx, weights
 
 
 def _output_gradient(spec: BenchSpec, rank: int, tokens: int, config, device) -> torch.Tensor:
     """The gradient fed to backward on `rank`, identical wherever it is rebuilt."""
     generator = torch.Generator(device=device).manual_seed(spec.seed * 1000 + 500 + rank)
     shape = (tokens, config.hidden_size)
-    return torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+    return torch.randn(shape, generator=generator, device=device).to(config.activation_dtype)
 
 
 def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str, float]:

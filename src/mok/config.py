@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 
+import torch
+
 from mok.errors import MoKConfigError
 
 
@@ -57,8 +59,6 @@ class MoKConfig:
     """Largest T a rank passes in one call; sizes the communication buffers of fused backends."""
     comm_sms: int = 24
     """Streaming multiprocessors given to communication by fused backends."""
-    overlap_tokens: int = 2048
-    """Overlap granularity of fused backends: expert GEMMs start once this many tokens arrived."""
     recv_capacity: int | None = None
     """Rows of the per-rank receive buffer of fused backends; None sizes it for the worst case
     (every token of every rank routed here), which can never overflow."""
@@ -80,7 +80,7 @@ class MoKConfig:
         object.__setattr__(self, "backend", _parse_enum(Backend, self.backend, "backend"))
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
-        for name in ("max_tokens_per_rank", "comm_sms", "overlap_tokens"):
+        for name in ("max_tokens_per_rank", "comm_sms"):
             _require_int(self, name, minimum=1)
         _require_int(self, "shared_intermediate_size", minimum=0)
         if self.top_k > self.num_experts:
@@ -94,6 +94,12 @@ class MoKConfig:
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
+
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """dtype of token rows, weights, outputs and communication: bf16 at every precision (MXFP8
+        quantizes inside the expert GEMMs)."""
+        return torch.bfloat16
 
     @property
     def has_shared_expert(self) -> bool:

@@ -82,7 +82,8 @@ class Schedule:
 
     num_tokens: int
     topk_idx: torch.Tensor
-    plan: object = dataclasses.field(repr=False)
+    routing: object = dataclasses.field(repr=False)
+    """The backend's routing (`LayerBackend.route`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -201,13 +202,13 @@ def _schedule(ws: Workspace, topk_idx: torch.Tensor) -> Schedule:
     return Schedule(
         num_tokens=topk_idx.shape[0],
         topk_idx=topk_idx,
-        plan=ws.backend.build_schedule(topk_idx),
+        routing=ws.backend.route(topk_idx),
     )
 
 
 def _forward(ws, schedule, x, topk_weights, weights, need_backward):
     y, saved = ws.backend.forward(
-        schedule.plan, schedule.topk_idx, x, topk_weights, weights, need_backward
+        schedule.routing, schedule.topk_idx, x, topk_weights, weights, need_backward
     )
     return y, None if saved is None else SavedForward(schedule.num_tokens, saved)
 
@@ -284,7 +285,7 @@ def backward(
     if problem is None:
         problem = check_accumulation_buffers(ws.config, into, ws.local_experts, ws.device)
     raise_if_any_rank_failed(problem, ws.group)
-    return ws.backend.backward(schedule.plan, saved.saved, grad_y, into)
+    return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
 
 
 __all__ = [

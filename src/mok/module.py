@@ -12,7 +12,7 @@ from mok import functional
 from mok.config import MoKConfig
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
-from mok.validation import ACTIVATION_DTYPE, GRADIENT_BUFFER_DTYPES, expected_weight_shapes
+from mok.validation import GRADIENT_BUFFER_DTYPES, expected_weight_shapes
 from mok.weights import MoEWeights
 
 _WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
@@ -131,7 +131,7 @@ class MoE(nn.Module):
         self.local_experts = config.local_experts(self.ep_size)
         for name, shape in expected_weight_shapes(config, self.local_experts).items():
             if shape is not None:
-                param = torch.empty(shape, device=device, dtype=ACTIVATION_DTYPE)
+                param = torch.empty(shape, device=device, dtype=config.activation_dtype)
                 self.register_parameter(name, nn.Parameter(param))
             else:
                 self.register_parameter(name, None)

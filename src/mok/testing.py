@@ -49,14 +49,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def global_weights(config: MoKConfig, seed: int, device) -> MoEWeights:
-    """Weights of all E experts, bf16, std 1/sqrt(fan_in), the same wherever they are rebuilt."""
+    """Weights of all E experts in the config's activation dtype, std 1/sqrt(fan_in), the same
+    wherever they are rebuilt."""
     generator = torch.Generator(device=device).manual_seed(seed)
 
     def draw(shape):
         if shape is None:
             return None
         values = torch.randn(shape, generator=generator, device=device)
-        return (values / shape[-1] ** 0.5).to(torch.bfloat16)
+        return (values / shape[-1] ** 0.5).to(config.activation_dtype)
 
     shapes = expected_weight_shapes(config, config.num_experts)
     return MoEWeights(**{name: draw(shape) for name, shape in shapes.items()})

@@ -9,7 +9,6 @@ import torch
 from mok.config import MoKConfig
 from mok.weights import MoEWeights
 
-ACTIVATION_DTYPE = torch.bfloat16
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -68,7 +67,7 @@ def check_tokens(
             f"x has {x.shape[0]} tokens but the schedule was built from topk_idx with {num_tokens}"
         )
     return _check_tensor(
-        "x", x, (num_tokens, config.hidden_size), device, dtypes=(ACTIVATION_DTYPE,)
+        "x", x, (num_tokens, config.hidden_size), device, dtypes=(config.activation_dtype,)
     ) or _check_tensor(
         "topk_weights", topk_weights, (num_tokens, config.top_k), device, floating=True
     )
@@ -107,7 +106,9 @@ def check_weights(
             continue
         if value is None:
             return f"weights.{name} is missing: the config has a shared expert"
-        problem = _check_tensor(f"weights.{name}", value, shape, device, dtypes=(ACTIVATION_DTYPE,))
+        problem = _check_tensor(
+            f"weights.{name}", value, shape, device, dtypes=(config.activation_dtype,)
+        )
         if problem:
             return problem
     return None

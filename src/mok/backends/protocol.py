@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,13 @@ if TYPE_CHECKING:
     from mok.weights import MoEGradients, MoEWeights
 
 
-class LayerBackend(Protocol):
+Routing = TypeVar("Routing")
+"""A backend's routing of one call (`route`), reused by forward and backward."""
+Saved = TypeVar("Saved")
+"""What a backend's forward keeps for its backward."""
+
+
+class LayerBackend(Protocol[Routing, Saved]):
     """One implementation of the layer behind the functional API. Inputs reach it validated by
     `mok.functional`; every method is collective over the workspace's group."""
 
@@ -32,24 +38,24 @@ class LayerBackend(Protocol):
     def auto_skip_reason(device: torch.device) -> str | None:
         """Why `auto` passes it over on `device` although it may run there (None: it may)."""
 
-    def build_schedule(self, topk_idx: torch.Tensor) -> object:
-        """The backend's plan of one routing, reused by forward and backward."""
+    def route(self, topk_idx: torch.Tensor) -> Routing:
+        """The backend's routing of one call, reused by forward and backward."""
 
     def forward(
         self,
-        plan: object,
+        routing: Routing,
         topk_idx: torch.Tensor,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         weights: MoEWeights,
         need_backward: bool,
-    ) -> tuple[torch.Tensor, object | None]:
+    ) -> tuple[torch.Tensor, Saved | None]:
         """(y, what backward needs, or None without need_backward)."""
 
     def backward(
         self,
-        plan: object,
-        saved: object,
+        routing: Routing,
+        saved: Saved,
         grad_y: torch.Tensor,
         accumulate_into: dict[str, torch.Tensor],
     ) -> MoEGradients:

@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from mok.reference import RoutingPlan, moe_forward
+from mok.reference import ReferenceRouting, moe_forward
 from mok.weights import MoEGradients, MoEWeights
 
 
@@ -43,16 +43,16 @@ class ReferenceBackend:
     def auto_skip_reason(device: torch.device) -> str | None:
         return None
 
-    def build_schedule(self, topk_idx: torch.Tensor) -> RoutingPlan:
+    def route(self, topk_idx: torch.Tensor) -> ReferenceRouting:
         ws = self.workspace
-        return RoutingPlan.exchange(topk_idx, ws.config.num_experts, ws.group)
+        return ReferenceRouting.exchange(topk_idx, ws.config.num_experts, ws.group)
 
-    def forward(self, plan, topk_idx, x, topk_weights, weights, need_backward):
+    def forward(self, routing, topk_idx, x, topk_weights, weights, need_backward):
         run = dict(
             topk_idx=topk_idx,
             swiglu_limit=self.workspace.config.swiglu_limit,
             group=self.workspace.group,
-            plan=plan,
+            routing=routing,
         )
         if not need_backward:
             with torch.no_grad():
@@ -70,7 +70,7 @@ class ReferenceBackend:
         return leaves.y.detach(), leaves
 
     def backward(
-        self, plan, saved: _SavedGraph, grad_y: torch.Tensor, accumulate_into: dict
+        self, routing, saved: _SavedGraph, grad_y: torch.Tensor, accumulate_into: dict
     ) -> MoEGradients:
         weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
         inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]

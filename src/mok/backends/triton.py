@@ -1,7 +1,7 @@
 """The `triton` backend: the token exchange and the Triton expert kernels, forward and backward,
 with no host synchronization.
 
-    route (build_schedule) -> dispatch -> expert MLP kernels -> combine        (forward)
+    route -> dispatch -> expert MLP kernels -> combine        (forward)
     combine_backward -> expert MLP backward kernels -> dispatch_backward       (backward)
 
 The exchange is the NVLink one (`mok.comm.symmetric`) on an expert-parallel group of one host,
@@ -47,10 +47,10 @@ KERNEL_MULTIPLE = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class TritonSchedule:
+class TritonRouting:
     """One call's routing: the exchange's, and which pairs are valid."""
 
-    routing: ExchangeRouting
+    exchange: ExchangeRouting
     valid: torch.Tensor
     """[T, k] bool: pairs whose expert id is in range (the others are dropped)."""
 
@@ -83,8 +83,8 @@ class TritonBackend:
         self.workspace = workspace
         self.exchange: Exchange
         config, device, group = workspace.config, workspace.device, workspace.group
-        # The kernels' dtype: bf16 on GPUs; fp32 on the CPU, where the interpreter's bf16 is wrong.
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        # The kernels' dtype: the config's on GPUs, fp32 on the CPU (the interpreter's bf16 is off).
+        self.dtype = config.activation_dtype if device.type == "cuda" else torch.float32
         _, ep = group_rank_and_size(group)
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
@@ -144,18 +144,18 @@ class TritonBackend:
             )
         return None
 
-    def build_schedule(self, topk_idx: torch.Tensor) -> TritonSchedule:
+    def route(self, topk_idx: torch.Tensor) -> TritonRouting:
         experts = self.workspace.config.num_experts
         valid = (topk_idx >= 0) & (topk_idx < experts)
         self.bad_ids |= ~valid.all()
         safe = torch.where(valid, topk_idx, 0).to(torch.int64)
-        return TritonSchedule(self.exchange.route(safe), valid)
+        return TritonRouting(self.exchange.route(safe), valid)
 
-    def forward(self, plan: TritonSchedule, topk_idx, x, topk_weights, weights, need_backward):
+    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
         from mok.kernels import expert_mlp_forward
 
         config = self.workspace.config
-        routing = plan.routing
+        routing = schedule.exchange
         dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
         dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
         x, weights = x.to(self.dtype), weights.map(lambda w: w.to(self.dtype))
@@ -163,7 +163,7 @@ class TritonBackend:
             # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
             # PyTorch rounds it at exit.
             topk_weights = topk_weights.float()
-        router = torch.where(plan.valid, topk_weights, 0)
+        router = torch.where(schedule.valid, topk_weights, 0)
         grouped = self.exchange.dispatch(routing, x)
         buffer = self.exchange.expert_output_buffer()
         expert_out, experts = expert_mlp_forward(
@@ -193,10 +193,10 @@ class TritonBackend:
         y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
-        return y, _Saved(routing, router, plan.valid, experts, shared, pair_out, dtypes)
+        return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
     def backward(
-        self, plan: TritonSchedule, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
+        self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
     ) -> MoEGradients:
         """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
         that buffer by the weight-gradient kernels themselves (no extra pass)."""

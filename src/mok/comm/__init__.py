@@ -1,1 +1,1 @@
-"""Moving tokens between ranks: the routing plan on the device, dispatch and combine."""
+"""Moving tokens between ranks: where every row goes (on the device), dispatch and combine."""

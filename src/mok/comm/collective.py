@@ -1,9 +1,9 @@
 """The token exchange over `torch.distributed` collectives (NCCL or gloo): the fallback where NVLink
 symmetric memory is not available (CPU, no peer access, several nodes).
 
-Same layouts and order as the NVLink exchange (`mok.comm.plan`): each token crosses to each owner
-once into the owner's staging rows, the owner expands them into one row per pair grouped by local
-expert, and each pair's output returns to its own combine slot on the token's rank. Unlike the
+Same layouts and order as the NVLink exchange (`mok.comm.placement`): each token crosses to each
+owner once into the owner's staging rows, the owner expands them into one row per pair grouped by
+local expert, and each pair's output returns to its own combine slot on the token's rank. Unlike the
 NVLink path, `all_to_all_single` needs its split sizes on the host: `route` synchronizes once per
 call.
 
@@ -18,16 +18,16 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from mok.comm.plan import ExchangePlan, destination_mask, local_counts, plan_from_counts
+from mok.comm.placement import RowPlacement, destination_mask, local_counts, placement_from_counts
 from mok.distributed import all_gather_rows, all_to_all, group_rank_and_size
 from mok.reference import combine
 
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-    """One call's routing on this rank: the plan plus what the collectives need."""
+    """One call's routing on this rank: the row placement plus what the collectives need."""
 
-    plan: ExchangePlan
+    placement: RowPlacement
     top_k: int
     send_token_index: torch.Tensor
     """[sum send_tokens] int64: token sent in each row of the dispatch, by owner then token."""
@@ -46,7 +46,7 @@ class Routing:
 
     @property
     def group_offsets(self) -> torch.Tensor:
-        return self.plan.group_offsets
+        return self.placement.group_offsets
 
 
 class CollectiveExchange:
@@ -63,7 +63,7 @@ class CollectiveExchange:
         experts = ep * local
         tokens, top_k = topk_idx.shape
         counts = all_gather_rows(local_counts(topk_idx, ep, local), self.group)
-        plan = plan_from_counts(topk_idx, counts, rank, local)
+        placement = placement_from_counts(topk_idx, counts, rank, local)
         pairs_per_owner = counts[:, :experts].view(ep, ep, local).sum(2)  # [src, owner]
         sizes = torch.stack([counts[:, experts:], pairs_per_owner]).cpu()  # the host sync
         send_tokens, recv_tokens = sizes[0][rank].tolist(), sizes[0][:, rank].tolist()
@@ -72,18 +72,18 @@ class CollectiveExchange:
         mask = destination_mask(topk_idx, ep, local)
         send_token_index = mask.T.nonzero()[:, 1]
         owner = topk_idx.reshape(-1).to(torch.int64) // local
-        pair_row = plan.pair_row.reshape(-1)
+        pair_row = placement.pair_row.reshape(-1)
         rows_per_owner_bound = int(sizes[1].sum(0).max()) + 1
         pair_send_order = torch.sort(owner * rows_per_owner_bound + pair_row).indices
         token_of_pair = pair_send_order // top_k
-        slot = plan.token_slot[token_of_pair, owner[pair_send_order]]
+        slot = placement.token_slot[token_of_pair, owner[pair_send_order]]
         meta = torch.stack([pair_row[pair_send_order], slot], dim=1)
         received = all_to_all(meta, recv_pairs, send_pairs, self.group)
         total = received.shape[0]
         grouped_to_staging = torch.empty(total, dtype=torch.int64, device=topk_idx.device)
         grouped_to_staging[received[:, 0]] = received[:, 1]
         return Routing(
-            plan=plan,
+            placement=placement,
             top_k=top_k,
             send_token_index=send_token_index,
             send_tokens=send_tokens,
@@ -164,7 +164,7 @@ class CollectiveExchange:
             present = column >= 0
             grad_staging[present] += grad_grouped[column[present]].float()
         back = all_to_all(grad_staging, routing.send_tokens, routing.recv_tokens, self.group)
-        tokens = routing.plan.token_slot.shape[0]
+        tokens = routing.placement.token_slot.shape[0]
         parts = torch.zeros(self.ep_size, tokens, hidden, device=grad_grouped.device)
         owners = torch.repeat_interleave(
             torch.arange(self.ep_size, device=back.device),

@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from mok.kernels.plan import PlanKernels
+from mok.kernels.placement import PlacementKernels
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
 
 
@@ -34,22 +34,24 @@ class LocalExchange:
         self.sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
         )
-        self._plans: dict[int, PlanKernels] = {}
+        self._placement_kernels: dict[int, PlacementKernels] = {}
         self._counts = torch.zeros(1, num_experts + 1, dtype=torch.int64, device=self.device)
         self._no_offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # Nothing overflows in one process; the plan kernels still want somewhere to say so.
+        # Nothing overflows in one process; the placement kernels still want somewhere to say so.
         self._overflowed = torch.zeros(1, dtype=torch.bool, device=self.device)
         self._most_needed = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def route(self, topk_idx: torch.Tensor) -> LocalRouting:
         tokens, top_k = topk_idx.shape
-        if top_k not in self._plans:
-            self._plans[top_k] = PlanKernels(1, self.num_experts, top_k, self.device)
-        kernels = self._plans[top_k]
+        if top_k not in self._placement_kernels:
+            self._placement_kernels[top_k] = PlacementKernels(
+                1, self.num_experts, top_k, self.device
+            )
+        kernels = self._placement_kernels[top_k]
         topk_idx = topk_idx.contiguous()
         block_counts = kernels.count(topk_idx, self._counts, self._no_offsets, 0)
         pairs = max(tokens * top_k, 1)
-        plan = kernels.place(
+        placement = kernels.place(
             topk_idx,
             block_counts,
             self._counts,
@@ -61,9 +63,9 @@ class LocalExchange:
         )
         return LocalRouting(
             top_k=top_k,
-            group_offsets=plan.group_offsets,
-            pair_row=plan.pair_row,
-            recv_pairs=plan.recv_pairs,
+            group_offsets=placement.group_offsets,
+            pair_row=placement.pair_row,
+            recv_pairs=placement.recv_pairs,
         )
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:

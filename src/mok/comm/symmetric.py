@@ -1,16 +1,16 @@
 """The token exchange over NVLink through PyTorch symmetric memory: no host synchronization,
 deterministic, capturable in a CUDA graph.
 
-Same layouts and the same results, bit for bit, as `CollectiveExchange` (`mok.comm.plan`): each
+Same layouts and the same results, bit for bit, as `CollectiveExchange` (`mok.comm.placement`): each
 token crosses once to each owner of one of its experts into the owner's staging rows, the owner
 expands them into one row per pair grouped by local expert, and each pair's output returns to the
 token's rank, where the k outputs are summed in fp32, j ascending.
 
 Who moves what (the side that knows the addresses does the copy):
   route     counts: every rank writes its counts into every peer, barrier; each sender computes
-            its rows' places (`mok.kernels.plan`, the values of `mok.comm.plan.plan_from_counts`)
-            and writes each pair's (staging row, return address) into the owner's metadata,
-            barrier.
+            its rows' places (`mok.kernels.placement`, the values of
+            `mok.comm.placement.placement_from_counts`) and writes each pair's (staging row,
+            return address) into the owner's metadata, barrier.
   dispatch  push: the sender stores its token rows into the owners' staging and sets one flag
             per block of tokens on each owner; the owner's expand waits on the flags of the rows
             it copies (the hook a fused GEMM uses to start on the first rows).
@@ -52,7 +52,7 @@ import torch.distributed as dist
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
-from mok.kernels.plan import PlanKernels, owner_rows
+from mok.kernels.placement import PlacementKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
     COPY_TILE,
@@ -262,7 +262,7 @@ class SymmetricExchange:
         self.status = new_status(device)
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
-        self.plan_kernels = PlanKernels(ep, s.local_experts, s.top_k, device)
+        self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
         self._restart()
 
     def _restart(self) -> None:
@@ -386,12 +386,12 @@ class SymmetricExchange:
             )
         topk_idx = topk_idx.contiguous()
         self.epoch.add_(1)
-        block_counts = self.plan_kernels.count(
+        block_counts = self.placement_kernels.count(
             topk_idx, self.counts.local, self.counts.offsets, rank
         )
         self._barrier("route: every rank's counts written")
         # Peers overwrite these counts only in their next route, after this rank's second barrier.
-        plan = self.plan_kernels.place(
+        placement = self.placement_kernels.place(
             topk_idx,
             block_counts,
             self.counts.local,
@@ -409,7 +409,7 @@ class SymmetricExchange:
         self._barrier("route: the pair addresses written")
         rows = owner_rows(
             self.pair_meta.local[: s.pair_capacity],
-            plan.recv_pairs,
+            placement.recv_pairs,
             s.max_tokens * top_k,
             top_k,
             s.block_tokens,
@@ -417,12 +417,12 @@ class SymmetricExchange:
         )
         return SymmetricRouting(
             top_k=top_k,
-            group_offsets=plan.group_offsets,
-            recv_tokens=plan.recv_tokens,
-            recv_pairs=plan.recv_pairs,
-            token_slot=plan.token_slot,
-            pair_row=plan.pair_row,
-            owner=plan.owner,
+            group_offsets=placement.group_offsets,
+            recv_tokens=placement.recv_tokens,
+            recv_pairs=placement.recv_pairs,
+            token_slot=placement.token_slot,
+            pair_row=placement.pair_row,
+            owner=placement.owner,
             grouped_to_staging=rows.grouped_to_staging,
             return_rank=rows.return_rank,
             return_row=rows.return_row,

@@ -2,10 +2,10 @@
 
 from mok.reference.expert import expert_mlp, grouped_expert_mlp, swiglu
 from mok.reference.moe import combine, moe_forward
-from mok.reference.routing import RoutingPlan, exchange_expert_counts, expert_counts
+from mok.reference.routing import ReferenceRouting, exchange_expert_counts, expert_counts
 
 __all__ = [
-    "RoutingPlan",
+    "ReferenceRouting",
     "combine",
     "exchange_expert_counts",
     "expert_counts",

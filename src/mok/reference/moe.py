@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from mok.distributed import all_to_all
 from mok.reference.expert import accumulation_dtype, expert_mlp, grouped_expert_mlp
-from mok.reference.routing import RoutingPlan
+from mok.reference.routing import ReferenceRouting
 from mok.weights import MoEWeights
 
 
@@ -47,34 +47,34 @@ def moe_forward(
     weights: MoEWeights,
     swiglu_limit: float | None = None,
     group: dist.ProcessGroup | None = None,
-    plan: RoutingPlan | None = None,
+    routing: ReferenceRouting | None = None,
 ) -> torch.Tensor:
     """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
 
     x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k]; weights holds this rank's
-    E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `plan` may be passed when
-    already built (`RoutingPlan.exchange`), else it is built here (a collective).
+    E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `routing` may be passed
+    when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
     local_experts = weights.gate.shape[0]
-    if plan is None:
+    if routing is None:
         ep_size = 1 if group is None else dist.get_world_size(group)
-        plan = RoutingPlan.exchange(topk_idx, local_experts * ep_size, group)
+        routing = ReferenceRouting.exchange(topk_idx, local_experts * ep_size, group)
 
     # One row per pair, in the order of pair_order. expand + reshape (not x[order // k]) keeps the
     # backward a plain sum over j instead of a scatter-add with repeated indices.
     pair_rows = x.unsqueeze(1).expand(tokens, top_k, hidden).reshape(tokens * top_k, hidden)
-    sent = pair_rows[plan.pair_order]
-    received = all_to_all(sent, plan.recv_splits, plan.send_splits, group)
-    grouped = received[plan.recv_to_grouped]
+    sent = pair_rows[routing.pair_order]
+    received = all_to_all(sent, routing.recv_splits, routing.send_splits, group)
+    grouped = received[routing.recv_to_grouped]
     expert_rows = grouped_expert_mlp(
-        grouped, plan.group_sizes, weights.gate, weights.up, weights.down, swiglu_limit
+        grouped, routing.group_sizes, weights.gate, weights.up, weights.down, swiglu_limit
     )
     returned = all_to_all(
-        expert_rows[plan.grouped_to_recv], plan.send_splits, plan.recv_splits, group
+        expert_rows[routing.grouped_to_recv], routing.send_splits, routing.recv_splits, group
     )
-    expert_out = returned[plan.pair_order_inverse].view(tokens, top_k, hidden)
+    expert_out = returned[routing.pair_order_inverse].view(tokens, top_k, hidden)
 
     shared_out = None
     if weights.has_shared_expert:

@@ -1,4 +1,4 @@
-"""The reference routing plan: which (token, slot) pairs a rank sends where, and in what order the
+"""The reference routing: which (token, slot) pairs a rank sends where, and in what order the
 owner sees them.
 
 Pairs are numbered p = t * k + j. The reference exchange sends one row per pair (simple, not
@@ -38,7 +38,7 @@ def _segment_gather_index(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Te
 
 
 @dataclasses.dataclass(frozen=True)
-class RoutingPlan:
+class ReferenceRouting:
     """How one rank's pairs travel through the reference exchange, and how the owner groups them.
 
     Index tensors live on the routing's device; split and group sizes are host lists (the reference
@@ -64,8 +64,8 @@ class RoutingPlan:
     """[E_loc]: rows each local expert receives, from all ranks together."""
 
     @classmethod
-    def build(cls, topk_idx: torch.Tensor, counts: torch.Tensor, rank: int) -> RoutingPlan:
-        """The plan of `rank` from its topk_idx [T, k] and the counts [ep, E] of all ranks."""
+    def build(cls, topk_idx: torch.Tensor, counts: torch.Tensor, rank: int) -> ReferenceRouting:
+        """The routing of `rank` from its topk_idx [T, k] and the counts [ep, E] of all ranks."""
         ep_size, num_experts = counts.shape
         local_experts = num_experts // ep_size
         device = topk_idx.device
@@ -100,7 +100,7 @@ class RoutingPlan:
     @classmethod
     def exchange(
         cls, topk_idx: torch.Tensor, num_experts: int, group: dist.ProcessGroup | None
-    ) -> RoutingPlan:
-        """Collective: exchange the expert counts and build this rank's plan."""
+    ) -> ReferenceRouting:
+        """Collective: exchange the expert counts and build this rank's routing."""
         rank, _ = group_rank_and_size(group)
         return cls.build(topk_idx, exchange_expert_counts(topk_idx, num_experts, group), rank)

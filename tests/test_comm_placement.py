@@ -4,7 +4,7 @@ process: the same owner layout, computed without any host-side size."""
 import torch
 from hypothesis import given
 
-from mok.comm.plan import local_counts, plan_from_counts
+from mok.comm.placement import local_counts, placement_from_counts
 
 from routing_cases import routings, simulate_exchange
 
@@ -13,7 +13,7 @@ def plans_of(experts, per_rank):
     ep = len(per_rank)
     local = experts // ep
     counts = torch.stack([local_counts(idx, ep, local) for idx in per_rank])
-    return [plan_from_counts(idx, counts, rank, local) for rank, idx in enumerate(per_rank)]
+    return [placement_from_counts(idx, counts, rank, local) for rank, idx in enumerate(per_rank)]
 
 
 @given(routings())

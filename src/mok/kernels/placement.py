@@ -1,18 +1,19 @@
-"""The routing plan of the token exchange in four Triton kernels: what `mok.comm.plan` computes
-with a hundred small PyTorch operations (whose launches, not their work, cost milliseconds of
-host time per layer), computed in a few launches with the same results.
+"""The row placement of the token exchange (where every token and pair lands) in four Triton
+kernels: what `mok.comm.placement` computes with a hundred small PyTorch operations (whose
+launches, not their work, cost milliseconds of host time per layer), computed in a few launches
+with the same results.
 
     count_blocks    per block of BLOCK_T tokens: pairs per global expert, tokens per rank; the
                     last block stores this rank's totals into row `rank` of every peer's counts
                     table (symmetric memory; a table of zero offsets for one process)
     -- the caller's barrier: every rank now holds the counts of all ranks --
-    plan_bases      one program: where each block's rows start on every owner (a scan over
+    placement_bases      one program: where each block's rows start on every owner (a scan over
                     blocks on top of the ranks and experts before it), this rank's group offsets,
                     row totals, the overflow flag
     place_pairs     per block: each token's staging slot on each owner, each pair's grouped row
                     and each pair's metadata written to its owner
 
-Layouts and orders are those of `mok.comm.plan` (the reference the tests compare against):
+Layouts and orders are those of `mok.comm.placement` (the reference the tests compare against):
 staging by (source rank, token), grouped rows by (local expert, source rank, token, slot j).
 Pairs with an expert id outside [0, E) are dropped (row -1), never counted.
 """
@@ -111,7 +112,7 @@ def count_blocks_kernel(
 
 
 @triton.jit
-def plan_bases_kernel(
+def placement_bases_kernel(
     table_ptr,
     block_counts_ptr,
     blocks,
@@ -368,9 +369,10 @@ def owner_rows(
 
 
 @dataclasses.dataclass(frozen=True)
-class DevicePlan:
-    """The plan of one call (device tensors), as `mok.comm.plan.ExchangePlan` plus the owner of
-    each pair and the received row counts (recv_tokens / recv_pairs: [1] int64, clipped)."""
+class DevicePlacement:
+    """The placement of one call (device tensors), as `mok.comm.placement.RowPlacement` plus the
+    owner of each pair and the received row counts (recv_tokens / recv_pairs: [1] int64,
+    clipped)."""
 
     token_slot: torch.Tensor  # [T, ep] int64
     pair_row: torch.Tensor  # [T, k] int64, -1 dropped
@@ -380,8 +382,8 @@ class DevicePlan:
     recv_pairs: torch.Tensor
 
 
-class PlanKernels:
-    """The launches of one call's plan for a rank of an `ep`-rank group with `local_experts`
+class PlacementKernels:
+    """The launches of one call's placement for a rank of an `ep`-rank group with `local_experts`
     experts each: `count` (before the counts barrier) and `place` (after it)."""
 
     def __init__(self, ep: int, local_experts: int, top_k: int, device: torch.device) -> None:
@@ -445,11 +447,11 @@ class PlanKernels:
         max_tokens: int = 0,
         meta: tuple[torch.Tensor, torch.Tensor] | None = None,
         source: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> DevicePlan:
-        """The plan from the counts table of all ranks (local, after the barrier). meta / source:
-        (this rank's buffer, its peer-offset table) of the owners' pair metadata [pair_capacity,
-        2] and pull sources [token_capacity, 2] (int64) to fill. overflowed ([1] bool) and
-        most_needed ([2] int64) are updated on the device."""
+    ) -> DevicePlacement:
+        """The placement from the counts table of all ranks (local, after the barrier).
+        meta / source: (this rank's buffer, its peer-offset table) of the owners' pair metadata
+        [pair_capacity, 2] and pull sources [token_capacity, 2] (int64) to fill. overflowed ([1]
+        bool) and most_needed ([2] int64) are updated on the device."""
         tokens = topk_idx.shape[0]
         blocks = self.blocks(tokens)
         ints = torch.empty(
@@ -462,7 +464,7 @@ class PlanKernels:
         received = ints[-2:]
         block_base = torch.empty_like(block_counts)
         group_offsets = torch.empty(self.local_experts + 1, dtype=torch.int32, device=self.device)
-        plan_bases_kernel[(1,)](
+        placement_bases_kernel[(1,)](
             table,
             block_counts,
             blocks,
@@ -513,7 +515,7 @@ class PlanKernels:
                 WRITE_META=meta is not None,
                 WRITE_SOURCE=source is not None,
             )
-        return DevicePlan(
+        return DevicePlacement(
             token_slot=token_slot,
             pair_row=pair_row,
             owner=owner,

@@ -1,4 +1,4 @@
-"""The routing-plan kernels (mok.kernels.plan), on a GPU or under the Triton interpreter, every
+"""The routing-plan kernels (mok.kernels.placement), on a GPU or under the Triton interpreter, every
 rank of a group simulated in one process (one tensor holds every rank's copy of a buffer, so that
 peer offsets are plain element distances), against a plain-Python oracle of the documented
 layout: staging by (source, token), grouped rows by (local expert, source, token, j), capacities
@@ -9,8 +9,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-import mok.kernels.plan as plan_kernels
-from mok.kernels.plan import PlanKernels, owner_rows
+import mok.kernels.placement as placement_kernels
+from mok.kernels.placement import PlacementKernels, owner_rows
 
 from routing_cases import every_expert, routings
 
@@ -105,7 +105,7 @@ def run_plan(experts, per_rank, token_capacity, pair_capacity, max_tokens):
     local = experts // ep
     top_k = per_rank[0].shape[1]
     columns = experts + ep
-    kernels = PlanKernels(ep, local, top_k, torch.device(DEVICE))
+    kernels = PlacementKernels(ep, local, top_k, torch.device(DEVICE))
     per_rank = [idx.to(DEVICE) for idx in per_rank]
     tables = torch.zeros(ep, ep, columns, dtype=torch.int64, device=DEVICE)
     metas = torch.full((ep, pair_capacity + 1, 2), -7, dtype=torch.int64, device=DEVICE)
@@ -155,7 +155,7 @@ def plan_cases(draw):
     worst_tokens = ep * max_tokens
     token_capacity = draw(st.sampled_from([worst_tokens, max(1, worst_tokens // 3)]))
     pair_capacity = draw(st.sampled_from([token_capacity * top_k, max(1, token_capacity // 2)]))
-    tile = draw(st.sampled_from([plan_kernels.TILE_ELEMENTS, 16, 64]))
+    tile = draw(st.sampled_from([placement_kernels.TILE_ELEMENTS, 16, 64]))
     return experts, per_rank, token_capacity, pair_capacity, max_tokens, tile
 
 
@@ -168,12 +168,12 @@ EVERY_EXPERT = [every_expert(5, 4, seed=rank) for rank in range(2)]
 
 @settings(deadline=None)
 @given(plan_cases())
-@example((4, EVERY_EXPERT, 10, 20, 5, plan_kernels.TILE_ELEMENTS))
-def test_plan_kernels_match_the_layout_oracle(case):
+@example((4, EVERY_EXPERT, 10, 20, 5, placement_kernels.TILE_ELEMENTS))
+def test_placement_kernels_match_the_layout_oracle(case):
     experts, per_rank, token_capacity, pair_capacity, max_tokens, tile = case
     with pytest.MonkeyPatch.context() as patch:
         # Small tiles: many token blocks and several scan steps over them.
-        patch.setattr(plan_kernels, "TILE_ELEMENTS", tile)
+        patch.setattr(placement_kernels, "TILE_ELEMENTS", tile)
         tables, plans, metas, sources, overflowed, most_needed = run_plan(
             experts, per_rank, token_capacity, pair_capacity, max_tokens
         )

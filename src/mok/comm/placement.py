@@ -1,16 +1,17 @@
-"""The routing plan of the token exchange, computed on the device with no host synchronization.
+"""Where the token exchange puts every row (the row placement), computed on the device with no
+host synchronization.
 
 Two layouts on the owner of an expert (rank d):
 - staging: one row per (source rank s, token t) that d needs, ordered by (s, t); a token routed to
   several experts of d crosses NVLink once;
 - grouped: one row per (s, t, slot j) pair routed to d, grouped by local expert and ordered inside
   an expert by (s, t, j): the layout the expert GEMMs read (the same order as the reference's
-  `RoutingPlan`, so both can be compared row for row).
+  `ReferenceRouting`, so both can be compared row for row).
 
 Every rank counts its own routing (`local_counts`); once the counts of all ranks are known (an
 all-gather, over symmetric memory or a collective), each sender computes where each of its tokens
-and pairs lands on each owner (`plan_from_counts`): the sender writes its rows there directly, and
-no rank needs the host to learn any size.
+and pairs lands on each owner (`placement_from_counts`): the sender writes its rows there directly,
+and no rank needs the host to learn any size.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _exclusive_cumsum(values: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @dataclasses.dataclass(frozen=True)
-class ExchangePlan:
+class RowPlacement:
     """Where this rank's tokens and pairs land, and what this rank receives. Device tensors only.
 
     Sender side (this rank's T tokens):
@@ -71,10 +72,10 @@ class ExchangePlan:
         return self.group_offsets[-1].to(torch.int64)
 
 
-def plan_from_counts(
+def placement_from_counts(
     topk_idx: torch.Tensor, counts: torch.Tensor, rank: int, local_experts: int
-) -> ExchangePlan:
-    """This rank's ExchangePlan from its topk_idx [T, k] and the counts [ep, E + ep] of all ranks
+) -> RowPlacement:
+    """This rank's RowPlacement from its topk_idx [T, k] and the counts [ep, E + ep] of all ranks
     (row s = `local_counts` of rank s), on topk_idx's device; no host synchronization."""
     ep_size = counts.shape[0]
     experts = ep_size * local_experts
@@ -105,7 +106,7 @@ def plan_from_counts(
 
     mine = expert_totals[rank]
     group_offsets = torch.cat([mine.new_zeros(1), torch.cumsum(mine, 0)]).to(torch.int32)
-    return ExchangePlan(
+    return RowPlacement(
         token_slot=token_slot,
         pair_row=pair_row,
         recv_tokens=token_counts[:, rank].sum(),
