@@ -170,7 +170,7 @@ def test_accumulation_buffers_are_checked():
     ws = layer.workspace(torch.device("cpu"))
     schedule, _, saved = mok.schedule_and_forward(ws, idx, x.detach(), w, layer.weights)
     bad = [
-        ({"gate": torch.zeros(3, 3)}, "accumulate_into\\['gate'\\] has shape"),
+        ({"gate": torch.zeros(3, 3)}, "accumulate_into\\['gate'\\] or main_grad\\) has shape"),
         ({"up": torch.zeros_like(layer.up, dtype=torch.float16)}, "dtype float16"),
         ({"bias": torch.zeros(3)}, "not a weight of this layer"),
         ({"down": torch.zeros(16, 32, 4).transpose(0, 2)}, "contiguous"),
@@ -178,3 +178,22 @@ def test_accumulation_buffers_are_checked():
     for buffers, message in bad:
         with pytest.raises(mok.MoKInputError, match=message):
             mok.backward(ws, schedule, saved, grad_y, accumulate_into=buffers)
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: torch.zeros_like(p, dtype=torch.float16), "weights.up .*dtype float16"),
+        (lambda p: torch.zeros(3, 3), "weights.up .*has shape"),
+        (lambda p: torch.zeros(p.shape[::-1]).transpose(0, 2), "weights.up .*contiguous"),
+    ],
+)
+def test_an_unusable_main_grad_raises(make, message):
+    """Catches the backward quietly handing the gradient to autograd (.grad) when main_grad is
+    set but cannot take it: the training loop would step on a main_grad that never changed."""
+    layer = layer_of("reference", torch.device("cpu"))
+    layer.up.main_grad = make(layer.up)
+    x, idx, w, grad_y = micro_batch(1, torch.device("cpu"))
+    with pytest.raises(mok.MoKInputError, match=message):
+        layer(x, idx, w).backward(grad_y)
+    assert layer.up.grad is None

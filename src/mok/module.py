@@ -20,18 +20,13 @@ _WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
 
 def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
     """Where the layer adds `weight`'s gradient itself in this backward, or None (autograd gets
-    it): `weight.main_grad` when set (Megatron-style fp32 buffer), else `weight.grad` when it
-    exists; in both cases only if this backward accumulates into the weight at all (not under
-    `torch.autograd.grad`, nor for a `backward(inputs=...)` that leaves it out) and the buffer is
-    a contiguous fp32 or bf16 tensor of the weight's shape."""
+    it), only if this backward accumulates into the weight at all (not under
+    `torch.autograd.grad`, nor for a `backward(inputs=...)` that leaves it out):
+    - `weight.main_grad` when set (a Megatron-style buffer): it must be a contiguous fp32 or bf16
+      tensor of the weight's shape and device, else the backward raises MoKInputError on every
+      rank (handing the gradient to autograd instead would leave main_grad silently stale);
+    - else `weight.grad` when it is such a tensor (otherwise autograd adds, as it would anyway)."""
     if weight is None or not weight.requires_grad or not weight.is_leaf:
-        return None
-    buffer = getattr(weight, "main_grad", None)
-    if buffer is None:
-        buffer = weight.grad
-    if buffer is None or buffer.shape != weight.shape or not buffer.is_contiguous():
-        return None
-    if buffer.dtype not in GRADIENT_BUFFER_DTYPES:
         return None
     try:
         accumulates = torch._C._will_engine_execute_node(
@@ -39,7 +34,15 @@ def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
         )
     except RuntimeError:  # torch.autograd.grad(..., inputs=[weight]): it never touches .grad
         accumulates = False
-    return buffer if accumulates else None
+    if not accumulates:
+        return None
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        return main_grad  # checked by functional.backward, which raises on every rank
+    buffer = weight.grad
+    if buffer is None or buffer.shape != weight.shape or not buffer.is_contiguous():
+        return None
+    return buffer if buffer.dtype in GRADIENT_BUFFER_DTYPES else None
 
 
 class _MoEFunction(torch.autograd.Function):

@@ -130,11 +130,11 @@ def check_accumulation_buffers(
     for name, buffer in buffers.items():
         if shapes.get(name) is None:
             return f"accumulate_into names {name!r}, which is not a weight of this layer"
-        problem = _check_tensor(
-            f"accumulate_into[{name!r}]", buffer, shapes[name], device, GRADIENT_BUFFER_DTYPES
-        )
+        # mok.MoE passes a parameter's main_grad (or .grad) here: name both.
+        label = f"the gradient buffer of weights.{name} (accumulate_into[{name!r}] or main_grad)"
+        problem = _check_tensor(label, buffer, shapes[name], device, GRADIENT_BUFFER_DTYPES)
         if problem is None and not buffer.is_contiguous():
-            problem = f"accumulate_into[{name!r}] must be contiguous (it is added into in place)"
+            problem = f"{label} must be contiguous (the gradient is added into it in place)"
         if problem:
             return problem
     return None
