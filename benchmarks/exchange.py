@@ -133,14 +133,14 @@ def bench_preset(rank, world, name, sms, iters, warmup):
             return lambda: push_rows(
                 x,
                 r.token_slot,
-                push_ex.staging.local,
-                push_ex.staging.offsets,
+                push_ex.view.staging.local,
+                push_ex.view.staging.offsets,
                 programs,
                 push_ex.shape.block_tokens,
-                flags=push_ex.flags.local,
-                flag_offsets=push_ex.flags.offsets,
+                flags=push_ex.view.flags.local,
+                flag_offsets=push_ex.view.flags.offsets,
                 flag_base=rank * push_ex.shape.blocks_per_rank,
-                epoch=push_ex.epoch,
+                epoch=push_ex.view.epoch,
                 **PUSH_TILE,
             )
 
@@ -155,12 +155,12 @@ def bench_preset(rank, world, name, sms, iters, warmup):
             count = torch.tensor([out.shape[0]], device=device)
             return lambda: copy_rows(
                 out,
-                push_ex.expert_out.local,
+                push_ex.view.expert_out.local,
                 r.pair_row.view(-1),
                 count,
                 programs,
                 COPY_ROWS,
-                src_offsets=push_ex.expert_out.offsets,
+                src_offsets=push_ex.view.expert_out.offsets,
                 src_rank=r.owner.view(-1),
                 **COPY_TILE,
             )
@@ -172,17 +172,17 @@ def bench_preset(rank, world, name, sms, iters, warmup):
     def pull_call(s):
         x, _, _, routings, _ = s
         r = routings[True]
-        pull_ex.x_copy.local[: x.shape[0]].copy_(x)
-        source = pull_ex.staging_source.local[: pull_ex.shape.token_capacity]
+        pull_ex.view.x_copy.local[: x.shape[0]].copy_(x)
+        source = pull_ex.view.staging_source.local[: pull_ex.shape.token_capacity]
         ranks, rows = source[:, 0].contiguous(), source[:, 1].contiguous()
         return lambda: copy_rows(
-            pull_ex.staging.local,
-            pull_ex.x_copy.local,
+            pull_ex.view.staging.local,
+            pull_ex.view.x_copy.local,
             rows,
             r.recv_tokens,
             24,
             COPY_ROWS,
-            src_offsets=pull_ex.x_copy.offsets,
+            src_offsets=pull_ex.view.x_copy.offsets,
             src_rank=ranks,
             **COPY_TILE,
         )
@@ -213,7 +213,7 @@ def bench_preset(rank, world, name, sms, iters, warmup):
     )
 
     peer = 1 - rank if world == 2 else (rank + 1) % world
-    peer_view = push_ex.staging.peer(peer)
+    peer_view = push_ex.peer("staging", peer)
     remote_rows = int(remote_tokens)
     source_rows = sets[0][0][: min(remote_rows, tokens)]
     measure(

@@ -52,14 +52,14 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
         return lambda: push_rows(
             x,
             routing.token_slot,
-            ex.staging.local,
-            ex.staging.offsets,
+            ex.view.staging.local,
+            ex.view.staging.offsets,
             programs,
             rows,
-            flags=ex.flags.local,
-            flag_offsets=ex.flags.offsets,
+            flags=ex.view.flags.local,
+            flag_offsets=ex.view.flags.offsets,
             flag_base=rank * shape.blocks_per_rank,
-            epoch=ex.epoch,
+            epoch=ex.view.epoch,
             num_warps=warps,
             block_h=cols,
         )
@@ -67,12 +67,12 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
     def pull(warps, rows, cols):
         return lambda: copy_rows(
             pairs_out,
-            ex.expert_out.local,
+            ex.view.expert_out.local,
             routing.pair_row.view(-1),
             all_rows,
             programs,
             rows,
-            src_offsets=ex.expert_out.offsets,
+            src_offsets=ex.view.expert_out.offsets,
             src_rank=routing.owner.view(-1),
             num_warps=warps,
             block_h=cols,
@@ -80,14 +80,14 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
 
     def scatter(warps, rows, cols):
         return lambda: copy_rows(
-            ex.grad_pairs.local,
-            ex.expert_out.local,
+            ex.view.grad_pairs.local,
+            ex.view.expert_out.local,
             identity,
             recv_pairs,
             programs,
             rows,
             dst_row=routing.return_row,
-            dst_offsets=ex.grad_pairs.offsets,
+            dst_offsets=ex.view.grad_pairs.offsets,
             dst_rank=routing.return_rank,
             num_warps=warps,
             block_h=cols,

@@ -152,12 +152,64 @@ class _Region:
         deltas = [(pointer - base) // itemsize for pointer in handle.buffer_ptrs]
         self.offsets = torch.tensor(deltas, dtype=torch.int64, device=local.device)
 
+    def frozen(self) -> PeerTensor:
+        return PeerTensor(self.local, self.offsets)
+
     def peer(self, rank: int) -> torch.Tensor:
         """Rank's copy of this region, as a tensor this process can read and write."""
         if rank not in self._peers:
             view = self.handle.get_buffer(rank, self.shape, self.dtype, self.element_offset)
             self._peers[rank] = view
         return self._peers[rank]
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerTensor:
+    """One region of the symmetric buffer as kernels take it: this rank's tensor, and per rank r
+    the element offset of r's copy from it (r's copy starts at local.data_ptr() + offsets[r]
+    elements, an address this process can use)."""
+
+    local: torch.Tensor
+    offsets: torch.Tensor
+    """[ep] int64."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SymmetricView:
+    """Everything the exchange's kernels take, fixed for the exchange's life: each region of the
+    symmetric buffer, the call counter its readiness flags carry (epoch), the barrier's sequence,
+    the status word waits record failures in, and the bound of every wait. Kernels (and a fused
+    kernel) receive this instead of reaching into the exchange."""
+
+    rank: int
+    ep_size: int
+    signals: PeerTensor
+    """[ep] int64: barrier arrivals."""
+    counts: PeerTensor
+    """[ep, E + ep] int64: every rank's pair and token counts."""
+    pair_meta: PeerTensor
+    """[pair_capacity + 1, 2] int64: per grouped row (staging row, return address)."""
+    flags: PeerTensor
+    """[ep * blocks_per_rank] int32: readiness of pushed token blocks (epoch-stamped)."""
+    staging: PeerTensor
+    """[token_capacity, H]: the tokens this rank receives, once per owner."""
+    expert_out: PeerTensor
+    """[pair_capacity, H]: the expert outputs peers pull back."""
+    grad_pairs: PeerTensor
+    """[T_max * k, H]: the pairs' output gradients owners pull in backward."""
+    grad_staging: PeerTensor
+    """[token_capacity, H] fp32: per staging row, the sum of its pairs' input gradients."""
+    staging_source: PeerTensor | None
+    """[token_capacity + 1, 2] int64 with pull dispatch: (rank, row) each staging row comes from."""
+    x_copy: PeerTensor | None
+    """[T_max, H] with pull dispatch: this rank's tokens, for the owners to pull."""
+    epoch: torch.Tensor
+    """[1] int32: calls of `route` so far."""
+    sequence: torch.Tensor
+    """[1] int64: barriers so far."""
+    status: torch.Tensor
+    """The wait status (`mok.kernels.sync.new_status`)."""
+    timeout_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +269,6 @@ class SymmetricExchange:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
         self.shape, self.device, self.programs = shape, device, programs
-        self.timeout_s = timeout_s
         on_gpu = device.type == "cuda"
         self.local_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
@@ -246,20 +297,22 @@ class SymmetricExchange:
             total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         allocate = allocate or simulated_allocator() or allocate_symmetric
         self._buffer, self._handle = allocate(total, device, self.group)
-        regions = {
+        self._regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout
         }
-        self.signals = regions["signals"]
-        self.counts, self.pair_meta = regions["counts"], regions["pair_meta"]
-        self.flags, self.staging = regions["flags"], regions["staging"]
-        self.expert_out, self.grad_pairs = regions["expert_out"], regions["grad_pairs"]
-        self.grad_staging = regions["grad_staging"]
-        self.staging_source = regions.get("staging_source")
-        self.x_copy = regions.get("x_copy")
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        self.sequence = torch.zeros(1, dtype=torch.int64, device=device)
-        self.status = new_status(device)
+        frozen = {name: region.frozen() for name, region in self._regions.items()}
+        self.view = SymmetricView(
+            rank=self.rank,
+            ep_size=ep,
+            staging_source=frozen.pop("staging_source", None),
+            x_copy=frozen.pop("x_copy", None),
+            **frozen,
+            epoch=torch.zeros(1, dtype=torch.int32, device=device),
+            sequence=torch.zeros(1, dtype=torch.int64, device=device),
+            status=new_status(device),
+            timeout_s=timeout_s,
+        )
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
@@ -272,9 +325,14 @@ class SymmetricExchange:
         peer may signal into a buffer not yet zeroed)."""
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
-        for tensor in (self.flags.local, self.signals.local, self.epoch, self.sequence):
+        for tensor in (
+            self.view.flags.local,
+            self.view.signals.local,
+            self.view.epoch,
+            self.view.sequence,
+        ):
             tensor.zero_()
-        self.status.zero_()
+        self.view.status.zero_()
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
 
@@ -308,20 +366,22 @@ class SymmetricExchange:
     def release(self) -> None:
         """Free the symmetric buffers (collective; the exchange cannot be used afterwards)."""
         self._barrier("release: peers done with the buffers")
-        names = ("signals", "counts", "pair_meta", "flags", "staging", "expert_out", "grad_pairs")
-        for name in names:
-            setattr(self, name, None)
-        self.grad_staging = self.staging_source = self.x_copy = None
+        self.view = self._regions = None
         self._handle = self._buffer = None
+
+    def peer(self, region: str, rank: int) -> torch.Tensor:
+        """Rank's copy of a region (a `SymmetricView` field name) as a tensor this process can
+        read and write (for copies by the copy engine)."""
+        return self._regions[region].peer(rank)
 
     def _barrier(self, wait: str) -> None:
         barrier(
-            self.signals.local,
-            self.signals.offsets,
-            self.sequence,
-            self.status,
+            self.view.signals.local,
+            self.view.signals.offsets,
+            self.view.sequence,
+            self.view.status,
             self.rank,
-            self.timeout_s,
+            self.view.timeout_s,
             WAITS.index(wait),
         )
 
@@ -336,7 +396,7 @@ class SymmetricExchange:
     def check(self) -> None:
         """Raise MoKTimeoutError if a wait on a peer failed (until `reset`), else
         MoKCapacityError if any call since the last check dropped rows (synchronizes)."""
-        code, wait_id, where, seen = self.status.tolist()
+        code, wait_id, where, seen = self.view.status.tolist()
         if code:
             raise MoKTimeoutError(self._failure(code, wait_id, where, seen))
         if bool(self.overflowed.item()):
@@ -370,7 +430,7 @@ class SymmetricExchange:
         if code == TIMED_OUT:
             return (
                 f"rank {self.rank} gave up waiting for rank {peer} at '{wait}' after "
-                f"{self.timeout_s:g} s (MoKConfig.peer_timeout_s): the peer never arrived (it "
+                f"{self.view.timeout_s:g} s (MoKConfig.peer_timeout_s): the peer never arrived (it "
                 "crashed, skipped a call, or is slower than the timeout allows)." + after
             )
         return f"rank {self.rank}: unknown failure code {code} at '{wait}'." + after
@@ -385,30 +445,30 @@ class SymmetricExchange:
                 f"{s.max_tokens} tokens with top_k={s.top_k}"
             )
         topk_idx = topk_idx.contiguous()
-        self.epoch.add_(1)
+        self.view.epoch.add_(1)
         block_counts = self.placement_kernels.count(
-            topk_idx, self.counts.local, self.counts.offsets, rank
+            topk_idx, self.view.counts.local, self.view.counts.offsets, rank
         )
         self._barrier("route: every rank's counts written")
         # Peers overwrite these counts only in their next route, after this rank's second barrier.
         placement = self.placement_kernels.place(
             topk_idx,
             block_counts,
-            self.counts.local,
+            self.view.counts.local,
             rank,
             s.token_capacity,
             s.pair_capacity,
             self.overflowed,
             self.most_needed,
             s.max_tokens,
-            meta=(self.pair_meta.local, self.pair_meta.offsets),
-            source=(self.staging_source.local, self.staging_source.offsets)
+            meta=(self.view.pair_meta.local, self.view.pair_meta.offsets),
+            source=(self.view.staging_source.local, self.view.staging_source.offsets)
             if s.pull_dispatch
             else None,
         )
         self._barrier("route: the pair addresses written")
         rows = owner_rows(
-            self.pair_meta.local[: s.pair_capacity],
+            self.view.pair_meta.local[: s.pair_capacity],
             placement.recv_pairs,
             s.max_tokens * top_k,
             top_k,
@@ -434,17 +494,17 @@ class SymmetricExchange:
         s = self.shape
         x = x.contiguous()
         if s.pull_dispatch:
-            self.x_copy.local[: x.shape[0]].copy_(x)
+            self.view.x_copy.local[: x.shape[0]].copy_(x)
             self._barrier("dispatch: x copied for pulling")
-            source = self.staging_source.local[: s.token_capacity]
+            source = self.view.staging_source.local[: s.token_capacity]
             copy_rows(
-                self.staging.local,
-                self.x_copy.local,
+                self.view.staging.local,
+                self.view.x_copy.local,
                 source[:, 1].contiguous(),
                 routing.recv_tokens,
                 self.programs,
                 COPY_ROWS,
-                src_offsets=self.x_copy.offsets,
+                src_offsets=self.view.x_copy.offsets,
                 src_rank=source[:, 0].contiguous(),
                 **COPY_TILE,
             )
@@ -453,28 +513,28 @@ class SymmetricExchange:
             push_rows(
                 x,
                 routing.token_slot,
-                self.staging.local,
-                self.staging.offsets,
+                self.view.staging.local,
+                self.view.staging.offsets,
                 self.programs,
                 s.block_tokens,
-                flags=self.flags.local,
-                flag_offsets=self.flags.offsets,
+                flags=self.view.flags.local,
+                flag_offsets=self.view.flags.offsets,
                 flag_base=self.rank * s.blocks_per_rank,
-                epoch=self.epoch,
+                epoch=self.view.epoch,
                 **PUSH_TILE,
             )
             waits = {
-                "flags": self.flags.local,
+                "flags": self.view.flags.local,
                 "wait": routing.flag_index,
-                "epoch": self.epoch,
-                "status": self.status,
-                "timeout_s": self.timeout_s,
+                "epoch": self.view.epoch,
+                "status": self.view.status,
+                "timeout_s": self.view.timeout_s,
                 "wait_id": _PUSH_WAIT,
             }
         grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
         copy_rows(
             grouped,
-            self.staging.local,
+            self.view.staging.local,
             routing.grouped_to_staging,
             routing.recv_pairs,
             self.local_sms,
@@ -487,7 +547,7 @@ class SymmetricExchange:
     def expert_output_buffer(self) -> torch.Tensor:
         """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
         nothing. Valid until the next `route`."""
-        return self.expert_out.local
+        return self.view.expert_out.local
 
     def combine(
         self,
@@ -500,7 +560,7 @@ class SymmetricExchange:
         """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
         order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out."""
         s = self.shape
-        buffer = self.expert_out.local
+        buffer = self.view.expert_out.local
         if expert_out.data_ptr() != buffer.data_ptr():
             rows = min(expert_out.shape[0], s.pair_capacity)
             buffer[:rows].copy_(expert_out[:rows])
@@ -515,7 +575,7 @@ class SymmetricExchange:
             self._row_count(pairs.shape[0]),
             self.programs,
             COPY_ROWS,
-            src_offsets=self.expert_out.offsets,
+            src_offsets=self.view.expert_out.offsets,
             src_rank=routing.owner.view(-1),
             **COPY_TILE,
         )
@@ -564,7 +624,7 @@ class SymmetricExchange:
             grad_y.contiguous(),
             topk_weights.contiguous(),
             pair_out,
-            self.grad_pairs.local[: tokens * s.top_k],
+            self.view.grad_pairs.local[: tokens * s.top_k],
             self.local_sms,
         )
         self._barrier("combine backward: pair gradients written")
@@ -573,12 +633,12 @@ class SymmetricExchange:
         )
         copy_rows(
             grad_grouped,
-            self.grad_pairs.local,
+            self.view.grad_pairs.local,
             routing.return_row,
             routing.recv_pairs,
             self.programs,
             COPY_ROWS,
-            src_offsets=self.grad_pairs.offsets,
+            src_offsets=self.view.grad_pairs.offsets,
             src_rank=routing.return_rank,
             **COPY_TILE,
         )
@@ -601,7 +661,7 @@ class SymmetricExchange:
             s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
         )
         reduce_rows(
-            self.grad_staging.local,
+            self.view.grad_staging.local,
             grad_grouped,
             fan_in,
             self.local_sms,
@@ -613,12 +673,12 @@ class SymmetricExchange:
         parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
         copy_rows(
             parts,
-            self.grad_staging.local,
+            self.view.grad_staging.local,
             routing.token_slot.view(-1),
             self._row_count(parts.shape[0]),
             self.programs,
             COPY_ROWS,
-            src_offsets=self.grad_staging.offsets,
+            src_offsets=self.view.grad_staging.offsets,
             src_rank=self._owner_of_part(tokens),
             **COPY_TILE,
         )
@@ -646,11 +706,10 @@ def acquire_exchange(
     timeout_s: float = 10.0,
 ) -> SymmetricExchange:
     """The exchange of (group, device, shape, programs, timeout), created on first use (collective)
-    and then
-    shared by every user of the same key, e.g. all MoE layers of one shape: their calls follow one
-    another on the stream, and every buffer is rewritten only behind a barrier that its readers
-    pass once done, so one set of buffers serves them all. Pair with `release_exchange`; all ranks
-    must acquire and release in the same order."""
+    and then shared by every user of the same key, e.g. all MoE layers of one shape: their calls
+    follow one another on the stream, and every buffer is rewritten only behind a barrier that its
+    readers pass once done, so one set of buffers serves them all. Pair with `release_exchange`;
+    all ranks must acquire and release in the same order."""
     group = group if group is not None else dist.group.WORLD
     key = (group.group_name, str(device), shape, programs, timeout_s)
     entry = _SHARED_EXCHANGES.get(key)
