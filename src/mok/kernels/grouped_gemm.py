@@ -22,9 +22,13 @@ end (those rows only feed output rows that are never stored). Stores go through 
 inside its group through the matrix's descriptor, a group's last, partial tile through one made on
 the spot whose rows end where the group does, so nothing outside the group is ever written.
 
-The tile functions (`*_tile`) compute one fp32 accumulator tile and are meant to be called from any
-task loop, including that of a later fused kernel. The kernels are dtype-generic: on GPUs they run
-bf16; the CPU interpreter runs them exactly in fp32 (its bf16 arithmetic is wrong).
+Building blocks, meant to be called from any task loop, including that of a later fused kernel:
+an A-row source (`row_block`), the weight operand (`weight_block`), the main loops (`rows_tile`,
+and its two-output and two-input forms `rows_dual_tile`, `rows_pair_tile`; `group_at_b_tile` for
+weight gradients), each computing one fp32 accumulator tile, and the epilogues (`swiglu_tile`,
+`saved_preactivations`, `swiglu_backward_tile`, `store_row_tile`, `store_weight_tile`). The
+kernels are dtype-generic: on GPUs they run bf16; the CPU interpreter runs them exactly in fp32
+(its bf16 arithmetic is wrong).
 """
 
 from __future__ import annotations
@@ -181,10 +185,51 @@ def grouped_task(task, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def rows_wt_dual_tile(
-    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    w1_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
-    w2_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
+def row_block(a_desc, row, k):
+    """A[row:+BM, k:+BK] through A's tensor descriptor: the A-row source of the row-tiled
+    products (rows of one group are consecutive; a source that gathers rows through an index
+    would take its place here)."""
+    return a_desc.load([row, k])
+
+
+@triton.jit
+def weight_block(
+    w_desc, expert, n_off, k, N_MAJOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """The [BK, BN] operand W[expert][k:+BK, n_off:+BN] of a product A @ W. N_MAJOR: W is stored
+    [E, N, K] (block [1, BN, BK]; the operand is that tile transposed, as in x @ W_gate[e].T),
+    else [E, K, N] (block [1, BK, BN])."""
+    if N_MAJOR:
+        return w_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K).T
+    return w_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def rows_tile(
+    a_desc,
+    w_desc,
+    row,
+    expert,
+    n_off,
+    K,
+    acc,  # [BM, BN] fp32
+    N_MAJOR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The main loop: acc + A[row:+BM] @ W[expert][:, n_off:+BN] over K in BLOCK_K steps."""
+    for k in tl.range(0, K, BLOCK_K):
+        a = row_block(a_desc, row, k)
+        w = weight_block(w_desc, expert, n_off, k, N_MAJOR, BLOCK_N, BLOCK_K)
+        acc = tl.dot(a, w, acc)
+    return acc
+
+
+@triton.jit
+def rows_dual_tile(
+    a_desc,
+    w1_desc,  # [E, N, K]
+    w2_desc,  # [E, N, K]
     row,
     expert,
     n_off,
@@ -198,7 +243,9 @@ def rows_wt_dual_tile(
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K):
-        a = a_desc.load([row, k])
+        # Both weight tiles loaded before either is transposed: so the pipeliner fetches the
+        # three tiles of a step behind one barrier (`weight_block` here split them: seen in PTX).
+        a = row_block(a_desc, row, k)
         w1 = w1_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
         w2 = w2_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
         acc1 = tl.dot(a, w1.T, acc1)
@@ -207,53 +254,11 @@ def rows_wt_dual_tile(
 
 
 @triton.jit
-def rows_wt_tile(
-    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    w_desc,  # [E, N, K], block [1, BLOCK_N, BLOCK_K]
-    row,
-    expert,
-    n_off,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """A[row:+BM] @ W[expert, n_off:+BN].T as a [BM, BN] fp32 tile."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
-        a = a_desc.load([row, k])
-        w = w_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
-        acc = tl.dot(a, w.T, acc)
-    return acc
-
-
-@triton.jit
-def rows_w_tile(
-    a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    w_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
-    row,
-    expert,
-    n_off,
-    K,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """A[row:+BM] @ W[expert][:, n_off:+BN] as a [BM, BN] fp32 tile."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, K, BLOCK_K):
-        a = a_desc.load([row, k])
-        w = w_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, w, acc)
-    return acc
-
-
-@triton.jit
-def rows_w_pair_tile(
-    a1_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    a2_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    w1_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
-    w2_desc,  # [E, K, N], block [1, BLOCK_K, BLOCK_N]
+def rows_pair_tile(
+    a1_desc,
+    a2_desc,
+    w1_desc,  # [E, K, N]
+    w2_desc,  # [E, K, N]
     row,
     expert,
     n_off,
@@ -263,13 +268,14 @@ def rows_w_pair_tile(
     BLOCK_K: tl.constexpr,
 ):
     """A1[row:+BM] @ W1[expert][:, n_off:+BN] + A2[row:+BM] @ W2[expert][:, n_off:+BN], one
-    [BM, BN] fp32 tile (the data gradient through the gate and up projections together)."""
+    [BM, BN] fp32 tile (the data gradient through the gate and up projections together), the two
+    products interleaved step by step in one accumulator."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K):
-        a1 = a1_desc.load([row, k])
-        w1 = w1_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
-        a2 = a2_desc.load([row, k])
-        w2 = w2_desc.load([expert, k, n_off]).reshape(BLOCK_K, BLOCK_N)
+        a1 = row_block(a1_desc, row, k)
+        w1 = weight_block(w1_desc, expert, n_off, k, False, BLOCK_N, BLOCK_K)
+        a2 = row_block(a2_desc, row, k)
+        w2 = weight_block(w2_desc, expert, n_off, k, False, BLOCK_N, BLOCK_K)
         acc = tl.dot(a1, w1, acc)
         acc = tl.dot(a2, w2, acc)
     return acc
@@ -439,7 +445,7 @@ def _gate_up_swiglu_kernel(
         m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
-        gate, up = rows_wt_dual_tile(
+        gate, up = rows_dual_tile(
             x_desc, w_gate_desc, w_up_desc, row, expert, n_off, hidden, BLOCK_M, BLOCK_N, BLOCK_K
         )
         h = swiglu_tile(gate, up, limit, HAS_LIMIT)
@@ -496,9 +502,8 @@ def _down_kernel(
         m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
-        acc = rows_wt_tile(
-            h_desc, w_down_desc, row, expert, n_off, inter, BLOCK_M, BLOCK_N, BLOCK_K
-        )
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = rows_tile(h_desc, w_down_desc, row, expert, n_off, inter, acc, True, BLOCK_N, BLOCK_K)
         store_row_tile(
             out_desc, out_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
         )
@@ -533,8 +538,9 @@ def _down_dgrad_swiglu_kernel(
         m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
-        grad_h = rows_w_tile(
-            grad_out_desc, w_down_desc, row, expert, n_off, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+        grad_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        grad_h = rows_tile(
+            grad_out_desc, w_down_desc, row, expert, n_off, hidden, grad_h, False, BLOCK_N, BLOCK_K
         )
         # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
         grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
@@ -596,7 +602,7 @@ def _gate_up_dgrad_kernel(
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
         if expert >= 0:
-            acc = rows_w_pair_tile(
+            acc = rows_pair_tile(
                 grad_gate_desc,
                 grad_up_desc,
                 w_gate_desc,
