@@ -2,6 +2,8 @@
 
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
+`warp_specialized`: Gluon versions of the forward's products for Hopper (the down one in use).
+`mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues).
 """
 
 from mok.kernels.expert_mlp import (

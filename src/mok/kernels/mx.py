@@ -1,0 +1,174 @@
+"""The MXFP8 cast as Triton tile functions and a kernel: `mok.reference.mx.quantize`, bit for bit.
+
+The tile functions take an fp32 tile whose last dimension is cut into 32-element blocks and return
+its e4m3 bytes and e8m0 scale bytes; they are meant for epilogues too (a GEMM that quantizes its
+output). Every step is integer or exact fp32 arithmetic (no log2, no division, no hardware fp8
+conversion), so the CPU interpreter, whose fp8 casts round wrongly, computes the same bytes as the
+GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.reference.mx import BLOCK, ScaleRounding
+
+if interpreting():
+    patch_interpreter()
+
+
+@triton.jit
+def _exponent_field(values):
+    """Biased exponent bits of fp32 values (0 for zeros and subnormals), int32."""
+    return (values.to(tl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@triton.jit
+def _power_of_two(exponent):
+    """2^exponent as fp32 for exponent in [-127, 127] (2^-127 is subnormal), exactly."""
+    normal = (exponent + 127).to(tl.int32) << 23
+    bits = tl.where(exponent == -127, 0x400000, normal)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def mx_scale_bytes(amax, has_nan, RCEIL: tl.constexpr):
+    """e8m0 scale bytes (int32) of blocks with largest magnitude amax (fp32) and whether they hold
+    a NaN, and the fp32 factor their elements are multiplied by before the e4m3 rounding (the
+    rules are in `mok.reference.mx`)."""
+    if RCEIL:
+        descale = tl.math.div_rn(amax, 448.0)  # IEEE division: `/` is approximate on GPUs
+        field = _exponent_field(descale)
+        mantissa = descale.to(tl.int32, bitcast=True) & 0x7FFFFF
+        # ceil(log2(descale)), exactly; a subnormal above 2^-127 has ceiling -126.
+        ceiling = tl.where(field > 0, field - 127 + (mantissa != 0).to(tl.int32), -127)
+        ceiling = tl.where((field == 0) & (mantissa > 0x400000), -126, ceiling)
+        byte = tl.minimum(tl.maximum(ceiling, -127), 127) + 127
+        byte = tl.where(field == 0xFF, 254, byte)  # an infinite amax
+        byte = tl.where(has_nan, 255, byte)
+        factor = _power_of_two(127 - tl.minimum(tl.maximum(byte, 1), 254))
+        factor = tl.where(byte == 0, 1.0, factor)
+        factor = tl.where(byte == 255, float("nan"), factor)
+    else:
+        unbiased = _exponent_field(amax) - 127 - 8
+        byte = tl.minimum(tl.maximum(unbiased, -127), 128) + 127
+        byte = tl.where(has_nan, 255, byte)
+        # Multiplying by 2^-k is torchao's division by 2^k exactly (the divisor at least 2^-126;
+        # for a NaN block, by infinity: 0, or NaN for the NaN and infinite elements).
+        factor = _power_of_two(127 - tl.minimum(tl.maximum(byte, 1), 254))
+        factor = tl.where(byte == 255, 0.0, factor)
+    return byte, factor
+
+
+@triton.jit
+def e4m3_bytes(values):
+    """e4m3fn bytes (int32) of fp32 values in [-448, 448] or NaN: round to nearest, ties to even;
+    NaN to 0x7F with its sign; -0 to 0x80."""
+    bits = values.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    is_nan = values != values
+    magnitude = tl.where(is_nan, 0.0, tl.abs(values))
+    mbits = magnitude.to(tl.int32, bitcast=True)
+    # Normal e4m3 (>= 2^-6): round the fp32 mantissa to 3 bits in place (ties to even), then
+    # rebias the exponent from 127 to 7.
+    rounded = (mbits + 0x7FFFF + ((mbits >> 20) & 1)) >> 20
+    normal = rounded - ((127 - 7) << 3)
+    # Subnormal e4m3 (m x 2^-9, m < 8; m = 8 is 2^-6, the smallest normal, byte 8): adding 2^23
+    # rounds to an integer, ties to even, in fp32.
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.where(magnitude >= 0.015625, normal, subnormal)
+    code = tl.where(is_nan, 0x7F, code)
+    return sign | code
+
+
+@triton.jit
+def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.constexpr):
+    """(e4m3 bytes [ROWS, COLS], scale bytes [ROWS, COLS // 32]) of an fp32 tile, blocks of 32
+    along its columns."""
+    blocks = tile.reshape(ROWS, COLS // 32, 32)
+    amax = tl.max(tl.abs(blocks), axis=2)
+    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
+    byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
+    scaled = blocks * factor[:, :, None]
+    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
+    return e4m3_bytes(scaled).reshape(ROWS, COLS), byte
+
+
+@triton.jit
+def _mx_quantize_kernel(
+    x_ptr,
+    data_ptr,  # uint8, x's layout
+    scales_ptr,  # uint8 [rows, cols // 32], contiguous
+    rows,
+    cols,
+    stride_row,
+    stride_col,
+    data_stride_row,
+    data_stride_col,
+    RCEIL: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Grid: (cdiv(rows, BLOCK_ROWS), cdiv(cols, BLOCK_COLS)). Quantizes x [rows, cols] (any
+    strides; cols a multiple of 32) along cols. BF16_BITS: x holds bf16 bit patterns (int16),
+    widened here to fp32 exactly (the interpreter's own bf16 conversion flushes subnormals)."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    offsets = r.to(tl.int64)[:, None] * stride_row + c[None, :] * stride_col
+    if BF16_BITS:
+        raw = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        tile = (raw << 16).to(tl.float32, bitcast=True)
+    else:
+        tile = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+    data_offsets = r.to(tl.int64)[:, None] * data_stride_row + c[None, :] * data_stride_col
+    tl.store(data_ptr + data_offsets, data.to(tl.uint8), mask=mask)
+    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
+    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+    tl.store(scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
+
+
+def mx_quantize(
+    x: torch.Tensor, dim: int = -1, rounding: ScaleRounding | str = ScaleRounding.RCEIL
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mok.reference.mx.quantize` on the device: (data float8_e4m3fn of x's shape, contiguous;
+    scales uint8 of x's shape with `dim` divided by 32) of a 2-D x (bf16 or fp32)."""
+    rounding = ScaleRounding(rounding)
+    if x.dim() != 2:
+        raise ValueError(f"mx_quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
+    dim = dim % 2
+    if x.shape[dim] % BLOCK:
+        raise ValueError(
+            f"MXFP8 needs the quantized dimension ({dim}, size {x.shape[dim]}) to be a multiple "
+            f"of {BLOCK}"
+        )
+    data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    view, out = (x, data) if dim == 1 else (x.T, data.T)
+    rows, cols = view.shape
+    scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        block_rows, block_cols = 16, 128
+        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+        bf16 = view.dtype == torch.bfloat16
+        _mx_quantize_kernel[grid](
+            view.view(torch.int16) if bf16 else view,
+            out,
+            scales,
+            rows,
+            cols,
+            view.stride(0),
+            view.stride(1),
+            out.stride(0),
+            out.stride(1),
+            RCEIL=rounding is ScaleRounding.RCEIL,
+            BF16_BITS=bf16,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+        )
+    return data.view(torch.float8_e4m3fn), scales if dim == 1 else scales.T

@@ -1,0 +1,81 @@
+"""The MXFP8 cast kernel against the reference cast (`mok.reference.mx`, itself bit for bit
+torchao's), byte for byte: under the interpreter on the CPU, compiled on the GPU.
+
+Bugs these catch: the e4m3 rounding done by bit arithmetic off at ties, at the normal/subnormal
+boundary (2^-6) or for -0 and NaN; an exact-ceiling scale off for subnormal or infinite block
+maxima; a NaN in a block not making its scale 255; the FLOOR factor taken from the wrong byte; a
+tile's partial rows or columns written; the strided (dim 0) path reading or writing the wrong
+layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mx_cases import assert_same_bits, blocks_of_every_kind
+
+from mok.kernels.mx import mx_quantize
+from mok.reference import mx
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def check(x: torch.Tensor, dim: int, rounding: str) -> None:
+    data, scales = mx_quantize(x.to(DEVICE), dim=dim, rounding=rounding)
+    want_data, want_scales = mx.quantize(x, dim=dim, rounding=rounding)
+    assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
+    assert torch.equal(scales.cpu(), want_scales)
+    assert_same_bits(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_kind_of_block(rounding, dtype):
+    """Zeros, NaN, inf, subnormals, powers of two, e4m3 ties, saturation, 2^-140 .. 2^120; the
+    partial tiles of 50 rows and 224 columns."""
+    x = blocks_of_every_kind(dtype)[:50, :224]
+    check(x, -1, rounding)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_along_the_first_dimension_of_a_strided_view(rounding):
+    x = blocks_of_every_kind(torch.bfloat16, seed=2)[:, 16:112]  # [64, 96], row stride 256
+    check(x, 0, rounding)
+
+
+def test_every_e4m3_value_and_the_midpoints_between_them():
+    """All 126 positive finite e4m3 values, each midpoint to the next (a tie: to even), just
+    below and above each midpoint, negated too; in blocks whose scale is 1 (amax 448)."""
+    values = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mid = (values[:-1] + values[1:]) / 2
+    below, above = torch.nextafter(mid, values[:-1]), torch.nextafter(mid, values[1:])
+    probes = torch.cat([values, mid, below, above])
+    probes = torch.cat([probes, -probes, torch.tensor([0.0, -0.0])])
+    pad = (-probes.numel()) % 31
+    probes = torch.cat([probes, torch.zeros(pad)]).view(-1, 31)
+    x = torch.cat([torch.full((probes.shape[0], 1), 448.0), probes], dim=1)
+    for rounding in ("rceil", "floor"):
+        check(x, -1, rounding)
+
+
+@given(
+    exponent=st.integers(-149, 127),
+    seed=st.integers(0, 2**31 - 1),
+    rounding=st.sampled_from(["rceil", "floor"]),
+    rows=st.integers(1, 40),
+    blocks=st.integers(1, 6),
+)
+def test_random_shapes_and_magnitudes(exponent, seed, rounding, rows, blocks):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 32 * blocks, generator=gen) * 2.0 ** min(exponent, 100)
+    x *= torch.exp2(torch.randint(-20, 1, (rows, 32 * blocks), generator=gen).float())
+    check(x, -1, rounding)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mx_quantize(torch.ones(4, 48, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D"):
+        mx_quantize(torch.ones(2, 4, 32, device=DEVICE))
