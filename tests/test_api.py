@@ -157,9 +157,13 @@ def test_config_accepts_strings_and_reports_layout():
     assert config.forward_flops(10) == 2 * 10 * 2 * 3 * 128 * 64 + 2 * 10 * 3 * 128 * 64
 
 
-def test_mxfp8_is_refused_until_a_backend_implements_it():
-    with pytest.raises(mok.BackendUnavailableError, match="mxfp8"):
-        mok.create_workspace(TINY.replace(precision="mxfp8"))
+def test_mxfp8_runs_on_the_reference_backend_only_with_32_aligned_sizes():
+    """Catches a backend taking a precision it would compute in bf16, and MXFP8 accepted for
+    sizes its 32-element scale blocks cannot cover."""
+    mx_config = TINY.replace(precision="mxfp8")
+    assert mok.create_workspace(mx_config).backend_name == "reference"
+    with pytest.raises(mok.BackendUnavailableError, match="multiple of 32"):
+        mok.create_workspace(mx_config.replace(hidden_size=48, intermediate_size=64))
 
 
 def test_backends_say_why_they_cannot_run_here(monkeypatch):

@@ -35,8 +35,16 @@ class ReferenceBackend:
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
-        if config.precision.value != "bf16":
-            return f"the reference backend computes bf16 only, not {config.precision.value}"
+        if config.precision.value == "mxfp8":
+            sizes = {
+                "hidden_size": config.hidden_size,
+                "intermediate_size": config.intermediate_size,
+            }
+            for name, size in sizes.items():
+                if size % 32:
+                    return (
+                        f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks), not {size}"
+                    )
         return None
 
     @staticmethod
@@ -51,6 +59,7 @@ class ReferenceBackend:
         run = dict(
             topk_idx=topk_idx,
             swiglu_limit=self.workspace.config.swiglu_limit,
+            precision=self.workspace.config.precision.value,
             group=self.workspace.group,
             routing=routing,
         )

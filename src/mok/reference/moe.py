@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from mok.distributed import all_to_all
 from mok.reference.expert import accumulation_dtype, expert_mlp, grouped_expert_mlp
+from mok.reference.mx_expert import mx_grouped_expert_mlp
 from mok.reference.routing import ReferenceRouting
 from mok.weights import MoEWeights
 
@@ -48,12 +49,15 @@ def moe_forward(
     swiglu_limit: float | None = None,
     group: dist.ProcessGroup | None = None,
     routing: ReferenceRouting | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
 
     x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k]; weights holds this rank's
     E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `routing` may be passed
     when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
+    precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, RCEIL scales); the
+    shared expert and the combine stay bf16.
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
@@ -68,7 +72,8 @@ def moe_forward(
     sent = pair_rows[routing.pair_order]
     received = all_to_all(sent, routing.recv_splits, routing.send_splits, group)
     grouped = received[routing.recv_to_grouped]
-    expert_rows = grouped_expert_mlp(
+    experts = mx_grouped_expert_mlp if precision == "mxfp8" else grouped_expert_mlp
+    expert_rows = experts(
         grouped, routing.group_sizes, weights.gate, weights.up, weights.down, swiglu_limit
     )
     returned = all_to_all(

@@ -1,0 +1,121 @@
+"""The expert MLP in MXFP8, in plain PyTorch: the oracle of the MXFP8 kernels (docs/mxfp8.md).
+
+Every GEMM reads its two operands quantized to MXFP8 along its reduction dimension (`mok.reference
+.mx`: quantize, then dequantize, which is exact) and accumulates their products in fp32; an
+operand read by two GEMMs along different dimensions is quantized once for each. Per expert, rows
+r [m, H], weights W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
+
+    forward    gate, up = Q_H(r) @ Q_H(W_gate).T, Q_H(r) @ Q_H(W_up).T        (fp32)
+               h        = Q_I(swiglu(gate, up))                                (from fp32)
+               out      = h @ Q_I(W_down).T, rounded to bf16
+    backward   g        = grad out (bf16)
+               grad h   = Q_H(g) @ Q_H(W_down), rounded to bf16
+               grad gate, grad up: the SwiGLU backward of grad h at gate, up (fp32)
+               grad r   = Q_I(grad gate) @ Q_I(W_gate) + Q_I(grad up) @ Q_I(W_up), rounded to bf16
+               grad W_down = Q_T(g).T @ Q_T(h)
+               grad W_gate = Q_T(bf16(grad gate)).T @ Q_T(Q_H(r)); grad W_up alike
+
+Q_T quantizes along the rows (tokens) of one expert's group: blocks of 32 rows from the group's
+first, the last one padded with zeros. The weights' gradients are returned in the weights' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mok.reference import mx
+from mok.reference.expert import swiglu
+
+
+def quantized(
+    t: torch.Tensor, dim: int, rounding: mx.ScaleRounding | str = mx.ScaleRounding.RCEIL
+) -> torch.Tensor:
+    """Q_dim(t): t's values as MXFP8 along `dim` represents them, in fp32 (exact)."""
+    data, scales = mx.quantize(t, dim=dim, rounding=rounding)
+    return mx.dequantize(data, scales, dim=dim)
+
+
+def quantized_rows(
+    t: torch.Tensor, rounding: mx.ScaleRounding | str = mx.ScaleRounding.RCEIL
+) -> torch.Tensor:
+    """Q_T(t) of one group's rows t [m, C]: blocks of 32 rows from the first, zero-padded."""
+    rows = t.shape[0]
+    padded = torch.nn.functional.pad(t.float(), (0, 0, 0, -rows % mx.BLOCK))
+    return quantized(padded, 0, rounding)[:rows]
+
+
+class _MXExpert(torch.autograd.Function):
+    """One expert in MXFP8 (see the module docstring); rows and weights in bf16."""
+
+    @staticmethod
+    def forward(ctx, rows, w_gate, w_up, w_down, limit, rounding):
+        x_q = quantized(rows, -1, rounding)
+        gate = x_q @ quantized(w_gate, -1, rounding).T
+        up = x_q @ quantized(w_up, -1, rounding).T
+        h_q = quantized(swiglu(gate, up, limit), -1, rounding)
+        out = (h_q @ quantized(w_down, -1, rounding).T).to(rows.dtype)
+        ctx.save_for_backward(x_q, gate, up, h_q, w_gate, w_up, w_down)
+        ctx.limit, ctx.rounding, ctx.dtype = limit, rounding, rows.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_q, gate, up, h_q, w_gate, w_up, w_down = ctx.saved_tensors
+        rounding, dtype = ctx.rounding, ctx.dtype
+        grad_out = grad_out.to(dtype)
+        grad_h = quantized(grad_out, -1, rounding) @ quantized(w_down, 0, rounding)
+        grad_h = grad_h.to(dtype).float()
+        with torch.enable_grad():
+            gate_, up_ = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+            grad_gate, grad_up = torch.autograd.grad(
+                swiglu(gate_, up_, ctx.limit), [gate_, up_], grad_h
+            )
+        grad_rows = quantized(grad_gate, -1, rounding) @ quantized(w_gate, 0, rounding)
+        grad_rows = grad_rows + quantized(grad_up, -1, rounding) @ quantized(w_up, 0, rounding)
+        x_t = quantized_rows(x_q, rounding)
+        grad_w_down = quantized_rows(grad_out, rounding).T @ quantized_rows(h_q, rounding)
+        grad_w_gate = quantized_rows(grad_gate.to(dtype), rounding).T @ x_t
+        grad_w_up = quantized_rows(grad_up.to(dtype), rounding).T @ x_t
+        return (
+            grad_rows.to(dtype),
+            grad_w_gate.to(w_gate.dtype),
+            grad_w_up.to(w_up.dtype),
+            grad_w_down.to(w_down.dtype),
+            None,
+            None,
+        )
+
+
+def mx_grouped_expert_mlp(
+    rows: torch.Tensor,
+    group_sizes: list[int],
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    swiglu_limit: float | None = None,
+    rounding: mx.ScaleRounding | str = mx.ScaleRounding.RCEIL,
+) -> torch.Tensor:
+    """`mok.reference.expert.grouped_expert_mlp` in MXFP8: rows [M, H] bf16 grouped by expert
+    through w_gate, w_up [E, I, H] and w_down [E, H, I] (H and I multiples of 32). Differentiable
+    with the MXFP8 backward of the module docstring."""
+    if len(group_sizes) != w_gate.shape[0]:
+        raise ValueError(f"{len(group_sizes)} group sizes for {w_gate.shape[0]} experts")
+    if sum(group_sizes) != rows.shape[0]:
+        raise ValueError(
+            f"group sizes sum to {sum(group_sizes)}, but there are {rows.shape[0]} rows"
+        )
+    rounding = mx.ScaleRounding(rounding)
+    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    outputs, start = [], 0
+    for expert, size in enumerate(group_sizes):
+        if size:
+            chunk = rows[start : start + size]
+            outputs.append(
+                _MXExpert.apply(
+                    chunk, gates[expert], ups[expert], downs[expert], swiglu_limit, rounding
+                )
+            )
+        start += size
+    if not outputs:
+        return rows * 0
+    return torch.cat(outputs)

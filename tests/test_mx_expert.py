@@ -1,0 +1,148 @@
+"""The MXFP8 expert MLP reference (`mok.reference.mx_expert`) and the layer on it.
+
+The bitwise tests restate docs/mxfp8.md's table operand by operand with `mok.reference.mx` alone;
+they catch an operand quantized along the wrong dimension (a backward reusing the forward's
+weight layout, for instance), an operand left in bf16, h quantized after a bf16 rounding instead
+of from fp32, token blocks that run past an expert's group. The accuracy tests catch a
+quantization that does nothing (errors at bf16 level) or a wrong scale (errors of O(1)).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok.reference import mx
+from mok.reference.expert import grouped_expert_mlp, swiglu
+from mok.reference.mx_expert import mx_grouped_expert_mlp
+from mok.testing import relative_error
+
+H, INTER = 64, 96
+
+
+def q(t: torch.Tensor, dim: int) -> torch.Tensor:
+    data, scales = mx.quantize(t, dim=dim)
+    return mx.dequantize(data, scales, dim=dim)
+
+
+def q_tokens(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % 32
+    return q(torch.cat([t.float(), t.new_zeros(pad, t.shape[1]).float()]), 0)[: t.shape[0]]
+
+
+def uneven(t: torch.Tensor, gen) -> torch.Tensor:
+    """t with every row and every column scaled by its own power of two in [2^-6, 2^6]: MX blocks
+    along rows and along columns then get different scales (with Gaussian entries alone nearly
+    every block has the same scale, and quantizing along the wrong dimension goes unseen)."""
+    rows = torch.exp2(torch.randint(-6, 7, (*t.shape[:-1], 1), generator=gen).float())
+    cols = torch.exp2(torch.randint(-6, 7, (*t.shape[:-2], 1, t.shape[-1]), generator=gen).float())
+    return t * rows * cols
+
+
+def problem(sizes, seed=0, scale_rows=None):
+    gen = torch.Generator().manual_seed(seed)
+    experts = len(sizes)
+    rows = torch.randn(sum(sizes), H, generator=gen)
+    if scale_rows is not None:
+        rows = rows * scale_rows[:, None]
+    weights = [
+        torch.randn(experts, INTER, H, generator=gen) * H**-0.5,
+        torch.randn(experts, INTER, H, generator=gen) * H**-0.5,
+        torch.randn(experts, H, INTER, generator=gen) * INTER**-0.5,
+    ]
+    grad = torch.randn(sum(sizes), H, generator=gen)
+    if scale_rows is None:
+        rows, grad = uneven(rows, gen), uneven(grad, gen)
+        weights = [uneven(w, gen) for w in weights]
+    return rows.bfloat16(), [w.bfloat16() for w in weights], grad.bfloat16()
+
+
+def run(fn, rows, weights, grad, sizes, limit=None):
+    leaves = [t.clone().requires_grad_(True) for t in (rows, *weights)]
+    out = fn(leaves[0], sizes, *leaves[1:], limit)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_every_gemm_reads_its_operands_as_the_table_says(limit):
+    sizes = [40, 0, 7, 33]
+    rows, (w_gate, w_up, w_down), grad = problem(sizes)
+    out, (g_rows, g_gate, g_up, g_down) = run(
+        mx_grouped_expert_mlp, rows, [w_gate, w_up, w_down], grad, sizes, limit
+    )
+    start = 0
+    for e, size in enumerate(sizes):
+        r, g = rows[start : start + size], grad[start : start + size]
+        if size == 0:
+            assert not g_gate[e].any() and not g_up[e].any() and not g_down[e].any()
+            continue
+        x_q = q(r, 1)
+        gate_f = (x_q @ q(w_gate[e], 1).T).requires_grad_(True)
+        up_f = (x_q @ q(w_up[e], 1).T).requires_grad_(True)
+        h_f = swiglu(gate_f, up_f, limit)
+        h_q = q(h_f.detach(), 1)
+        assert torch.equal(out[start : start + size], (h_q @ q(w_down[e], 1).T).bfloat16())
+        grad_h = (q(g, 1) @ q(w_down[e], 0)).bfloat16().float()
+        grad_gate, grad_up = torch.autograd.grad(h_f, [gate_f, up_f], grad_h)
+        want_rows = q(grad_gate, 1) @ q(w_gate[e], 0) + q(grad_up, 1) @ q(w_up[e], 0)
+        assert torch.equal(g_rows[start : start + size], want_rows.bfloat16())
+        assert torch.equal(g_down[e], (q_tokens(g).T @ q_tokens(h_q)).bfloat16())
+        x_t = q_tokens(x_q)
+        assert torch.equal(g_gate[e], (q_tokens(grad_gate.bfloat16()).T @ x_t).bfloat16())
+        assert torch.equal(g_up[e], (q_tokens(grad_up.bfloat16()).T @ x_t).bfloat16())
+        start += size
+
+
+def test_accuracy_against_float64_is_mxfp8_level():
+    """MXFP8 (3 mantissa bits) is ~8x coarser than bf16 (7 bits): the MX layer's error against
+    unquantized float64 math lies well above the bf16 reference's and well below O(1)."""
+    sizes = [64, 96, 32]
+    rows, weights, grad = problem(sizes, seed=1)
+    mx_out, mx_grads = run(mx_grouped_expert_mlp, rows, weights, grad, sizes)
+    bf_out, bf_grads = run(grouped_expert_mlp, rows, weights, grad, sizes)
+    exact_out, exact_grads = run(
+        grouped_expert_mlp, rows.double(), [w.double() for w in weights], grad.double(), sizes
+    )
+    for mx_t, bf_t, exact in zip(
+        [mx_out, *mx_grads], [bf_out, *bf_grads], [exact_out, *exact_grads], strict=True
+    ):
+        mx_error, bf_error = relative_error(mx_t, exact), relative_error(bf_t, exact)
+        assert 2 * bf_error < mx_error < 0.1, (mx_error, bf_error)
+
+
+def test_token_blocks_stay_inside_an_expert_group():
+    """Expert 0's rows are 2^20 times larger than expert 1's: a 32-row block shared by the two
+    groups would flush expert 1's rows to zero in its weight gradients."""
+    sizes = [5, 27]
+    scale = torch.cat([torch.full((5,), 2.0**20), torch.ones(27)])
+    rows, weights, grad = problem(sizes, seed=2, scale_rows=scale)
+    _, mx_grads = run(mx_grouped_expert_mlp, rows, weights, grad, sizes)
+    _, exact = run(
+        grouped_expert_mlp, rows.double(), [w.double() for w in weights], grad.double(), sizes
+    )
+    assert relative_error(mx_grads[1][1], exact[1][1]) < 0.1  # grad W_gate of expert 1
+
+
+def test_the_layer_in_mxfp8_on_the_reference_backend():
+    """mok.MoE with precision="mxfp8": the routed experts in MXFP8 (outputs within MX accuracy of
+    the bf16 layer's, but not equal to them), repeatable bit for bit."""
+    config = mok.MoKConfig(
+        hidden_size=H, intermediate_size=INTER, num_experts=4, top_k=2, shared_intermediate_size=32
+    )
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(48, H, generator=gen).bfloat16()
+    idx = torch.argsort(torch.rand(48, 4, generator=gen), -1)[:, :2]
+    w = torch.softmax(torch.randn(48, 2, generator=gen), -1)
+    results = []
+    for precision in ("bf16", "mxfp8", "mxfp8"):
+        layer = mok.MoE(config.replace(precision=precision, backend="reference"))
+        layer.load_global_weights(mok.testing.global_weights(config, 0, torch.device("cpu")))
+        x_leaf = x.clone().requires_grad_(True)
+        layer(x_leaf, idx, w).float().square().sum().backward()
+        results.append((x_leaf.grad, layer.gate.grad))
+    (bf_x, bf_gate), (mx_x, mx_gate), (again_x, again_gate) = results
+    assert torch.equal(mx_x, again_x) and torch.equal(mx_gate, again_gate)
+    assert 0 < relative_error(mx_x, bf_x) < 0.1
+    assert 0 < relative_error(mx_gate, bf_gate) < 0.1
