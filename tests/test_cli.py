@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mok.bench import BenchSpec
 from mok.cli import main
@@ -135,15 +136,43 @@ def test_bench_runs_several_presets_in_one_call(monkeypatch, tmp_path):
     assert [result["spec"]["preset"] for result in results] == ["tiny", "tiny-odd"]
 
 
-def test_bench_refuses_what_it_cannot_run():
-    done = run_mok("bench", "--preset", "nope")
-    assert done.returncode == 2 and "invalid choice: 'nope'" in done.stderr
-    done = run_mok("bench", "--device", "cpu", "--ep", "1,3")
-    assert done.returncode == 2 and "--ep 3: preset tiny has 8 experts" in done.stderr
-    with pytest.raises(SystemExit):
-        main(["bench", "--iters", "0"])
-    with pytest.raises(SystemExit):
-        main(["bench", "--dense-tflops", "0"])
+BAD_OPTIONS = [
+    (["--preset", "nope"], "--preset: invalid choice: 'nope'"),
+    (["--device", "cpu", "--ep", "1,3"], "--ep 3: preset tiny's 8 experts cannot be split evenly"),
+    (["--ep", "2,abc"], "--ep: expected integers >= 1 separated by commas, got '2,abc'"),
+    (["--backend", "nope"], "--backend: invalid choice: 'nope'"),
+    (["--swiglu-limit", "-1"], "--swiglu-limit: must be a finite number > 0, got -1"),
+    (["--tokens", "0"], "--tokens: must be >= 1, got 0"),
+    (["--tokens", "abc"], "--tokens: expected an integer, got 'abc'"),
+    (["--iters", "0"], "--iters: must be >= 1"),
+    (["--dense-tflops", "0"], "--dense-tflops: must be a finite number > 0"),
+    (["--out", "/proc/mok-results"], "--out /proc/mok-results: cannot write there"),
+    (["--json", "/proc/mok/results.json"], "--json /proc/mok/results.json: cannot write there"),
+]
+CPU_ONLY_BAD_OPTIONS = [
+    (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
+    (["--backend", "triton"], "--backend triton cannot run tiny here: needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    BAD_OPTIONS + ([] if torch.cuda.is_available() else CPU_ONLY_BAD_OPTIONS),
+)
+def test_bench_refuses_bad_options_in_one_line_before_running(
+    options, message, capsys, monkeypatch
+):
+    """Catches a traceback (or an error after the whole run) where one line naming the option
+    and the problem belongs."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # with it, triton runs on CPUs (a test mode)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--no-progress", *options])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "Traceback" not in error
+    assert (
+        f"mok bench: error: argument {message}" in error or f"mok bench: error: {message}" in error
+    )
 
 
 def test_env_reports_backends_as_json():

@@ -119,7 +119,7 @@ def call_with_bad_input(rank, world, problem):
         ("expert id", r"expert id 8, outside \[0, num_experts=8\)"),
         ("dtype", "x has dtype float32"),
         ("tokens", r"topk_weights has shape \(7, 2\)"),
-        ("config", r"different configs \(swiglu_limit"),
+        ("config", r"different configs \(swiglu_limit: rank 0 None, rank 1 3\.0\)"),
     ],
 )
 def test_bad_input_on_one_rank_raises_on_every_rank(problem, message):

@@ -6,10 +6,12 @@ import argparse
 import json
 import shlex
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
+from mok.backends import BACKENDS
 from mok.bench import (
     H200_DENSE_BF16_TFLOPS,
     REPORT_NAME,
@@ -20,28 +22,39 @@ from mok.bench import (
     run_bench,
     write_report,
 )
+from mok.config import Backend
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 
@@ -57,7 +70,12 @@ def _preset_names(text: str) -> list[str]:
 
 
 def _positive_ints(text: str) -> list[int]:
-    return [_positive_int(item) for item in text.split(",")]
+    try:
+        return [_positive_int(item) for item in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers >= 1 separated by commas, got {text!r}"
+        ) from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,11 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--tokens",
-        type=_non_negative_int,
+        type=_positive_int,
         default=None,
         help="tokens per rank (default: each preset's)",
     )
-    bench.add_argument("--backend", default="auto", help="auto, reference, ...")
+    bench.add_argument("--backend", choices=[b.value for b in Backend], default="auto")
     bench.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -108,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1024,
         help="tokens per rank of the correctness check before timing",
     )
-    bench.add_argument("--swiglu-limit", type=float, default=None)
+    bench.add_argument("--swiglu-limit", type=_positive_float, default=None)
     bench.add_argument(
         "--pair-capacity-factor",
         type=_positive_float,
@@ -144,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
         "matplotlib: pip install 'mok[bench]') into DIR, stamped with date, commit and machine",
     )
     bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(command_parser=bench)
 
     env = commands.add_parser("env", help="what this machine offers and which backends can run")
     env.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -158,6 +177,8 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA GPU")
     eps = args.ep
     if eps is None:
         eps = [max(torch.cuda.device_count(), 1) if device == "cuda" else 2]
@@ -165,7 +186,26 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         experts = PRESETS[name].num_experts
         for ep in eps:
             if experts % ep:
-                parser.error(f"--ep {ep}: preset {name} has {experts} experts, not a multiple")
+                parser.error(
+                    f"--ep {ep}: preset {name}'s {experts} experts cannot be split evenly over "
+                    f"{ep} ranks"
+                )
+            if device == "cuda" and ep > torch.cuda.device_count():
+                parser.error(
+                    f"--ep {ep} needs {ep} GPUs (one per rank); this machine has "
+                    f"{torch.cuda.device_count()}"
+                )
+            if args.backend != "auto":
+                config = PRESETS[name].config(swiglu_limit=args.swiglu_limit)
+                backend = BACKENDS[Backend(args.backend)]
+                reason = backend.unavailable_reason(config, torch.device(device), None)
+                if reason is not None:
+                    parser.error(f"--backend {args.backend} cannot run {name} here: {reason}")
+    for option, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None:
+            problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
+            if problem:
+                parser.error(f"{option} {path}: {problem}")
     dense_tflops = args.dense_tflops
     if dense_tflops is None and device == "cuda":
         dense_tflops = H200_DENSE_BF16_TFLOPS
@@ -232,6 +272,18 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
     return 0
 
 
+def _unwritable(folder: Path) -> str | None:
+    """Why results cannot be written into `folder` (created if missing), or None; checked before
+    the run so that a long benchmark does not end in an error."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        return f"cannot write there ({error.strerror or error})"
+    return None
+
+
 def _env(args) -> int:
     from mok.env import collect_env, print_env
 
@@ -248,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return _bench(args, parser, shlex.join(["mok", *argv]))
+        return _bench(args, args.command_parser, shlex.join(["mok", *argv]))
     return _env(args)
 
 

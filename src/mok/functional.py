@@ -119,6 +119,19 @@ def _config_fingerprint(config: MoKConfig) -> list[tuple[str, int]]:
     return fields
 
 
+def _config_value(config: MoKConfig, name: str, encoded: int):
+    """The config value a rank's `_config_fingerprint` entry stands for (to print it)."""
+    annotation = str(next(f.type for f in dataclasses.fields(config) if f.name == name))
+    if encoded == -1 and "None" in annotation:
+        return None
+    if annotation.startswith("float"):
+        return struct.unpack("<d", struct.pack("<q", encoded))[0]
+    current = getattr(config, name)
+    if hasattr(current, "value"):  # enums
+        return list(type(current))[encoded].value
+    return encoded
+
+
 def create_workspace(
     config: MoKConfig,
     group: dist.ProcessGroup | None = None,
@@ -151,7 +164,11 @@ def create_workspace(
         fingerprint = _config_fingerprint(config)
         everyone = all_gather_int64(torch.tensor([v for _, v in fingerprint]), group)
         differing = [
-            f"{name}: {everyone[:, i].tolist()}"
+            f"{name}: "
+            + ", ".join(
+                f"rank {r} {_config_value(config, name, v)!r}"
+                for r, v in enumerate(everyone[:, i].tolist())
+            )
             for i, (name, _) in enumerate(fingerprint)
             if not bool((everyone[:, i] == everyone[0, i]).all())
         ]
