@@ -52,9 +52,11 @@ def grouped_expert_mlp(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
+    expert=expert_mlp,
 ) -> torch.Tensor:
     """Rows grouped by expert ([M, H], group e holds the next group_sizes[e] rows) through their
-    experts (w_gate, w_up [E, I, H], w_down [E, H, I]); returns [M, H]. Empty groups are skipped."""
+    experts (w_gate, w_up [E, I, H], w_down [E, H, I]); returns [M, H]. Empty groups are skipped.
+    `expert(rows, w_gate, w_up, w_down, swiglu_limit)` computes one expert (default: bf16)."""
     if len(group_sizes) != w_gate.shape[0]:
         raise ValueError(f"{len(group_sizes)} group sizes for {w_gate.shape[0]} experts")
     if sum(group_sizes) != rows.shape[0]:
@@ -66,12 +68,10 @@ def grouped_expert_mlp(
     gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
     outputs = []
     start = 0
-    for expert, size in enumerate(group_sizes):
+    for index, size in enumerate(group_sizes):
         if size:
             chunk = rows[start : start + size]
-            outputs.append(
-                expert_mlp(chunk, gates[expert], ups[expert], downs[expert], swiglu_limit)
-            )
+            outputs.append(expert(chunk, gates[index], ups[index], downs[index], swiglu_limit))
         start += size
     if not outputs:
         # Keep the result connected to the inputs so autograd still yields (zero) gradients.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from mok.reference import mx
-from mok.reference.expert import swiglu
+from mok.reference.expert import grouped_expert_mlp, swiglu
 
 
 def quantized(
@@ -98,24 +98,9 @@ def mx_grouped_expert_mlp(
     """`mok.reference.expert.grouped_expert_mlp` in MXFP8: rows [M, H] bf16 grouped by expert
     through w_gate, w_up [E, I, H] and w_down [E, H, I] (H and I multiples of 32). Differentiable
     with the MXFP8 backward of the module docstring."""
-    if len(group_sizes) != w_gate.shape[0]:
-        raise ValueError(f"{len(group_sizes)} group sizes for {w_gate.shape[0]} experts")
-    if sum(group_sizes) != rows.shape[0]:
-        raise ValueError(
-            f"group sizes sum to {sum(group_sizes)}, but there are {rows.shape[0]} rows"
-        )
     rounding = mx.ScaleRounding(rounding)
-    gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
-    outputs, start = [], 0
-    for expert, size in enumerate(group_sizes):
-        if size:
-            chunk = rows[start : start + size]
-            outputs.append(
-                _MXExpert.apply(
-                    chunk, gates[expert], ups[expert], downs[expert], swiglu_limit, rounding
-                )
-            )
-        start += size
-    if not outputs:
-        return rows * 0
-    return torch.cat(outputs)
+
+    def expert(chunk, gate, up, down, limit):
+        return _MXExpert.apply(chunk, gate, up, down, limit, rounding)
+
+    return grouped_expert_mlp(rows, group_sizes, w_gate, w_up, w_down, swiglu_limit, expert)
