@@ -13,6 +13,12 @@ from mok.testing import RankInputs, compare_with_reference, global_weights
 # fp32 rounding. The shared expert's gradient is the bf16 sum of per-rank halves: bf16 rounding.
 ROUTED_TOLERANCE = 1e-4
 SHARED_TOLERANCE = 1e-2
+# On GPUs the reference's fp32 GEMMs run in cuBLAS, whose reduction order depends on how many rows
+# a call holds: a row's fp32 values differ by fp32 rounding between one process and an expert-
+# parallel split, and now and then that flips the bf16 rounding of h or y by one ulp (2**-8
+# relative). A few such flips in a tensor of a few thousand elements stay below 1e-3; a misrouted,
+# dropped or doubly counted row is above 1e-2.
+GPU_ROUTED_TOLERANCE = 1e-3
 
 
 def rank_inputs(config, tokens, routing, seed):
@@ -49,12 +55,12 @@ def check_scenarios(rank, world, scenarios, device="cpu"):
     return results
 
 
-def assert_close_to_reference(results, scenarios):
+def assert_close_to_reference(results, scenarios, routed_tolerance=ROUTED_TOLERANCE):
     for case_index, case in enumerate(scenarios):
         for rank, per_rank in enumerate(results):
             for name, error in per_rank[case_index].items():
                 shared = name.startswith("grad shared")
-                limit = SHARED_TOLERANCE if shared else ROUTED_TOLERANCE
+                limit = SHARED_TOLERANCE if shared else routed_tolerance
                 assert error <= limit, (case["config"], rank, name, error)
 
 

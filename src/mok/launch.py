@@ -12,7 +12,6 @@ import datetime
 import os
 import pickle
 import queue as queue_module
-import socket
 import time
 import traceback
 
@@ -33,18 +32,28 @@ class RankFailedError(RuntimeError):
     """A rank raised or died; the message holds its traceback."""
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def host_store(timeout_s: float) -> dist.TCPStore:
+    """A rendezvous store listening on a free port of 127.0.0.1, served by this process.
+
+    The caller holds the listening socket before any rank starts. Choosing a free port and letting
+    rank 0 bind it later races: a rank retrying its connection to the not-yet-open port can be
+    given that very port as its own source port and take it (seen as EADDRINUSE on rank 0).
+    """
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: float) -> None:
-    """Join the process group of `world_size` ranks at 127.0.0.1:port."""
+    """Join the process group of `world_size` ranks through the store at 127.0.0.1:port."""
     for key, value in MULTI_GPU_ENV.items():
         os.environ.setdefault(key, value)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
     kwargs = {}
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -53,11 +62,7 @@ def init_rank(rank: int, world_size: int, backend: str, port: int, timeout_s: fl
         # Ranks share the cores: one intra-op thread each avoids oversubscription.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group(
-        backend,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **kwargs
     )
 
 
@@ -102,7 +107,8 @@ def run_ranks(
         os.environ.setdefault(key, value)
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
+    store = host_store(timeout_s)
+    port = store.port
     processes = [
         context.Process(
             target=_rank_main,
