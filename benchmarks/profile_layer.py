@@ -1,7 +1,7 @@
 """Where the time of one MoE layer call goes: host time, GPU time, and the CUDA kernels by kernel.
 
     python benchmarks/profile_layer.py [--preset deepseek-v3] [--backend triton] [--tokens N]
-                                       [--trace DIR]
+                                       [--trace DIR] [--accumulate-grads]
 
 Spawns one rank per GPU (EP = the GPU count), warms up, then on every rank: the host time of the
 forward and of the backward call (the time Python takes to enqueue them, median of 5), the GPU
@@ -10,6 +10,8 @@ backward (torch.profiler). Prints each rank's times and rank 0's kernels sorted 
 time. With --trace, writes each rank's Chrome trace (CPU and CUDA) to DIR/rank<r>.json.gz:
 `python benchmarks/trace_gaps.py DIR/rank0.json.gz` lists the GPU's idle gaps and the barriers.
 If the host time of a pass is close to its GPU time, the pass is bound by the host's launches.
+With --accumulate-grads the weights' gradients are kept between calls (every backward adds into
+them, as in gradient accumulation over micro-batches) instead of being set to None.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from mok.testing import global_weights
 REPEATS = 5
 
 
-def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir):
+def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir, accumulate):
     device = torch.device("cuda", rank)
     preset = mok.get_preset(preset_name)
     tokens = tokens or preset.default_tokens
@@ -46,7 +48,8 @@ def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir):
     grad_y = torch.randn_like(x)
 
     def forward():
-        layer.zero_grad(set_to_none=True)  # as `mok bench` does: no gradient accumulation
+        if not accumulate:
+            layer.zero_grad(set_to_none=True)
         xx = x.detach().requires_grad_(True)
         ww = w.detach().requires_grad_(True)
         return layer(xx, idx, ww)
@@ -103,15 +106,24 @@ def main() -> None:
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", metavar="DIR", help="write each rank's Chrome trace here")
+    parser.add_argument("--accumulate-grads", action="store_true")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     results = run_ranks(
         profile_rank,
         world,
-        args=(args.preset, args.backend, args.tokens, args.rows, args.trace),
+        args=(
+            args.preset,
+            args.backend,
+            args.tokens,
+            args.rows,
+            args.trace,
+            args.accumulate_grads,
+        ),
         backend="nccl",
     )
-    print(f"{args.preset}, backend {args.backend}, EP {world}")
+    accumulate = ", gradients accumulated" if args.accumulate_grads else ""
+    print(f"{args.preset}, backend {args.backend}, EP {world}{accumulate}")
     for rank, (times, _) in enumerate(results):
         print(f"rank {rank}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
     print("rank 0's kernels:")
