@@ -1,14 +1,18 @@
 """The warp-specialized Gluon grouped GEMMs against the tl kernels they replace, one GPU.
 
-    PYTHONPATH=src python3 benchmarks/warp_specialized.py [--tokens 8192] [--out F]
+    PYTHONPATH=src python3 benchmarks/warp_specialized.py [--tokens 8192] [--products ...]
+                                                          [--out F]
 
-The products timed are the forward's two: gate/up + SwiGLU, h[group e] = swiglu(x @ W_gate[e].T,
-x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate and W_up [E, I, H]),
-and down, out[group e] = h[group e] @ W_down[e].T (W_down [E, H, I]), at each preset's shape with
-every expert on this GPU and near-uniform top-k routing (rows = tokens x k). The kernels get the
-same inputs; first their results are compared (bitwise on the groups' rows, and with fp32 math),
-then each is timed: CUDA events around each call, median and the 10-90 % range over alternating
-input sets, the kernels interleaved.
+Products (--products, default all): the forward's two, gate/up + SwiGLU, h[group e] =
+swiglu(x @ W_gate[e].T, x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate
+and W_up [E, I, H]), and down, out[group e] = h[group e] @ W_down[e].T (W_down [E, H, I]); and the
+backward's weight gradients, down_wgrad (grad_W_down[e] = grad_out[group e].T @ h[group e]) and
+gate_up_wgrad (grad_W_gate[e] = grad_gate[group e].T @ x[group e], and up), each written fresh in
+bf16 and added into existing fp32 buffers (gradient accumulation into a main-gradient buffer). At
+each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
+k). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
+or the fresh gradients, and with fp32 math), then each is timed: CUDA events around each call,
+median and the 10-90 % range over alternating input sets, the kernels interleaved.
 "% of dense" divides by cuBLAS (torch.mm) at 8192^3 in the same run.
 """
 
@@ -37,7 +41,13 @@ GLUON_TILES = {
         "gluon 64x256": ws.PING_PONG,
     },
     "gate_up": {"gluon 64x128": ws.SWIGLU_PING_PONG},
+    "wgrad": {
+        "gluon 64x128": ws.WGRAD_PING_PONG,
+        "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
+    },
 }
+WGRAD_CHECKED_EXPERTS = 8
+"""Experts whose gradients are compared with fp32 math (all are compared with the tl kernel)."""
 
 
 def time_each(fns: dict, inputs: int, iters: int = 30) -> dict[str, tuple[float, float, float]]:
@@ -136,19 +146,108 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
     return lines
 
 
+def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+    shape = mok.PRESETS[name]
+    experts, hidden, inter, top_k = (
+        shape.num_experts,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.top_k,
+    )
+    down = product == "down_wgrad"
+    # A [M, halves * P] and B [M, Q] -> gradients [E, P, Q] per half.
+    p, q, halves = (hidden, inter, 1) if down else (inter, hidden, 2)
+    sets = []
+    for _ in range(2):
+        sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+        offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+        m = sum(sizes)
+        sets.append((randn(m, halves * p, gen=gen), randn(m, q, gen=gen), offsets))
+    m = sets[0][0].shape[0]
+    default = default_config(torch.device("cuda"), hidden, inter, m / experts)
+    tl_cfg = default.down_wgrad if down else default.gate_up_wgrad
+    configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **GLUON_TILES["wgrad"]}
+
+    def run(label, cfg, i, grads, accumulate):
+        a, b, offsets = sets[i]
+        tl_kernel = label.startswith("tl")
+        if down:
+            kernel = gg.down_wgrad if tl_kernel else ws.down_wgrad
+            kernel(a, b, offsets, *grads, accumulate, cfg)
+        else:
+            kernel = gg.gate_up_wgrad if tl_kernel else ws.gate_up_wgrad
+            kernel(a, b, offsets, *grads, accumulate, accumulate, cfg)
+
+    def buffers(dtype):
+        return [torch.empty(experts, p, q, dtype=dtype, device="cuda") for _ in range(halves)]
+
+    fresh = {}
+    for label, cfg in configs.items():
+        fresh[label] = buffers(torch.bfloat16)
+        run(label, cfg, 0, fresh[label], False)
+    a, b, offsets = sets[0]
+    bounds = offsets.tolist()
+    tl_label = next(iter(configs))
+    errors = {}
+    for label in configs:
+        error_sq = scale_sq = 0.0
+        for e in range(WGRAD_CHECKED_EXPERTS):
+            rows = slice(bounds[e], bounds[e + 1])
+            for j in range(halves):
+                expected = a[rows, j * p : (j + 1) * p].float().T @ b[rows].float()
+                error_sq += (fresh[label][j][e].float() - expected).square().sum().item()
+                scale_sq += expected.square().sum().item()
+        errors[label] = (error_sq / scale_sq) ** 0.5
+    bitwise = {
+        label: all(torch.equal(x, y) for x, y in zip(fresh[label], fresh[tl_label], strict=True))
+        for label in configs
+    }
+    del fresh
+    flops = 2 * m * hidden * inter * halves
+    lines = []
+    for mode, dtype, accumulate in (
+        ("bf16", torch.bfloat16, False),
+        ("+= fp32", torch.float32, True),
+    ):
+        grads = buffers(dtype)  # shared by the kernels: only the timing is of interest here
+        fns = {
+            label: (
+                lambda i, label=label, cfg=cfg, grads=grads, accumulate=accumulate: run(
+                    label, cfg, i, grads, accumulate
+                )
+            )
+            for label, cfg in configs.items()
+        }
+        times = time_each(fns, len(sets))
+        for label in configs:
+            ms, low, high = times[label]
+            tflops = flops / ms / 1e9
+            lines.append(
+                f"| {name} | {product} {mode} | {tokens} | {m} | {label} | {ms:.3f} "
+                f"({low:.3f}-{high:.3f}) | {tflops:.0f} | {100 * tflops / dense:.0f} % | "
+                f"{errors[label]:.2e} | {'yes' if bitwise[label] else 'no'} |"
+            )
+        del grads
+    for label in configs:
+        if errors[label] > 4e-3 or not bitwise[label]:
+            raise AssertionError(
+                f"{name} {product} {label}: error {errors[label]:.2e}, bitwise {bitwise[label]}"
+            )
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192", help="comma-separated token counts")
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--products", default="gate_up,down")
+    parser.add_argument("--products", default="gate_up,down,down_wgrad,gate_up_wgrad")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
     dense = dense_tflops(8192, 8192, 8192, gen)
     commit = git_commit()
     header = [
-        f"# Warp-specialized Gluon grouped GEMMs vs tl, the forward's products "
-        f"({datetime.date.today()})",
+        f"# Warp-specialized Gluon grouped GEMMs vs tl ({datetime.date.today()})",
         "",
         f"- commit {commit}; {torch.cuda.get_device_name()}; torch "
         f"{torch.__version__}; command: `{' '.join(sys.argv)}`",
@@ -163,7 +262,8 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         for tokens in map(int, args.tokens.split(",")):
             for product in args.products.split(","):
-                rows = bench(name, product, tokens, dense, gen)
+                run = bench_wgrad if product.endswith("wgrad") else bench
+                rows = run(name, product, tokens, dense, gen)
                 print("\n".join(rows), flush=True)
                 lines += rows
     if args.out:

@@ -152,3 +152,136 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     tl, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
     fallback, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down_view, config=cfg)
     assert torch.equal(gluon, tl) and torch.equal(fallback, tl)
+
+
+WGRAD_CASES = {
+    # name: (group sizes, P (gradient rows, a multiple of 64), Q (gradient columns))
+    "uniform": ([300, 257, 128, 511], 128, 384),
+    "empty and one-row groups": ([0, 1, 0, 640, 0, 3], 64, 256),
+    "all rows on one expert, Q not a tile multiple": ([0, 0, 1000, 0], 192, 200),
+    "fewer rows than a step": ([5, 9], 64, 128),
+    "many short groups": ([37] * 40, 64, 128),
+    # Many tasks per consumer, reductions many times longer than the ring, and each program
+    # moving from expert to expert (the loader remakes its descriptors mid-ring).
+    "long reductions": ([5000, 0, 7000, 3003, 1], 256, 512),
+}
+
+
+def _wgrad_operands(sizes, p, q, halves, gen):
+    """A [M, halves * P] and B [M, Q] with NaN in the rows outside the groups (a read past a
+    group's end would poison the sum), group offsets, and the float64 products per half."""
+    before, after = 3, 5
+    m = before + sum(sizes) + after
+    a = torch.randn(m, halves * p, generator=gen, device="cuda").bfloat16()
+    b = torch.randn(m, q, generator=gen, device="cuda").bfloat16()
+    for t in (a, b):
+        t[:before] = float("nan")
+        t[before + sum(sizes) :] = float("nan")
+    offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
+    bounds = list(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True))
+    exact = [
+        torch.stack([a[s:e, j * p : (j + 1) * p].double().T @ b[s:e].double() for s, e in bounds])
+        for j in range(halves)
+    ]
+    return a, b, offsets, exact
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("product", ["down", "gate_up"])
+@pytest.mark.parametrize("name", list(WGRAD_CASES))
+def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
+    """Both weight gradients, fresh or added into an existing bf16 or fp32 buffer, equal the tl
+    kernels' bit for bit and float64 math to the output's rounding. Catches: a ring position
+    miscounted across the other consumer's tasks of another group size (stale or mixed tiles),
+    a descriptor remade while copies with the old one were in flight, rows past a group's end
+    entering the sum (NaN), a tail step not zero-filled, gate and up swapped, a gradient tile
+    stored into the next expert, an empty expert's accumulation buffer overwritten."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, p, q = WGRAD_CASES[name]
+    halves = 2 if product == "gate_up" else 1
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    a, b, offsets, exact = _wgrad_operands(sizes, p, q, halves, gen)
+    if accumulate:
+        initial = [torch.randn(len(sizes), p, q, generator=gen, device="cuda").to(out_dtype)]
+        initial.append(torch.randn_like(initial[0]))
+    else:
+        initial = [torch.full((len(sizes), p, q), float("nan"), dtype=out_dtype, device="cuda")]
+        initial.append(initial[0].clone())
+    ours = [t.clone() for t in initial[:halves]]
+    twin = [t.clone() for t in initial[:halves]]
+    assert ws.wgrad_supported(a, b, ours[0], ws.WGRAD_PING_PONG)
+    twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    if product == "down":
+        ws.down_wgrad(a, b, offsets, ours[0], accumulate)
+        gg.down_wgrad(a, b, offsets, twin[0], accumulate, twin_cfg)
+    else:
+        ws.gate_up_wgrad(a, b, offsets, *ours, accumulate, accumulate)
+        gg.gate_up_wgrad(a, b, offsets, *twin, accumulate, accumulate, twin_cfg)
+    empty = [e for e, size in enumerate(sizes) if size == 0]
+    for j in range(halves):
+        assert torch.equal(ours[j], twin[j]), f"half {j}"
+        expected = exact[j] + (initial[j].double() if accumulate else 0)
+        # fp32 accumulation, one rounding to the output dtype.
+        tolerance = 4e-3 if out_dtype == torch.bfloat16 else 1e-5
+        assert relative_error(ours[j], expected) < tolerance
+        if accumulate and empty:
+            assert torch.equal(ours[j][empty], initial[j][empty])
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_wgrad_wide_tiles_and_repeatability():
+    """The 64 x 256 tiling (4 slots) equals the default one bit for bit, and repeated calls are
+    bitwise equal (no race between the consumers' epilogues and the loader)."""
+    from mok.kernels import warp_specialized as ws
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    sizes, p, q = [900, 0, 1300, 77], 128, 640
+    a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
+    wide = GemmTiles(64, 256, 64, num_warps=4, num_stages=4)
+    results = []
+    for cfg in (ws.WGRAD_PING_PONG, wide, ws.WGRAD_PING_PONG, ws.WGRAD_PING_PONG):
+        grads = [torch.empty(len(sizes), p, q, dtype=torch.bfloat16, device="cuda") for _ in "gu"]
+        ws.gate_up_wgrad(a, b, offsets, *grads, False, False, cfg)
+        results.append(grads)
+    for grads in results[1:]:
+        assert all(torch.equal(x, y) for x, y in zip(grads, results[0], strict=True))
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("main_grad", [False, True], ids=["bf16 grads", "fp32 buffers"])
+def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
+    """On Hopper the default config sends both weight gradients to the Gluon kernel, fresh or
+    accumulated into fp32 buffers, with the tl path's results bit for bit."""
+    import dataclasses
+
+    from mok.kernels import default_config, expert_mlp_backward, expert_mlp_forward
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    sizes, hidden, inter = [400, 0, 129, 700], 256, 192
+    m = sum(sizes)
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    w_gate, w_up = (
+        (torch.randn(4, inter, hidden, generator=gen, device="cuda") * hidden**-0.5).bfloat16()
+        for _ in range(2)
+    )
+    w_down = (torch.randn(4, hidden, inter, generator=gen, device="cuda") * inter**-0.5).bfloat16()
+    grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    cfg = default_config(rows.device, hidden, inter, m / 4)
+    assert cfg.warp_specialized_wgrad is not None
+    results = []
+    for config in (cfg, dataclasses.replace(cfg, warp_specialized_wgrad=None)):
+        _, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=config)
+        buffers = {}
+        if main_grad:
+            gen.manual_seed(7)  # both configs add into the same buffers
+            buffers = {
+                f"grad_{name}": torch.randn(w.shape, generator=gen, device="cuda")
+                for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))
+            }
+        results.append(expert_mlp_backward(grad_out, saved, **buffers))
+    for gluon, tl in zip(*results, strict=True):
+        assert torch.equal(gluon, tl)

@@ -53,6 +53,9 @@ class ExpertKernelConfig:
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
     of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
+    warp_specialized_wgrad: GemmTiles | None = None
+    """Tiles of the warp-specialized Gluon kernel that runs both weight gradients instead of the
+    tl ones where it can (Hopper, `warp_specialized.wgrad_supported`); None: the tl kernels."""
 
 
 def default_config(
@@ -74,6 +77,7 @@ def default_config(
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     return ExpertKernelConfig(
         warp_specialized_down=ws.PING_PONG if ws.available(device) else None,
+        warp_specialized_wgrad=ws.WGRAD_PING_PONG if ws.available(device) else None,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
         down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),
@@ -324,8 +328,22 @@ def expert_mlp_backward(
         _row_tiles(tiles, offsets, m, cfg.gate_up_dgrad.block_m),
         cfg.gate_up_dgrad,
     )
-    gg.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, cfg.down_wgrad)
-    gg.gate_up_wgrad(
-        grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
-    )
+    ws_wgrad = cfg.warp_specialized_wgrad
+    if ws_wgrad is not None and ws.wgrad_supported(grad_out, saved.h, grad_w_down, ws_wgrad):
+        ws.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, ws_wgrad)
+    else:
+        gg.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, cfg.down_wgrad)
+    if (
+        ws_wgrad is not None
+        and grad_w_gate.dtype == grad_w_up.dtype
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, ws_wgrad)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, ws_wgrad)
+    ):
+        ws.gate_up_wgrad(
+            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, ws_wgrad
+        )
+    else:
+        gg.gate_up_wgrad(
+            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
+        )
     return grad_rows, grad_w_gate, grad_w_up, grad_w_down

@@ -779,7 +779,7 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_scratch_allocator(device: torch.device) -> None:
+def use_scratch_allocator(device: torch.device) -> None:
     """Tensor descriptors made inside a kernel need global scratch memory for their TMA maps."""
     if device.type == "cuda":
         triton.set_allocator(_scratch)
@@ -845,7 +845,7 @@ def gate_up_swiglu(
     gate_up = torch.empty(m, 2 * inter, dtype=rows.dtype, device=rows.device) if save_preact else h
     gate, up = (gate_up[:, :inter], gate_up[:, inter:]) if save_preact else (h, h)
     programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
-    _use_scratch_allocator(rows.device)
+    use_scratch_allocator(rows.device)
     _gate_up_swiglu_kernel[(programs,)](
         _desc(rows, [bm, bk]),
         _desc(w_gate, [1, bn, bk]),
@@ -885,7 +885,7 @@ def down(
         out = torch.empty(m, hidden, dtype=h.dtype, device=h.device)
     out = out[:m]
     programs = num_programs(h.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
-    _use_scratch_allocator(h.device)
+    use_scratch_allocator(h.device)
     _down_kernel[(programs,)](
         _desc(h, [bm, bk]),
         _desc(w_down, [1, bn, bk]),
@@ -915,7 +915,7 @@ def down_dgrad_swiglu(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
     programs = num_programs(grad_out.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
-    _use_scratch_allocator(grad_out.device)
+    use_scratch_allocator(grad_out.device)
     _down_dgrad_swiglu_kernel[(programs,)](
         _desc(grad_out, [bm, bk]),
         _desc(w_down, [1, bk, bn]),
@@ -949,7 +949,7 @@ def gate_up_dgrad(
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad_x = torch.empty(m, hidden, dtype=grad_gate_up.dtype, device=grad_gate_up.device)
     programs = num_programs(grad_x.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
-    _use_scratch_allocator(grad_x.device)
+    use_scratch_allocator(grad_x.device)
     _gate_up_dgrad_kernel[(programs,)](
         _desc(grad_gate_up[:, :inter], [bm, bk]),
         _desc(grad_gate_up[:, inter:], [bm, bk]),
@@ -980,7 +980,7 @@ def down_wgrad(
     bm, bn = cfg.block_m, cfg.block_n
     tasks = num_experts * triton.cdiv(hidden, bm) * triton.cdiv(inter, bn)
     programs = num_programs(h.device, tasks, cfg)
-    _use_scratch_allocator(h.device)
+    use_scratch_allocator(h.device)
     _down_wgrad_kernel[(programs,)](
         grad_out,
         h,
@@ -1009,7 +1009,7 @@ def gate_up_wgrad(
     bm, bn = cfg.block_m, cfg.block_n
     tasks = num_experts * 2 * triton.cdiv(inter, bm) * triton.cdiv(hidden, bn)
     programs = num_programs(rows.device, tasks, cfg)
-    _use_scratch_allocator(rows.device)
+    use_scratch_allocator(rows.device)
     _gate_up_wgrad_kernel[(programs,)](
         grad_gate_up,
         rows,

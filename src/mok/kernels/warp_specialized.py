@@ -48,7 +48,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from mok.kernels.grouped_gemm import GemmTiles, RowTiles, limit_edges, num_programs
+from mok.kernels.grouped_gemm import (
+    GemmTiles,
+    RowTiles,
+    limit_edges,
+    num_programs,
+    use_scratch_allocator,
+)
 
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
@@ -441,3 +447,400 @@ def gate_up_swiglu(
     if m:
         _launch(rows, w_gate, w_up, tiles, cfg, h, gate_up, swiglu_limit)
     return h, gate_up
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight gradients: out[e] (+)= A[rows of group e].T @ B[rows of group e]
+# --------------------------------------------------------------------------------------------------
+
+WGRAD_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6)
+"""Tiles of one consumer warpgroup of the weight-gradient kernel: a 64 x 128 fp32 accumulator (64
+registers a thread) leaves room for the existing gradient tile it adds; 6 slots of 24 KiB and two
+epilogue buffers of up to 32 KiB (fp32): 208 KiB."""
+
+
+@gluon.jit
+def _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES: gl.constexpr, GROUP_M: gl.constexpr):
+    """(expert, half, m, n) of a weight-gradient task: expert by expert, each expert's halves in
+    order (gate, then up), GROUP_M tile rows at a time within a half."""
+    half_index = task // per_half
+    m_idx, n_idx = _grouped_task(task % per_half, m_tiles, n_tiles, GROUP_M)
+    return half_index // HALVES, half_index % HALVES, m_idx, n_idx
+
+
+@gluon.jit
+def _group_rows(offsets_ptr, expert):
+    """(first row, row count) of an expert's group."""
+    first = gl.load(offsets_ptr + expert)
+    return first, gl.maximum(gl.load(offsets_ptr + expert + 1) - first, 0)
+
+
+@gluon.jit
+def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
+    """Loader: the A and B tiles of every reduction step of this program's tasks, in order.
+
+    The reduction runs over a group's rows, so the loader reads them through descriptors made on
+    the device whose row extent ends at the group's end (TMA zero-fills the last step's rows past
+    it, as in the tl twin). It makes them again only when the expert or half changes, and first
+    waits until the copies issued with the old ones have landed: the copy engine reads a
+    descriptor from global memory, which the new one overwrites."""
+    (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched) = operands
+    (
+        offsets_ptr,
+        num_tasks,
+        per_half,
+        m_tiles,
+        n_tiles,
+        P,
+        Q,
+        a_stride,
+        HALVES,
+        GROUP_M,
+        NUM_PROGRAMS,
+    ) = problem
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    step_bytes: gl.constexpr = BLOCK_K * (BLOCK_M + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
+    step = 0
+    cached = -1
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr, [1, P], [a_stride, 1], [BLOCK_K, BLOCK_M], a_bufs.layout
+    )
+    b_desc = tma.make_tensor_descriptor(b_ptr, [1, Q], [Q, 1], [BLOCK_K, BLOCK_N], b_bufs.layout)
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
+        first, rows = _group_rows(offsets_ptr, expert)
+        if task // per_half != cached:
+            if step > 0:
+                mbarrier.wait(ready.index((step - 1) % STAGES), (step - 1) // STAGES & 1)
+            start = first.to(gl.int64)
+            a_desc = tma.make_tensor_descriptor(
+                a_ptr + start * a_stride + half * P,
+                [gl.maximum(rows, 1), P],
+                [a_stride, 1],
+                [BLOCK_K, BLOCK_M],
+                a_bufs.layout,
+            )
+            b_desc = tma.make_tensor_descriptor(
+                b_ptr + start * Q,
+                [gl.maximum(rows, 1), Q],
+                [Q, 1],
+                [BLOCK_K, BLOCK_N],
+                b_bufs.layout,
+            )
+            cached = task // per_half
+        for k in range(0, rows, BLOCK_K):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, step_bytes)
+            tma.async_copy_global_to_shared(a_desc, [k, m_idx * BLOCK_M], bar, a_bufs.index(slot))
+            tma.async_copy_global_to_shared(b_desc, [k, n_idx * BLOCK_N], bar, b_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _store_wgrad_tile(desc, buf, fetched, acc, row, col, loads, ACCUMULATE: gl.constexpr):
+    """Write an fp32 tile of a weight gradient through shared memory (with ACCUMULATE: add the
+    existing tile first, in fp32, then round once: `grouped_gemm.store_weight_tile`). Returns the
+    count of the consumer's accumulation loads so far."""
+    tma.store_wait(0)  # the consumer's previous store has left its buffer
+    if ACCUMULATE:
+        mbarrier.expect(fetched, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, col], fetched, buf)
+        mbarrier.wait(fetched, loads & 1)
+        acc += buf.load(acc.type.layout).to(gl.float32)
+        loads += 1
+    buf.store(acc.to(desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [row, col], buf)
+    return loads
+
+
+@gluon.jit
+def _wgrad_consume(
+    operands,
+    outputs,
+    problem,
+    ACCUMULATE_FIRST: gl.constexpr,
+    ACCUMULATE_SECOND: gl.constexpr,
+    ROLE: gl.constexpr,
+):
+    """Consumer ROLE (0 or 1): every other task of this program; main loop, then epilogue.
+
+    Tasks reduce over groups of different sizes, so a consumer counts the steps of the other's
+    tasks too, to know the ring position of its own."""
+    (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched) = operands
+    (first_desc, second_desc, out_bufs) = outputs
+    (
+        offsets_ptr,
+        num_tasks,
+        per_half,
+        m_tiles,
+        n_tiles,
+        P,
+        Q,
+        a_stride,
+        HALVES,
+        GROUP_M,
+        NUM_PROGRAMS,
+    ) = problem
+    STAGES: gl.constexpr = a_bufs.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+    BLOCK_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    buf = out_bufs.index(ROLE)
+    bar = fetched.index(ROLE)
+    step = 0
+    mine = 0
+    loads = 0
+    turn = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
+        first, rows = _group_rows(offsets_ptr, expert)
+        k_steps = gl.cdiv(rows, BLOCK_K)
+        if turn % CONSUMERS == ROLE:
+            # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
+            mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            for k in range(k_steps):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), step // STAGES & 1)
+                a = a_bufs.index(slot)
+                acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
+                acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
+                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+                step += 1
+            mbarrier.arrive(turns.index(1 - ROLE))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
+            # Epilogue, while the other consumer's main loop runs. An expert without rows leaves
+            # an accumulation buffer untouched.
+            row = expert * P + m_idx * BLOCK_M
+            col = n_idx * BLOCK_N
+            if half == 0:
+                if rows > 0 or not ACCUMULATE_FIRST:
+                    loads = _store_wgrad_tile(
+                        first_desc, buf, bar, acc, row, col, loads, ACCUMULATE_FIRST
+                    )
+            else:
+                if rows > 0 or not ACCUMULATE_SECOND:
+                    loads = _store_wgrad_tile(
+                        second_desc, buf, bar, acc, row, col, loads, ACCUMULATE_SECOND
+                    )
+            mine += 1
+        else:
+            step += k_steps
+        turn += 1
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _first_wgrad_consumer(
+    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+):
+    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, 0)
+
+
+@gluon.jit
+def _second_wgrad_consumer(
+    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+):
+    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, 1)
+
+
+@gluon.jit
+def _wgrad_loader(
+    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+):
+    _wgrad_load_partition(operands, outputs, problem, ACCUMULATE_FIRST)
+
+
+@gluon.jit
+def _group_at_b_kernel(
+    a_ptr,  # [M, HALVES * P], row stride a_stride
+    b_ptr,  # [M, Q] contiguous
+    offsets_ptr,  # [E + 1] int32
+    first_desc,  # [E * P, Q] out (fp32 or bf16), block [BLOCK_M, BLOCK_N]: half 0's gradient
+    second_desc,  # the same for half 1 (first_desc again when HALVES is 1)
+    num_experts,
+    P,
+    Q,
+    a_stride,
+    ACCUMULATE_FIRST: gl.constexpr,
+    ACCUMULATE_SECOND: gl.constexpr,
+    HALVES: gl.constexpr,
+    A_LAYOUT: gl.constexpr,
+    B_LAYOUT: gl.constexpr,
+    BLOCK_K: gl.constexpr,
+    GROUP_M: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Grid: NUM_PROGRAMS (one per SM at most), num_warps 4. For every expert e and half j:
+    out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as [E * P, Q]
+    (P a multiple of BLOCK_M, so that no tile reaches into the next expert)."""
+    BLOCK_M: gl.constexpr = first_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = first_desc.block_type.shape[1]
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], A_LAYOUT)
+    b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], B_LAYOUT)
+    out_bufs = gl.allocate_shared_memory(
+        first_desc.dtype, [CONSUMERS, BLOCK_M, BLOCK_N], first_desc.layout
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    fetched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.init(turns.index(role), count=1)
+        mbarrier.init(fetched.index(role), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=1)
+    m_tiles = P // BLOCK_M
+    n_tiles = gl.cdiv(Q, BLOCK_N)
+    per_half = m_tiles * n_tiles
+    num_tasks = num_experts * HALVES * per_half
+    operands = (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched)
+    outputs = (first_desc, second_desc, out_bufs)
+    problem = (
+        offsets_ptr,
+        num_tasks,
+        per_half,
+        m_tiles,
+        n_tiles,
+        P,
+        Q,
+        a_stride,
+        HALVES,
+        GROUP_M,
+        NUM_PROGRAMS,
+    )
+    gl.warp_specialize(
+        [
+            (
+                _first_wgrad_consumer,
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND),
+            ),
+            (
+                _second_wgrad_consumer,
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND),
+            ),
+            (_wgrad_loader, (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND)),
+        ],
+        [4, 1],
+        [CONSUMER_REGISTERS, LOADER_REGISTERS],
+    )
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(slot))
+        mbarrier.invalidate(empty.index(slot))
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(turns.index(role))
+        mbarrier.invalidate(fetched.index(role))
+
+
+def wgrad_supported(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, cfg: GemmTiles) -> bool:
+    """Whether `_group_at_b_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
+    column strides, a contiguous fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of the
+    tile's rows, and rows 16-byte aligned for TMA."""
+    num_experts, p, q = grad.shape
+    return (
+        available(a.device)
+        and a.dtype in _GLUON_DTYPES
+        and b.dtype == a.dtype
+        and grad.dtype in (torch.float32, a.dtype)
+        and grad.is_contiguous()
+        and a.stride(-1) == 1
+        and b.is_contiguous()
+        and p % cfg.block_m == 0
+        and (a.stride(0) * a.element_size()) % 16 == 0
+        and (p * a.element_size()) % 16 == 0
+        and (q * a.element_size()) % 16 == 0
+    )
+
+
+def _group_at_b(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    accumulate: tuple[bool, ...],
+    cfg: GemmTiles,
+) -> None:
+    num_experts, p, q = grads[0].shape
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    halves = len(grads)
+    tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
+    programs = num_programs(a.device, tasks, cfg)
+    dtype = _GLUON_DTYPES[a.dtype]
+    out_dtype = gl.float32 if grads[0].dtype == torch.float32 else dtype
+    out_layout = gl.NVMMASharedLayout.get_default_for([bm, bn], out_dtype)
+    descs = [
+        TensorDescriptor.from_tensor(g.view(num_experts * p, q), [bm, bn], out_layout)
+        for g in grads
+    ]
+    use_scratch_allocator(a.device)
+    _group_at_b_kernel[(programs,)](
+        a,
+        b,
+        group_offsets,
+        descs[0],
+        descs[-1],
+        num_experts,
+        p,
+        q,
+        a.stride(0),
+        ACCUMULATE_FIRST=accumulate[0],
+        ACCUMULATE_SECOND=accumulate[-1],
+        HALVES=halves,
+        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, bm], dtype),
+        B_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, bn], dtype),
+        BLOCK_K=bk,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+    )
+
+
+def down_wgrad(
+    grad_out: torch.Tensor,
+    h: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grad_w_down: torch.Tensor,
+    accumulate: bool,
+    cfg: GemmTiles = WGRAD_PING_PONG,
+) -> None:
+    """grad_w_down[e] (+)= grad_out[group e].T @ h[group e] in place ([E, H, I], fp32 or bf16):
+    the result of `grouped_gemm.down_wgrad` (`wgrad_supported` operands)."""
+    _group_at_b(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
+
+
+def gate_up_wgrad(
+    grad_gate_up: torch.Tensor,
+    rows: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grad_w_gate: torch.Tensor,
+    grad_w_up: torch.Tensor,
+    accumulate_gate: bool,
+    accumulate_up: bool,
+    cfg: GemmTiles = WGRAD_PING_PONG,
+) -> None:
+    """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place: the
+    result of `grouped_gemm.gate_up_wgrad` (`wgrad_supported` operands, both gradients of one
+    dtype)."""
+    _group_at_b(
+        grad_gate_up,
+        rows,
+        group_offsets,
+        (grad_w_gate, grad_w_up),
+        (accumulate_gate, accumulate_up),
+        cfg,
+    )
