@@ -210,16 +210,22 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
         ("+= fp32", torch.float32, True),
     ):
         grads = buffers(dtype)  # shared by the kernels: only the timing is of interest here
+        # 64 x 256 fp32 epilogue buffers do not fit beside the ring: bf16 gradients only.
+        timed = {
+            label: cfg
+            for label, cfg in configs.items()
+            if not accumulate or label.startswith("tl") or cfg.block_n <= 128
+        }
         fns = {
             label: (
                 lambda i, label=label, cfg=cfg, grads=grads, accumulate=accumulate: run(
                     label, cfg, i, grads, accumulate
                 )
             )
-            for label, cfg in configs.items()
+            for label, cfg in timed.items()
         }
         times = time_each(fns, len(sets))
-        for label in configs:
+        for label in timed:
             ms, low, high = times[label]
             tflops = flops / ms / 1e9
             lines.append(
