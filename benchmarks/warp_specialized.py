@@ -42,8 +42,8 @@ GLUON_TILES = {
     },
     "gate_up": {"gluon 64x128": ws.SWIGLU_PING_PONG},
     "wgrad": {
-        "gluon 64x128": ws.WGRAD_PING_PONG,
-        "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
+        "gluon 64x128": ws.WGRAD_PING_PONG.single,
+        "gluon 64x256": ws.WGRAD_PING_PONG.half,
     },
 }
 WGRAD_CHECKED_EXPERTS = 8

@@ -53,7 +53,7 @@ class ExpertKernelConfig:
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
     of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
-    warp_specialized_wgrad: GemmTiles | None = None
+    warp_specialized_wgrad: ws.WgradTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs both weight gradients instead of the
     tl ones where it can (Hopper, `warp_specialized.wgrad_supported`); None: the tl kernels."""
 
@@ -329,18 +329,20 @@ def expert_mlp_backward(
         cfg.gate_up_dgrad,
     )
     ws_wgrad = cfg.warp_specialized_wgrad
-    if ws_wgrad is not None and ws.wgrad_supported(grad_out, saved.h, grad_w_down, ws_wgrad):
-        ws.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, ws_wgrad)
+    down_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)
+    if down_tiles and ws.wgrad_supported(grad_out, saved.h, grad_w_down, down_tiles):
+        ws.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, down_tiles)
     else:
         gg.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, cfg.down_wgrad)
+    gate_up_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_gate.dtype)
     if (
-        ws_wgrad is not None
+        gate_up_tiles
         and grad_w_gate.dtype == grad_w_up.dtype
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, ws_wgrad)
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, ws_wgrad)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, gate_up_tiles)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, gate_up_tiles)
     ):
         ws.gate_up_wgrad(
-            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, ws_wgrad
+            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, gate_up_tiles
         )
     else:
         gg.gate_up_wgrad(

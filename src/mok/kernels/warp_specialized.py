@@ -34,6 +34,8 @@ compare these kernels with them bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -453,10 +455,29 @@ def gate_up_swiglu(
 # Weight gradients: out[e] (+)= A[rows of group e].T @ B[rows of group e]
 # --------------------------------------------------------------------------------------------------
 
-WGRAD_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6)
-"""Tiles of one consumer warpgroup of the weight-gradient kernel: a 64 x 128 fp32 accumulator (64
-registers a thread) leaves room for the existing gradient tile it adds; 6 slots of 24 KiB and two
-epilogue buffers of up to 32 KiB (fp32): 208 KiB."""
+
+@dataclasses.dataclass(frozen=True)
+class WgradTiles:
+    """Tiles of one consumer warpgroup of the weight-gradient kernel, by the gradient's dtype:
+    an fp32 gradient's epilogue buffers take twice the shared memory."""
+
+    half: GemmTiles
+    """For bf16 or fp16 gradients."""
+    single: GemmTiles
+    """For fp32 gradients (main-gradient buffers)."""
+
+    def for_grad(self, dtype: torch.dtype) -> GemmTiles:
+        return self.single if dtype == torch.float32 else self.half
+
+
+WGRAD_PING_PONG = WgradTiles(
+    half=GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
+    single=GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6),
+)
+"""64 x 256 tiles (a 128-register accumulator) with 4 slots of 40 KiB and two 32 KiB epilogue
+buffers (224 KiB) for 16-bit gradients; 64 x 128 with 6 slots of 24 KiB and two 32 KiB fp32
+buffers (208 KiB) for fp32 ones. Measured on an H200 (benchmarks/warp_specialized.py): 64 x 256
+beats 64 x 128 at every preset (each tile re-reads its group's rows: wider tiles read less)."""
 
 
 @gluon.jit
@@ -476,14 +497,53 @@ def _group_rows(offsets_ptr, expert):
 
 
 @gluon.jit
+def _group_descriptors(a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs):
+    """Descriptors of a group's A columns of one half and of its B rows, whose row extent ends at
+    the group's end: TMA zero-fills the last step's rows past it, as in the tl twin."""
+    BLOCK_K: gl.constexpr = a_bufs.shape[1]
+    start = first.to(gl.int64)
+    a_desc = tma.make_tensor_descriptor(
+        a_ptr + start * a_stride + half * P,
+        [gl.maximum(rows, 1), P],
+        [a_stride, 1],
+        [BLOCK_K, a_bufs.shape[2]],
+        a_bufs.layout,
+    )
+    b_desc = tma.make_tensor_descriptor(
+        b_ptr + start * Q,
+        [gl.maximum(rows, 1), Q],
+        [Q, 1],
+        [BLOCK_K, b_bufs.shape[2]],
+        b_bufs.layout,
+    )
+    return a_desc, b_desc
+
+
+@gluon.jit
+def _wait_landed(ready, last, step, STAGES: gl.constexpr):
+    """Wait until the copies of ring step `last` have landed, unless the ring has moved on by a
+    full turn since (the loader then already waited for that slot to be released, after its
+    consumer saw the copies land). Only then is `last` the slot's latest phase, which parity
+    names safely."""
+    if step - last < STAGES:
+        mbarrier.wait(ready.index(last % STAGES), last // STAGES & 1)
+
+
+@gluon.jit
+def _copy_step(a_desc, b_desc, k, m_off, n_off, bar, a_buf, b_buf):
+    tma.async_copy_global_to_shared(a_desc, [k, m_off], bar, a_buf)
+    tma.async_copy_global_to_shared(b_desc, [k, n_off], bar, b_buf)
+
+
+@gluon.jit
 def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
     """Loader: the A and B tiles of every reduction step of this program's tasks, in order.
 
-    The reduction runs over a group's rows, so the loader reads them through descriptors made on
-    the device whose row extent ends at the group's end (TMA zero-fills the last step's rows past
-    it, as in the tl twin). It makes them again only when the expert or half changes, and first
-    waits until the copies issued with the old ones have landed: the copy engine reads a
-    descriptor from global memory, which the new one overwrites."""
+    The reduction runs over a group's rows, read through descriptors made on the device
+    (`_group_descriptors`) whenever the expert or half changes. The copy engine reads a
+    descriptor from global memory, so one must not be rewritten while copies issued with it are
+    in flight: two sets alternate, and a set is rewritten only once its last copies have landed
+    (`_wait_landed`, which rarely has to wait: the other set's steps ran in between)."""
     (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched) = operands
     (
         offsets_ptr,
@@ -505,51 +565,64 @@ def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
     step_bytes: gl.constexpr = BLOCK_K * (BLOCK_M + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
     step = 0
     cached = -1
-    a_desc = tma.make_tensor_descriptor(
-        a_ptr, [1, P], [a_stride, 1], [BLOCK_K, BLOCK_M], a_bufs.layout
-    )
-    b_desc = tma.make_tensor_descriptor(b_ptr, [1, Q], [Q, 1], [BLOCK_K, BLOCK_N], b_bufs.layout)
+    changes = 0
+    last_even = -STAGES  # the last ring step issued with the even set of descriptors
+    last_odd = -STAGES
+    zero = gl.to_tensor(0)
+    a_even, b_even = _group_descriptors(a_ptr, b_ptr, zero, zero, 0, P, Q, a_stride, a_bufs, b_bufs)
+    a_odd, b_odd = _group_descriptors(a_ptr, b_ptr, zero, zero, 0, P, Q, a_stride, a_bufs, b_bufs)
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
         expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
         first, rows = _group_rows(offsets_ptr, expert)
         if task // per_half != cached:
-            if step > 0:
-                mbarrier.wait(ready.index((step - 1) % STAGES), (step - 1) // STAGES & 1)
-            start = first.to(gl.int64)
-            a_desc = tma.make_tensor_descriptor(
-                a_ptr + start * a_stride + half * P,
-                [gl.maximum(rows, 1), P],
-                [a_stride, 1],
-                [BLOCK_K, BLOCK_M],
-                a_bufs.layout,
-            )
-            b_desc = tma.make_tensor_descriptor(
-                b_ptr + start * Q,
-                [gl.maximum(rows, 1), Q],
-                [Q, 1],
-                [BLOCK_K, BLOCK_N],
-                b_bufs.layout,
-            )
+            if changes % 2 == 0:
+                _wait_landed(ready, last_even, step, STAGES)
+                a_even, b_even = _group_descriptors(
+                    a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs
+                )
+            else:
+                _wait_landed(ready, last_odd, step, STAGES)
+                a_odd, b_odd = _group_descriptors(
+                    a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs
+                )
             cached = task // per_half
+            changes += 1
+        even = changes % 2 == 1  # the set made at the latest change
         for k in range(0, rows, BLOCK_K):
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, step_bytes)
-            tma.async_copy_global_to_shared(a_desc, [k, m_idx * BLOCK_M], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(b_desc, [k, n_idx * BLOCK_N], bar, b_bufs.index(slot))
+            a_buf = a_bufs.index(slot)
+            b_buf = b_bufs.index(slot)
+            if even:
+                _copy_step(a_even, b_even, k, m_idx * BLOCK_M, n_idx * BLOCK_N, bar, a_buf, b_buf)
+            else:
+                _copy_step(a_odd, b_odd, k, m_idx * BLOCK_M, n_idx * BLOCK_N, bar, a_buf, b_buf)
             step += 1
+        if rows > 0:
+            if even:
+                last_even = step - 1
+            else:
+                last_odd = step - 1
+
+
+@gluon.jit
+def _fetch_wgrad_tile(desc, buf, fetched, row, col):
+    """Start loading a gradient tile to add to into the consumer's epilogue buffer, once the
+    consumer's previous store has left it."""
+    tma.store_wait(0)
+    mbarrier.expect(fetched, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], fetched, buf)
 
 
 @gluon.jit
 def _store_wgrad_tile(desc, buf, fetched, acc, row, col, loads, ACCUMULATE: gl.constexpr):
-    """Write an fp32 tile of a weight gradient through shared memory (with ACCUMULATE: add the
-    existing tile first, in fp32, then round once: `grouped_gemm.store_weight_tile`). Returns the
-    count of the consumer's accumulation loads so far."""
+    """Write an fp32 tile of a weight gradient through shared memory. With ACCUMULATE, first add
+    the existing tile that `_fetch_wgrad_tile` started loading, in fp32, then round once
+    (`grouped_gemm.store_weight_tile`). Returns the count of the consumer's fetches so far."""
     tma.store_wait(0)  # the consumer's previous store has left its buffer
     if ACCUMULATE:
-        mbarrier.expect(fetched, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, col], fetched, buf)
         mbarrier.wait(fetched, loads & 1)
         acc += buf.load(acc.type.layout).to(gl.float32)
         loads += 1
@@ -605,6 +678,17 @@ def _wgrad_consume(
         first, rows = _group_rows(offsets_ptr, expert)
         k_steps = gl.cdiv(rows, BLOCK_K)
         if turn % CONSUMERS == ROLE:
+            row = expert * P + m_idx * BLOCK_M
+            col = n_idx * BLOCK_N
+            # The tile to add to loads while the main loop runs. An expert without rows leaves
+            # an accumulation buffer untouched.
+            if rows > 0:
+                if half == 0:
+                    if ACCUMULATE_FIRST:
+                        _fetch_wgrad_tile(first_desc, buf, bar, row, col)
+                else:
+                    if ACCUMULATE_SECOND:
+                        _fetch_wgrad_tile(second_desc, buf, bar, row, col)
             # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
             mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
@@ -619,10 +703,7 @@ def _wgrad_consume(
             mbarrier.arrive(turns.index(1 - ROLE))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
-            # Epilogue, while the other consumer's main loop runs. An expert without rows leaves
-            # an accumulation buffer untouched.
-            row = expert * P + m_idx * BLOCK_M
-            col = n_idx * BLOCK_N
+            # Epilogue, while the other consumer's main loop runs.
             if half == 0:
                 if rows > 0 or not ACCUMULATE_FIRST:
                     loads = _store_wgrad_tile(
@@ -816,10 +897,12 @@ def down_wgrad(
     group_offsets: torch.Tensor,
     grad_w_down: torch.Tensor,
     accumulate: bool,
-    cfg: GemmTiles = WGRAD_PING_PONG,
+    cfg: GemmTiles | None = None,
 ) -> None:
     """grad_w_down[e] (+)= grad_out[group e].T @ h[group e] in place ([E, H, I], fp32 or bf16):
-    the result of `grouped_gemm.down_wgrad` (`wgrad_supported` operands)."""
+    the result of `grouped_gemm.down_wgrad` (`wgrad_supported` operands). cfg None: the tiles of
+    WGRAD_PING_PONG for the gradient's dtype."""
+    cfg = cfg or WGRAD_PING_PONG.for_grad(grad_w_down.dtype)
     _group_at_b(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
 
 
@@ -831,11 +914,12 @@ def gate_up_wgrad(
     grad_w_up: torch.Tensor,
     accumulate_gate: bool,
     accumulate_up: bool,
-    cfg: GemmTiles = WGRAD_PING_PONG,
+    cfg: GemmTiles | None = None,
 ) -> None:
     """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place: the
     result of `grouped_gemm.gate_up_wgrad` (`wgrad_supported` operands, both gradients of one
-    dtype)."""
+    dtype). cfg None: the tiles of WGRAD_PING_PONG for the gradients' dtype."""
+    cfg = cfg or WGRAD_PING_PONG.for_grad(grad_w_gate.dtype)
     _group_at_b(
         grad_gate_up,
         rows,
