@@ -42,8 +42,10 @@ GLUON_TILES = {
     },
     "gate_up": {"gluon 64x128": ws.SWIGLU_PING_PONG},
     "wgrad": {
-        "gluon 64x128": ws.WGRAD_PING_PONG.single,
-        "gluon 64x256": ws.WGRAD_PING_PONG.half,
+        "gluon 64x128": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
+        "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
+        "gluon 128x128 shared": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
+        "gluon 128x256 shared": GemmTiles(128, 256, 64, num_warps=4, num_stages=3),
     },
 }
 WGRAD_CHECKED_EXPERTS = 8
@@ -210,7 +212,7 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
         ("+= fp32", torch.float32, True),
     ):
         grads = buffers(dtype)  # shared by the kernels: only the timing is of interest here
-        # 64 x 256 fp32 epilogue buffers do not fit beside the ring: bf16 gradients only.
+        # fp32 epilogue buffers 256 wide do not fit beside the ring: bf16 gradients only.
         timed = {
             label: cfg
             for label, cfg in configs.items()

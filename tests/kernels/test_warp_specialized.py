@@ -160,7 +160,7 @@ WGRAD_CASES = {
     "empty and one-row groups": ([0, 1, 0, 640, 0, 3], 64, 256),
     "all rows on one expert, Q not a tile multiple": ([0, 0, 1000, 0], 192, 200),
     "fewer rows than a step": ([5, 9], 64, 128),
-    "many short groups": ([37] * 40, 64, 128),
+    "many short groups": ([37] * 40, 128, 128),
     # Many tasks per consumer, reductions many times longer than the ring, and each program
     # moving from expert to expert (the loader remakes its descriptors mid-ring).
     "long reductions": ([5000, 0, 7000, 3003, 1], 256, 512),
@@ -197,7 +197,8 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     miscounted across the other consumer's tasks of another group size (stale or mixed tiles),
     a descriptor remade while copies with the old one were in flight, rows past a group's end
     entering the sum (NaN), a tail step not zero-filled, gate and up swapped, a gradient tile
-    stored into the next expert, an empty expert's accumulation buffer overwritten."""
+    stored into the next expert, an empty expert's accumulation buffer overwritten, and with
+    shared tiles a slot released before both consumers read it or their rows swapped."""
     from mok.kernels import warp_specialized as ws
 
     sizes, p, q = WGRAD_CASES[name]
@@ -210,25 +211,37 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     else:
         initial = [torch.full((len(sizes), p, q), float("nan"), dtype=out_dtype, device="cuda")]
         initial.append(initial[0].clone())
-    ours = [t.clone() for t in initial[:halves]]
     twin = [t.clone() for t in initial[:halves]]
-    assert ws.wgrad_supported(a, b, ours[0], ws.WGRAD_PING_PONG.for_grad(out_dtype))
     twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     if product == "down":
-        ws.down_wgrad(a, b, offsets, ours[0], accumulate)
         gg.down_wgrad(a, b, offsets, twin[0], accumulate, twin_cfg)
     else:
-        ws.gate_up_wgrad(a, b, offsets, *ours, accumulate, accumulate)
         gg.gate_up_wgrad(a, b, offsets, *twin, accumulate, accumulate, twin_cfg)
+    # The default (ping-pong) tiles, and tiles of 128 rows that both consumers share.
+    shared = GemmTiles(128, 128 if out_dtype == torch.float32 else 256, 64, 4, num_stages=3)
+    for cfg in (ws.WGRAD_PING_PONG.for_grad(out_dtype), shared):
+        if p % cfg.block_m:  # a tile would reach into the next expert: refused
+            assert not ws.wgrad_supported(a, b, initial[0], cfg)
+            continue
+        assert ws.wgrad_supported(a, b, initial[0], cfg)
+        ours = [t.clone() for t in initial[:halves]]
+        if product == "down":
+            ws.down_wgrad(a, b, offsets, ours[0], accumulate, cfg)
+        else:
+            ws.gate_up_wgrad(a, b, offsets, *ours, accumulate, accumulate, cfg)
+        _check_wgrad(ours, twin, initial, exact, sizes, accumulate, f"{cfg.block_m}x{cfg.block_n}")
+
+
+def _check_wgrad(ours, twin, initial, exact, sizes, accumulate, label):
     empty = [e for e, size in enumerate(sizes) if size == 0]
-    for j in range(halves):
-        assert torch.equal(ours[j], twin[j]), f"half {j}"
+    for j, (mine, theirs) in enumerate(zip(ours, twin, strict=True)):
+        assert torch.equal(mine, theirs), f"{label}: half {j}"
         expected = exact[j] + (initial[j].double() if accumulate else 0)
         # fp32 accumulation, one rounding to the output dtype.
-        tolerance = 4e-3 if out_dtype == torch.bfloat16 else 1e-5
-        assert relative_error(ours[j], expected) < tolerance
+        tolerance = 4e-3 if mine.dtype == torch.bfloat16 else 1e-5
+        assert relative_error(mine, expected) < tolerance, label
         if accumulate and empty:
-            assert torch.equal(ours[j][empty], initial[j][empty])
+            assert torch.equal(mine[empty], initial[j][empty]), label
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")

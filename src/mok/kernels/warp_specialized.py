@@ -456,6 +456,11 @@ def gate_up_swiglu(
 # --------------------------------------------------------------------------------------------------
 
 
+WGRAD_CONSUMER_ROWS = 64
+"""Rows of a weight-gradient tile one consumer warpgroup computes: a program's tile of 64 rows
+goes to one consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WgradTiles:
     """Tiles of one consumer warpgroup of the weight-gradient kernel, by the gradient's dtype:
@@ -530,9 +535,14 @@ def _wait_landed(ready, last, step, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _copy_step(a_desc, b_desc, k, m_off, n_off, bar, a_buf, b_buf):
-    tma.async_copy_global_to_shared(a_desc, [k, m_off], bar, a_buf)
-    tma.async_copy_global_to_shared(b_desc, [k, n_off], bar, b_buf)
+def _copy_step(a_desc, b_desc, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT: gl.constexpr):
+    """One reduction step's copies: the A tile in SPLIT parts (one per consumer when the two
+    share a tile), then the B tile."""
+    WG_M: gl.constexpr = a_bufs.shape[2]
+    for part in gl.static_range(SPLIT):
+        a_buf = a_bufs.index(slot * SPLIT + part)
+        tma.async_copy_global_to_shared(a_desc, [k, m_off + part * WG_M], bar, a_buf)
+    tma.async_copy_global_to_shared(b_desc, [k, n_off], bar, b_bufs.index(slot))
 
 
 @gluon.jit
@@ -558,9 +568,10 @@ def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
         GROUP_M,
         NUM_PROGRAMS,
     ) = problem
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    STAGES: gl.constexpr = b_bufs.shape[0]
+    SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
     BLOCK_K: gl.constexpr = a_bufs.shape[1]
-    BLOCK_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_M: gl.constexpr = SPLIT * a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
     step_bytes: gl.constexpr = BLOCK_K * (BLOCK_M + BLOCK_N) * a_bufs.dtype.primitive_bitwidth // 8
     step = 0
@@ -593,12 +604,12 @@ def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
             mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
             bar = ready.index(slot)
             mbarrier.expect(bar, step_bytes)
-            a_buf = a_bufs.index(slot)
-            b_buf = b_bufs.index(slot)
+            m_off = m_idx * BLOCK_M
+            n_off = n_idx * BLOCK_N
             if even:
-                _copy_step(a_even, b_even, k, m_idx * BLOCK_M, n_idx * BLOCK_N, bar, a_buf, b_buf)
+                _copy_step(a_even, b_even, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT)
             else:
-                _copy_step(a_odd, b_odd, k, m_idx * BLOCK_M, n_idx * BLOCK_N, bar, a_buf, b_buf)
+                _copy_step(a_odd, b_odd, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT)
             step += 1
         if rows > 0:
             if even:
@@ -641,10 +652,12 @@ def _wgrad_consume(
     ACCUMULATE_SECOND: gl.constexpr,
     ROLE: gl.constexpr,
 ):
-    """Consumer ROLE (0 or 1): every other task of this program; main loop, then epilogue.
+    """Consumer ROLE (0 or 1): main loop, then epilogue.
 
-    Tasks reduce over groups of different sizes, so a consumer counts the steps of the other's
-    tasks too, to know the ring position of its own."""
+    Ping-pong (one A part per step): every other task of this program, a whole tile each. Tasks
+    reduce over groups of different sizes, so a consumer counts the steps of the other's tasks
+    too, to know the ring position of its own. Cooperative (two A parts per step): both consumers
+    on every task, each on its part of the tile's rows, sharing the B tile."""
     (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched) = operands
     (first_desc, second_desc, out_bufs) = outputs
     (
@@ -660,10 +673,13 @@ def _wgrad_consume(
         GROUP_M,
         NUM_PROGRAMS,
     ) = problem
-    STAGES: gl.constexpr = a_bufs.shape[0]
+    STAGES: gl.constexpr = b_bufs.shape[0]
+    SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
     BLOCK_K: gl.constexpr = a_bufs.shape[1]
-    BLOCK_M: gl.constexpr = a_bufs.shape[2]
+    WG_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_M: gl.constexpr = SPLIT * WG_M
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    PART: gl.constexpr = ROLE if SPLIT > 1 else 0
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -677,8 +693,8 @@ def _wgrad_consume(
         expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
         first, rows = _group_rows(offsets_ptr, expert)
         k_steps = gl.cdiv(rows, BLOCK_K)
-        if turn % CONSUMERS == ROLE:
-            row = expert * P + m_idx * BLOCK_M
+        if SPLIT > 1 or turn % CONSUMERS == ROLE:
+            row = expert * P + m_idx * BLOCK_M + PART * WG_M
             col = n_idx * BLOCK_N
             # The tile to add to loads while the main loop runs. An expert without rows leaves
             # an accumulation buffer untouched.
@@ -689,21 +705,23 @@ def _wgrad_consume(
                 else:
                     if ACCUMULATE_SECOND:
                         _fetch_wgrad_tile(second_desc, buf, bar, row, col)
-            # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
-            mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
-            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+            if SPLIT == 1:
+                # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
+                mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
+            acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
             for k in range(k_steps):
                 slot = step % STAGES
                 mbarrier.wait(ready.index(slot), step // STAGES & 1)
-                a = a_bufs.index(slot)
+                a = a_bufs.index(slot * SPLIT + PART)
                 acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
                 acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
                 mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
                 step += 1
-            mbarrier.arrive(turns.index(1 - ROLE))
+            if SPLIT == 1:
+                mbarrier.arrive(turns.index(1 - ROLE))
             acc = warpgroup_mma_wait(0, deps=(acc,))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
-            # Epilogue, while the other consumer's main loop runs.
+            # Epilogue (ping-pong: while the other consumer's main loop runs).
             if half == 0:
                 if rows > 0 or not ACCUMULATE_FIRST:
                     loads = _store_wgrad_tile(
@@ -756,6 +774,7 @@ def _group_at_b_kernel(
     ACCUMULATE_FIRST: gl.constexpr,
     ACCUMULATE_SECOND: gl.constexpr,
     HALVES: gl.constexpr,
+    SPLIT: gl.constexpr,
     A_LAYOUT: gl.constexpr,
     B_LAYOUT: gl.constexpr,
     BLOCK_K: gl.constexpr,
@@ -765,14 +784,17 @@ def _group_at_b_kernel(
 ):
     """Grid: NUM_PROGRAMS (one per SM at most), num_warps 4. For every expert e and half j:
     out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as [E * P, Q]
-    (P a multiple of BLOCK_M, so that no tile reaches into the next expert)."""
-    BLOCK_M: gl.constexpr = first_desc.block_type.shape[0]
+    (P a multiple of the tile's rows, so that no tile reaches into the next expert). A consumer's
+    tile is the descriptors' block, WG_M x BLOCK_N; with SPLIT 2 the two consumers share tiles of
+    2 x WG_M rows (cooperative), with SPLIT 1 each has its own (ping-pong)."""
+    WG_M: gl.constexpr = first_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = first_desc.block_type.shape[1]
+    BLOCK_M: gl.constexpr = SPLIT * WG_M
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_M], A_LAYOUT)
+    a_bufs = gl.allocate_shared_memory(dtype, [STAGES * SPLIT, BLOCK_K, WG_M], A_LAYOUT)
     b_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], B_LAYOUT)
     out_bufs = gl.allocate_shared_memory(
-        first_desc.dtype, [CONSUMERS, BLOCK_M, BLOCK_N], first_desc.layout
+        first_desc.dtype, [CONSUMERS, WG_M, BLOCK_N], first_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -783,7 +805,7 @@ def _group_at_b_kernel(
         mbarrier.init(fetched.index(role), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=SPLIT)  # released by every consumer that read it
     m_tiles = P // BLOCK_M
     n_tiles = gl.cdiv(Q, BLOCK_N)
     per_half = m_tiles * n_tiles
@@ -856,14 +878,18 @@ def _group_at_b(
 ) -> None:
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if bm not in (WGRAD_CONSUMER_ROWS, CONSUMERS * WGRAD_CONSUMER_ROWS):
+        raise ValueError(f"weight-gradient tiles of {bm} rows: 64 (ping-pong) or 128 (shared)")
+    split = bm // WGRAD_CONSUMER_ROWS
+    wg_m = WGRAD_CONSUMER_ROWS
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
     programs = num_programs(a.device, tasks, cfg)
     dtype = _GLUON_DTYPES[a.dtype]
     out_dtype = gl.float32 if grads[0].dtype == torch.float32 else dtype
-    out_layout = gl.NVMMASharedLayout.get_default_for([bm, bn], out_dtype)
+    out_layout = gl.NVMMASharedLayout.get_default_for([wg_m, bn], out_dtype)
     descs = [
-        TensorDescriptor.from_tensor(g.view(num_experts * p, q), [bm, bn], out_layout)
+        TensorDescriptor.from_tensor(g.view(num_experts * p, q), [wg_m, bn], out_layout)
         for g in grads
     ]
     use_scratch_allocator(a.device)
@@ -880,7 +906,8 @@ def _group_at_b(
         ACCUMULATE_FIRST=accumulate[0],
         ACCUMULATE_SECOND=accumulate[-1],
         HALVES=halves,
-        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, bm], dtype),
+        SPLIT=split,
+        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, wg_m], dtype),
         B_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, bn], dtype),
         BLOCK_K=bk,
         GROUP_M=cfg.group_m,
