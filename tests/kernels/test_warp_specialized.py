@@ -217,9 +217,10 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
         gg.down_wgrad(a, b, offsets, twin[0], accumulate, twin_cfg)
     else:
         gg.gate_up_wgrad(a, b, offsets, *twin, accumulate, accumulate, twin_cfg)
-    # The default (ping-pong) tiles, and tiles of 128 rows that both consumers share.
-    shared = GemmTiles(128, 128 if out_dtype == torch.float32 else 256, 64, 4, num_stages=3)
-    for cfg in (ws.WGRAD_PING_PONG.for_grad(out_dtype), shared):
+    # The default tiles (128 rows, shared by both consumers) and 64-row ones (ping-pong).
+    fp32 = out_dtype == torch.float32
+    ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
+    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
         if p % cfg.block_m:  # a tile would reach into the next expert: refused
             assert not ws.wgrad_supported(a, b, initial[0], cfg)
             continue
@@ -246,16 +247,18 @@ def _check_wgrad(ours, twin, initial, exact, sizes, accumulate, label):
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_wgrad_tilings_agree_and_calls_repeat():
-    """The 64 x 128 tiling (6 slots) equals the default 64 x 256 one bit for bit, and repeated
-    calls are bitwise equal (no race between the consumers' epilogues and the loader)."""
+    """Other tilings (128 x 128 shared, 64 x 256 ping-pong) equal the default 128 x 256 one bit
+    for bit, and repeated calls are bitwise equal (no race between the consumers' epilogues and
+    the loader)."""
     from mok.kernels import warp_specialized as ws
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     sizes, p, q = [900, 0, 1300, 77], 128, 640
     a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
-    narrow = ws.WGRAD_PING_PONG.single
+    narrow = ws.WGRAD_TILES.single
+    ping_pong = GemmTiles(64, 256, 64, num_warps=4, num_stages=4)
     results = []
-    for cfg in (None, narrow, None, None):
+    for cfg in (None, narrow, ping_pong, None, None):
         grads = [torch.empty(len(sizes), p, q, dtype=torch.bfloat16, device="cuda") for _ in "gu"]
         ws.gate_up_wgrad(a, b, offsets, *grads, False, False, cfg)
         results.append(grads)

@@ -1,10 +1,13 @@
-"""Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: the forward's two products.
+"""Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: the forward's two products
+and the backward's weight gradients.
 
     out[rows of group e] = A[rows of group e] @ W[e].T                      (`rows_wt`: down)
     h[rows of group e]   = swiglu(A @ W[e].T, A @ W2[e].T), and both saved  (`gate_up_swiglu`)
+    G[e] (+)= A[rows of group e].T @ B[rows of group e]          (`down_wgrad`, `gate_up_wgrad`)
 
-with A [M, K], W and W2 [E, N, K]. Their interpretable twins are `grouped_gemm.down` and
-`grouped_gemm.gate_up_swiglu`: same task order, same row-tile table, and results equal bit for bit.
+with A [M, K], W and W2 [E, N, K]. Their interpretable twins are `grouped_gemm.down`,
+`grouped_gemm.gate_up_swiglu`, `grouped_gemm.down_wgrad` and `grouped_gemm.gate_up_wgrad`: the same
+reduction order, and results equal bit for bit.
 
 Roles inside one persistent program (one per SM):
   loader     one warp: walks the program's tasks and streams their A and W (and W2) tiles into a
@@ -23,10 +26,16 @@ Stores: a tile inside its group goes through shared memory and a TMA store (TMA 
 past N); a group's last, partial tile is stored from registers with a row mask, so that nothing
 outside the group is written.
 
+The weight gradients reduce over a group's rows, a different number per expert: the loader reads
+them through descriptors made on the device that end at the group's end, and the consumers count
+steps task by task. Their consumers either alternate (64-row tiles, ping-pong) or share 128-row
+tiles (each takes 64 rows; both release each slot), the default: see `WGRAD_TILES`.
+
 Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): the down
 product is 5-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
 dual product, with 64-row tiles per consumer, is 4-31 % slower than the tl kernel's 128-row tiles
 on two warpgroups (twice the weight traffic per row), so the forward keeps the tl kernel for it.
+The weight gradients are 8-32 % faster than the tl kernels and are what `expert_mlp_backward` runs.
 
 Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twins, and the GPU tests
 compare these kernels with them bit for bit.
@@ -475,14 +484,16 @@ class WgradTiles:
         return self.single if dtype == torch.float32 else self.half
 
 
-WGRAD_PING_PONG = WgradTiles(
-    half=GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4),
-    single=GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6),
+WGRAD_TILES = WgradTiles(
+    half=GemmTiles(block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3),
+    single=GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4),
 )
-"""64 x 256 tiles (a 128-register accumulator) with 4 slots of 40 KiB and two 32 KiB epilogue
-buffers (224 KiB) for 16-bit gradients; 64 x 128 with 6 slots of 24 KiB and two 32 KiB fp32
-buffers (208 KiB) for fp32 ones. Measured on an H200 (benchmarks/warp_specialized.py): 64 x 256
-beats 64 x 128 at every preset (each tile re-reads its group's rows: wider tiles read less)."""
+"""Shared 128-row tiles: 128 x 256 with 3 slots of 48 KiB and two 32 KiB epilogue buffers (208
+KiB) for 16-bit gradients; 128 x 128 with 4 slots of 32 KiB and two 32 KiB fp32 buffers (192 KiB)
+for fp32 ones. Measured on an H200 (benchmarks/warp_specialized.py, 8192 tokens, EP 1): faster
+than the tl kernels at every preset (bf16 12-32 %, fp32 accumulation 8-15 %) and than 64-row
+ping-pong tiles: every tile re-reads its group's rows from L2 (a reduction of only ~170-512 rows),
+so the tile's size, not the overlap of epilogues, sets the speed."""
 
 
 @gluon.jit
@@ -928,8 +939,8 @@ def down_wgrad(
 ) -> None:
     """grad_w_down[e] (+)= grad_out[group e].T @ h[group e] in place ([E, H, I], fp32 or bf16):
     the result of `grouped_gemm.down_wgrad` (`wgrad_supported` operands). cfg None: the tiles of
-    WGRAD_PING_PONG for the gradient's dtype."""
-    cfg = cfg or WGRAD_PING_PONG.for_grad(grad_w_down.dtype)
+    WGRAD_TILES for the gradient's dtype."""
+    cfg = cfg or WGRAD_TILES.for_grad(grad_w_down.dtype)
     _group_at_b(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
 
 
@@ -945,8 +956,8 @@ def gate_up_wgrad(
 ) -> None:
     """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place: the
     result of `grouped_gemm.gate_up_wgrad` (`wgrad_supported` operands, both gradients of one
-    dtype). cfg None: the tiles of WGRAD_PING_PONG for the gradients' dtype."""
-    cfg = cfg or WGRAD_PING_PONG.for_grad(grad_w_gate.dtype)
+    dtype). cfg None: the tiles of WGRAD_TILES for the gradients' dtype."""
+    cfg = cfg or WGRAD_TILES.for_grad(grad_w_gate.dtype)
     _group_at_b(
         grad_gate_up,
         rows,
