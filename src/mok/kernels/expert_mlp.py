@@ -68,7 +68,7 @@ def default_config(
     H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
     groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
     Hopper the forward's down projection and both weight gradients run the warp-specialized
-    Gluon kernels (5-10 % and 8-32 % faster, docs/notes/warp-specialized-gemm.md).
+    Gluon kernels (5-10 % and 5-32 % faster, docs/notes/warp-specialized-gemm.md).
     """
     if device.type != "cuda":
         small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)

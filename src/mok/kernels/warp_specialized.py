@@ -35,7 +35,7 @@ Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized
 product is 5-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
 dual product, with 64-row tiles per consumer, is 4-31 % slower than the tl kernel's 128-row tiles
 on two warpgroups (twice the weight traffic per row), so the forward keeps the tl kernel for it.
-The weight gradients are 8-32 % faster than the tl kernels and are what `expert_mlp_backward` runs.
+The weight gradients are 5-32 % faster than the tl kernels and are what `expert_mlp_backward` runs.
 
 Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twins, and the GPU tests
 compare these kernels with them bit for bit.
@@ -491,7 +491,7 @@ WGRAD_TILES = WgradTiles(
 """Shared 128-row tiles: 128 x 256 with 3 slots of 48 KiB and two 32 KiB epilogue buffers (208
 KiB) for 16-bit gradients; 128 x 128 with 4 slots of 32 KiB and two 32 KiB fp32 buffers (192 KiB)
 for fp32 ones. Measured on an H200 (benchmarks/warp_specialized.py, 8192 tokens, EP 1): faster
-than the tl kernels at every preset (bf16 12-32 %, fp32 accumulation 8-15 %) and than 64-row
+than the tl kernels at every preset (bf16 12-32 %, fp32 accumulation 5-15 %) and than 64-row
 ping-pong tiles: every tile re-reads its group's rows from L2 (a reduction of only ~170-512 rows),
 so the tile's size, not the overlap of epilogues, sets the speed."""
 
