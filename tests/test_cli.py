@@ -115,12 +115,14 @@ def test_bench_writes_json_markdown_and_png_for_several_ep_sizes(tmp_path):
         assert result["forward_backward_floor_ms"] == pytest.approx(3 * result["forward_floor_ms"])
         for which in ("backend", "baseline"):
             timing = result[which]["forward_backward"]
+            assert timing["ms_min"] <= timing["ms"] <= timing["ms_max"]
             floor_ratio = timing["ms"] / result["forward_backward_floor_ms"]
             assert timing["floor_ratio"] == pytest.approx(floor_ratio)
             assert timing["tflops"] > 0 and timing["peak_memory_gib"] > 0
     markdown = (tmp_path / "report" / "mok-bench.md").read_text()
     assert f"commit `{report['commit']}`" in markdown and "0.5 TFLOP/s" in markdown
     assert "| tiny | 1 | 200 | forward | reference |" in markdown
+    assert "(min-max)" in markdown
     assert "| tiny | 2 | 200 | forward+backward | reference |" in markdown
     png = (tmp_path / "report" / "mok-bench.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
@@ -191,3 +193,36 @@ def test_pair_capacity_factor_sizes_the_expert_buffers():
     assert BenchSpec(preset="tiny").config().recv_pair_capacity is None
     with pytest.raises(SystemExit):
         main(["bench", "--pair-capacity-factor", "0"])
+
+
+def test_report_figure_says_what_it_shows(monkeypatch):
+    """The figure of a CPU run: bars on linear axes from 0 (a log axis hid the small bars), every
+    bar labelled with its value, whiskers for the spread, the backend named in the speedup title,
+    the same colour for an implementation in both rows, and a note that the `reference` backend is
+    the oracle (a CPU figure once read as "MoK is 3x slower")."""
+    pytest.importorskip("matplotlib")
+    from mok import bench
+
+    spec = BenchSpec(ep=1, tokens=64, iters=3, warmup=0, check_tokens=16, progress=False)
+    results = bench.run_bench([spec])
+    header = bench.report_header("cpu", None, "mok bench")
+    figure = bench.report_figure(header, results)
+    speed_axes, time_axes = figure.axes[0], figure.axes[1]
+    assert all(axes.get_yscale() == "linear" for axes in figure.axes)
+    assert time_axes.get_ylim()[0] == 0
+    assert "reference backend" in speed_axes.get_title()
+    assert bench.REFERENCE_NOTE in " ".join(figure.get_suptitle().split("\n")[2:])
+    bars = time_axes.patches
+    assert len(bars) == 4 and len(time_axes.texts) == 4  # one value label per bar
+    timings = [
+        getattr(results[0], which).timing(pass_name)
+        for pass_name in bench.PASS_HATCHES
+        for which in ("backend", "baseline")
+    ]
+    assert [bar.get_height() for bar in bars] == pytest.approx([t.ms for t in timings])
+    bar_container = next(c for c in time_axes.containers if hasattr(c, "errorbar"))
+    whiskers = bar_container.errorbar.lines[2][0].get_segments()
+    assert len(whiskers) == 4
+    assert [w[0][1] for w in whiskers] == pytest.approx([t.ms_min for t in timings])
+    colours = {bar.get_facecolor() for bar in speed_axes.patches}
+    assert colours == {bars[0].get_facecolor()}  # the backend's colour in both rows

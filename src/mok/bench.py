@@ -24,6 +24,7 @@ import platform
 import resource
 import statistics
 import subprocess
+import textwrap
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -103,6 +104,9 @@ class PassTiming:
     """One pass of one implementation: the median over iterations of the slowest rank's time."""
 
     ms: float
+    ms_min: float
+    """Fastest iteration of the slowest rank (with ms_max: the spread around the median)."""
+    ms_max: float
     tflops: float
     """Per rank: the pass's GEMM FLOPs (`MoKConfig.forward_flops`, 3x with backward) / time."""
     floor_ratio: float | None
@@ -150,6 +154,7 @@ class BenchResult:
                 timing = measurement.timing(pass_name)
                 columns.append(f"{pass_name}\n{measurement.name}")
                 cells["time"].append(f"{timing.ms:.3f} ms")
+                cells["min-max"].append(f"{timing.ms_min:.3g}-{timing.ms_max:.3g}")
                 cells["TFLOP/s"].append(f"{timing.tflops:.2f}")
                 cells["x floor"].append(_format_ratio(timing.floor_ratio))
                 cells["peak memory"].append(f"{timing.peak_memory_gib:.2f} GiB")
@@ -158,7 +163,7 @@ class BenchResult:
         return columns, list(cells.values())
 
 
-TABLE_ROWS = ("time", "TFLOP/s", "x floor", "peak memory", "speedup")
+TABLE_ROWS = ("time", "min-max", "TFLOP/s", "x floor", "peak memory", "speedup")
 
 
 def _format_ratio(ratio: float | None) -> str:
@@ -252,8 +257,9 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process RSS"
 
 
-def _time_pass(spec, layer, inputs, with_backward, group, progress, label) -> tuple[float, float]:
-    """(median over iterations of the slowest rank's ms, peak memory GiB of the largest rank)."""
+def _time_pass(spec, layer, inputs, with_backward, group, progress, label):
+    """(median, min and max over iterations of the slowest rank's ms, peak memory GiB of the
+    largest rank)."""
     x, idx, weights, grad_y = inputs
     task = progress.add_task(label, total=spec.warmup + spec.iters) if progress else None
     _reset_peak_memory(x.device)
@@ -276,7 +282,7 @@ def _time_pass(spec, layer, inputs, with_backward, group, progress, label) -> tu
             progress.advance(task)
     slowest = _max_over_ranks(times, group)
     peak = _max_over_ranks([_peak_memory(x.device)[0]], group)[0]
-    return statistics.median(slowest), peak
+    return statistics.median(slowest), min(slowest), max(slowest), peak
 
 
 def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurement:
@@ -303,13 +309,15 @@ def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurem
     flops = config.forward_flops(spec.tokens_per_rank)
     timings = {}
     for pass_name, with_backward in PASSES.items():
-        ms, peak = _time_pass(
+        ms, ms_min, ms_max, peak = _time_pass(
             spec, layer, inputs, with_backward, group, progress, f"{name} {pass_name}"
         )
         pass_flops = 3 * flops if with_backward else flops
         floor_ms = _floor_ms(pass_flops, spec.dense_tflops)
         timings[pass_name] = PassTiming(
             ms=ms,
+            ms_min=ms_min,
+            ms_max=ms_max,
             tflops=pass_flops / ms / 1e9,
             floor_ratio=ms / floor_ms if floor_ms else None,
             peak_memory_gib=peak,
@@ -516,7 +524,8 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
         "PyTorch, batched-matmul combine; autograd backward).",
         "",
-        "| preset | ep | tokens/rank | pass | backend | time ms backend / baseline | speedup "
+        "| preset | ep | tokens/rank | pass | backend | time ms backend / baseline (min-max) "
+        "| speedup "
         "| TFLOP/s backend / baseline | x floor backend / baseline "
         "| peak GiB backend / baseline | max check error backend / baseline |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -532,7 +541,8 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
                 str(result.spec.tokens_per_rank),
                 pass_name,
                 ours.name,
-                f"{mine.ms:.3f} / {theirs.ms:.3f}",
+                f"{mine.ms:.3f} ({mine.ms_min:.3f}-{mine.ms_max:.3f}) / "
+                f"{theirs.ms:.3f} ({theirs.ms_min:.3f}-{theirs.ms_max:.3f})",
                 f"{result.speedup(pass_name):.2f}x",
                 f"{mine.tflops:.1f} / {theirs.tflops:.1f}",
                 f"{_format_ratio(mine.floor_ratio)} / {_format_ratio(theirs.floor_ratio)}",
@@ -543,64 +553,105 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
     return "\n".join(lines) + "\n"
 
 
-def plot_report(header: ReportHeader, results: Sequence[BenchResult], path: Path) -> None:
-    """A PNG: speedup (top) and time (bottom, log scale) per preset and expert-parallel size."""
+IMPLEMENTATION_COLOURS = {"backend": "tab:blue", "baseline": "tab:orange"}
+PASS_HATCHES = {"forward": "", "forward+backward": "//"}
+REFERENCE_NOTE = (
+    "The backend here is `reference`, the plain-PyTorch oracle that every fast backend is checked "
+    "against: it is built for exactness, not speed. The fast backends need a GPU."
+)
+
+
+def report_figure(header: ReportHeader, results: Sequence[BenchResult]):
+    """The report's figure: speedup per preset and EP size (top), then one panel per preset and
+    EP size with the four times (backend and baseline, forward and forward+backward: the
+    median, min-max whiskers, the value on each bar), all on linear axes from 0. Colour tells the
+    implementation, hatching the pass, in both rows."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.patches import Patch
 
+    backend_name = results[0].backend.name
+    names = {"backend": backend_name, "baseline": results[0].baseline.name}
     labels = [f"{r.spec.preset}\nep={r.spec.ep}, T={r.spec.tokens_per_rank}" for r in results]
-    positions = range(len(results))
-    figure = Figure(figsize=(max(7.0, 3 + 1.2 * len(results)), 8.5), layout="constrained")
+    count = len(results)
+    figure = Figure(figsize=(max(7.0, 2.6 * count), 9.0), layout="constrained")
     FigureCanvasAgg(figure)
-    speed_axes, time_axes = figure.subplots(2, 1)
+    grid = figure.add_gridspec(2, count, height_ratios=[1.0, 1.1])
+    speed_axes = figure.add_subplot(grid[0, :])
 
     width = 0.38
     for offset, pass_name in ((-width / 2, "forward"), (width / 2, "forward+backward")):
-        speedups = [r.speedup(pass_name) for r in results]
-        bars = speed_axes.bar([p + offset for p in positions], speedups, width, label=pass_name)
-        speed_axes.bar_label(bars, fmt="%.2fx", fontsize=7)
-    speed_axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-    speed_axes.set_ylabel("speedup (baseline time / backend time)")
-    speed_axes.set_title("speedup over the PyTorch baseline", fontsize=10)
-
-    # Colour tells the implementation, hatching the pass.
-    width = 0.2
-    series = [
-        ("backend", "forward", "tab:blue", ""),
-        ("baseline", "forward", "tab:orange", ""),
-        ("backend", "forward+backward", "tab:blue", "//"),
-        ("baseline", "forward+backward", "tab:orange", "//"),
-    ]
-    for index, (which, pass_name, colour, hatch) in enumerate(series):
-        label = f"{getattr(results[0], which).name} {pass_name}"
-        times = [getattr(r, which).timing(pass_name).ms for r in results]
-        offset = (index - 1.5) * width
-        time_axes.bar(
-            [p + offset for p in positions],
-            times,
+        bars = speed_axes.bar(
+            [p + offset for p in range(count)],
+            [r.speedup(pass_name) for r in results],
             width,
-            label=label,
-            color=colour,
-            hatch=hatch,
+            color=IMPLEMENTATION_COLOURS["backend"],
+            hatch=PASS_HATCHES[pass_name],
             edgecolor="white",
         )
-    time_axes.set_yscale("log")
-    plain_numbers = FuncFormatter(lambda value, _: f"{value:g}")
-    time_axes.yaxis.set_major_formatter(plain_numbers)
-    time_axes.yaxis.set_minor_formatter(plain_numbers)
-    time_axes.tick_params(axis="y", which="minor", labelsize=7)
-    time_axes.set_ylabel("time per call, ms (median of the slowest rank)")
-    time_axes.set_title("time", fontsize=10)
-
-    for axes in (speed_axes, time_axes):
-        axes.set_xticks(list(positions), labels, fontsize=8)
-        axes.set_xlim(-0.75, len(results) - 0.25)
-        axes.legend(fontsize=7)
-    figure.suptitle(
-        f"mok bench: {header.date}, commit {header.commit}\n{header.machine}", fontsize=9
+        speed_axes.bar_label(bars, fmt="%.2fx", fontsize=8)
+    speed_axes.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    speed_axes.set_xticks(list(range(count)), labels, fontsize=8)
+    speed_axes.set_xlim(-0.75, count - 0.25)
+    speed_axes.set_ylabel("baseline time / backend time\n(above the dashed line: faster)")
+    speed_axes.set_title(
+        f"speedup of the {backend_name} backend over the PyTorch baseline", fontsize=10
     )
-    figure.savefig(path, dpi=120)
+    speed_axes.legend(
+        handles=[
+            Patch(facecolor=IMPLEMENTATION_COLOURS["backend"], hatch=h, edgecolor="white", label=p)
+            for p, h in PASS_HATCHES.items()
+        ],
+        fontsize=7,
+    )
+
+    series = [(which, pass_name) for pass_name in PASS_HATCHES for which in ("backend", "baseline")]
+    for index, (result, label) in enumerate(zip(results, labels, strict=True)):
+        axes = figure.add_subplot(grid[1, index])
+        timings = [getattr(result, which).timing(pass_name) for which, pass_name in series]
+        medians = [t.ms for t in timings]
+        whiskers = [[t.ms - t.ms_min for t in timings], [t.ms_max - t.ms for t in timings]]
+        bars = axes.bar(
+            range(len(series)),
+            medians,
+            yerr=whiskers,
+            capsize=3,
+            color=[IMPLEMENTATION_COLOURS[which] for which, _ in series],
+            edgecolor="white",
+        )
+        for bar, (_, pass_name) in zip(bars, series, strict=True):
+            bar.set_hatch(PASS_HATCHES[pass_name])
+        axes.bar_label(bars, fmt="%.3g", fontsize=7, padding=2)
+        axes.set_ylim(0, max(t.ms_max for t in timings) * 1.25)
+        axes.set_xticks([])
+        axes.set_title(label, fontsize=8)
+        if index == 0:
+            axes.set_ylabel("time per call, ms\n(median, min-max of the slowest rank)")
+    figure.legend(
+        handles=[
+            Patch(
+                facecolor=IMPLEMENTATION_COLOURS[which],
+                hatch=PASS_HATCHES[p],
+                edgecolor="white",
+                label=f"{names[which]} {p}",
+            )
+            for which, p in series
+        ],
+        loc="outside lower center",
+        ncols=4,
+        fontsize=7,
+    )
+    width_chars = int(figure.get_figwidth() * 12)
+    note = "\n" + textwrap.fill(REFERENCE_NOTE, width_chars) if backend_name == "reference" else ""
+    figure.suptitle(
+        f"mok bench: {header.date}, commit {header.commit}\n{header.machine}{note}", fontsize=9
+    )
+    return figure
+
+
+def plot_report(header: ReportHeader, results: Sequence[BenchResult], path: Path) -> None:
+    """Write `report_figure` as a PNG."""
+    report_figure(header, results).savefig(path, dpi=120)
 
 
 REPORT_NAME = "mok-bench"

@@ -248,7 +248,8 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             f"{spec.routing} routing, backend={result.backend.name}, {device}"
         )
         caption = (
-            f"per rank; time: median over iterations of the slowest rank; {floor}; peak memory: "
+            "per rank; time: median over iterations of the slowest rank, min-max: its fastest "
+            f"and slowest iteration; {floor}; peak memory: "
             f"{result.memory_kind}; speedup: baseline time / backend time"
         )
         table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
