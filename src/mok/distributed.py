@@ -13,6 +13,26 @@ import torch.distributed as dist
 from mok.errors import MoKInputError
 
 
+def expert_parallel_group(group) -> dist.ProcessGroup | None:
+    """The process group of `group`: a ProcessGroup or None as is, a one-dimensional DeviceMesh
+    (e.g. `mesh["ep"]` of a data x expert mesh) as its group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise MoKInputError(
+                f"the expert-parallel mesh must have one dimension, got {group.ndim} "
+                f"({group.mesh_dim_names}): pass the expert dimension, e.g. mesh['ep']"
+            )
+        return group.get_group()
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a ProcessGroup, a one-dimensional DeviceMesh or None, got "
+            f"{type(group).__name__}"
+        )
+    return group
+
+
 def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank in group, group size); (0, 1) without a group."""
     if group is None:

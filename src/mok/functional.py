@@ -26,6 +26,7 @@ from mok.config import MoKConfig
 from mok.distributed import (
     all_gather_int64,
     collective_device,
+    expert_parallel_group,
     group_rank_and_size,
     raise_if_any_rank_failed,
 )
@@ -137,13 +138,15 @@ def create_workspace(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
 ) -> Workspace:
-    """A workspace for `config` on `device` over the expert-parallel `group` (None: one process).
+    """A workspace for `config` on `device` over the expert-parallel `group` (None: one process;
+    a one-dimensional DeviceMesh: its group).
 
     Collective over `group`: checks that every rank has the same config. `device` defaults to the
     current CUDA device for NCCL groups and to the CPU otherwise.
     """
     if not isinstance(config, MoKConfig):
         raise TypeError(f"config must be a mok.MoKConfig, got {type(config).__name__}")
+    group = expert_parallel_group(group)
     rank, ep_size = group_rank_and_size(group)
     if device is None:
         device = torch.device("cpu") if group is None else collective_device(group)

@@ -7,10 +7,11 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from mok import functional
 from mok.config import MoKConfig
-from mok.distributed import group_rank_and_size
+from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.validation import GRADIENT_BUFFER_DTYPES, expected_weight_shapes
 from mok.weights import MoEWeights
@@ -107,7 +108,8 @@ class MoE(nn.Module):
 
     On a group of `ep` ranks, this rank holds experts [rank * E_loc, (rank + 1) * E_loc) with
     E_loc = E / ep, plus a full copy of the shared expert if the config has one. `group=None`
-    means one process holding all experts.
+    means one process holding all experts; `group` may also be a one-dimensional DeviceMesh, the
+    expert dimension of a larger mesh (`mesh["ep"]`).
 
         layer = mok.MoE(config, group=ep_group, device="cuda")
         y = layer(x, topk_idx, topk_weights)      # x [..., H] bf16, topk_* [..., k]
@@ -122,14 +124,14 @@ class MoE(nn.Module):
     def __init__(
         self,
         config: MoKConfig,
-        group: dist.ProcessGroup | None = None,
+        group: dist.ProcessGroup | DeviceMesh | None = None,
         device: torch.device | str | None = None,
         fuse_grad_accumulation: bool = True,
     ) -> None:
         super().__init__()
         self.config = config
         self.fuse_grad_accumulation = fuse_grad_accumulation
-        self.group = group
+        self.group = group = expert_parallel_group(group)
         self.rank, self.ep_size = group_rank_and_size(group)
         self.local_experts = config.local_experts(self.ep_size)
         for name, shape in expected_weight_shapes(config, self.local_experts).items():
@@ -215,7 +217,9 @@ class MoE(nn.Module):
             self.workspace(x.device),
             self.fuse_grad_accumulation,
         )
-        return y.view(x.shape)
+        # No view for [T, H] inputs: FSDP2 hooks the module's output, which an in-place op on a
+        # view would bypass.
+        return y if y.shape == x.shape else y.view(x.shape)
 
     def extra_repr(self) -> str:
         c = self.config
