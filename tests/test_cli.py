@@ -226,3 +226,32 @@ def test_report_figure_says_what_it_shows(monkeypatch):
     assert [w[0][1] for w in whiskers] == pytest.approx([t.ms_min for t in timings])
     colours = {bar.get_facecolor() for bar in speed_axes.patches}
     assert colours == {bars[0].get_facecolor()}  # the backend's colour in both rows
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_bench_default_shape_is_sized_to_the_machine(monkeypatch, gpus):
+    """Without --preset and --ep: on GPUs a real model's layer with one rank per GPU (the `tiny`
+    layer is bound by the host's launches there and made a first run read as "slower than
+    PyTorch"); on the CPU the tiny layer on 2 ranks. Catches a default that ignores the GPUs."""
+    from mok import cli
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    captured = []
+
+    class Captured(Exception):
+        pass
+
+    def run_bench(specs):  # stop before anything touches a GPU
+        captured.extend(specs)
+        raise Captured
+
+    monkeypatch.setattr(cli, "run_bench", run_bench)
+    with pytest.raises(Captured):
+        main(["bench", "--no-progress"])
+    (spec,) = captured
+    if gpus:
+        assert (spec.preset, spec.ep, spec.device) == (cli.GPU_DEFAULT_PRESET, gpus, "cuda")
+        assert spec.tokens_per_rank == 8192 and spec.dense_tflops is not None
+    else:
+        assert (spec.preset, spec.ep, spec.device) == ("tiny", 2, "cpu")
