@@ -44,7 +44,7 @@ for step in $steps; do
       run fuzz python3 benchmarks/fuzz.py ${FUZZ_ARGS:---cases 1000} --out "$OUT/fuzz.md" ;;
     bench)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-      run bench-tiny python3 -m mok bench --no-progress --ep "$ngpu" --json "$OUT/bench-tiny.json"
+      run bench-tiny python3 -m mok bench --no-progress --preset tiny --ep "$ngpu" --json "$OUT/bench-tiny.json"
       run bench-qwen3-30b python3 -m mok bench --no-progress --preset qwen3-30b-a3b --ep "$ngpu" \
         --tokens 4096 --iters 5 --warmup 2 --json "$OUT/bench-qwen3-30b.json" ;;
     kernels)
