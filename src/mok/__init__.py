@@ -5,7 +5,7 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 `mok.MoE`) -> `mok bench` and the command line.
 """
 
-from mok.config import Backend, MoKConfig, Precision
+from mok.config import Backend, MoKConfig, Precision, Validation
 from mok.errors import (
     BackendUnavailableError,
     MoKCapacityError,
@@ -42,6 +42,7 @@ __all__ = [
     "MoKInputError",
     "MoKTimeoutError",
     "Precision",
+    "Validation",
     "SavedForward",
     "Schedule",
     "Workspace",

@@ -31,6 +31,25 @@ class Backend(str, enum.Enum):
     """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
 
 
+class Validation(str, enum.Enum):
+    """How the ranks check each call's inputs on the host. Both check every rank's own inputs
+    (types, dtypes, devices, shapes, the weights against the config: what keeps the kernels in
+    bounds) and the device checks expert ids and buffer capacity (raised by `Workspace.check()`);
+    they differ in what happens when one rank's input is bad."""
+
+    COLLECTIVE = "collective"
+    """The ranks then agree over a CPU (gloo) twin of the group, one host round trip per forward
+    and per backward (measured 0.3-0.9 ms on GPU hosts): a bad input on any rank makes every rank
+    raise MoKInputError before any exchange, and the group stays usable."""
+    LOCAL = "local"
+    """No round trip: a rank with a bad input raises MoKInputError alone and skips the call. The
+    other ranks' exchange then waits for it: on the triton backend until `peer_timeout_s`, then
+    `Workspace.check()` raises MoKTimeoutError and every rank calls `Workspace.reset()`; on the
+    collective exchanges of the reference backend until the process group's timeout. The hosts
+    no longer meet at every call either, so `peer_timeout_s` must exceed the longest host-side
+    stall of one rank between layer calls (a checkpoint written by one rank, say)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Shape, numerics and tunables of one MoE layer; validated on construction.
@@ -73,11 +92,17 @@ class MoKConfig:
     flight) before it gives up, records the failure and lets the call finish; `Workspace.check()`
     then raises `MoKTimeoutError`. It must exceed the longest lag between the ranks' GPUs reaching
     the same layer call (the module's input agreement keeps the hosts together)."""
+    validation: Validation = Validation.COLLECTIVE
+    """How the ranks check each call's inputs: agreeing on them (`collective`) or each alone
+    (`local`, no host round trip); see `Validation`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
         object.__setattr__(self, "precision", _parse_enum(Precision, self.precision, "precision"))
         object.__setattr__(self, "backend", _parse_enum(Backend, self.backend, "backend"))
+        object.__setattr__(
+            self, "validation", _parse_enum(Validation, self.validation, "validation")
+        )
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
         for name in ("max_tokens_per_rank", "comm_sms"):

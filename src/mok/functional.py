@@ -22,7 +22,7 @@ import torch.distributed as dist
 from mok.backends import select_backend
 from mok.backends.protocol import LayerBackend
 from mok.comm.simulation import simulated_allocator
-from mok.config import MoKConfig
+from mok.config import MoKConfig, Validation
 from mok.distributed import (
     all_gather_int64,
     collective_device,
@@ -201,6 +201,20 @@ def _live(workspace: Workspace) -> Workspace:
     return workspace
 
 
+def _raise_if_rejected(ws: Workspace, problem: str | None) -> None:
+    """Raise MoKInputError for a problem with this rank's input: on every rank when the config's
+    validation is collective (one agreement of the ranks), on this rank alone when local."""
+    if ws.config.validation is Validation.COLLECTIVE:
+        raise_if_any_rank_failed(problem, ws.group)
+    elif problem is not None:
+        if ws.group is not None:
+            problem += (
+                " (validation='local': only this rank raises; the others' exchange waits for it "
+                "until their peer timeout or the process group's)"
+            )
+        raise MoKInputError(problem)
+
+
 def _routing_problem(ws: Workspace, topk_idx) -> str | None:
     on_device = ws.backend.checks_ids_on_device
     problem = check_routing(ws.config, topk_idx, ws.device, check_ids=not on_device)
@@ -239,7 +253,7 @@ def build_schedule(workspace: Workspace, topk_idx: torch.Tensor) -> Schedule:
     T may differ between ranks and may be 0.
     """
     ws = _live(workspace)
-    raise_if_any_rank_failed(_routing_problem(ws, topk_idx), ws.group)
+    _raise_if_rejected(ws, _routing_problem(ws, topk_idx))
     return _schedule(ws, topk_idx)
 
 
@@ -258,7 +272,7 @@ def forward(
     """
     ws = _live(workspace)
     problem = _forward_problem(ws, schedule.num_tokens, x, topk_weights, weights)
-    raise_if_any_rank_failed(problem, ws.group)
+    _raise_if_rejected(ws, problem)
     return _forward(ws, schedule, x, topk_weights, weights, need_backward)
 
 
@@ -276,7 +290,7 @@ def schedule_and_forward(
     problem = _routing_problem(ws, topk_idx)
     if problem is None:
         problem = _forward_problem(ws, topk_idx.shape[0], x, topk_weights, weights)
-    raise_if_any_rank_failed(problem, ws.group)
+    _raise_if_rejected(ws, problem)
     schedule = _schedule(ws, topk_idx)
     return (schedule, *_forward(ws, schedule, x, topk_weights, weights, need_backward))
 
@@ -304,7 +318,7 @@ def backward(
         problem = check_grad_output(grad_y, saved.num_tokens, ws.config, ws.device)
     if problem is None:
         problem = check_accumulation_buffers(ws.config, into, ws.local_experts, ws.device)
-    raise_if_any_rank_failed(problem, ws.group)
+    _raise_if_rejected(ws, problem)
     return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
 
 
