@@ -1,0 +1,1 @@
+"""Adapters to model libraries: `mok.integrations.transformers` (Hugging Face)."""

@@ -1,0 +1,206 @@
+"""`mok.integrations.transformers`: MoK as the experts implementation of Hugging Face MoE models
+(Qwen3-MoE, Mixtral, DeepSeek-V3), small random models built from configs in code.
+
+Against a float32 copy of each model as the oracle, the MoK model's logits and gradients must be
+as close as the native bf16 model's (bf16 noise), the parameters and state_dict keys must stay the
+model's own (a checkpoint loads either way), and gpt-oss, whose experts MoK cannot run yet, must be
+refused with the reason. Bugs these catch: gate and up taken from the wrong halves of
+`gate_up_proj`, the router's weights or indices misread (a transposed top-k), gradients that do
+not reach `gate_up_proj` through its views, a workspace reused at the wrong size or device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import mok.integrations.transformers as mok_transformers  # noqa: E402
+from mok.errors import MoKInputError  # noqa: E402
+from mok.testing import relative_error  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def qwen3_moe():
+    return transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2
+    )
+
+
+def mixtral():
+    return transformers.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2)
+
+
+def deepseek_v3():
+    return transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": COMMON["num_attention_heads"]},  # MLA: one per head
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+    )
+
+
+ARCHITECTURES = {"qwen3-moe": qwen3_moe, "mixtral": mixtral, "deepseek-v3": deepseek_v3}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def registered():
+    mok_transformers.register()
+
+
+def build(name: str, implementation: str):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        ARCHITECTURES[name](), dtype=torch.float32, experts_implementation="eager"
+    )
+    with torch.no_grad():  # routers start at zero in some models: give them a real routing
+        for param_name, param in model.named_parameters():
+            if param_name.endswith(("gate.weight", "gate_up_proj", "down_proj")):
+                param.normal_(0.0, param.shape[-1] ** -0.5)
+    oracle = model.to(DEVICE)
+    model = copy.deepcopy(oracle).to(torch.bfloat16)
+    model.set_experts_implementation(implementation)
+    return oracle, model
+
+
+def logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    logits.float().square().mean().backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach().float(), grads
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_mok_experts_are_as_close_to_float32_as_the_native_bf16_model(name):
+    oracle, native = build(name, "eager")
+    _, ours = build(name, mok_transformers.IMPLEMENTATION)
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    exact_logits, exact_grads = logits_and_grads(oracle, ids)
+    native_logits, native_grads = logits_and_grads(native, ids)
+    our_logits, our_grads = logits_and_grads(ours, ids)
+    assert our_grads.keys() == native_grads.keys() == exact_grads.keys()
+    # bf16 noise: each within twice the native model's distance from float32, plus a floor of a
+    # few bf16 roundings (both are ~1e-2 here; a swapped gate/up or a lost gradient is O(1)).
+    floor = 2e-2
+    native_error = relative_error(native_logits, exact_logits)
+    assert relative_error(our_logits, exact_logits) <= 2 * native_error + floor
+    experts = [n for n in exact_grads if "experts.gate_up_proj" in n or "experts.down_proj" in n]
+    assert experts  # the routed experts' weights do get gradients
+    for param_name, exact in exact_grads.items():
+        native_error = relative_error(native_grads[param_name], exact)
+        ours_error = relative_error(our_grads[param_name], exact)
+        assert ours_error <= 2 * native_error + floor, (param_name, ours_error, native_error)
+
+
+def experts_results(experts, hidden, idx, weights, grad):
+    hidden = hidden.detach().clone().requires_grad_(True)
+    experts.zero_grad(set_to_none=True)
+    out = experts(hidden, idx, weights)
+    out.backward(grad)
+    return [out.detach(), hidden.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_mok_experts_match_float64_math_to_bf16_rounding(name):
+    """One MoE layer's experts on the same hidden states and routing: MoK's output and gradients
+    (of the hidden states, gate_up_proj, down_proj) against the float64 eager experts. The model
+    test above cannot be this tight: bf16 flips of the next layer's routing add noise there."""
+    oracle, native = build(name, "eager")
+    _, ours = build(name, mok_transformers.IMPLEMENTATION)
+    layer = next(i for i, layer in enumerate(oracle.model.layers) if hasattr(layer.mlp, "experts"))
+    exact_experts = copy.deepcopy(oracle.model.layers[layer].mlp.experts).double()
+    generator = torch.Generator().manual_seed(3)
+    tokens, hidden_size = 37, COMMON["hidden_size"]
+    num_experts = exact_experts.gate_up_proj.shape[0]
+    hidden = torch.randn(tokens, hidden_size, generator=generator).bfloat16().to(DEVICE)
+    idx = torch.stack(
+        [torch.randperm(num_experts, generator=generator)[:2] for _ in range(tokens)]
+    ).to(DEVICE)
+    weights = torch.rand(tokens, 2, generator=generator).to(DEVICE)
+    grad = torch.randn(tokens, hidden_size, generator=generator).bfloat16().to(DEVICE)
+    exact = experts_results(exact_experts, hidden.double(), idx, weights.double(), grad.double())
+    native = experts_results(
+        native.model.layers[layer].mlp.experts, hidden, idx, weights.bfloat16(), grad
+    )
+    mine = experts_results(ours.model.layers[layer].mlp.experts, hidden, idx, weights, grad)
+    for label, want, theirs, ours_ in zip(
+        ["out", "grad hidden", "grad gate_up_proj", "grad down_proj"],
+        exact,
+        native,
+        mine,
+        strict=True,
+    ):
+        # fp32 accumulation, bf16 roundings at h and the outputs: ~3e-3, at most the native
+        # bf16 experts' error (which rounds more often). Swapped gate/up would be O(1).
+        error = relative_error(ours_, want)
+        assert error < 8e-3, (label, error)
+        assert error <= 1.5 * relative_error(theirs, want) + 1e-3, label
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_parameters_and_checkpoints_stay_the_models_own(name):
+    _, native = build(name, "eager")
+    _, ours = build(name, mok_transformers.IMPLEMENTATION)
+    assert list(ours.state_dict()) == list(native.state_dict())
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        for param in ours.parameters():  # train a little, so that loading carries something
+            param.add_(0.01 * torch.randn_like(param))
+        native.load_state_dict(ours.state_dict())
+        ours.set_experts_implementation("eager")
+        assert torch.equal(native(ids).logits, ours(ids).logits)
+
+
+def test_a_call_with_more_tokens_gets_a_larger_workspace():
+    _, ours = build("qwen3-moe", mok_transformers.IMPLEMENTATION)
+    experts = ours.model.layers[0].mlp.experts
+    ids = torch.randint(0, 97, (1, 5)).to(DEVICE)
+    with torch.no_grad():
+        ours(ids)
+        first = experts._mok_state
+        ours(ids)
+        assert experts._mok_state is first  # reused
+        many = mok_transformers.MIN_TOKENS + 1
+        hidden = torch.randn(many, 64, dtype=torch.bfloat16, device=DEVICE)
+        idx = torch.randint(0, 8, (many, 2), device=DEVICE)
+        out = experts(hidden, idx, torch.rand(many, 2, device=DEVICE))
+    assert out.shape == (many, 64)
+    assert experts._mok_state.config.max_tokens_per_rank >= many
+
+
+def test_gpt_oss_experts_are_refused_with_the_reason():
+    config = transformers.GptOssConfig(
+        **{**COMMON, "num_key_value_heads": 2},
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    reason = mok_transformers.unsupported_reason(experts)
+    assert reason is not None and "bias" in reason
+    model.set_experts_implementation(mok_transformers.IMPLEMENTATION)
+    with pytest.raises(MoKInputError, match="bias"):
+        model(torch.randint(0, 97, (1, 4)))
