@@ -96,6 +96,7 @@ FIELD_LIMITS = {
     "swiglu_limit": positive_number_limits(optional=True),
     "precision": enum_limits(mok.Precision),
     "backend": enum_limits(mok.Backend),
+    "validation": enum_limits(mok.Validation),
     "max_tokens_per_rank": int_limits(1),
     "comm_sms": int_limits(1),
     "recv_capacity": int_limits(1, optional=True),
@@ -108,6 +109,7 @@ STORED_TYPES = {
     "peer_timeout_s": float,
     "precision": mok.Precision,
     "backend": mok.Backend,
+    "validation": mok.Validation,
 }
 
 

@@ -24,6 +24,9 @@ def load_script():
 def test_native_and_mok_experts_train_alike(tmp_path):
     script = load_script()
     args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "15", "--warmup", "1"]
+    # The CPU sizes, also where a GPU would make the script default to larger ones.
+    args += ["--layers", "4", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32"]
     args += ["--batch", "4", "--seq", "32", "--lr", "3e-3", "--out", str(tmp_path)]
     assert script.main(args) == 0
     report = json.loads((tmp_path / "train-e2e.json").read_text())
