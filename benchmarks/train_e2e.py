@@ -171,7 +171,9 @@ def markdown(args, results, header) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results, path: Path, title: str) -> None:
+def plot(results, path: Path, title: str, warmup: int) -> None:
+    """Loss per step (top), and step time per step after the warm-up (bottom: the first steps
+    compile kernels and would hide the rest)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -181,9 +183,9 @@ def plot(results, path: Path, title: str) -> None:
     for name, r in results.items():
         steps = range(1, len(r["losses"]) + 1)
         loss_axes.plot(steps, r["losses"], label=name)
-        time_axes.plot(steps, r["step_ms"], label=name)
+        time_axes.plot(steps[warmup:], r["step_ms"][warmup:], label=name)
     loss_axes.set_ylabel("training loss")
-    time_axes.set_ylabel("step time, ms")
+    time_axes.set_ylabel(f"step time, ms (after {warmup} warm-up steps)")
     time_axes.set_ylim(bottom=0)
     time_axes.set_xlabel("step")
     for axes in (loss_axes, time_axes):
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
         (out / "train-e2e.json").write_text(
             json.dumps({**header, "args": vars(args), "results": results}, indent=2)
         )
-        plot(results, out / "train-e2e.png", f"{args.arch}: {header['commit']}, {machine}")
+        title = f"{args.arch}: {header['commit']}, {machine}"
+        plot(results, out / "train-e2e.png", title, args.warmup)
     return 0
 
 
