@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mok import functional
+from mok import functional, ops
 from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
@@ -141,6 +141,7 @@ class MoE(nn.Module):
             else:
                 self.register_parameter(name, None)
         self._workspace: functional.Workspace | None = None
+        self._workspace_id = 0
         self.reset_parameters()
 
     @property
@@ -198,6 +199,7 @@ class MoE(nn.Module):
             if ws is not None:
                 ws.release()
             self._workspace = functional.create_workspace(self.config, self.group, device)
+            self._workspace_id = ops.register_workspace(self._workspace)
         return self._workspace
 
     def forward(
@@ -207,6 +209,27 @@ class MoE(nn.Module):
         hidden, top_k = self.config.hidden_size, self.config.top_k
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if torch.compiler.is_compiling():
+            # The custom ops, which the compiler keeps as nodes of its graph. The workspace is
+            # made outside the trace (a collective): by an eager call or `layer.workspace(device)`.
+            if self._workspace is None:
+                raise MoKInputError(
+                    "torch.compile of mok.MoE needs its workspace made first: call the layer once "
+                    "eagerly, or layer.workspace(device), before compiling"
+                )
+            if self._workspace.backend_name == "reference":
+                raise MoKInputError(
+                    "torch.compile of mok.MoE needs the triton backend: the reference backend "
+                    "records an autograd graph inside the layer, which a custom op cannot"
+                )
+            y = ops.moe(
+                _flatten_leading(x, hidden),
+                _flatten_leading(topk_idx, top_k),
+                _flatten_leading(topk_weights, top_k),
+                self.weights,
+                self._workspace_id,
+            )
+            return y if y.shape == x.shape else y.view(x.shape)
         # Inputs of a wrong shape go on unflattened: the collective checks downstream name the
         # problem on every rank, where raising here would leave the other ranks waiting.
         y = moe(

@@ -1,0 +1,138 @@
+"""The layer as `torch.library` custom ops, so that `torch.compile` keeps it in the graph.
+
+    mok::moe_forward(workspace_id, need_backward, topk_idx, x, topk_weights, *weights)
+        -> (y [T, H], ticket [1] int64 on the CPU)
+    mok::moe_backward(workspace_id, ticket, grad_y, topk_weights, *weights)
+        -> [grad x, grad topk_weights, grad of every weight that is present]
+
+with autograd registered (`torch.library.register_autograd`) and fake implementations that give
+the outputs' shapes from the inputs'. The compiler sees two opaque nodes; what the layer keeps
+from forward for backward (routing plans, saved activations: backend objects, not a fixed list of
+tensors) stays on the host, in a table keyed by the ticket, a CPU tensor (reading it needs no
+device synchronization). The entry lives as long as the ticket: autograd holds the ticket until
+backward runs or the graph is freed, and the entry goes with it (`weakref.finalize`).
+
+Workspaces are named by an integer id (`register_workspace`): a Python object cannot be an
+argument of a custom op. `mok.MoE` calls these ops while `torch.compile` traces it and its
+autograd.Function (`mok.moe`) otherwise; both give the same results, and the compiled path hands
+weight gradients to autograd (no fused accumulation into existing `.grad`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from mok import functional
+from mok.weights import MoEWeights
+
+_WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
+# Weak: a workspace lives as long as its layer holds it (its buffers are freed with it).
+_workspaces: weakref.WeakValueDictionary[int, functional.Workspace] = weakref.WeakValueDictionary()
+_saved: dict[int, tuple[functional.Schedule, functional.SavedForward]] = {}
+_ids = itertools.count(1)
+
+
+def register_workspace(workspace: functional.Workspace) -> int:
+    """The id the ops know `workspace` by (the same id for the same workspace)."""
+    for key, known in _workspaces.items():
+        if known is workspace:
+            return key
+    key = next(_ids)
+    _workspaces[key] = workspace
+    return key
+
+
+def _weights(weights: list[torch.Tensor | None]) -> MoEWeights:
+    return MoEWeights(*weights)
+
+
+@torch.library.custom_op("mok::moe_forward", mutates_args=())
+def moe_forward(
+    workspace_id: int,
+    need_backward: bool,
+    topk_idx: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: list[torch.Tensor | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [T, H] of the layer, and a ticket that names what forward kept for backward."""
+    workspace = _workspaces[workspace_id]
+    schedule, y, saved = functional.schedule_and_forward(
+        workspace, topk_idx, x, topk_weights, _weights(weights), need_backward=need_backward
+    )
+    key = next(_ids)
+    ticket = torch.tensor([key], dtype=torch.int64)
+    if saved is not None:
+        _saved[key] = (schedule, saved)
+        weakref.finalize(ticket, _saved.pop, key, None)
+    return y, ticket
+
+
+@moe_forward.register_fake
+def _(workspace_id, need_backward, topk_idx, x, topk_weights, weights):
+    return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("mok::moe_backward", mutates_args=())
+def moe_backward(
+    workspace_id: int,
+    ticket: torch.Tensor,
+    grad_y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: list[torch.Tensor | None],
+) -> list[torch.Tensor]:
+    """Gradients of x, topk_weights and every weight present, from the forward of `ticket`."""
+    schedule, saved = _saved.pop(int(ticket.item()))
+    grads = functional.backward(_workspaces[workspace_id], schedule, saved, grad_y)
+    names = [name for name, w in zip(_WEIGHT_FIELDS, weights, strict=True) if w is not None]
+    present = [getattr(grads.weights, name) for name in names]
+    return [grads.x, grads.topk_weights, *present]
+
+
+@moe_backward.register_fake
+def _(workspace_id, ticket, grad_y, topk_weights, weights):
+    return [torch.empty_like(grad_y), torch.empty_like(topk_weights)] + [
+        torch.empty_like(w) for w in weights if w is not None
+    ]
+
+
+def _setup_context(ctx, inputs, output):
+    workspace_id, _, _, _, topk_weights, weights = inputs
+    _, ticket = output
+    ctx.workspace_id = workspace_id
+    ctx.present = [w is not None for w in weights]
+    ctx.save_for_backward(ticket, topk_weights, *[w for w in weights if w is not None])
+    ctx.mark_non_differentiable(ticket)
+
+
+def _backward(ctx, grad_y, _grad_ticket):
+    ticket, topk_weights, *present = ctx.saved_tensors
+    iterator = iter(present)
+    weights = [next(iterator) if here else None for here in ctx.present]
+    grads = moe_backward(ctx.workspace_id, ticket, grad_y.contiguous(), topk_weights, weights)
+    grad_x, grad_topk_weights, *weight_grads = grads
+    iterator = iter(weight_grads)
+    per_weight = [next(iterator) if here else None for here in ctx.present]
+    return None, None, None, grad_x, grad_topk_weights, per_weight
+
+
+torch.library.register_autograd("mok::moe_forward", _backward, setup_context=_setup_context)
+
+
+def moe(
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    weights: MoEWeights,
+    workspace_id: int,
+) -> torch.Tensor:
+    """`mok.moe` through the custom ops (what `torch.compile` traces): y [T, H]."""
+    tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
+    need_backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, topk_weights, *tensors)
+    )
+    y, _ = moe_forward(workspace_id, need_backward, topk_idx, x, topk_weights, tensors)
+    return y

@@ -1,0 +1,95 @@
+"""`torch.compile(fullgraph=True)` of a transformer-style block holding `mok.MoE`: the layer enters
+the graph as the custom ops of `mok.ops` (no graph break) and gives eager's results.
+
+The triton backend runs its kernels under the Triton interpreter on the CPU and compiled on GPUs.
+Bugs these catch: a graph break (fullgraph raises), fake implementations whose shapes or dtypes
+differ from the real outputs (the compiled graph fails or mis-sizes buffers), gradients returned to
+the wrong inputs (weights swapped, a missing shared expert), a forward's saved state handed to the
+wrong backward (two micro-batches in flight), state left behind in the ops' table.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_checkpointing import CONFIG, Block
+
+import mok
+from mok import ops
+from mok.errors import MoKInputError
+from mok.testing import global_weights, relative_error
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = CONFIG.replace(backend="triton")
+
+
+def run_block(compiler: str | None, fuse: bool, micro_batches: int = 2) -> dict:
+    """y, grad x of each micro-batch (forwards first, then backwards, so two saved states are in
+    flight) and every parameter's accumulated gradient."""
+    torch.manual_seed(0)
+    block = Block(TRITON, device=DEVICE)
+    block.moe.fuse_grad_accumulation = fuse
+    block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
+    block.moe.workspace(torch.device(DEVICE))
+    run = block if compiler is None else torch.compile(block, fullgraph=True, backend=compiler)
+    generator = torch.Generator().manual_seed(3)
+    inputs, outputs = [], []
+    for step in range(micro_batches):
+        x = torch.randn(24 + 5 * step, 32, generator=generator).bfloat16().to(DEVICE)
+        inputs.append(x.requires_grad_(True))
+        outputs.append(run(x))
+    results = {}
+    for step, (x, y) in enumerate(zip(inputs, outputs, strict=True)):
+        y.backward(torch.randn(y.shape, generator=generator).bfloat16().to(DEVICE))
+        results[f"y{step}"] = y.detach()
+        results[f"x{step}"] = x.grad
+    for name, param in block.named_parameters():
+        results[name] = param.grad
+    return results
+
+
+def test_compiled_block_equals_eager_bitwise():
+    """aot_eager keeps every operation of eager: only the layer's own path differs (the custom
+    ops), so results must be equal bit for bit. Eager without fused accumulation, since the
+    compiled layer hands its weight gradients to autograd (summed in bf16, as eager then does)."""
+    torch._dynamo.reset()
+    eager = run_block(None, fuse=False)
+    compiled = run_block("aot_eager", fuse=False)
+    for name, value in eager.items():
+        assert torch.equal(compiled[name], value), name
+    assert not ops._saved  # every forward's state was used by its backward and dropped
+
+
+@pytest.mark.slow
+def test_block_compiled_by_inductor_matches_eager():
+    """Inductor fuses and reorders the block's other bf16 operations: eager's results to bf16
+    rounding (a swapped or lost gradient would be O(1))."""
+    torch._dynamo.reset()
+    eager = run_block(None, fuse=True)
+    compiled = run_block("inductor", fuse=True)
+    for name, value in eager.items():
+        assert relative_error(compiled[name], value) < 2e-2, name
+
+
+def test_compile_before_the_workspace_exists_says_what_to_do():
+    torch._dynamo.reset()
+    layer = mok.MoE(TRITON, device=DEVICE)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, device=DEVICE)
+    idx = torch.zeros(4, 2, dtype=torch.long, device=DEVICE)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="workspace made first"):
+        compiled(x, idx, torch.ones(4, 2, device=DEVICE))
+    layer.workspace(torch.device(DEVICE))
+    assert compiled(x, idx, torch.ones(4, 2, device=DEVICE)).shape == x.shape
+
+
+def test_the_reference_backend_is_refused_under_compile():
+    torch._dynamo.reset()
+    layer = mok.MoE(CONFIG.replace(backend="reference"), device=DEVICE)
+    layer.workspace(torch.device(DEVICE))
+    x = torch.randn(4, 32, dtype=torch.bfloat16, device=DEVICE)
+    idx = torch.zeros(4, 2, dtype=torch.long, device=DEVICE)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="needs the triton backend") as error:
+        compiled(x, idx, torch.ones(4, 2, device=DEVICE))
+    assert isinstance(error.value, MoKInputError) or "MoKInputError" in str(error.value)
