@@ -1,18 +1,22 @@
 """End-to-end training: a small random-initialised MoE language model of a real architecture,
-trained for N steps with its native transformers experts and with MoK's, one process.
+trained for N steps with different experts implementations, on one process or expert-parallel.
 
-    PYTHONPATH=src python3 benchmarks/train_e2e.py [--arch qwen3-moe] [--steps 50] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/train_e2e.py [--arch qwen3-moe] [--steps 50] [--ep 2]
+                                                   [--out DIR]
 
 The model is built from a config in code (no downloads): --arch picks Qwen3-MoE, Mixtral or
 DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediate. Every
-implementation starts from the same weights (one model, deep-copied) and sees the same batches of a
-synthetic next-token task (a fixed random successor table, followed 90 % of the time: the loss
-falls, so curves have something to agree on). AdamW, bf16 weights. Reported per implementation:
-the loss at every step and the largest difference from the first implementation's, the median
-step time (after --warmup steps) with its min-max, tokens/s and its ratio to the first
-implementation, and peak memory on GPUs. With --out: train-e2e.md, .json and .png (loss and step
-time per step).
-Native implementations: transformers' `grouped_mm` (the default on GPUs) or `eager`.
+implementation starts from the same weights and sees the same batches of a synthetic next-token
+task (a fixed random successor table, followed 90 % of the time: the loss falls, so curves have
+something to agree on). AdamW, bf16 weights. Implementations (--implementations): at EP 1 the
+native transformers experts (`grouped_mm` on GPUs, `eager` on the CPU) and `mok`; at EP > 1
+(one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps each rank's experts, the other
+parameters are replicated and their gradients averaged over the ranks) the standard expert-
+parallel path `mok-baseline` and `mok`. Reported per implementation: the loss at every step (the
+mean over the ranks) and the largest difference from the first implementation's, rank 0's median
+step time (after --warmup steps) with its min-max, tokens/s of all ranks and its ratio to the
+first implementation, and peak memory on GPUs. With --out: train-e2e.md, .json and .png (loss and
+step time per step).
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 import mok.integrations.transformers as mok_transformers
 from mok.bench import git_commit
+from mok.launch import run_ranks
 
 VOCAB = 512
 
@@ -76,26 +82,43 @@ def model_config(args):
     )
 
 
-def batches(args, device):
-    """The synthetic task's batches [batch, seq + 1], the same for every implementation."""
+def batches(args, device, rank: int = 0, world: int = 1):
+    """This rank's share of the synthetic task's batches: rows [rank * batch, (rank + 1) * batch)
+    of global batches of world * batch sequences of seq + 1 tokens, the same for every
+    implementation (at EP 1 with --batch B * ep, the union of the EP ranks' batches)."""
     generator = torch.Generator().manual_seed(args.seed)
     successor = torch.randperm(VOCAB, generator=generator)
+    rows = args.batch * world
     for _ in range(args.steps):
-        tokens = torch.empty(args.batch, args.seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, VOCAB, (args.batch,), generator=generator)
+        tokens = torch.empty(rows, args.seq + 1, dtype=torch.long)
+        tokens[:, 0] = torch.randint(0, VOCAB, (rows,), generator=generator)
         for t in range(1, args.seq + 1):
-            follow = torch.rand(args.batch, generator=generator) < 0.9
-            noise = torch.randint(0, VOCAB, (args.batch,), generator=generator)
+            follow = torch.rand(rows, generator=generator) < 0.9
+            noise = torch.randint(0, VOCAB, (rows,), generator=generator)
             tokens[:, t] = torch.where(follow, successor[tokens[:, t - 1]], noise)
-        yield tokens.to(device)
+        yield tokens[rank * args.batch : (rank + 1) * args.batch].to(device)
 
 
-def train(model, args, device) -> dict:
+def average_gradients(model, group, world: int) -> None:
+    """Data parallelism over the expert-parallel ranks: the loss is the mean of the ranks'. An
+    expert's gradient already sums every rank's tokens (the exchange brought them): / world;
+    every other parameter is replicated: averaged over the ranks (all-reduce)."""
+    for module in model.modules():
+        sharded = hasattr(module, "_mok_group")
+        for param in module.parameters(recurse=False):
+            if param.grad is None:
+                continue
+            if not sharded:
+                dist.all_reduce(param.grad, group=group)
+            param.grad.div_(world)
+
+
+def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, times = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for tokens in batches(args, device):
+    for tokens in batches(args, device, rank, world):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -104,11 +127,17 @@ def train(model, args, device) -> dict:
             logits.float().flatten(0, 1), tokens[:, 1:].flatten()
         )
         loss.backward()
+        if group is not None:
+            average_gradients(model, group, world)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
+        loss = loss.detach()
+        if group is not None:
+            dist.all_reduce(loss, group=group)
+            loss /= world
         losses.append(loss.item())
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -118,26 +147,42 @@ def train(model, args, device) -> dict:
         "median_ms": statistics.median(timed),
         "min_ms": min(timed),
         "max_ms": max(timed),
-        "tokens_per_s": args.batch * args.seq / statistics.median(timed) * 1e3,
+        "tokens_per_s": world * args.batch * args.seq / statistics.median(timed) * 1e3,
         "peak_gib": peak,
     }
 
 
-def run(args) -> dict:
-    device = torch.device(args.device)
-    mok_transformers.register()
+def train_rank(rank: int, world: int, args) -> dict:
+    """Every implementation on this rank, from the same initial model (EP: this rank's experts)."""
     import transformers
 
+    if args.device == "cuda":
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    group = dist.group.WORLD if world > 1 else None
+    mok_transformers.register()
     torch.manual_seed(args.seed)
     initial = transformers.AutoModelForCausalLM.from_config(
         model_config(args), dtype=torch.bfloat16
-    ).to(device)
+    )
     results = {}
     for implementation in args.implementations.split(","):
         model = copy.deepcopy(initial)
-        model.set_experts_implementation(implementation)
-        results[implementation] = train(model, args, device)
+        if group is not None:
+            mok_transformers.shard_experts(model, group, args.batch * args.seq)
+        model.to(device).set_experts_implementation(implementation)
+        results[implementation] = train(model, args, device, rank, world, group)
         del model
+    return results
+
+
+def run(args) -> dict:
+    if args.ep > 1:
+        collectives = "nccl" if args.device == "cuda" else "gloo"
+        results = run_ranks(train_rank, args.ep, args=(args,), backend=collectives)[0]
+    else:
+        results = train_rank(0, 1, args)
     first = results[next(iter(results))]
     for result in results.values():
         result["max_loss_difference"] = max(
@@ -154,7 +199,8 @@ def markdown(args, results, header) -> str:
         f"- commit `{header['commit']}`; {header['machine']}; torch {torch.__version__}",
         f"- command: `{header['command']}`",
         f"- {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top {args.top_k}, "
-        f"expert intermediate {args.moe_intermediate}; batch {args.batch} x {args.seq} tokens; "
+        f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
+        f"{args.seq} tokens a rank; "
         f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; bf16 weights",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
@@ -212,9 +258,20 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--implementations", default=("grouped_mm" if cuda else "eager") + ",mok")
+    parser.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks (one per GPU, or gloo CPU ranks)"
+    )
+    parser.add_argument(
+        "--implementations",
+        default=None,
+        help="experts implementations, the first the reference of the ratios (default: the "
+        "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok)",
+    )
     parser.add_argument("--out", help="write train-e2e.md, .json and .png here")
     args = parser.parse_args(argv)
+    if args.implementations is None:
+        native = "grouped_mm" if args.device == "cuda" else "eager"
+        args.implementations = ("mok-baseline" if args.ep > 1 else native) + ",mok"
     results = run(args)
     machine = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     header = {

@@ -14,15 +14,14 @@ pytest.importorskip("transformers")
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_e2e.py"
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def script(monkeypatch):
+    """The script as the module `train_e2e` (importable by name: spawned ranks import it)."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    return importlib.import_module("train_e2e")
 
 
-def test_native_and_mok_experts_train_alike(tmp_path):
-    script = load_script()
+def test_native_and_mok_experts_train_alike(script, tmp_path):
     args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "15", "--warmup", "1"]
     # The CPU sizes, also where a GPU would make the script default to larger ones.
     args += ["--layers", "4", "--hidden", "64", "--experts", "8", "--top-k", "2"]
@@ -37,3 +36,22 @@ def test_native_and_mok_experts_train_alike(tmp_path):
     assert ours["max_loss_difference"] < 0.05
     assert (tmp_path / "train-e2e.md").read_text().count("| mok |") == 1
     assert (tmp_path / "train-e2e.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
+    """EP 2 on gloo ranks (experts sharded, other gradients averaged): `mok` and `mok-baseline`
+    follow the one-process run on the union of the ranks' batches. Catches: gradients of the
+    replicated parameters not averaged (or experts' averaged twice), a rank's experts not sliced
+    to its own, the ranks' batches overlapping."""
+    sizes = ["--layers", "4", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    sizes += ["--moe-intermediate", "32", "--steps", "12", "--warmup", "1", "--seq", "32"]
+    sizes += ["--lr", "3e-3", "--device", "cpu"]
+    one = tmp_path / "one"
+    assert script.main([*sizes, "--batch", "4", "--implementations", "mok", "--out", str(one)]) == 0
+    two = tmp_path / "two"
+    assert script.main([*sizes, "--batch", "2", "--ep", "2", "--out", str(two)]) == 0
+    reference = json.loads((one / "train-e2e.json").read_text())["results"]["mok"]["losses"]
+    results = json.loads((two / "train-e2e.json").read_text())["results"]
+    assert list(results) == ["mok-baseline", "mok"]
+    for result in results.values():
+        assert max(abs(a - b) for a, b in zip(result["losses"], reference, strict=True)) < 0.05

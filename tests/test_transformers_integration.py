@@ -179,15 +179,15 @@ def test_a_call_with_more_tokens_gets_a_larger_workspace():
     ids = torch.randint(0, 97, (1, 5)).to(DEVICE)
     with torch.no_grad():
         ours(ids)
-        first = experts._mok_state
+        first = mok_transformers._workspaces[experts]
         ours(ids)
-        assert experts._mok_state is first  # reused
+        assert mok_transformers._workspaces[experts] is first  # reused
         many = mok_transformers.MIN_TOKENS + 1
         hidden = torch.randn(many, 64, dtype=torch.bfloat16, device=DEVICE)
         idx = torch.randint(0, 8, (many, 2), device=DEVICE)
         out = experts(hidden, idx, torch.rand(many, 2, device=DEVICE))
     assert out.shape == (many, 64)
-    assert experts._mok_state.config.max_tokens_per_rank >= many
+    assert mok_transformers._workspaces[experts].config.max_tokens_per_rank >= many
 
 
 def test_gpt_oss_experts_are_refused_with_the_reason():
@@ -204,3 +204,42 @@ def test_gpt_oss_experts_are_refused_with_the_reason():
     model.set_experts_implementation(mok_transformers.IMPLEMENTATION)
     with pytest.raises(MoKInputError, match="bias"):
         model(torch.randint(0, 97, (1, 4)))
+
+
+def _sharded_worker(rank, world, name):
+    mok_transformers.register()
+    _, full = build(name, mok_transformers.IMPLEMENTATION)
+    full_state = {k: v.clone() for k, v in full.state_dict().items()}
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(10 + rank))
+    with torch.no_grad():
+        expected = full(ids.to(DEVICE)).logits.float()
+    sharded = copy.deepcopy(full)
+    count = mok_transformers.shard_experts(sharded, torch.distributed.group.WORLD)
+    sharded.load_state_dict(full_state)  # a full checkpoint: each rank keeps its experts
+    state = sharded.state_dict()
+    local = {}
+    for key, value in state.items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            per_rank = full_state[key].shape[0] // world
+            local[key] = torch.equal(
+                value, full_state[key][rank * per_rank : (rank + 1) * per_rank]
+            )
+    with torch.no_grad():
+        logits = sharded(ids.to(DEVICE)).logits.float()
+    return count, list(state) == list(full_state), local, relative_error(logits, expected)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+def test_sharded_experts_give_the_one_process_model(name):
+    """EP 2 on gloo: `shard_experts` keeps each rank's experts (state_dict keys unchanged; a full
+    checkpoint loads sliced) and the model's logits are the one-process model's (the same expert
+    math, the rows exchanged: fp32 reductions in another order at most). Catches a rank holding
+    another rank's experts, a checkpoint loaded unsliced, tokens sent to the wrong rank."""
+    from mok.launch import run_ranks
+
+    if torch.cuda.is_available():
+        pytest.skip("gloo ranks on the CPU")
+    for count, same_keys, local, error in run_ranks(_sharded_worker, 2, args=(name,)):
+        assert count >= 1 and same_keys
+        assert local and all(local.values()), local
+        assert error < 1e-2, error

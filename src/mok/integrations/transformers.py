@@ -14,9 +14,15 @@ adds "mok" there:
 
 The model keeps its routers, its shared experts and its parameters: the experts module's own
 `gate_up_proj` and `down_proj` are the layer's weights (gate and up as views of `gate_up_proj`),
-so `state_dict()` keys, checkpoints and optimizers are those of the original model. The layer runs
-on one process (all experts local, as the model holds them); the backend is the config's `auto`
-(the `triton` backend on GPUs) unless `register(backend=...)` says otherwise.
+so `state_dict()` keys, checkpoints and optimizers are those of the original model. The backend is
+the config's `auto` (the `triton` backend on GPUs) unless `register(backend=...)` says otherwise.
+
+Expert parallelism: `shard_experts(model, group)` keeps only this rank's experts in every experts
+module (rank r of ep holds experts [r * E / ep, (r + 1) * E / ep), as `mok.MoE` does), and the
+layer then exchanges tokens over `group`; a full-size checkpoint tensor loaded into a sharded
+module is sliced to this rank's experts. Every rank must then run the model's MoE layers together.
+`register()` also adds "mok-baseline": the standard expert-parallel PyTorch path (`mok.baseline`)
+on the same weights, to compare with.
 
 Supported: SwiGLU experts with concatenated [gate; up] weights and no biases, in bf16. Not yet:
 gpt-oss (transposed, interleaved gate/up weights, per-expert biases and its clamped activation):
@@ -25,10 +31,14 @@ gpt-oss (transposed, interleaved gate/up weights, per-expert biases and its clam
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
+from mok.baseline import baseline_moe
 from mok.config import MoKConfig
+from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.functional import Workspace, create_workspace
 from mok.module import moe
@@ -36,10 +46,15 @@ from mok.weights import MoEWeights
 
 IMPLEMENTATION = "mok"
 """The name models take as `experts_implementation`."""
+BASELINE_IMPLEMENTATION = "mok-baseline"
+"""The standard expert-parallel path (`mok.baseline`) as an experts implementation."""
 MIN_TOKENS = 8192
 """Tokens per call the workspace is first sized for; a larger call makes a larger one."""
 _ACTIVATIONS = ("SiLU", "SiLUActivation")
-_STATE = "_mok_state"
+# Each experts module's workspace, held beside the module (not in it: a deep copy of a model must
+# not copy a workspace, whose buffers and group belong to the original).
+_workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
+_GROUP = "_mok_group"
 
 
 def unsupported_reason(experts: nn.Module) -> str | None:
@@ -58,32 +73,85 @@ def unsupported_reason(experts: nn.Module) -> str | None:
     return None
 
 
+def shard_experts(model: nn.Module, group, max_tokens_per_rank: int = MIN_TOKENS) -> int:
+    """Keep only this rank's experts in every experts module of `model` that MoK can run, for
+    expert parallelism over `group` (a ProcessGroup or a one-dimensional DeviceMesh); a call may
+    then pass at most `max_tokens_per_rank` tokens a rank (it sizes the exchange's buffers; more
+    raises MoKInputError on every rank). Returns how many modules were sharded."""
+    group = expert_parallel_group(group)
+    rank, ep = group_rank_and_size(group)
+    sharded = 0
+    for module in model.modules():
+        if not hasattr(module, "gate_up_proj") or unsupported_reason(module) is not None:
+            continue
+        num_experts = module.gate_up_proj.shape[0]
+        if num_experts % ep:
+            raise MoKInputError(
+                f"{type(module).__name__}: {num_experts} experts cannot be split over {ep} ranks"
+            )
+        local = slice(rank * num_experts // ep, (rank + 1) * num_experts // ep)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            setattr(module, name, nn.Parameter(full.data[local].clone(), full.requires_grad))
+        object.__setattr__(module, _GROUP, (group, local, num_experts, max_tokens_per_rank))
+        module.register_load_state_dict_pre_hook(_load_local_experts)
+        sharded += 1
+    return sharded
+
+
+def _load_local_experts(module, state_dict, prefix, *_):
+    """Slice full-size expert tensors of a checkpoint to this rank's experts."""
+    _, local, num_experts, _ = getattr(module, _GROUP)
+    for name in ("gate_up_proj", "down_proj"):
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is not None and value.shape[0] == num_experts != local.stop - local.start:
+            state_dict[key] = value[local]
+
+
+def _group(experts: nn.Module):
+    sharding = getattr(experts, _GROUP, None)
+    return None if sharding is None else sharding[0]
+
+
+def _max_tokens(experts: nn.Module, tokens: int) -> int:
+    """Tokens the workspace is sized for: fixed when sharded (the ranks must agree without a
+    round trip per call), else the next power of two of this call's, at least MIN_TOKENS."""
+    sharding = getattr(experts, _GROUP, None)
+    if sharding is not None:
+        return sharding[3]
+    return max(MIN_TOKENS, 1 << max(tokens - 1, 0).bit_length())
+
+
 def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: str) -> Workspace:
-    """The module's workspace for this device and shape, made again when a call needs more tokens
-    than the current one is sized for."""
-    num_experts, two_inter, hidden_size = experts.gate_up_proj.shape
-    tokens = hidden.shape[0]
-    state = getattr(experts, _STATE, None)
-    if state is not None:
-        workspace = state
+    """The module's workspace for this device and shape, made again (one process) when a call
+    needs more tokens than the current one is sized for."""
+    local_experts, two_inter, hidden_size = experts.gate_up_proj.shape
+    group = _group(experts)
+    _, ep = group_rank_and_size(group)
+    max_tokens = _max_tokens(experts, hidden.shape[0])
+    workspace = _workspaces.get(experts)
+    if workspace is not None:
         config = workspace.config
         if (
             workspace.device == hidden.device
+            and workspace.group is group
+            and config.num_experts == local_experts * ep
             and config.top_k == top_k
-            and config.max_tokens_per_rank >= tokens
+            and config.max_tokens_per_rank >= max_tokens
         ):
             return workspace
         workspace.release()
     config = MoKConfig(
         hidden_size=hidden_size,
         intermediate_size=two_inter // 2,
-        num_experts=num_experts,
+        num_experts=local_experts * ep,
         top_k=top_k,
         backend=backend,
-        max_tokens_per_rank=max(MIN_TOKENS, 1 << max(tokens - 1, 0).bit_length()),
+        max_tokens_per_rank=max_tokens,
     )
-    workspace = create_workspace(config, None, hidden.device)
-    object.__setattr__(experts, _STATE, workspace)  # not a submodule, not in the state dict
+    workspace = create_workspace(config, group, hidden.device)
+    _workspaces[experts] = workspace
     return workspace
 
 
@@ -100,20 +168,36 @@ def _forward(backend: str):
             raise MoKInputError(f"{type(self).__name__}: {reason}")
         if getattr(self, "_is_expert_parallel", False):
             raise MoKInputError(
-                f"{type(self).__name__}: transformers' own expert parallelism is on; MoK's "
-                "experts implementation runs the model's experts on one process"
+                f"{type(self).__name__}: transformers' own expert parallelism is on; use "
+                "mok.integrations.transformers.shard_experts for MoK's"
             )
-        inter = self.gate_up_proj.shape[1] // 2
-        weights = MoEWeights(
-            gate=self.gate_up_proj[:, :inter],
-            up=self.gate_up_proj[:, inter:],
-            down=self.down_proj,
-        )
         workspace = _workspace(self, hidden_states, top_k_index.shape[-1], backend)
         # Autograd adds the gradients of the two views into gate_up_proj's: no fused accumulation.
-        return moe(hidden_states, top_k_index, top_k_weights, weights, workspace, False)
+        return moe(hidden_states, top_k_index, top_k_weights, _weights(self), workspace, False)
 
     return experts_forward
+
+
+def _weights(experts: nn.Module) -> MoEWeights:
+    inter = experts.gate_up_proj.shape[1] // 2
+    return MoEWeights(
+        gate=experts.gate_up_proj[:, :inter],
+        up=experts.gate_up_proj[:, inter:],
+        down=experts.down_proj,
+    )
+
+
+def _baseline_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts through `mok.baseline` (the standard expert-parallel path)."""
+    reason = unsupported_reason(self)
+    if reason is not None:
+        raise MoKInputError(f"{type(self).__name__}: {reason}")
+    return baseline_moe(hidden_states, top_k_index, top_k_weights, _weights(self), _group(self))
 
 
 def register(backend: str = "auto") -> None:
@@ -122,3 +206,4 @@ def register(backend: str = "auto") -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _forward(backend))
+    ALL_EXPERTS_FUNCTIONS.register(BASELINE_IMPLEMENTATION, _baseline_forward)
