@@ -83,13 +83,29 @@ def test_bf16_reference_within_bf16_rounding_of_exact_math(shared):
     assert error < 8e-3, error
 
 
-def test_gradients_match_finite_differences():
+@pytest.mark.parametrize("variant", ["swiglu", "gpt-oss"])
+def test_gradients_match_finite_differences(variant):
+    """Autograd through the reference against finite differences, plain SwiGLU and gpt-oss's
+    experts (biases, alpha 1.702, up offset 1): catches a term of the activation or a bias that
+    autograd does not see (detached, or added outside the graph)."""
     x, idx, w, weights = random_layer(5, 6, 4, 4, 2, 3, torch.float64, seed=3)
-    inputs = [x, w] + [t for t in weights.tensors().values()]
+    activation = {}
+    if variant == "gpt-oss":
+        gen = torch.Generator().manual_seed(4)
+        biases = {
+            "gate_bias": torch.randn(4, 4, generator=gen, dtype=torch.float64),
+            "up_bias": torch.randn(4, 4, generator=gen, dtype=torch.float64),
+            "down_bias": torch.randn(4, 6, generator=gen, dtype=torch.float64),
+        }
+        weights = MoEWeights(**{**weights.tensors(), **biases})
+        activation = {"swiglu_alpha": 1.702, "swiglu_up_offset": 1.0}
+    names = [name for name, t in weights.tensors().items() if t is not None]
+    inputs = [x, w] + [getattr(weights, name) for name in names]
     inputs = [t.clone().requires_grad_(True) for t in inputs]
 
     def fn(x, w, *tensors):
-        return moe_forward(x, idx, w, MoEWeights(*tensors), swiglu_limit=0.9)
+        weights = MoEWeights(**dict(zip(names, tensors, strict=True)))
+        return moe_forward(x, idx, w, weights, swiglu_limit=0.9, **activation)
 
     assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7)
 

@@ -1,10 +1,10 @@
 """`mok.integrations.transformers`: MoK as the experts implementation of Hugging Face MoE models
-(Qwen3-MoE, Mixtral, DeepSeek-V3), small random models built from configs in code.
+(Qwen3-MoE, Mixtral, DeepSeek-V3, gpt-oss), small random models built from configs in code.
 
 Against a float32 copy of each model as the oracle, the MoK model's logits and gradients must be
 as close as the native bf16 model's (bf16 noise), the parameters and state_dict keys must stay the
-model's own (a checkpoint loads either way), and gpt-oss, whose experts MoK cannot run yet, must be
-refused with the reason. Bugs these catch: gate and up taken from the wrong halves of
+model's own (a checkpoint loads either way), and experts MoK cannot run must be refused with the
+reason. Bugs these catch: gate and up taken from the wrong halves of
 `gate_up_proj`, the router's weights or indices misread (a transposed top-k), gradients that do
 not reach `gate_up_proj` through its views, a workspace reused at the wrong size or device.
 """
@@ -23,6 +23,7 @@ from mok.errors import MoKInputError  # noqa: E402
 from mok.testing import relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 COMMON = dict(
     vocab_size=97,
     hidden_size=64,
@@ -61,7 +62,18 @@ def deepseek_v3():
     )
 
 
-ARCHITECTURES = {"qwen3-moe": qwen3_moe, "mixtral": mixtral, "deepseek-v3": deepseek_v3}
+def gpt_oss():
+    return transformers.GptOssConfig(
+        **COMMON, head_dim=16, num_local_experts=8, num_experts_per_tok=2
+    )
+
+
+ARCHITECTURES = {
+    "qwen3-moe": qwen3_moe,
+    "mixtral": mixtral,
+    "deepseek-v3": deepseek_v3,
+    "gpt-oss": gpt_oss,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,7 +88,8 @@ def build(name: str, implementation: str):
     )
     with torch.no_grad():  # routers start at zero in some models: give them a real routing
         for param_name, param in model.named_parameters():
-            if param_name.endswith(("gate.weight", "gate_up_proj", "down_proj")):
+            routing = param_name.endswith(("gate.weight", "router.weight"))
+            if routing or param_name.split(".")[-1] in _EXPERT_PARAMETERS:
                 param.normal_(0.0, param.shape[-1] ** -0.5)
     oracle = model.to(DEVICE)
     model = copy.deepcopy(oracle).to(torch.bfloat16)
@@ -119,7 +132,8 @@ def experts_results(experts, hidden, idx, weights, grad):
     experts.zero_grad(set_to_none=True)
     out = experts(hidden, idx, weights)
     out.backward(grad)
-    return [out.detach(), hidden.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    params = [p for n, p in experts.named_parameters() if n in _EXPERT_PARAMETERS]
+    return [out.detach(), hidden.grad, *(p.grad for p in params)]
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
@@ -145,13 +159,9 @@ def test_mok_experts_match_float64_math_to_bf16_rounding(name):
         native.model.layers[layer].mlp.experts, hidden, idx, weights.bfloat16(), grad
     )
     mine = experts_results(ours.model.layers[layer].mlp.experts, hidden, idx, weights, grad)
-    for label, want, theirs, ours_ in zip(
-        ["out", "grad hidden", "grad gate_up_proj", "grad down_proj"],
-        exact,
-        native,
-        mine,
-        strict=True,
-    ):
+    names = [n for n, _ in exact_experts.named_parameters() if n in _EXPERT_PARAMETERS]
+    labels = ["out", "grad hidden"] + [f"grad {n}" for n in names]
+    for label, want, theirs, ours_ in zip(labels, exact, native, mine, strict=True):
         # fp32 accumulation, bf16 roundings at h and the outputs: ~3e-3, at most the native
         # bf16 experts' error (which rounds more often). Swapped gate/up would be O(1).
         error = relative_error(ours_, want)
@@ -190,20 +200,13 @@ def test_a_call_with_more_tokens_gets_a_larger_workspace():
     assert mok_transformers._workspaces[experts].config.max_tokens_per_rank >= many
 
 
-def test_gpt_oss_experts_are_refused_with_the_reason():
-    config = transformers.GptOssConfig(
-        **{**COMMON, "num_key_value_heads": 2},
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+def test_experts_it_cannot_run_are_refused_with_the_reason():
+    _, model = build("qwen3-moe", mok_transformers.IMPLEMENTATION)
     experts = model.model.layers[0].mlp.experts
-    reason = mok_transformers.unsupported_reason(experts)
-    assert reason is not None and "bias" in reason
-    model.set_experts_implementation(mok_transformers.IMPLEMENTATION)
-    with pytest.raises(MoKInputError, match="bias"):
-        model(torch.randint(0, 97, (1, 4)))
+    experts.act_fn = torch.nn.GELU()
+    assert "not SiLU" in mok_transformers.unsupported_reason(experts)
+    with pytest.raises(MoKInputError, match="not SiLU"):
+        model(torch.randint(0, 97, (1, 4)).to(DEVICE))
 
 
 def _sharded_worker(rank, world, name):
@@ -219,7 +222,7 @@ def _sharded_worker(rank, world, name):
     state = sharded.state_dict()
     local = {}
     for key, value in state.items():
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+        if key.split(".")[-1] in _EXPERT_PARAMETERS:
             per_rank = full_state[key].shape[0] // world
             local[key] = torch.equal(
                 value, full_state[key][rank * per_rank : (rank + 1) * per_rank]
@@ -229,7 +232,7 @@ def _sharded_worker(rank, world, name):
     return count, list(state) == list(full_state), local, relative_error(logits, expected)
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3", "gpt-oss"])
 def test_sharded_experts_give_the_one_process_model(name):
     """EP 2 on gloo: `shard_experts` keeps each rank's experts (state_dict keys unchanged; a full
     checkpoint loads sliced) and the model's logits are the one-process model's (the same expert

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mok.distributed import all_to_all, group_rank_and_size
+from mok.errors import MoKInputError
 from mok.module import MoE
 from mok.reference.expert import swiglu
 from mok.weights import MoEWeights
@@ -55,6 +56,8 @@ def baseline_moe(
     (any float dtype); weights holds this rank's E_loc = E / ep experts (expert e lives on rank
     e // E_loc). Returns y [T, H] in x's dtype.
     """
+    if weights.gate_bias is not None:
+        raise MoKInputError("the baseline computes experts without biases")
     tokens, top_k = topk_idx.shape
     local_experts = weights.gate.shape[0]
     _, ep_size = group_rank_and_size(group)
@@ -101,6 +104,11 @@ class BaselineMoE(MoE):
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if not self.config.plain_swiglu:
+            raise MoKInputError(
+                "the baseline computes SwiGLU experts without biases (swiglu_alpha=1, "
+                "swiglu_up_offset=0, expert_bias=False)"
+            )
         return baseline_moe(
             x, topk_idx, topk_weights, self.weights, self.group, self.config.swiglu_limit
         )

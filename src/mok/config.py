@@ -95,6 +95,13 @@ class MoKConfig:
     validation: Validation = Validation.COLLECTIVE
     """How the ranks check each call's inputs: agreeing on them (`collective`) or each alone
     (`local`, no host round trip); see `Validation`."""
+    swiglu_alpha: float = 1.0
+    """alpha of the activation gate * sigmoid(alpha * gate) * (up + swiglu_up_offset): 1 with an
+    offset of 0 is SwiGLU (silu(gate) * up); gpt-oss uses 1.702 and 1 (with its clamp at 7)."""
+    swiglu_up_offset: float = 0.0
+    """Added to up (after its clamp) before the product; see `swiglu_alpha`."""
+    expert_bias: bool = False
+    """Per-expert biases on the routed experts' gate, up and down projections (gpt-oss)."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -116,6 +123,15 @@ class MoKConfig:
         if self.swiglu_limit is not None:
             _require_positive_float(self, "swiglu_limit", "a number or None")
         _require_positive_float(self, "peer_timeout_s", "a number")
+        _require_positive_float(self, "swiglu_alpha", "a number")
+        _require_finite_float(self, "swiglu_up_offset")
+        if not isinstance(self.expert_bias, bool):
+            raise MoKConfigError(f"expert_bias must be a bool, got {self.expert_bias!r}")
+        if self.precision is Precision.MXFP8 and not self.plain_swiglu:
+            raise MoKConfigError(
+                "precision='mxfp8' computes plain SwiGLU experts without biases so far "
+                "(swiglu_alpha=1, swiglu_up_offset=0, expert_bias=False)"
+            )
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
@@ -129,6 +145,11 @@ class MoKConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_intermediate_size > 0
+
+    @property
+    def plain_swiglu(self) -> bool:
+        """Experts are SwiGLU without biases (alpha 1, no up offset, no expert biases)."""
+        return self.swiglu_alpha == 1.0 and self.swiglu_up_offset == 0.0 and not self.expert_bias
 
     def local_experts(self, ep_size: int) -> int:
         """E_loc: experts each of `ep_size` ranks owns; expert e lives on rank e // E_loc."""
@@ -167,6 +188,14 @@ def _require_positive_float(config: MoKConfig, name: str, expected: str) -> None
         raise MoKConfigError(f"{name} must be {expected}, got {value!r}")
     if not math.isfinite(value) or value <= 0:
         raise MoKConfigError(f"{name} must be finite and > 0, got {value}")
+    object.__setattr__(config, name, float(value))
+
+
+def _require_finite_float(config: MoKConfig, name: str) -> None:
+    """The field must be a finite number; stored as a float."""
+    value = getattr(config, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise MoKConfigError(f"{name} must be a finite number, got {value!r}")
     object.__setattr__(config, name, float(value))
 
 

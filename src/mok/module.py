@@ -14,7 +14,7 @@ from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.validation import GRADIENT_BUFFER_DTYPES, expected_weight_shapes
-from mok.weights import MoEWeights
+from mok.weights import ROUTED_FIELDS, MoEWeights
 
 _WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
 
@@ -169,7 +169,7 @@ class MoE(nn.Module):
                 raise MoKInputError(f"weights.{name} is {'missing' if source is None else 'extra'}")
             if target is None:
                 continue
-            if name in ("gate", "up", "down"):
+            if name in ROUTED_FIELDS:
                 if source.shape[0] != self.config.num_experts:
                     raise MoKInputError(
                         f"weights.{name} holds {source.shape[0]} experts, expected all "

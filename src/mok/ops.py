@@ -1,9 +1,11 @@
 """The layer as `torch.library` custom ops, so that `torch.compile` keeps it in the graph.
 
-    mok::moe_forward(workspace_id, need_backward, topk_idx, x, topk_weights, *weights)
+    mok::moe_forward(workspace_id, need_backward, topk_idx, x, topk_weights, names, weights)
         -> (y [T, H], ticket [1] int64 on the CPU)
-    mok::moe_backward(workspace_id, ticket, grad_y, topk_weights, *weights)
-        -> [grad x, grad topk_weights, grad of every weight that is present]
+    mok::moe_backward(workspace_id, ticket, grad_y, topk_weights, names, weights)
+        -> [grad x, grad topk_weights, grad of each weight]
+
+(`weights`: the MoEWeights fields that are present, named by the comma-separated `names`)
 
 with autograd registered (`torch.library.register_autograd`) and fake implementations that give
 the outputs' shapes from the inputs'. The compiler sees two opaque nodes; what the layer keeps
@@ -28,7 +30,6 @@ import torch
 from mok import functional
 from mok.weights import MoEWeights
 
-_WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
 # Weak: a workspace lives as long as its layer holds it (its buffers are freed with it).
 _workspaces: weakref.WeakValueDictionary[int, functional.Workspace] = weakref.WeakValueDictionary()
 _saved: dict[int, tuple[functional.Schedule, functional.SavedForward]] = {}
@@ -45,8 +46,8 @@ def register_workspace(workspace: functional.Workspace) -> int:
     return key
 
 
-def _weights(weights: list[torch.Tensor | None]) -> MoEWeights:
-    return MoEWeights(*weights)
+def _weights(names: str, weights: list[torch.Tensor]) -> MoEWeights:
+    return MoEWeights(**dict(zip(names.split(","), weights, strict=True)))
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=())
@@ -56,12 +57,14 @@ def moe_forward(
     topk_idx: torch.Tensor,
     x: torch.Tensor,
     topk_weights: torch.Tensor,
-    weights: list[torch.Tensor | None],
+    names: str,
+    weights: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [T, H] of the layer, and a ticket that names what forward kept for backward."""
+    """y [T, H] of the layer, and a ticket that names what forward kept for backward. `names`:
+    the MoEWeights fields `weights` holds, comma-separated (the others are absent)."""
     workspace = _workspaces[workspace_id]
     schedule, y, saved = functional.schedule_and_forward(
-        workspace, topk_idx, x, topk_weights, _weights(weights), need_backward=need_backward
+        workspace, topk_idx, x, topk_weights, _weights(names, weights), need_backward
     )
     key = next(_ids)
     ticket = torch.tensor([key], dtype=torch.int64)
@@ -72,7 +75,7 @@ def moe_forward(
 
 
 @moe_forward.register_fake
-def _(workspace_id, need_backward, topk_idx, x, topk_weights, weights):
+def _(workspace_id, need_backward, topk_idx, x, topk_weights, names, weights):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
 
 
@@ -82,41 +85,39 @@ def moe_backward(
     ticket: torch.Tensor,
     grad_y: torch.Tensor,
     topk_weights: torch.Tensor,
-    weights: list[torch.Tensor | None],
+    names: str,
+    weights: list[torch.Tensor],
 ) -> list[torch.Tensor]:
-    """Gradients of x, topk_weights and every weight present, from the forward of `ticket`."""
+    """Gradients of x, topk_weights and of the weights `names`, from the forward of `ticket`."""
     schedule, saved = _saved.pop(int(ticket.item()))
     grads = functional.backward(_workspaces[workspace_id], schedule, saved, grad_y)
-    names = [name for name, w in zip(_WEIGHT_FIELDS, weights, strict=True) if w is not None]
-    present = [getattr(grads.weights, name) for name in names]
-    return [grads.x, grads.topk_weights, *present]
+    named = (getattr(grads.weights, name) for name in names.split(","))
+    return [grads.x, grads.topk_weights, *named]
 
 
 @moe_backward.register_fake
-def _(workspace_id, ticket, grad_y, topk_weights, weights):
+def _(workspace_id, ticket, grad_y, topk_weights, names, weights):
     return [torch.empty_like(grad_y), torch.empty_like(topk_weights)] + [
-        torch.empty_like(w) for w in weights if w is not None
+        torch.empty_like(w) for w in weights
     ]
 
 
 def _setup_context(ctx, inputs, output):
-    workspace_id, _, _, _, topk_weights, weights = inputs
+    workspace_id, _, _, _, topk_weights, names, weights = inputs
     _, ticket = output
     ctx.workspace_id = workspace_id
-    ctx.present = [w is not None for w in weights]
-    ctx.save_for_backward(ticket, topk_weights, *[w for w in weights if w is not None])
+    ctx.names = names
+    ctx.save_for_backward(ticket, topk_weights, *weights)
     ctx.mark_non_differentiable(ticket)
 
 
 def _backward(ctx, grad_y, _grad_ticket):
-    ticket, topk_weights, *present = ctx.saved_tensors
-    iterator = iter(present)
-    weights = [next(iterator) if here else None for here in ctx.present]
-    grads = moe_backward(ctx.workspace_id, ticket, grad_y.contiguous(), topk_weights, weights)
+    ticket, topk_weights, *weights = ctx.saved_tensors
+    grads = moe_backward(
+        ctx.workspace_id, ticket, grad_y.contiguous(), topk_weights, ctx.names, weights
+    )
     grad_x, grad_topk_weights, *weight_grads = grads
-    iterator = iter(weight_grads)
-    per_weight = [next(iterator) if here else None for here in ctx.present]
-    return None, None, None, grad_x, grad_topk_weights, per_weight
+    return None, None, None, grad_x, grad_topk_weights, None, weight_grads
 
 
 torch.library.register_autograd("mok::moe_forward", _backward, setup_context=_setup_context)
@@ -130,9 +131,17 @@ def moe(
     workspace_id: int,
 ) -> torch.Tensor:
     """`mok.moe` through the custom ops (what `torch.compile` traces): y [T, H]."""
-    tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
+    present = {name: t for name, t in weights.tensors().items() if t is not None}
     need_backward = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, topk_weights, *tensors)
+        t.requires_grad for t in (x, topk_weights, *present.values())
     )
-    y, _ = moe_forward(workspace_id, need_backward, topk_idx, x, topk_weights, tensors)
+    y, _ = moe_forward(
+        workspace_id,
+        need_backward,
+        topk_idx,
+        x,
+        topk_weights,
+        ",".join(present),
+        list(present.values()),
+    )
     return y

@@ -13,9 +13,8 @@ import torch.distributed as dist
 from mok.config import MoKConfig
 from mok.reference import expert_mlp, moe_forward
 from mok.validation import expected_weight_shapes
-from mok.weights import MoEWeights
+from mok.weights import ROUTED_FIELDS, MoEWeights
 
-ROUTED_FIELDS = ("gate", "up", "down")
 _ERROR_CHUNK = 1 << 24
 
 
@@ -137,7 +136,16 @@ def compare_with_reference(
     x_all = torch.cat([r.x for r in everyone]).requires_grad_(True)
     w_all = torch.cat([r.topk_weights for r in everyone]).requires_grad_(True)
     idx_all = torch.cat([r.topk_idx for r in everyone])
-    y_all = moe_forward(x_all, idx_all, w_all, full, layer.config.swiglu_limit)
+    config = layer.config
+    y_all = moe_forward(
+        x_all,
+        idx_all,
+        w_all,
+        full,
+        config.swiglu_limit,
+        swiglu_alpha=config.swiglu_alpha,
+        swiglu_up_offset=config.swiglu_up_offset,
+    )
     y_all.backward(torch.cat([r.grad_y for r in everyone]))
 
     start = sum(r.x.shape[0] for r in everyone[:rank])

@@ -86,6 +86,10 @@ def expected_weight_shapes(
     shared = {"shared_gate": (s, h), "shared_up": (s, h), "shared_down": (h, s)}
     for name, shape in shared.items():
         shapes[name] = shape if config.has_shared_expert else None
+    biases = {"gate_bias": (local_experts, i), "up_bias": (local_experts, i)}
+    biases["down_bias"] = (local_experts, h)
+    for name, shape in biases.items():
+        shapes[name] = shape if config.expert_bias else None
     return shapes
 
 
@@ -97,15 +101,16 @@ def check_weights(
         return f"weights must be a mok.MoEWeights, got {type(weights).__name__}"
     for name, shape in expected_weight_shapes(config, local_experts).items():
         value = getattr(weights, name)
+        if name.endswith("_bias"):
+            absent, present = "no expert biases (expert_bias=False)", "expert biases"
+        else:
+            absent, present = "no shared expert (shared_intermediate_size=0)", "a shared expert"
         if shape is None:
             if value is not None:
-                return (
-                    f"weights.{name} is given, but the config has no shared expert "
-                    "(shared_intermediate_size=0)"
-                )
+                return f"weights.{name} is given, but the config has {absent}"
             continue
         if value is None:
-            return f"weights.{name} is missing: the config has a shared expert"
+            return f"weights.{name} is missing: the config has {present}"
         problem = _check_tensor(
             f"weights.{name}", value, shape, device, dtypes=(config.activation_dtype,)
         )

@@ -6,6 +6,9 @@ import dataclasses
 
 import torch
 
+ROUTED_FIELDS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+"""The fields of MoEWeights split over the expert-parallel ranks (leading dimension: experts)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class MoEWeights:
@@ -15,6 +18,7 @@ class MoEWeights:
       gate, up:   [E_loc, I, H]   (expert e computes x @ gate[e].T)
       down:       [E_loc, H, I]
       shared_gate, shared_up: [I_s, H];  shared_down: [H, I_s]  (None without a shared expert)
+      gate_bias, up_bias: [E_loc, I];  down_bias: [E_loc, H]    (None without expert biases)
     The reduction dimension of every GEMM is the innermost one, which is what TMA tiles and
     `tl.dot(a, b.T)` want in forward.
     """
@@ -25,6 +29,9 @@ class MoEWeights:
     shared_gate: torch.Tensor | None = None
     shared_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     @property
     def has_shared_expert(self) -> bool:

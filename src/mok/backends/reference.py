@@ -60,6 +60,8 @@ class ReferenceBackend:
             topk_idx=topk_idx,
             swiglu_limit=self.workspace.config.swiglu_limit,
             precision=self.workspace.config.precision.value,
+            swiglu_alpha=self.workspace.config.swiglu_alpha,
+            swiglu_up_offset=self.workspace.config.swiglu_up_offset,
             group=self.workspace.group,
             routing=routing,
         )

@@ -120,6 +120,11 @@ class TritonBackend:
             )
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
+        if not config.plain_swiglu:
+            return (
+                "its kernels compute SwiGLU experts without biases so far (swiglu_alpha=1, "
+                "swiglu_up_offset=0, expert_bias=False)"
+            )
         sizes = {
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,

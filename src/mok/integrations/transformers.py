@@ -24,9 +24,10 @@ module is sliced to this rank's experts. Every rank must then run the model's Mo
 `register()` also adds "mok-baseline": the standard expert-parallel PyTorch path (`mok.baseline`)
 on the same weights, to compare with.
 
-Supported: SwiGLU experts with concatenated [gate; up] weights and no biases, in bf16. Not yet:
-gpt-oss (transposed, interleaved gate/up weights, per-expert biases and its clamped activation):
-`unsupported_reason` names what a model's experts need.
+Supported, in bf16: SwiGLU experts with concatenated [gate; up] weights and no biases, and
+gpt-oss's experts (transposed, interleaved gate/up weights, per-expert biases, its activation
+(up + 1) * gate * sigmoid(1.702 gate) with its clamp), the latter on the reference backend until
+the kernels take biases and that activation. `unsupported_reason` names what others need.
 """
 
 from __future__ import annotations
@@ -51,22 +52,37 @@ BASELINE_IMPLEMENTATION = "mok-baseline"
 MIN_TOKENS = 8192
 """Tokens per call the workspace is first sized for; a larger call makes a larger one."""
 _ACTIVATIONS = ("SiLU", "SiLUActivation")
+_EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 # Each experts module's workspace, held beside the module (not in it: a deep copy of a model must
 # not copy a workspace, whose buffers and group belong to the original).
 _workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
 _GROUP = "_mok_group"
 
 
+def _is_gpt_oss(experts: nn.Module) -> bool:
+    """gpt-oss's layout: gate_up_proj [E, H, 2I] with gate and up interleaved along 2I, biases,
+    down_proj [E, I, H], and its activation's alpha and limit."""
+    return (
+        getattr(experts, "is_transposed", False)
+        and not getattr(experts, "is_concatenated", True)
+        and getattr(experts, "has_bias", False)
+        and hasattr(experts, "alpha")
+        and hasattr(experts, "limit")
+    )
+
+
 def unsupported_reason(experts: nn.Module) -> str | None:
     """Why MoK cannot run this transformers experts module, or None."""
-    if getattr(experts, "has_bias", False):
-        return "per-expert biases (gpt-oss) are not supported yet"
-    if getattr(experts, "is_transposed", False):
-        return "transposed expert weights ([E, H, 2I], gpt-oss) are not supported yet"
-    if not getattr(experts, "is_concatenated", True):
-        return "interleaved gate/up weights are not supported yet"
     if not getattr(experts, "has_gate", True) or not hasattr(experts, "gate_up_proj"):
         return "experts without a gate projection are not supported"
+    if _is_gpt_oss(experts):
+        return None
+    if getattr(experts, "has_bias", False):
+        return "per-expert biases outside gpt-oss's layout are not supported"
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
+        return (
+            "transposed or interleaved gate/up weights outside gpt-oss's layout are not supported"
+        )
     activation = type(getattr(experts, "act_fn", None)).__name__
     if activation not in _ACTIVATIONS:
         return f"the activation {activation} is not SiLU (MoK computes SwiGLU)"
@@ -90,9 +106,10 @@ def shard_experts(model: nn.Module, group, max_tokens_per_rank: int = MIN_TOKENS
                 f"{type(module).__name__}: {num_experts} experts cannot be split over {ep} ranks"
             )
         local = slice(rank * num_experts // ep, (rank + 1) * num_experts // ep)
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(module, name)
-            setattr(module, name, nn.Parameter(full.data[local].clone(), full.requires_grad))
+        for name in _EXPERT_PARAMETERS:
+            full = getattr(module, name, None)
+            if full is not None:
+                setattr(module, name, nn.Parameter(full.data[local].clone(), full.requires_grad))
         object.__setattr__(module, _GROUP, (group, local, num_experts, max_tokens_per_rank))
         module.register_load_state_dict_pre_hook(_load_local_experts)
         sharded += 1
@@ -102,7 +119,7 @@ def shard_experts(model: nn.Module, group, max_tokens_per_rank: int = MIN_TOKENS
 def _load_local_experts(module, state_dict, prefix, *_):
     """Slice full-size expert tensors of a checkpoint to this rank's experts."""
     _, local, num_experts, _ = getattr(module, _GROUP)
-    for name in ("gate_up_proj", "down_proj"):
+    for name in _EXPERT_PARAMETERS:
         key = prefix + name
         value = state_dict.get(key)
         if value is not None and value.shape[0] == num_experts != local.stop - local.start:
@@ -126,7 +143,7 @@ def _max_tokens(experts: nn.Module, tokens: int) -> int:
 def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: str) -> Workspace:
     """The module's workspace for this device and shape, made again (one process) when a call
     needs more tokens than the current one is sized for."""
-    local_experts, two_inter, hidden_size = experts.gate_up_proj.shape
+    local_experts, inter, hidden_size = _weights(experts).gate.shape
     group = _group(experts)
     _, ep = group_rank_and_size(group)
     max_tokens = _max_tokens(experts, hidden.shape[0])
@@ -142,13 +159,22 @@ def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: st
         ):
             return workspace
         workspace.release()
+    activation = {}
+    if _is_gpt_oss(experts):
+        activation = dict(
+            swiglu_limit=float(experts.limit),
+            swiglu_alpha=float(experts.alpha),
+            swiglu_up_offset=1.0,
+            expert_bias=True,
+        )
     config = MoKConfig(
         hidden_size=hidden_size,
-        intermediate_size=two_inter // 2,
+        intermediate_size=inter,
         num_experts=local_experts * ep,
         top_k=top_k,
         backend=backend,
         max_tokens_per_rank=max_tokens,
+        **activation,
     )
     workspace = create_workspace(config, group, hidden.device)
     _workspaces[experts] = workspace
@@ -179,6 +205,17 @@ def _forward(backend: str):
 
 
 def _weights(experts: nn.Module) -> MoEWeights:
+    """The module's parameters as MoK's weights, views that share their storage."""
+    if _is_gpt_oss(experts):
+        gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias
+        return MoEWeights(
+            gate=gate_up[..., ::2].transpose(1, 2),
+            up=gate_up[..., 1::2].transpose(1, 2),
+            down=experts.down_proj.transpose(1, 2),
+            gate_bias=bias[:, ::2],
+            up_bias=bias[:, 1::2],
+            down_bias=experts.down_proj_bias,
+        )
     inter = experts.gate_up_proj.shape[1] // 2
     return MoEWeights(
         gate=experts.gate_up_proj[:, :inter],

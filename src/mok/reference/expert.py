@@ -1,9 +1,9 @@
 """The expert MLP in plain PyTorch: the numerics every kernel is held to.
 
 Rounding points (shared by every backend, so that the reference models the fused kernels):
-  gate, up = x @ W_gate.T, x @ W_up.T        accumulated in fp32
+  gate, up = x @ W_gate.T (+ b_gate), x @ W_up.T (+ b_up)    accumulated in fp32, biases added there
   h        = swiglu(gate, up)                 computed in fp32, rounded once to the input dtype
-  out      = h @ W_down.T                     accumulated in fp32, rounded once to the input dtype
+  out      = h @ W_down.T (+ b_down)         accumulated in fp32, rounded once to the input dtype
 Inputs in float64 are computed in float64 (for tests against exact math).
 """
 
@@ -18,12 +18,22 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """silu(gate) * up; with `limit` L, first gate <- min(gate, L) and up <- clamp(up, -L, L)."""
+def swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    limit: float | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
+) -> torch.Tensor:
+    """gate * sigmoid(alpha * gate) * (up + up_offset), computed as silu(gate) * up for SwiGLU
+    (alpha 1, offset 0); with `limit` L, first gate <- min(gate, L) and up <- clamp(up, -L, L).
+    gpt-oss's activation is alpha 1.702, offset 1, L 7."""
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+    if alpha == 1.0 and up_offset == 0.0:
+        return F.silu(gate) * up
+    return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
 
 
 def expert_mlp(
@@ -32,8 +42,13 @@ def expert_mlp(
     w_up: torch.Tensor,
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
     """One expert on rows x [M, H] with w_gate, w_up [I, H] and w_down [H, I]: returns [M, H].
+    `biases` (b_gate [I], b_up [I], b_down [H]) and `alpha`, `up_offset`: see `swiglu` (gpt-oss).
 
     Differentiable. The output has x's dtype; see the module docstring for the rounding points.
     """
@@ -41,8 +56,14 @@ def expert_mlp(
     x_acc = x.to(acc)
     gate = x_acc @ w_gate.to(acc).T
     up = x_acc @ w_up.to(acc).T
-    h = swiglu(gate, up, swiglu_limit).to(x.dtype)
-    return (h.to(acc) @ w_down.to(acc).T).to(x.dtype)
+    if biases is not None:
+        gate = gate + biases[0].to(acc)
+        up = up + biases[1].to(acc)
+    h = swiglu(gate, up, swiglu_limit, alpha, up_offset).to(x.dtype)
+    out = h.to(acc) @ w_down.to(acc).T
+    if biases is not None:
+        out = out + biases[2].to(acc)
+    return out.to(x.dtype)
 
 
 def grouped_expert_mlp(
@@ -53,10 +74,16 @@ def grouped_expert_mlp(
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
     expert=expert_mlp,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
     """Rows grouped by expert ([M, H], group e holds the next group_sizes[e] rows) through their
-    experts (w_gate, w_up [E, I, H], w_down [E, H, I]); returns [M, H]. Empty groups are skipped.
-    `expert(rows, w_gate, w_up, w_down, swiglu_limit)` computes one expert (default: bf16)."""
+    experts (w_gate, w_up [E, I, H], w_down [E, H, I]; `biases`: b_gate, b_up [E, I], b_down
+    [E, H] or None); returns [M, H]. Empty groups are skipped. `expert(rows, w_gate, w_up, w_down,
+    swiglu_limit)` computes one expert (default: bf16); it is given `biases`, `alpha` and
+    `up_offset` only when they are not SwiGLU's."""
     if len(group_sizes) != w_gate.shape[0]:
         raise ValueError(f"{len(group_sizes)} group sizes for {w_gate.shape[0]} experts")
     if sum(group_sizes) != rows.shape[0]:
@@ -66,14 +93,25 @@ def grouped_expert_mlp(
     # Unbind once: backward then stacks one gradient buffer per weight tensor. Indexing w[e] per
     # expert would add a full-size [E, ...] gradient per expert, quadratic in E.
     gates, ups, downs = w_gate.unbind(0), w_up.unbind(0), w_down.unbind(0)
+    per_expert_biases = None if biases is None else [b.unbind(0) for b in biases]
+    plain = biases is None and alpha == 1.0 and up_offset == 0.0
     outputs = []
     start = 0
     for index, size in enumerate(group_sizes):
         if size:
             chunk = rows[start : start + size]
-            outputs.append(expert(chunk, gates[index], ups[index], downs[index], swiglu_limit))
+            weights = (chunk, gates[index], ups[index], downs[index], swiglu_limit)
+            if plain:
+                outputs.append(expert(*weights))
+            else:
+                own = None if per_expert_biases is None else [b[index] for b in per_expert_biases]
+                outputs.append(expert(*weights, biases=own, alpha=alpha, up_offset=up_offset))
         start += size
     if not outputs:
-        # Keep the result connected to the inputs so autograd still yields (zero) gradients.
-        return rows * 0
+        # Keep the result connected to the inputs (and the biases) so that autograd still yields
+        # (zero) gradients.
+        zero = rows * 0
+        if biases is not None:
+            zero = zero + sum(b.sum() for b in biases) * 0
+        return zero
     return torch.cat(outputs)

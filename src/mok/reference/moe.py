@@ -50,6 +50,8 @@ def moe_forward(
     group: dist.ProcessGroup | None = None,
     routing: ReferenceRouting | None = None,
     precision: str = "bf16",
+    swiglu_alpha: float = 1.0,
+    swiglu_up_offset: float = 0.0,
 ) -> torch.Tensor:
     """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
 
@@ -57,7 +59,9 @@ def moe_forward(
     E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `routing` may be passed
     when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
     precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, RCEIL scales); the
-    shared expert and the combine stay bf16.
+    shared expert and the combine stay bf16. `swiglu_alpha`, `swiglu_up_offset`: the activation
+    of every expert, the shared one included (`mok.reference.expert.swiglu`); the routed experts'
+    biases come with `weights` (gate_bias, up_bias, down_bias).
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
@@ -72,10 +76,26 @@ def moe_forward(
     sent = pair_rows[routing.pair_order]
     received = all_to_all(sent, routing.recv_splits, routing.send_splits, group)
     grouped = received[routing.recv_to_grouped]
-    experts = mx_grouped_expert_mlp if precision == "mxfp8" else grouped_expert_mlp
-    expert_rows = experts(
-        grouped, routing.group_sizes, weights.gate, weights.up, weights.down, swiglu_limit
-    )
+    activation = {"alpha": swiglu_alpha, "up_offset": swiglu_up_offset}
+    sizes = routing.group_sizes
+    if precision == "mxfp8":
+        expert_rows = mx_grouped_expert_mlp(
+            grouped, sizes, weights.gate, weights.up, weights.down, swiglu_limit
+        )
+    else:
+        biases = None
+        if weights.gate_bias is not None:
+            biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
+        expert_rows = grouped_expert_mlp(
+            grouped,
+            sizes,
+            weights.gate,
+            weights.up,
+            weights.down,
+            swiglu_limit,
+            biases=biases,
+            **activation,
+        )
     returned = all_to_all(
         expert_rows[routing.grouped_to_recv], routing.send_splits, routing.recv_splits, group
     )
@@ -84,6 +104,11 @@ def moe_forward(
     shared_out = None
     if weights.has_shared_expert:
         shared_out = expert_mlp(
-            x, weights.shared_gate, weights.shared_up, weights.shared_down, swiglu_limit
+            x,
+            weights.shared_gate,
+            weights.shared_up,
+            weights.shared_down,
+            swiglu_limit,
+            **activation,
         )
     return combine(expert_out, topk_weights, shared_out)

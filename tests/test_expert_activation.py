@@ -1,0 +1,133 @@
+"""gpt-oss's experts as layer options: `swiglu_alpha`, `swiglu_up_offset` (gate * sigmoid(alpha *
+gate) * (up + offset)) and `expert_bias` (biases on the routed experts' gate, up and down), in the
+reference backend, against an independent float64 computation written from the formula.
+
+Bugs these catch: the offset added before the clamp instead of after, alpha applied to the wrong
+operand, a bias added after the bf16 rounding or to the wrong expert, bias gradients lost or
+summed over the wrong rows, biases not split over the expert-parallel ranks, a backend that does
+not compute them running anyway.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mok
+from mok.backends.triton import TritonBackend
+from mok.baseline import BaselineMoE
+from mok.errors import MoKInputError
+from mok.launch import run_ranks
+from mok.reference.expert import expert_mlp
+from mok.testing import RankInputs, compare_with_reference, global_weights, relative_error
+
+GPT_OSS = mok.MoKConfig(
+    hidden_size=32,
+    intermediate_size=16,
+    num_experts=4,
+    top_k=2,
+    swiglu_limit=7.0,
+    swiglu_alpha=1.702,
+    swiglu_up_offset=1.0,
+    expert_bias=True,
+    backend="reference",
+)
+
+
+def formula_expert(x, wg, wu, wd, bg, bu, bd, limit, alpha, offset):
+    """The activation as gpt-oss writes it, in float64."""
+    gate = (x @ wg.T + bg).clamp(max=limit)
+    up = (x @ wu.T + bu).clamp(min=-limit, max=limit)
+    return ((up + offset) * (gate * torch.sigmoid(alpha * gate))) @ wd.T + bd
+
+
+def test_expert_mlp_matches_the_formula():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 32, generator=gen, dtype=torch.float64) * 2
+    wg, wu = (torch.randn(16, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    wd = torch.randn(32, 16, generator=gen, dtype=torch.float64)
+    bg, bu = (torch.randn(16, generator=gen, dtype=torch.float64) for _ in range(2))
+    bd = torch.randn(32, generator=gen, dtype=torch.float64)
+    ours = expert_mlp(x, wg, wu, wd, 7.0, biases=(bg, bu, bd), alpha=1.702, up_offset=1.0)
+    want = formula_expert(x, wg, wu, wd, bg, bu, bd, 7.0, 1.702, 1.0)
+    assert torch.allclose(ours, want, rtol=1e-12, atol=1e-12)
+    assert ((x @ wg.T + bg) > 7.0).any() and ((x @ wu.T + bu).abs() > 7.0).any()  # clamps bite
+
+
+def test_the_layer_matches_the_formula_with_gradients():
+    config = GPT_OSS
+    full = global_weights(config, 0, "cpu")
+    # Pre-activations of a few units: the clamp at 7 and the biases both matter.
+    full = mok.MoEWeights(
+        **{
+            name: None
+            if t is None
+            else (t.float() * (6.0 if name in ("gate", "up") else 1.0)).bfloat16()
+            for name, t in full.tensors().items()
+        }
+    )
+    layer = mok.MoE(config)
+    layer.load_global_weights(full)
+    gen = torch.Generator().manual_seed(1)
+    tokens = 23
+    x = torch.randn(tokens, 32, generator=gen).bfloat16().requires_grad_(True)
+    idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=gen).requires_grad_(True)
+    grad_y = torch.randn(tokens, 32, generator=gen).bfloat16()
+    layer(x, idx, w).backward(grad_y)
+
+    exact = {n: t.double().requires_grad_(True) for n, t in full.tensors().items() if t is not None}
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    y64 = torch.zeros(tokens, 32, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(2):
+            e = int(idx[t, j])
+            out = formula_expert(
+                x64[t : t + 1],
+                *(exact[n][e] for n in ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")),
+                7.0,
+                1.702,
+                1.0,
+            )
+            y64 = y64 + torch.nn.functional.pad(out * w64[t, j], (0, 0, t, tokens - t - 1))
+    y64.backward(grad_y.double())
+    # bf16 rounding of h and of the outputs: ~4e-3; the formula off in any term is O(1).
+    assert relative_error(x.grad, x64.grad) < 1e-2
+    assert relative_error(w.grad, w64.grad) < 1e-2
+    for name, tensor in exact.items():
+        assert relative_error(getattr(layer, name).grad, tensor.grad) < 1e-2, name
+    assert layer.gate_bias.grad.abs().sum() > 0
+
+
+def _ep_worker(rank, world):
+    import torch.distributed as dist
+
+    config = GPT_OSS
+    layer = mok.MoE(config, group=dist.group.WORLD)
+    full = global_weights(config, 0, "cpu")
+    layer.load_global_weights(full)
+    everyone = []
+    for r in range(world):
+        gen = torch.Generator().manual_seed(5 + r)
+        x = torch.randn(11 + r, 32, generator=gen).bfloat16()
+        idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(11 + r)])
+        w = torch.rand(11 + r, 2, generator=gen)
+        everyone.append(RankInputs(x, idx, w, torch.randn(11 + r, 32, generator=gen).bfloat16()))
+    return compare_with_reference(layer, full, everyone, rank)
+
+
+def test_expert_parallel_layer_splits_the_biases_with_the_experts():
+    for errors in run_ranks(_ep_worker, 2):
+        assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
+        assert max(errors.values()) < 1e-4, errors
+
+
+def test_backends_that_cannot_compute_it_say_so():
+    reason = TritonBackend.unavailable_reason(GPT_OSS, torch.device("cpu"), None)
+    assert reason is not None and "without biases" in reason
+    baseline = BaselineMoE(GPT_OSS)
+    x = torch.randn(3, 32).bfloat16()
+    with pytest.raises(MoKInputError, match="without biases"):
+        baseline(x, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
+    with pytest.raises(mok.MoKConfigError, match="mxfp8"):
+        GPT_OSS.replace(precision="mxfp8")
