@@ -2,7 +2,7 @@
 # Everything the GPU machine should check, in one call: environment, the test suite (GPU tests
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
-#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon]
+#   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -12,6 +12,7 @@
 # clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
+# host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -65,6 +66,11 @@ for step in $steps; do
       run triton-bench python3 -m mok bench --no-progress \
         --preset qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3 --ep "$eps" --iters 10 --warmup 3 \
         --out "$OUT/bench" ;;
+    host)
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      for preset in tiny qwen3-30b-a3b; do
+        run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu"
+      done ;;
     gluon)
       run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
       run gluon-bench python3 benchmarks/warp_specialized.py --out "$OUT/warp-specialized.md" ;;

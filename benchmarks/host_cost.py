@@ -1,0 +1,131 @@
+"""Host cost per layer call in a many-layer model, by validation mode: does the GPU ever wait for
+the host?
+
+    PYTHONPATH=src python3 benchmarks/host_cost.py [--preset tiny] [--layers 24] [--tokens 4096]
+                                                   [--ep 2] [--validations collective,local]
+
+A stack of --layers blocks, each x + MoE(proj(x)) with a softmax-over-top-k router (the shape of an
+MoE transformer without attention), runs forward+backward steps on one rank per GPU (or gloo ranks
+on the CPU with --ep). Per validation mode: the host time to enqueue a step's forward and backward
+(perf_counter around the Python calls) divided by the layers, and the step's time on the device
+(CUDA events; wall time on the CPU). When the host time per step is close to the device time, the
+step is bound by the host's launches and checks; when it is far below, the host runs ahead and the
+GPU never waits for it. Median over --steps after --warmup.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import mok
+from mok.launch import run_ranks
+from mok.testing import global_weights
+
+
+class Block(nn.Module):
+    def __init__(self, config: mok.MoKConfig, group, device):
+        super().__init__()
+        hidden = config.hidden_size
+        self.proj = nn.Linear(hidden, hidden, device=device, dtype=torch.bfloat16)
+        self.router = nn.Linear(hidden, config.num_experts, device=device, dtype=torch.bfloat16)
+        self.moe = mok.MoE(config, group=group, device=device)
+        self.top_k = config.top_k
+
+    def forward(self, x):
+        h = self.proj(x)
+        values, idx = self.router(h).float().topk(self.top_k, dim=-1)
+        return x + self.moe(h, idx, values.softmax(-1))
+
+
+def measure(rank: int, world: int, args) -> dict:
+    cuda = torch.cuda.is_available() and args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    group = dist.group.WORLD if world > 1 else None
+    results = {}
+    for validation in args.validations.split(","):
+        config = mok.get_preset(args.preset).config(
+            validation=validation, max_tokens_per_rank=args.tokens
+        )
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*(Block(config, group, device) for _ in range(args.layers)))
+        for block in blocks:
+            block.moe.load_global_weights(global_weights(config, 0, device))
+        x = torch.randn(args.tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
+        grad = torch.randn_like(x)
+        host, step = [], []
+        for it in range(args.warmup + args.steps):
+            if group is not None:
+                dist.barrier(group)
+            if cuda:
+                torch.cuda.synchronize(device)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+            wall = time.perf_counter()
+            y = blocks(x.requires_grad_(True))
+            y.backward(grad)
+            enqueued = time.perf_counter()
+            if cuda:
+                end.record()
+                end.synchronize()
+                device_ms = start.elapsed_time(end)
+            else:
+                device_ms = (time.perf_counter() - wall) * 1e3
+            blocks.zero_grad(set_to_none=True)
+            x.grad = None
+            if it >= args.warmup:
+                host.append((enqueued - wall) * 1e3)
+                step.append(device_ms)
+        results[validation] = {
+            "host ms per layer": statistics.median(host) / args.layers,
+            "host ms per step": statistics.median(host),
+            "device ms per step": statistics.median(step),
+        }
+    return results
+
+
+def main(argv=None) -> int:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=4096 if cuda else 64)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--validations", default="collective,local")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    args = parser.parse_args(argv)
+    if args.ep > 1:
+        backend = "nccl" if args.device == "cuda" else "gloo"
+        results = run_ranks(measure, args.ep, args=(args,), backend=backend)[0]
+    else:
+        results = measure(0, 1, args)
+    print(
+        f"{args.preset}, {args.layers} layers, {args.tokens} tokens a rank, EP {args.ep}, "
+        f"{args.device} (rank 0, median of {args.steps} steps)"
+    )
+    print(
+        "| validation | host ms per layer | host ms per step | device ms per step | host / device |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for validation, r in results.items():
+        ratio = r["host ms per step"] / r["device ms per step"]
+        print(
+            f"| {validation} | {r['host ms per layer']:.3f} | {r['host ms per step']:.2f} | "
+            f"{r['device ms per step']:.2f} | {ratio:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
