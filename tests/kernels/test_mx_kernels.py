@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mx_cases import assert_same_bits, blocks_of_every_kind
 
-from mok.kernels.mx import mx_quantize
+from mok.kernels.mx import mx_quantize, mx_quantize_both
 from mok.reference import mx
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,3 +79,35 @@ def test_bad_shapes_raise():
         mx_quantize(torch.ones(4, 48, device=DEVICE))
     with pytest.raises(ValueError, match="2-D"):
         mx_quantize(torch.ones(2, 4, 32, device=DEVICE))
+
+
+def check_both(x: torch.Tensor, rounding: str) -> None:
+    """`mx_quantize_both` equals the reference cast along each of the last two dimensions."""
+    (rowwise, rowwise_scales), (colwise, colwise_scales) = mx_quantize_both(
+        x.to(DEVICE), rounding=rounding
+    )
+    for (data, scales), dim in (((rowwise, rowwise_scales), -1), ((colwise, colwise_scales), -2)):
+        want_data, want_scales = mx.quantize(x, dim=dim, rounding=rounding)
+        assert data.dtype == torch.float8_e4m3fn and data.shape == x.shape
+        assert torch.equal(scales.cpu(), want_scales), dim
+        assert_same_bits(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_layouts_in_one_pass(rounding, dtype):
+    """A weight's forward (along K) and backward (along N) casts from one read: every kind of
+    block along both dimensions, a partial column tile (224 = 3.5 tiles of 64), and experts
+    stacked in front ([2, 32, 96]: a block along N must not mix two experts' rows). Catches a
+    transposed tile stored untransposed, the column-wise scales laid out along the wrong
+    dimension, blocks straddling experts."""
+    check_both(blocks_of_every_kind(dtype)[:, :224].contiguous(), rounding)
+    experts = blocks_of_every_kind(dtype, seed=3)[:, :96].reshape(2, 32, 96).contiguous()
+    check_both(experts, rounding)
+
+
+def test_both_layouts_refuse_bad_shapes():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        mx_quantize_both(torch.ones(48, 64, device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        mx_quantize_both(torch.ones(64, 64, device=DEVICE).T[:, :32])

@@ -172,3 +172,91 @@ def mx_quantize(
             BLOCK_COLS=block_cols,
         )
     return data.view(torch.float8_e4m3fn), scales if dim == 1 else scales.T
+
+
+@triton.jit
+def _mx_quantize_both_kernel(
+    x_ptr,  # [rows, cols] contiguous (bf16 bit patterns as int16 when BF16_BITS)
+    rowwise_ptr,  # uint8 [rows, cols]: blocks of 32 along cols
+    rowwise_scales_ptr,  # uint8 [rows, cols // 32]
+    colwise_ptr,  # uint8 [rows, cols]: blocks of 32 along rows
+    colwise_scales_ptr,  # uint8 [rows // 32, cols]
+    rows,
+    cols,
+    RCEIL: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Grid: (rows // BLOCK_ROWS, cdiv(cols, BLOCK_COLS)). Both MXFP8 casts of x from one read of
+    each tile: along cols (a weight's reduction dimension in forward) and along rows (its
+    reduction dimension in backward). rows a multiple of BLOCK_ROWS, cols of 32."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+    if BF16_BITS:
+        raw = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        tile = (raw << 16).to(tl.float32, bitcast=True)
+    else:
+        tile = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+    tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
+    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
+    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+    tl.store(rowwise_scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
+
+    data_t, scales_t = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
+    tl.store(colwise_ptr + offsets, tl.trans(data_t).to(tl.uint8), mask=mask)
+    b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
+    block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
+    block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
+    tl.store(colwise_scales_ptr + block_offsets, tl.trans(scales_t).to(tl.uint8), mask=block_mask)
+
+
+def mx_quantize_both(
+    x: torch.Tensor, rounding: ScaleRounding | str = ScaleRounding.RCEIL
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Both casts of `mx_quantize` from one pass over x: ((data, scales) along the last dimension,
+    (data, scales) along the one before), each bit for bit `mok.reference.mx.quantize` of x along
+    that dimension. x: contiguous bf16 or fp32, [..., R, C] with R and C multiples of 32; leading
+    dimensions (experts) are batched, so a block never mixes two experts' rows."""
+    rounding = ScaleRounding(rounding)
+    if x.dim() < 2 or not x.is_contiguous():
+        raise ValueError(
+            f"mx_quantize_both takes a contiguous tensor of >= 2 dimensions, got "
+            f"shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] % BLOCK or x.shape[-2] % BLOCK:
+        raise ValueError(
+            f"MXFP8 along both of the last two dimensions needs them to be multiples of {BLOCK}, "
+            f"got {tuple(x.shape[-2:])}"
+        )
+    *lead, rows_per, cols = x.shape
+    flat = x.reshape(-1, cols)
+    rows = flat.shape[0]
+    rowwise = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    colwise = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    rowwise_scales = torch.empty(*lead, rows_per, cols // BLOCK, dtype=torch.uint8, device=x.device)
+    colwise_scales = torch.empty(*lead, rows_per // BLOCK, cols, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        block_rows, block_cols = 32, 64
+        grid = (rows // block_rows, triton.cdiv(cols, block_cols))
+        bf16 = x.dtype == torch.bfloat16
+        _mx_quantize_both_kernel[grid](
+            flat.view(torch.int16) if bf16 else flat,
+            rowwise,
+            rowwise_scales,
+            colwise,
+            colwise_scales,
+            rows,
+            cols,
+            RCEIL=rounding is ScaleRounding.RCEIL,
+            BF16_BITS=bf16,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+        )
+    fp8 = torch.float8_e4m3fn
+    return (rowwise.view(fp8), rowwise_scales), (colwise.view(fp8), colwise_scales)
