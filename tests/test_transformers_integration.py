@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 import mok.integrations.transformers as mok_transformers  # noqa: E402
 from mok.errors import MoKInputError  # noqa: E402
+from mok.integrations._workspaces import cached  # noqa: E402
 from mok.testing import relative_error  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,15 +190,15 @@ def test_a_call_with_more_tokens_gets_a_larger_workspace():
     ids = torch.randint(0, 97, (1, 5)).to(DEVICE)
     with torch.no_grad():
         ours(ids)
-        first = mok_transformers._workspaces[experts]
+        first = cached(experts)
         ours(ids)
-        assert mok_transformers._workspaces[experts] is first  # reused
+        assert cached(experts) is first  # reused
         many = mok_transformers.MIN_TOKENS + 1
         hidden = torch.randn(many, 64, dtype=torch.bfloat16, device=DEVICE)
         idx = torch.randint(0, 8, (many, 2), device=DEVICE)
         out = experts(hidden, idx, torch.rand(many, 2, device=DEVICE))
     assert out.shape == (many, 64)
-    assert mok_transformers._workspaces[experts].config.max_tokens_per_rank >= many
+    assert cached(experts).config.max_tokens_per_rank >= many
 
 
 def test_experts_it_cannot_run_are_refused_with_the_reason():

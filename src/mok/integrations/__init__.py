@@ -1,1 +1,2 @@
-"""Adapters to model libraries: `mok.integrations.transformers` (Hugging Face)."""
+"""Adapters to model libraries: `mok.integrations.transformers` (Hugging Face) and
+`mok.integrations.torchtitan`."""

@@ -32,8 +32,6 @@ the kernels take biases and that activation. `unsupported_reason` names what oth
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
@@ -41,7 +39,8 @@ from mok.baseline import baseline_moe
 from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
-from mok.functional import Workspace, create_workspace
+from mok.functional import Workspace
+from mok.integrations._workspaces import MIN_TOKENS, workspace_for
 from mok.module import moe
 from mok.weights import MoEWeights
 
@@ -49,13 +48,8 @@ IMPLEMENTATION = "mok"
 """The name models take as `experts_implementation`."""
 BASELINE_IMPLEMENTATION = "mok-baseline"
 """The standard expert-parallel path (`mok.baseline`) as an experts implementation."""
-MIN_TOKENS = 8192
-"""Tokens per call the workspace is first sized for; a larger call makes a larger one."""
 _ACTIVATIONS = ("SiLU", "SiLUActivation")
 _EXPERT_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-# Each experts module's workspace, held beside the module (not in it: a deep copy of a model must
-# not copy a workspace, whose buffers and group belong to the original).
-_workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
 _GROUP = "_mok_group"
 
 
@@ -131,34 +125,12 @@ def _group(experts: nn.Module):
     return None if sharding is None else sharding[0]
 
 
-def _max_tokens(experts: nn.Module, tokens: int) -> int:
-    """Tokens the workspace is sized for: fixed when sharded (the ranks must agree without a
-    round trip per call), else the next power of two of this call's, at least MIN_TOKENS."""
-    sharding = getattr(experts, _GROUP, None)
-    if sharding is not None:
-        return sharding[3]
-    return max(MIN_TOKENS, 1 << max(tokens - 1, 0).bit_length())
-
-
 def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: str) -> Workspace:
-    """The module's workspace for this device and shape, made again (one process) when a call
-    needs more tokens than the current one is sized for."""
+    """The module's workspace for this device, shape and call size."""
     local_experts, inter, hidden_size = _weights(experts).gate.shape
-    group = _group(experts)
+    sharding = getattr(experts, _GROUP, None)
+    group = None if sharding is None else sharding[0]
     _, ep = group_rank_and_size(group)
-    max_tokens = _max_tokens(experts, hidden.shape[0])
-    workspace = _workspaces.get(experts)
-    if workspace is not None:
-        config = workspace.config
-        if (
-            workspace.device == hidden.device
-            and workspace.group is group
-            and config.num_experts == local_experts * ep
-            and config.top_k == top_k
-            and config.max_tokens_per_rank >= max_tokens
-        ):
-            return workspace
-        workspace.release()
     activation = {}
     if _is_gpt_oss(experts):
         activation = dict(
@@ -173,12 +145,10 @@ def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: st
         num_experts=local_experts * ep,
         top_k=top_k,
         backend=backend,
-        max_tokens_per_rank=max_tokens,
+        max_tokens_per_rank=hidden.shape[0] if sharding is None else sharding[3],
         **activation,
     )
-    workspace = create_workspace(config, group, hidden.device)
-    _workspaces[experts] = workspace
-    return workspace
+    return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
 
 def _forward(backend: str):

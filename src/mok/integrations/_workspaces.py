@@ -1,0 +1,50 @@
+"""The workspaces of adapted model modules: one per module, held beside it (a deep copy of a model
+must not copy a workspace, whose buffers and group belong to the original)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from mok.config import MoKConfig
+from mok.functional import Workspace, create_workspace
+
+MIN_TOKENS = 8192
+"""Tokens per call a workspace is first sized for, without a fixed size; a larger call makes a
+larger one."""
+
+_workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
+
+
+def workspace_for(
+    owner: nn.Module, config: MoKConfig, group, device: torch.device, fixed_tokens: bool
+) -> Workspace:
+    """`owner`'s workspace for `config` on `device` over `group`, made again when any of them
+    changed or, unless `fixed_tokens`, when a call needs more tokens than it is sized for (`config`
+    then names this call's tokens; with `fixed_tokens` every rank passes the same size, so that
+    the ranks agree without a round trip per call)."""
+    if not fixed_tokens:
+        tokens = config.max_tokens_per_rank
+        config = config.replace(
+            max_tokens_per_rank=max(MIN_TOKENS, 1 << max(tokens - 1, 0).bit_length())
+        )
+    workspace = _workspaces.get(owner)
+    if workspace is not None:
+        if (
+            workspace.device == device
+            and workspace.group is group
+            and workspace.config.replace(max_tokens_per_rank=config.max_tokens_per_rank) == config
+            and workspace.config.max_tokens_per_rank >= config.max_tokens_per_rank
+        ):
+            return workspace
+        workspace.release()
+    workspace = create_workspace(config, group, device)
+    _workspaces[owner] = workspace
+    return workspace
+
+
+def cached(owner: nn.Module) -> Workspace | None:
+    """`owner`'s current workspace, if any."""
+    return _workspaces.get(owner)

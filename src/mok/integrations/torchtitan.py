@@ -1,0 +1,90 @@
+"""TorchTitan: MoK behind its routed-experts seam.
+
+TorchTitan's MoE (`torchtitan.models.common.moe.MoE`) routes with its own router, then calls a
+`RoutedExperts` module: a token dispatcher (reorder, and all-to-all under expert parallelism), the
+`GroupedExperts` (w1 [E, F, D] gate, w3 [E, F, D] up, w2 [E, D, F] down: MoK's layout), and the
+combine that weights the expert outputs by the router's scores. `use_mok(model)` makes every
+`RoutedExperts` of `model` run those three steps as one `mok.moe` call on the same parameters;
+the router, the shared experts, the load-balancing buffers and the parameter names stay
+TorchTitan's:
+
+    from mok.integrations import torchtitan as mok_torchtitan
+    mok_torchtitan.use_mok(model)                      # one process
+    mok_torchtitan.use_mok(model, group=ep_mesh)       # parameters holding this rank's experts
+
+With a group, the experts' parameters must hold this rank's E / ep experts (as TorchTitan's
+expert-parallel sharding leaves them; DTensors are read through `to_local()`), and every call may
+pass at most `max_tokens_per_rank` tokens a rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mok.config import MoKConfig
+from mok.distributed import expert_parallel_group, group_rank_and_size
+from mok.integrations._workspaces import MIN_TOKENS, workspace_for
+from mok.module import moe
+from mok.weights import MoEWeights
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    return parameter.to_local() if hasattr(parameter, "to_local") else parameter
+
+
+class _MoKRoutedExperts(nn.Module):
+    """A TorchTitan RoutedExperts (its class swapped for this one) whose forward is `mok.moe`."""
+
+    def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
+        """x [B, L, D], scores and expert ids [B, L, K] -> [B, L, D]; the token counts per expert
+        that TorchTitan's dispatcher takes are not needed."""
+        del num_local_tokens_per_expert_E
+        batch, length, dim = x_BLD.shape
+        top_k = topk_expert_ids_BLK.shape[-1]
+        experts = self.inner_experts
+        weights = MoEWeights(
+            gate=_local(experts.w1_EFD), up=_local(experts.w3_EFD), down=_local(experts.w2_EDF)
+        )
+        group, backend, max_tokens = self._mok
+        _, ep = group_rank_and_size(group)
+        local_experts, hidden_dim, _ = weights.gate.shape
+        config = MoKConfig(
+            hidden_size=dim,
+            intermediate_size=hidden_dim,
+            num_experts=local_experts * ep,
+            top_k=top_k,
+            backend=backend,
+            max_tokens_per_rank=max_tokens or batch * length,
+        )
+        workspace = workspace_for(self, config, group, x_BLD.device, max_tokens is not None)
+        x = x_BLD.reshape(-1, dim)
+        y = moe(
+            x.to(weights.gate.dtype),
+            topk_expert_ids_BLK.reshape(-1, top_k),
+            topk_scores_BLK.reshape(-1, top_k),
+            weights,
+            workspace,
+            False,
+        )
+        return y.to(x_BLD.dtype).view(batch, length, dim)
+
+
+def use_mok(
+    model: nn.Module,
+    group=None,
+    backend: str = "auto",
+    max_tokens_per_rank: int = MIN_TOKENS,
+) -> int:
+    """Run every TorchTitan RoutedExperts of `model` through MoK (expert parallelism over `group`,
+    a ProcessGroup or a one-dimensional DeviceMesh, when given). Returns how many were switched."""
+    from torchtitan.models.common.moe import RoutedExperts
+
+    group = expert_parallel_group(group)
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.__class__ = type("MoKRoutedExperts", (_MoKRoutedExperts, type(module)), {})
+            module._mok = (group, backend, None if group is None else max_tokens_per_rank)
+            switched += 1
+    return switched
