@@ -70,7 +70,9 @@ for step in $steps; do
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       for preset in tiny qwen3-30b-a3b; do
         run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu"
-      done ;;
+      done
+      run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
+        --tokens 4096 --iters 10 --warmup 3 --validation local --json "$OUT/bench-local.json" ;;
     gluon)
       run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
       run gluon-bench python3 benchmarks/warp_specialized.py --out "$OUT/warp-specialized.md" ;;

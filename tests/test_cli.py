@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import mok
 from mok.bench import BenchSpec
 from mok.cli import main
 from mok.presets import PRESETS, Preset
@@ -255,3 +256,15 @@ def test_bench_default_shape_is_sized_to_the_machine(monkeypatch, gpus):
         assert spec.tokens_per_rank == 8192 and spec.dense_tflops is not None
     else:
         assert (spec.preset, spec.ep, spec.device) == ("tiny", 2, "cpu")
+
+
+def test_bench_runs_the_backend_with_local_validation(tmp_path):
+    """--validation reaches the backend's config (and the report says which). Catches an option
+    parsed but dropped on the way to the layer."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--device", "cpu", "--ep", "2", "--tokens", "40", "--iters", "1"]
+    args += ["--warmup", "0", "--check-tokens", "16", "--no-progress", "--validation", "local"]
+    assert main([*args, "--json", str(out)]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["spec"]["validation"] == "local"
+    assert BenchSpec(validation="local").config().validation is mok.Validation.LOCAL

@@ -77,6 +77,9 @@ class BenchSpec:
     pair_capacity_factor: float | None = None
     """Pairs each rank's experts can take, as a multiple of the mean T * k
     (`MoKConfig.recv_pair_capacity`); None: the worst case."""
+    validation: str = "collective"
+    """`MoKConfig.validation` of the backend's layer: the ranks agree on every call's inputs, or
+    each checks its own ("local")."""
     accumulate_grads: bool = False
     """Keep the weights' gradients between iterations (gradient accumulation over micro-batches:
     every backward but the first adds into existing `.grad`) instead of setting them to None."""
@@ -96,6 +99,7 @@ class BenchSpec:
             swiglu_limit=self.swiglu_limit,
             max_tokens_per_rank=tokens,
             recv_pair_capacity=pairs,
+            validation=self.validation,
         )
 
 
@@ -519,6 +523,7 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             if first.accumulate_grads
             else "; weight gradients set to None between iterations"
         )
+        + f"; the backend's input validation {first.validation} (`--validation`)"
         + ". Both checked against the reference backend (same group and weights) first.",
         "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
         "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "

@@ -22,7 +22,7 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend
+from mok.config import Backend, Validation
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -149,6 +149,13 @@ def _parser() -> argparse.ArgumentParser:
         "micro-batches does (every backward adds into existing .grad), instead of setting them to "
         "None",
     )
+    bench.add_argument(
+        "--validation",
+        choices=[v.value for v in Validation],
+        default=Validation.COLLECTIVE.value,
+        help="how the ranks check each call's inputs: agreeing on them (one host round trip a "
+        "call) or each its own (local)",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--dense-tflops",
@@ -237,6 +244,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             dense_tflops=dense_tflops,
             pair_capacity_factor=args.pair_capacity_factor,
             accumulate_grads=args.accumulate_grads,
+            validation=args.validation,
         )
         for preset in args.preset
         for ep in eps
