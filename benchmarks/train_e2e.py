@@ -104,7 +104,7 @@ def average_gradients(model, group, world: int) -> None:
     expert's gradient already sums every rank's tokens (the exchange brought them): / world;
     every other parameter is replicated: averaged over the ranks (all-reduce)."""
     for module in model.modules():
-        sharded = hasattr(module, "_mok_group")
+        sharded = mok_transformers.holds_local_experts(module)
         for param in module.parameters(recurse=False):
             if param.grad is None:
                 continue

@@ -175,10 +175,13 @@ def test_a_rank_that_exits(where, tmp_path):
     assert survivor["usable"]
 
 
-def reset_through_the_workspace(rank, world, where, tmp):
-    """The layer's path: a wait that failed in the triton backend's exchange is raised by
-    Workspace.check(), Workspace.reset() on every rank recovers it, and the layer's next call
-    matches the reference."""
+@contextlib.contextmanager
+def warm_layer(where: str, rank: int, world: int, tmp: str, **options):
+    """The triton backend's layer on this rank over the NVLink exchange of `where` (peer timeout
+    TIMEOUT_S; MoKConfig `options` added), its weights of all experts and every rank's inputs,
+    after one healthy call has compiled every kernel on both ranks (a peer compiling for seconds
+    while the other waits is not what the timeout is about). Yields (layer, weights, inputs,
+    the healthy call's errors against the reference)."""
     device, allocate = device_and_allocator(where, rank, tmp)
     simulated = (
         contextlib.nullcontext() if allocate is None else simulated_symmetric_memory(allocate)
@@ -188,24 +191,32 @@ def reset_through_the_workspace(rank, world, where, tmp):
         intermediate_size=16,
         num_experts=4,
         top_k=2,
-        shared_intermediate_size=16,
         backend="triton",
         max_tokens_per_rank=TOKENS,
         peer_timeout_s=TIMEOUT_S,
+        **options,
     )
     with simulated:
         layer = mok.MoE(config, group=dist.group.WORLD, device=device)
         full = global_weights(config, 0, device)
         layer.load_global_weights(full)
-        workspace = layer.workspace(device)
         everyone = []
         for r in range(world):
             x, idx, w = inputs(r, 7, device)
             grad_y = torch.randn(TOKENS, 32, generator=torch.Generator().manual_seed(r))
             everyone.append(RankInputs(x.to(torch.bfloat16), idx, w, grad_y.to(device).bfloat16()))
-        # A healthy call first compiles every kernel on both ranks (see skip_a_call).
         warm_up = compare_with_reference(layer, full, everyone, rank)
-        workspace.check()
+        layer.workspace(device).check()
+        yield layer, full, everyone, warm_up
+
+
+def reset_through_the_workspace(rank, world, where, tmp):
+    """The layer's path: a wait that failed in the triton backend's exchange is raised by
+    Workspace.check(), Workspace.reset() on every rank recovers it, and the layer's next call
+    matches the reference."""
+    with warm_layer(where, rank, world, tmp, shared_intermediate_size=16) as warm:
+        layer, full, everyone, warm_up = warm
+        workspace = layer.workspace(everyone[rank].x.device)
         dist.barrier()
         if rank == 0:  # a routing rank 1 never takes part in
             workspace.backend.exchange.route(everyone[0].topk_idx)

@@ -9,19 +9,10 @@ in local mode that hangs the other ranks instead of timing out and recovering af
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
-from test_peer_timeouts import (
-    TIMEOUT_S,
-    TOKENS,
-    WHERE,
-    backend_of,
-    device_and_allocator,
-    inputs,
-)
+from test_peer_timeouts import WHERE, backend_of, warm_layer
 
 import mok
 from mok import functional
@@ -91,34 +82,8 @@ def bad_input_on_one_rank(rank, world, where, tmp):
     """validation='local', the triton backend: rank 0 passes fp32 x once. Rank 0 raises alone;
     rank 1's call waits for it until the peer timeout and finishes; check() raises on rank 1;
     both reset; the next call matches the reference."""
-    device, allocate = device_and_allocator(where, rank, tmp)
-    from mok.comm.simulation import simulated_symmetric_memory
-
-    simulated = (
-        contextlib.nullcontext() if allocate is None else simulated_symmetric_memory(allocate)
-    )
-    config = mok.MoKConfig(
-        hidden_size=32,
-        intermediate_size=16,
-        num_experts=4,
-        top_k=2,
-        backend="triton",
-        max_tokens_per_rank=TOKENS,
-        peer_timeout_s=TIMEOUT_S,
-        validation="local",
-    )
-    with simulated:
-        layer = mok.MoE(config, group=dist.group.WORLD, device=device)
-        full = global_weights(config, 0, device)
-        layer.load_global_weights(full)
-        workspace = layer.workspace(device)
-        everyone = []
-        for r in range(world):
-            x, idx, w = inputs(r, 7, device)
-            grad_y = torch.randn(TOKENS, 32, generator=torch.Generator().manual_seed(r))
-            everyone.append(RankInputs(x.to(torch.bfloat16), idx, w, grad_y.to(device).bfloat16()))
-        compare_with_reference(layer, full, everyone, rank)  # compiles every kernel on both
-        workspace.check()
+    with warm_layer(where, rank, world, tmp, validation="local") as (layer, full, everyone, _):
+        workspace = layer.workspace(everyone[rank].x.device)
         dist.barrier()
         mine = everyone[rank]
         raised = None

@@ -209,6 +209,14 @@ class MoE(nn.Module):
         hidden, top_k = self.config.hidden_size, self.config.top_k
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        # Inputs of a wrong shape go on unflattened: the collective checks downstream name the
+        # problem on every rank, where raising here would leave the other ranks waiting.
+        inputs = (
+            _flatten_leading(x, hidden),
+            _flatten_leading(topk_idx, top_k),
+            _flatten_leading(topk_weights, top_k),
+            self.weights,
+        )
         if torch.compiler.is_compiling():
             # The custom ops, which the compiler keeps as nodes of its graph. The workspace is
             # made outside the trace (a collective): by an eager call or `layer.workspace(device)`.
@@ -222,24 +230,9 @@ class MoE(nn.Module):
                     "torch.compile of mok.MoE needs the triton backend: the reference backend "
                     "records an autograd graph inside the layer, which a custom op cannot"
                 )
-            y = ops.moe(
-                _flatten_leading(x, hidden),
-                _flatten_leading(topk_idx, top_k),
-                _flatten_leading(topk_weights, top_k),
-                self.weights,
-                self._workspace_id,
-            )
-            return y if y.shape == x.shape else y.view(x.shape)
-        # Inputs of a wrong shape go on unflattened: the collective checks downstream name the
-        # problem on every rank, where raising here would leave the other ranks waiting.
-        y = moe(
-            _flatten_leading(x, hidden),
-            _flatten_leading(topk_idx, top_k),
-            _flatten_leading(topk_weights, top_k),
-            self.weights,
-            self.workspace(x.device),
-            self.fuse_grad_accumulation,
-        )
+            y = ops.moe(*inputs, self._workspace_id)
+        else:
+            y = moe(*inputs, self.workspace(x.device), self.fuse_grad_accumulation)
         # No view for [T, H] inputs: FSDP2 hooks the module's output, which an in-place op on a
         # view would bypass.
         return y if y.shape == x.shape else y.view(x.shape)

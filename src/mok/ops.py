@@ -37,10 +37,7 @@ _ids = itertools.count(1)
 
 
 def register_workspace(workspace: functional.Workspace) -> int:
-    """The id the ops know `workspace` by (the same id for the same workspace)."""
-    for key, known in _workspaces.items():
-        if known is workspace:
-            return key
+    """A new id the ops know `workspace` by (called once per workspace, when it is made)."""
     key = next(_ids)
     _workspaces[key] = workspace
     return key

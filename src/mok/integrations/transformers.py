@@ -83,6 +83,12 @@ def unsupported_reason(experts: nn.Module) -> str | None:
     return None
 
 
+def _raise_if_unsupported(experts: nn.Module) -> None:
+    reason = unsupported_reason(experts)
+    if reason is not None:
+        raise MoKInputError(f"{type(experts).__name__}: {reason}")
+
+
 def shard_experts(model: nn.Module, group, max_tokens_per_rank: int = MIN_TOKENS) -> int:
     """Keep only this rank's experts in every experts module of `model` that MoK can run, for
     expert parallelism over `group` (a ProcessGroup or a one-dimensional DeviceMesh); a call may
@@ -110,6 +116,11 @@ def shard_experts(model: nn.Module, group, max_tokens_per_rank: int = MIN_TOKENS
     return sharded
 
 
+def holds_local_experts(module: nn.Module) -> bool:
+    """Whether `shard_experts` left `module` holding only this rank's experts."""
+    return hasattr(module, _GROUP)
+
+
 def _load_local_experts(module, state_dict, prefix, *_):
     """Slice full-size expert tensors of a checkpoint to this rank's experts."""
     _, local, num_experts, _ = getattr(module, _GROUP)
@@ -125,9 +136,11 @@ def _group(experts: nn.Module):
     return None if sharding is None else sharding[0]
 
 
-def _workspace(experts: nn.Module, hidden: torch.Tensor, top_k: int, backend: str) -> Workspace:
-    """The module's workspace for this device, shape and call size."""
-    local_experts, inter, hidden_size = _weights(experts).gate.shape
+def _workspace(
+    experts: nn.Module, weights: MoEWeights, hidden: torch.Tensor, top_k: int, backend: str
+) -> Workspace:
+    """The module's workspace for this device, shape (its `weights`) and call size."""
+    local_experts, inter, hidden_size = weights.gate.shape
     sharding = getattr(experts, _GROUP, None)
     group = None if sharding is None else sharding[0]
     _, ep = group_rank_and_size(group)
@@ -159,17 +172,16 @@ def _forward(backend: str):
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """The routed experts of a transformers MoE block through `mok.moe`: [T, H] out."""
-        reason = unsupported_reason(self)
-        if reason is not None:
-            raise MoKInputError(f"{type(self).__name__}: {reason}")
+        _raise_if_unsupported(self)
         if getattr(self, "_is_expert_parallel", False):
             raise MoKInputError(
                 f"{type(self).__name__}: transformers' own expert parallelism is on; use "
                 "mok.integrations.transformers.shard_experts for MoK's"
             )
-        workspace = _workspace(self, hidden_states, top_k_index.shape[-1], backend)
+        weights = _weights(self)
+        workspace = _workspace(self, weights, hidden_states, top_k_index.shape[-1], backend)
         # Autograd adds the gradients of the two views into gate_up_proj's: no fused accumulation.
-        return moe(hidden_states, top_k_index, top_k_weights, _weights(self), workspace, False)
+        return moe(hidden_states, top_k_index, top_k_weights, weights, workspace, False)
 
     return experts_forward
 
@@ -201,9 +213,7 @@ def _baseline_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """The routed experts through `mok.baseline` (the standard expert-parallel path)."""
-    reason = unsupported_reason(self)
-    if reason is not None:
-        raise MoKInputError(f"{type(self).__name__}: {reason}")
+    _raise_if_unsupported(self)
     return baseline_moe(hidden_states, top_k_index, top_k_weights, _weights(self), _group(self))
 
 

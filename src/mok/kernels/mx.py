@@ -98,6 +98,26 @@ def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.con
 
 
 @triton.jit
+def _load_fp32(pointers, mask, BF16_BITS: tl.constexpr):
+    """A tile as fp32; BF16_BITS: the pointers hold bf16 bit patterns (int16), widened here
+    exactly (the interpreter's own bf16 conversion flushes subnormals)."""
+    if BF16_BITS:
+        raw = tl.load(pointers, mask=mask, other=0).to(tl.int32)
+        return (raw << 16).to(tl.float32, bitcast=True)
+    return tl.load(pointers, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS: tl.constexpr):
+    """Store a tile's scale bytes [len(r), BLOCK_COLS // 32] (blocks along cols) into the
+    contiguous [rows, cols // 32] scales, at the program's column tile."""
+    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
+    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+    tl.store(scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
+
+
+@triton.jit
 def _mx_quantize_kernel(
     x_ptr,
     data_ptr,  # uint8, x's layout
@@ -120,18 +140,11 @@ def _mx_quantize_kernel(
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     offsets = r.to(tl.int64)[:, None] * stride_row + c[None, :] * stride_col
-    if BF16_BITS:
-        raw = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        tile = (raw << 16).to(tl.float32, bitcast=True)
-    else:
-        tile = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tile = _load_fp32(x_ptr + offsets, mask, BF16_BITS)
     data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
     data_offsets = r.to(tl.int64)[:, None] * data_stride_row + c[None, :] * data_stride_col
     tl.store(data_ptr + data_offsets, data.to(tl.uint8), mask=mask)
-    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
-    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
-    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
-    tl.store(scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
+    _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS)
 
 
 def mx_quantize(
@@ -195,18 +208,11 @@ def _mx_quantize_both_kernel(
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
-    if BF16_BITS:
-        raw = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        tile = (raw << 16).to(tl.float32, bitcast=True)
-    else:
-        tile = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    tile = _load_fp32(x_ptr + offsets, mask, BF16_BITS)
 
     data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
     tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
-    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
-    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
-    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
-    tl.store(rowwise_scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
+    _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, BLOCK_COLS)
 
     data_t, scales_t = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
     tl.store(colwise_ptr + offsets, tl.trans(data_t).to(tl.uint8), mask=mask)

@@ -557,7 +557,7 @@ def _copy_step(a_desc, b_desc, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT
 
 
 @gluon.jit
-def _wgrad_load_partition(operands, outputs, problem, ACCUMULATE: gl.constexpr):
+def _wgrad_load_partition(operands, problem):
     """Loader: the A and B tiles of every reduction step of this program's tasks, in order.
 
     The reduction runs over a group's rows, read through descriptors made on the device
@@ -768,7 +768,7 @@ def _second_wgrad_consumer(
 def _wgrad_loader(
     operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
 ):
-    _wgrad_load_partition(operands, outputs, problem, ACCUMULATE_FIRST)
+    _wgrad_load_partition(operands, problem)
 
 
 @gluon.jit
