@@ -6,8 +6,11 @@
 Products (--products, default all): the forward's two, gate/up + SwiGLU, h[group e] =
 swiglu(x @ W_gate[e].T, x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate
 and W_up [E, I, H]), and down, out[group e] = h[group e] @ W_down[e].T (W_down [E, H, I]); and the
-backward's weight gradients, down_wgrad (grad_W_down[e] = grad_out[group e].T @ h[group e]) and
-gate_up_wgrad (grad_W_gate[e] = grad_gate[group e].T @ x[group e], and up), each written fresh in
+backward's data gradients, gate_up_dgrad (grad_x[group e] = grad_gate @ W_gate[e] + grad_up @
+W_up[e]) and down_dgrad (grad_h = grad_out @ W_down[e] then the SwiGLU backward against the saved
+gate | up, giving their gradients); and its weight gradients, down_wgrad (grad_W_down[e] =
+grad_out[group e].T @ h[group e]) and gate_up_wgrad (grad_W_gate[e] = grad_gate[group e].T @
+x[group e], and up), each written fresh in
 bf16 and added into existing fp32 buffers (gradient accumulation into a main-gradient buffer). At
 each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
 k). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
@@ -46,6 +49,19 @@ GLUON_TILES = {
         "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
         "gluon 128x128 shared": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
         "gluon 128x256 shared": GemmTiles(128, 256, 64, num_warps=4, num_stages=3),
+    },
+}
+DGRAD_TILES = {
+    "gate_up_dgrad": {
+        # The tl kernel at the Gluon kernels' BLOCK_K: its results are the bitwise reference (the
+        # two products alternate every BLOCK_K columns of the reduction).
+        "tl 128x256 bk64": GemmTiles(128, 256, 64, num_warps=8, num_stages=2),
+        "gluon 64x256": ws.PING_PONG,
+        "gluon 64x128": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
+    },
+    "down_dgrad": {
+        "gluon 64x128": ws.DGRAD_SWIGLU_PING_PONG,
+        "gluon 64x128 6 slots": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
     },
 }
 WGRAD_CHECKED_EXPERTS = 8
@@ -145,6 +161,92 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
         )
         if error > 4e-3:
             raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
+    return lines
+
+
+def _swiglu_grads(grad_h, gate, up):
+    """fp32 gradients of silu(gate) * up (no clamp) through autograd."""
+    gate, up = gate.float().requires_grad_(), up.float().requires_grad_()
+    h = torch.nn.functional.silu(gate) * up
+    return torch.autograd.grad(h, (gate, up), grad_h.float())
+
+
+def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+    """gate_up_dgrad: grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; down_dgrad: the gate |
+    up gradients from grad_out through W_down[e] and the SwiGLU backward."""
+    shape = mok.PRESETS[name]
+    experts, hidden, inter, top_k = (
+        shape.num_experts,
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.top_k,
+    )
+    down = product == "down_dgrad"
+    sets = []
+    for _ in range(2):
+        sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+        offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+        m = sum(sizes)
+        if down:
+            sets.append((randn(m, hidden, gen=gen), randn(m, 2 * inter, gen=gen), offsets))
+        else:
+            sets.append((randn(m, 2 * inter, gen=gen), None, offsets))
+    if down:
+        weights = [randn(experts, hidden, inter, gen=gen, scale=hidden**-0.5)]
+    else:
+        weights = [randn(experts, inter, hidden, gen=gen, scale=inter**-0.5) for _ in range(2)]
+    m = sets[0][0].shape[0]
+    default = default_config(torch.device("cuda"), hidden, inter, m / experts)
+    tl_cfg = default.down_dgrad if down else default.gate_up_dgrad
+    tl_label = f"tl {tl_cfg.block_m}x{tl_cfg.block_n} bk{tl_cfg.block_k}"
+    configs = {tl_label: tl_cfg, **DGRAD_TILES[product]}
+    bitwise_label = next(label for label, cfg in configs.items() if cfg.block_k == 64)
+    maps = {
+        (i, cfg.block_m): row_tile_map(offsets, a.shape[0], cfg.block_m)
+        for i, (a, _, offsets) in enumerate(sets)
+        for cfg in configs.values()
+    }
+
+    def runner(label, cfg):
+        tl_kernel = label.startswith("tl")
+        if down:
+            kernel = gg.down_dgrad_swiglu if tl_kernel else ws.down_dgrad_swiglu
+            return lambda i: kernel(
+                sets[i][0], weights[0], sets[i][1], maps[i, cfg.block_m], None, cfg
+            )
+        kernel = gg.gate_up_dgrad if tl_kernel else ws.gate_up_dgrad
+        return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
+
+    fns = {label: runner(label, cfg) for label, cfg in configs.items()}
+    results = {label: fn(0) for label, fn in fns.items()}
+    a, saved, offsets = sets[0]
+    bounds = offsets.tolist()
+    pieces = []
+    for e, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        if down:
+            grad_h = (a[lo:hi].float() @ weights[0][e].float()).bfloat16()
+            pieces.append(torch.cat(_swiglu_grads(grad_h, *saved[lo:hi].chunk(2, 1)), 1))
+        else:
+            pieces.append(
+                a[lo:hi, :inter].float() @ weights[0][e].float()
+                + a[lo:hi, inter:].float() @ weights[1][e].float()
+            )
+    expected = torch.cat(pieces)
+    times = time_each(fns, len(sets))
+    flops = 2 * m * hidden * inter * (1 if down else 2)
+    lines = []
+    for label in configs:
+        error = relative_error(results[label], expected)
+        bitwise = torch.equal(results[label], results[bitwise_label])
+        ms, low, high = times[label]
+        tflops = flops / ms / 1e9
+        lines.append(
+            f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | "
+            f"{'yes' if bitwise else 'no'} |"
+        )
+        if error > 4e-3 or (configs[label].block_k == 64 and not bitwise):
+            raise AssertionError(f"{name} {product} {label}: error {error:.2e}, {bitwise=}")
     return lines
 
 
@@ -248,7 +350,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192", help="comma-separated token counts")
     parser.add_argument("--presets", default=",".join(PRESETS))
-    parser.add_argument("--products", default="gate_up,down,down_wgrad,gate_up_wgrad")
+    parser.add_argument(
+        "--products", default="gate_up,down,gate_up_dgrad,down_dgrad,down_wgrad,gate_up_wgrad"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -270,7 +374,7 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         for tokens in map(int, args.tokens.split(",")):
             for product in args.products.split(","):
-                run = bench_wgrad if product.endswith("wgrad") else bench
+                run = {"wgrad": bench_wgrad, "dgrad": bench_dgrad}.get(product[-5:], bench)
                 rows = run(name, product, tokens, dense, gen)
                 print("\n".join(rows), flush=True)
                 lines += rows

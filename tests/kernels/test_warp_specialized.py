@@ -154,6 +154,109 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     assert torch.equal(gluon, tl) and torch.equal(fallback, tl)
 
 
+DGRAD_CASES = {
+    # The data gradients' reductions run over whole BLOCK_K steps of each expert's weights.
+    **{name: case for name, case in CASES.items() if case[2] % 64 == 0},
+    "N not a tile multiple": ([200, 77, 129], 200, 128),
+}
+
+
+def _groups(sizes, before, after):
+    """(M, offsets, the rows inside the groups) for groups after `before` rows, then `after`."""
+    m = before + sum(sizes) + after
+    offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
+    return m, offsets, slice(before, before + sum(sizes))
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["64x256", "64x128"])
+@pytest.mark.parametrize("name", list(DGRAD_CASES))
+def test_gate_up_dgrad_matches_its_twin_bitwise(name, tiles):
+    """grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e] equals the tl kernel's at the same
+    BLOCK_K bit for bit, zeros included in the rows outside every group (NaN there in the input),
+    and fp32 math. Catches the two products' steps out of order or paired with the wrong weight,
+    a step reading the next expert's weight rows, a ring position that ignores the doubled
+    steps, and outside rows skipped or read."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, hidden, inter = DGRAD_CASES[name]
+    bm, bn = map(int, tiles.split("x"))
+    cfg = GemmTiles(bm, bn, 64, num_warps=4, num_stages=4)
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    m, offsets, inside = _groups(sizes, before=3, after=5)
+    grad_gate_up = torch.randn(m, 2 * inter, generator=gen, device="cuda").bfloat16()
+    grad_gate_up[: inside.start] = float("nan")
+    grad_gate_up[inside.stop :] = float("nan")
+    w_gate, w_up = (
+        (
+            torch.randn(len(sizes), inter, hidden, generator=gen, device="cuda") * inter**-0.5
+        ).bfloat16()
+        for _ in range(2)
+    )
+    assert ws.dgrad_supported(grad_gate_up, cfg, w_gate, w_up)
+    grad_x = ws.gate_up_dgrad(grad_gate_up, w_gate, w_up, row_tile_map(offsets, m, bm), cfg)
+    twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+    twin = gg.gate_up_dgrad(grad_gate_up, w_gate, w_up, row_tile_map(offsets, m, 128), twin_cfg)
+    assert torch.equal(grad_x, twin)
+    assert (grad_x[: inside.start] == 0).all() and (grad_x[inside.stop :] == 0).all()
+    bounds = offsets.tolist()
+    expected = torch.cat(
+        [
+            grad_gate_up[a:b, :inter].float() @ w_gate[e].float()
+            + grad_gate_up[a:b, inter:].float() @ w_up[e].float()
+            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+    )
+    assert relative_error(grad_x[inside], expected) < 4e-3
+
+
+def _swiglu_gradients(grad_h, gate, up, limit):
+    """fp32 autograd gradients of silu(min(gate, L)) * clamp(up, -L, L) (no clamp: L None)."""
+    gate, up = gate.float().requires_grad_(), up.float().requires_grad_()
+    g, u = (gate, up) if limit is None else (gate.clamp(max=limit), up.clamp(-limit, limit))
+    h = torch.nn.functional.silu(g) * u
+    return torch.autograd.grad(h, (gate, up), grad_h.float())
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("name", list(DGRAD_CASES))
+def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit):
+    """The gate | up gradients through W_down and the SwiGLU backward equal the tl kernel's bit
+    for bit and autograd's in fp32 (with the clamp active on many elements). Catches the saved
+    gate and up tiles fetched for the wrong rows or swapped, a fetch-barrier phase off by one
+    (the previous tile's pre-activations), grad_h not rounded like h, a clamp mask flipped, and
+    the gradients written into the wrong half of gate | up."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = DGRAD_CASES[name]
+    cfg = ws.DGRAD_SWIGLU_PING_PONG
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    gate_up = torch.randn(m, 2 * inter, generator=gen, device="cuda").bfloat16()
+    w_down = (
+        torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * hidden**-0.5
+    ).bfloat16()
+    assert ws.dgrad_supported(grad_out, cfg, w_down)
+    ours = ws.down_dgrad_swiglu(
+        grad_out, w_down, gate_up, row_tile_map(offsets, m, cfg.block_m), limit, cfg
+    )
+    twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=4)
+    twin = gg.down_dgrad_swiglu(
+        grad_out, w_down, gate_up, row_tile_map(offsets, m, 128), limit, twin_cfg
+    )
+    assert torch.equal(ours[inside], twin[inside])
+    bounds = offsets.tolist()
+    expected = []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        grad_h = (grad_out[a:b].float() @ w_down[e].float()).bfloat16()
+        expected.append(torch.cat(_swiglu_gradients(grad_h, *gate_up[a:b].chunk(2, 1), limit), 1))
+    assert relative_error(ours[inside], torch.cat(expected)) < 4e-3
+    if limit is not None and sum(sizes) > 100:
+        assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
+
+
 WGRAD_CASES = {
     # name: (group sizes, P (gradient rows, a multiple of 64), Q (gradient columns))
     "uniform": ([300, 257, 128, 511], 128, 384),
@@ -269,11 +372,13 @@ def test_wgrad_tilings_agree_and_calls_repeat():
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("main_grad", [False, True], ids=["bf16 grads", "fp32 buffers"])
 def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
-    """On Hopper the default config sends both weight gradients to the Gluon kernel, fresh or
-    accumulated into fp32 buffers, with the tl path's results bit for bit."""
+    """On Hopper the default config sends both data gradients and both weight gradients to the
+    Gluon kernels, fresh or accumulated into fp32 buffers, with the tl path's results bit for bit
+    (its gate/up data gradient at the Gluon kernel's BLOCK_K)."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_backward, expert_mlp_forward
+    from mok.kernels import warp_specialized as ws
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     # H and I multiples of 128, the default tiles' rows: both gradients take the Gluon kernel.
@@ -288,9 +393,16 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     cfg = default_config(rows.device, hidden, inter, m / 4)
-    assert cfg.warp_specialized_wgrad is not None
+    assert cfg.warp_specialized_wgrad is not None and cfg.warp_specialized_dgrad is not None
+    assert ws.dgrad_supported(rows, cfg.warp_specialized_dgrad.gate_up, w_gate, w_up, w_down)
+    tl_only = dataclasses.replace(
+        cfg,
+        warp_specialized_wgrad=None,
+        warp_specialized_dgrad=None,
+        gate_up_dgrad=dataclasses.replace(cfg.gate_up_dgrad, block_k=64, num_stages=2),
+    )
     results = []
-    for config in (cfg, dataclasses.replace(cfg, warp_specialized_wgrad=None)):
+    for config in (cfg, tl_only):
         _, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=config)
         buffers = {}
         if main_grad:

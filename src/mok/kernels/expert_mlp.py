@@ -53,6 +53,9 @@ class ExpertKernelConfig:
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
     of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
+    warp_specialized_dgrad: ws.DgradTiles | None = None
+    """Tiles of the warp-specialized Gluon kernels that run both data gradients instead of the
+    tl ones where they can (Hopper, `warp_specialized.dgrad_supported`); None: the tl kernels."""
     warp_specialized_wgrad: ws.WgradTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs both weight gradients instead of the
     tl ones where it can (Hopper, `warp_specialized.wgrad_supported`); None: the tl kernels."""
@@ -77,6 +80,7 @@ def default_config(
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     return ExpertKernelConfig(
         warp_specialized_down=ws.PING_PONG if ws.available(device) else None,
+        warp_specialized_dgrad=ws.DGRAD_TILES if ws.available(device) else None,
         warp_specialized_wgrad=ws.WGRAD_TILES if ws.available(device) else None,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
@@ -313,20 +317,29 @@ def expert_mlp_backward(
         return torch.empty_like(rows), grad_w_gate, grad_w_up, grad_w_down
     offsets = saved.group_offsets
     tiles = saved.row_tiles
-    grad_gate_up = gg.down_dgrad_swiglu(
+    ws_dgrad = cfg.warp_specialized_dgrad
+    if ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
+        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
+    else:
+        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu
+    grad_gate_up = down_dgrad(
         grad_out,
         saved.w_down,
         saved.gate_up,
-        _row_tiles(tiles, offsets, m, cfg.down_dgrad.block_m),
+        _row_tiles(tiles, offsets, m, down_cfg.block_m),
         saved.swiglu_limit,
-        cfg.down_dgrad,
+        down_cfg,
     )
-    grad_rows = gg.gate_up_dgrad(
+    if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
+        gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
+    else:
+        gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
+    grad_rows = gate_up_dgrad(
         grad_gate_up,
         saved.w_gate,
         saved.w_up,
-        _row_tiles(tiles, offsets, m, cfg.gate_up_dgrad.block_m),
-        cfg.gate_up_dgrad,
+        _row_tiles(tiles, offsets, m, gate_up_cfg.block_m),
+        gate_up_cfg,
     )
     ws_wgrad = cfg.warp_specialized_wgrad
     down_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)

@@ -81,6 +81,20 @@ PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stag
 epilogue buffers: 224 KiB of the 227 KiB of shared memory). Measured on an H200 against 128 x 128
 tiles (benchmarks/warp_specialized.py): faster or within 1 % at every preset, 12 % faster at
 kimi-k2, whose ~170 rows per expert leave most of a second 128-row tile idle."""
+DGRAD_SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+"""Tiles of the down dgrad + SwiGLU backward kernel: a 64 x 128 accumulator, the saved gate and up
+tiles in registers beside it; 4 slots of 24 KiB and four 16 KiB epilogue buffers (the saved tiles
+land in them, the gradients leave from them): 160 KiB."""
+
+ROWS_WT = gl.constexpr(0)
+"""Kernel mode: out = A @ W[e].T (the forward's down projection)."""
+GATE_UP_SWIGLU = gl.constexpr(1)
+"""Kernel mode: h = swiglu(A @ W[e].T, A @ W2[e].T), and the two products saved."""
+GATE_UP_DGRAD = gl.constexpr(2)
+"""Kernel mode: grad_x = A @ W[e] + A2 @ W2[e], W read along K (this mode and the next)."""
+DOWN_DGRAD_SWIGLU = gl.constexpr(3)
+"""Kernel mode: grad_h = A @ W[e], then the SwiGLU backward against the saved gate and up."""
+
 SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 """Tiles of the gate/up + SwiGLU kernel: two 64 x 128 fp32 accumulators per consumer (128
 registers a thread); 3 slots of 40 KiB and six 16 KiB epilogue buffers (h, gate, up of two
@@ -132,12 +146,17 @@ def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr
 
 
 @gluon.jit
-def _load_partition(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    """Loader: the A and W (and W2) tiles of every step of every task of this program, in order."""
-    (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
+def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    """Loader: the A and W tiles of every step of every task of this program, in order. A step
+    holds one A tile and one W tile (two W tiles in GATE_UP_SWIGLU; GATE_UP_DGRAD alternates
+    steps between its two products)."""
+    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
+    DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
+    PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
+    W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     step_bytes: gl.constexpr = a_desc.block_type.nbytes + (1 + DUAL) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
@@ -146,53 +165,118 @@ def _load_partition(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: g
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         expert = gl.load(table_ptr + m_idx)
         row = gl.load(table_ptr + capacity + m_idx)
-        # W is read as [E * N, K]: rows past this expert's N feed only columns that are not stored.
-        w_row = expert * N + n_idx * BLOCK_N
+        n_off = n_idx * BLOCK_N
         for k in range(0, K, BLOCK_K):
-            slot = step % STAGES
-            # A fresh barrier counts as having completed the phase before its first: the first
-            # pass over the ring does not wait.
-            mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
-            bar = ready.index(slot)
-            mbarrier.expect(bar, step_bytes)
-            tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot))
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, w_bufs.index(slot))
-            if DUAL:
-                tma.async_copy_global_to_shared(w2_desc, [w_row, k], bar, w2_bufs.index(slot))
-            step += 1
+            # W_BY_K: W is read as [E * K, N], and K is a multiple of BLOCK_K (`dgrad_supported`),
+            # so that no step reaches into the next expert. Else as [E * N, K]: rows past this
+            # expert's N feed only columns that are not stored.
+            if W_BY_K:
+                w_row = expert * K + k
+                w_col = n_off
+            else:
+                w_row = expert * N + n_off
+                w_col = k
+            for product in gl.static_range(1 + PAIRED):
+                slot = step % STAGES
+                # A fresh barrier counts as having completed the phase before its first: the first
+                # pass over the ring does not wait.
+                mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
+                bar = ready.index(slot)
+                mbarrier.expect(bar, step_bytes)
+                if product == 0:
+                    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot))
+                    tma.async_copy_global_to_shared(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
+                else:
+                    tma.async_copy_global_to_shared(a2_desc, [row, k], bar, a_bufs.index(slot))
+                    tma.async_copy_global_to_shared(
+                        w2_desc, [w_row, w_col], bar, w_bufs.index(slot)
+                    )
+                if DUAL:
+                    tma.async_copy_global_to_shared(
+                        w2_desc, [w_row, w_col], bar, w2_bufs.index(slot)
+                    )
+                step += 1
 
 
 @gluon.jit
-def _store_tile(desc, buf, ptr, row_stride, value, row, row_end, n_off, N, layout: gl.constexpr):
-    """Stage a full tile for a TMA store (issued by the caller after a fence), or store a
-    group's last, partial tile from registers, rows [row, row_end) and columns [n_off, N) only.
-    Returns whether the tile went through shared memory."""
+def _store_staged(desc, buf, ptr, row_stride, row, row_end, n_off, N):
+    """Store a tile staged in `buf` at [row, n_off]: by TMA when it is inside its group (TMA drops
+    the columns past N), else rows [row, row_end) and columns [n_off, N) only, read back in rows
+    of 16-byte vectors (few addresses in registers) and stored with a mask."""
     BLOCK_M: gl.constexpr = desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = desc.block_type.shape[1]
-    full = row + BLOCK_M <= row_end
-    if full:
-        buf.store(value)
+    VECTOR: gl.constexpr = 128 // desc.block_type.element_ty.primitive_bitwidth
+    LANES_N: gl.constexpr = min(BLOCK_N // VECTOR, 32)
+    if row + BLOCK_M <= row_end:
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc, [row, n_off], buf)
     else:
-        rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
-        cols = n_off + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+        rows_layout: gl.constexpr = gl.BlockedLayout(
+            [1, VECTOR], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0]
+        )
+        tile = buf.load(rows_layout)
+        rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, rows_layout))
+        cols = n_off + gl.arange(0, BLOCK_N, gl.SliceLayout(0, rows_layout))
         mask = (rows < row_end)[:, None] & (cols < N)[None, :]
         offsets = rows.to(gl.int64)[:, None] * row_stride + cols[None, :]
-        gl.store(ptr + offsets, value, mask=mask)
-    return full
+        gl.store(ptr + offsets, tile, mask=mask)
+
+
+@gluon.jit
+def _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT: gl.constexpr):
+    """`grouped_gemm.swiglu_backward_tile`, operation for operation (bitwise the same)."""
+    g = gate
+    u = up
+    if HAS_LIMIT:
+        g = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        u = gl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+    sig = 1 / (1 + gl.exp(-g))
+    grad_up = grad_h * (g * sig)
+    grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
+    if HAS_LIMIT:
+        grad_gate = gl.where(gate <= limit, grad_gate, 0.0)
+        grad_up = gl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
+    return grad_gate, grad_up
+
+
+@gluon.jit
+def _fetch_saved(saved_gate_desc, saved_up_desc, gate_buf, up_buf, fetched, row, n_off):
+    """Start loading the saved gate and up tiles of a tile's rows into the consumer's epilogue
+    buffers (DOWN_DGRAD_SWIGLU), once its previous stores have left them."""
+    tma.store_wait(0)
+    mbarrier.expect(fetched, 2 * saved_gate_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(saved_gate_desc, [row, n_off], fetched, gate_buf)
+    tma.async_copy_global_to_shared(saved_up_desc, [row, n_off], fetched, up_buf)
+
+
+@gluon.jit
+def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row_end, n_off, N):
+    """Store two fp32 [BM, BN] tiles, rounded, into the halves of an [M, 2N] matrix (gate | up),
+    through the epilogue buffers `first` and `first + 1`. Both are staged before either is
+    stored: no register tile stays live across the stores."""
+    bufs.index(first).store(gate.to(gate_desc.dtype))
+    bufs.index(first + 1).store(up.to(up_desc.dtype))
+    _store_staged(gate_desc, bufs.index(first), gate_up_ptr, 2 * N, row, row_end, n_off, N)
+    _store_staged(up_desc, bufs.index(first + 1), gate_up_ptr + N, 2 * N, row, row_end, n_off, N)
 
 
 @gluon.jit
 def _consume(
-    operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr, ROLE: gl.constexpr
+    operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, ROLE: gl.constexpr
 ):
     """Consumer ROLE (0 or 1): tasks ROLE, ROLE + 2, ... of this program; main loop, epilogue."""
-    (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
-    (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits) = outputs
+    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
+    (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits, saved, fetched) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     (limit, limit_below, limit_above) = limits
+    (saved_gate_desc, saved_up_desc) = saved
+    DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
+    PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
+    W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
     dtype: gl.constexpr = out_desc.dtype
@@ -200,12 +284,25 @@ def _consume(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K)
+    k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
+    first = ROLE * OUTPUTS
     nth = ROLE
     for task in range(gl.program_id(0) + ROLE * NUM_PROGRAMS, num_tasks, CONSUMERS * NUM_PROGRAMS):
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         row = gl.load(table_ptr + capacity + m_idx)
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
+        n_off = n_idx * BLOCK_N
+        if MODE == DOWN_DGRAD_SWIGLU:
+            # The saved pre-activations load while the main loop runs.
+            _fetch_saved(
+                saved_gate_desc,
+                saved_up_desc,
+                out_bufs.index(first),
+                out_bufs.index(first + 1),
+                fetched.index(ROLE),
+                row,
+                n_off,
+            )
         step = nth * k_steps
         # Wait for the other consumer to have issued its tile's main loop: it has then waited on
         # every slot before ours, so our ready waits are at most one phase ahead of the barriers
@@ -218,7 +315,11 @@ def _consume(
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), step // STAGES & 1)
             a = a_bufs.index(slot)
-            acc = warpgroup_mma(a, w_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            if W_BY_K:
+                w = w_bufs.index(slot)
+            else:
+                w = w_bufs.index(slot).permute((1, 0))
+            acc = warpgroup_mma(a, w, acc, is_async=True)
             if DUAL:
                 acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
                 # At most this step's second wgmma in flight: the step before has read its slot.
@@ -235,70 +336,91 @@ def _consume(
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
         # Epilogue; the other consumer's main loop runs meanwhile.
-        n_off = n_idx * BLOCK_N
-        tma.store_wait(0)  # this consumer's previous stores have left its buffers
-        first = ROLE * OUTPUTS
-        if DUAL:
-            value = _swiglu(acc, acc2, limit, HAS_LIMIT).to(dtype)
-        else:
-            value = acc.to(dtype)
-        full = _store_tile(
-            out_desc, out_bufs.index(first), out_ptr, N, value, row, row_end, n_off, N, acc_layout
-        )
-        if OUTPUTS == 3:
-            gate, up = _saved_preactivations(acc, acc2, limit, limit_below, limit_above, HAS_LIMIT)
-            _store_tile(
+        if MODE == DOWN_DGRAD_SWIGLU:
+            # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
+            grad_h = acc.to(dtype).to(gl.float32)
+            mbarrier.wait(fetched.index(ROLE), nth // CONSUMERS & 1)
+            # Rows past row_end hold other groups' values: they reach only rows never stored.
+            gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
+            up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
+            grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT)
+            _store_pair(
                 gate_desc,
-                out_bufs.index(first + 1),
-                gate_up_ptr,
-                2 * N,
-                gate.to(dtype),
-                row,
-                row_end,
-                n_off,
-                N,
-                acc_layout,
-            )
-            _store_tile(
                 up_desc,
-                out_bufs.index(first + 2),
-                gate_up_ptr + N,
-                2 * N,
-                up.to(dtype),
+                out_bufs,
+                first,
+                gate_up_ptr,
+                grad_gate,
+                grad_up,
                 row,
                 row_end,
                 n_off,
                 N,
-                acc_layout,
             )
-        if full:
-            fence_async_shared()
-            tma.async_copy_shared_to_global(out_desc, [row, n_off], out_bufs.index(first))
+        else:
+            tma.store_wait(0)  # this consumer's previous stores have left its buffers
+            if DUAL:
+                value = _swiglu(acc, acc2, limit, HAS_LIMIT).to(dtype)
+            else:
+                value = acc.to(dtype)
+            out_bufs.index(first).store(value)
+            _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
             if OUTPUTS == 3:
-                tma.async_copy_shared_to_global(gate_desc, [row, n_off], out_bufs.index(first + 1))
-                tma.async_copy_shared_to_global(up_desc, [row, n_off], out_bufs.index(first + 2))
+                gate, up = _saved_preactivations(
+                    acc, acc2, limit, limit_below, limit_above, HAS_LIMIT
+                )
+                _store_pair(
+                    gate_desc,
+                    up_desc,
+                    out_bufs,
+                    first + 1,
+                    gate_up_ptr,
+                    gate,
+                    up,
+                    row,
+                    row_end,
+                    n_off,
+                    N,
+                )
         nth += CONSUMERS
+    if MODE == GATE_UP_DGRAD:
+        # The rows outside every group get zeros, from no reduction.
+        outside = (gl.load(counts_ptr + 1) - num_m) * num_n
+        zeros = gl.zeros((BLOCK_M, BLOCK_N), dtype, acc_layout)
+        for task in range(
+            gl.program_id(0) + ROLE * NUM_PROGRAMS, outside, CONSUMERS * NUM_PROGRAMS
+        ):
+            m_idx = num_m + task // num_n
+            n_off = task % num_n * BLOCK_N
+            row = gl.load(table_ptr + capacity + m_idx)
+            row_end = gl.load(table_ptr + 2 * capacity + m_idx)
+            tma.store_wait(0)
+            out_bufs.index(first).store(zeros)
+            _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _first_consumer(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    _consume(operands, outputs, problem, DUAL, HAS_LIMIT, 0)
+def _first_consumer(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, 0)
 
 
 @gluon.jit
-def _second_consumer(operands, outputs, problem, DUAL: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    _consume(operands, outputs, problem, DUAL, HAS_LIMIT, 1)
+def _second_consumer(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, 1)
 
 
 @gluon.jit(do_not_specialize=["capacity"])
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
-    w_desc,  # [E * N, K], block [BLOCK_N, BLOCK_K]
-    w2_desc,  # [E * N, K] when DUAL (else w_desc), block [BLOCK_N, BLOCK_K]
+    a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
+    w_desc,  # [E * N, K], block [BLOCK_N, BLOCK_K]; W_BY_K modes: [E * K, N], block [BK, BN]
+    w2_desc,  # the second weight (GATE_UP_SWIGLU, GATE_UP_DGRAD; else w_desc), as w_desc
     out_desc,  # [M, N] out, block [BLOCK_M, BLOCK_N]
-    gate_desc,  # [M, N] (row stride 2N) out when SAVE_PREACT: pre-activations A @ W.T
-    up_desc,  # [M, N] (row stride 2N) out when SAVE_PREACT: pre-activations A @ W2.T
+    gate_desc,  # [M, N] (row stride 2N) out: pre-activations A @ W.T, or the gradient of gate
+    up_desc,  # [M, N] (row stride 2N) out: pre-activations A @ W2.T, or the gradient of up
+    saved_gate_desc,  # [M, N] (row stride 2N) the saved gate pre-activations (DOWN_DGRAD_SWIGLU)
+    saved_up_desc,  # [M, N] (row stride 2N) the saved up pre-activations (DOWN_DGRAD_SWIGLU)
     out_ptr,  # out's first element (contiguous)
     gate_up_ptr,  # [M, 2N] the storage of gate_desc and up_desc
     table_ptr,  # [3, capacity] int32 row tiles
@@ -309,45 +431,52 @@ def _rows_wt_kernel(
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
     limit_below,  # float, the largest value of the output dtype <= limit
     limit_above,  # float, the smallest value of the output dtype > limit
-    DUAL: gl.constexpr,
+    MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     SAVE_PREACT: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS, num_warps 4. For every group's rows: out = A @ W[e].T, or with DUAL
-    out = swiglu(A @ W[e].T, A @ W2[e].T) (and with SAVE_PREACT both products saved)."""
+    """Grid: NUM_PROGRAMS, num_warps 4. For every group's rows, by MODE:
+    ROWS_WT            out = A @ W[e].T
+    GATE_UP_SWIGLU     out = swiglu(A @ W[e].T, A @ W2[e].T), with SAVE_PREACT both products saved
+    GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
+                       the rows outside every group
+    DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)"""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    if DUAL:
+    if MODE == GATE_UP_SWIGLU:
         w2_bufs = gl.allocate_shared_memory(
             dtype, [STAGES] + w2_desc.block_type.shape, w2_desc.layout
         )
     else:
         w2_bufs = w_bufs
-    OUTPUTS: gl.constexpr = 3 if SAVE_PREACT else 1
+    OUTPUTS: gl.constexpr = 3 if SAVE_PREACT else (2 if MODE == DOWN_DGRAD_SWIGLU else 1)
     out_bufs = gl.allocate_shared_memory(
         dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    fetched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     for role in gl.static_range(CONSUMERS):
         mbarrier.init(turns.index(role), count=1)
+        mbarrier.init(fetched.index(role), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=1)
-    operands = (a_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns)
+    operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns)
     limits = (limit, limit_below, limit_above)
-    outputs = (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits)
+    saved = (saved_gate_desc, saved_up_desc)
+    outputs = (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits, saved, fetched)
     problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS)
     gl.warp_specialize(
         [
-            (_first_consumer, (operands, outputs, problem, DUAL, HAS_LIMIT)),
-            (_second_consumer, (operands, outputs, problem, DUAL, HAS_LIMIT)),
-            (_load_partition, (operands, outputs, problem, DUAL, HAS_LIMIT)),
+            (_first_consumer, (operands, outputs, problem, MODE, HAS_LIMIT)),
+            (_second_consumer, (operands, outputs, problem, MODE, HAS_LIMIT)),
+            (_load_partition, (operands, outputs, problem, MODE, HAS_LIMIT)),
         ],
         [4, 1],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
@@ -357,6 +486,7 @@ def _rows_wt_kernel(
         mbarrier.invalidate(empty.index(slot))
     for role in gl.static_range(CONSUMERS):
         mbarrier.invalidate(turns.index(role))
+        mbarrier.invalidate(fetched.index(role))
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -382,35 +512,96 @@ def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     )
 
 
-def _launch(rows, weights, weights2, tiles, cfg, out, gate_up, swiglu_limit):
-    m, k = rows.shape
-    num_experts, n, _ = weights.shape
+def dgrad_supported(rows: torch.Tensor, cfg: GemmTiles, *weights: torch.Tensor) -> bool:
+    """Whether the data-gradient kernels take these operands: `supported`, every weight's
+    reduction dimension (dim 1 of [E, K, N]) a multiple of cfg.block_k, so that a step never
+    reaches into the next expert's weights, and rows of N elements 16-byte aligned for TMA."""
+    return supported(rows, *weights) and all(
+        w.shape[1] % cfg.block_k == 0 and (w.shape[2] * w.element_size()) % 16 == 0 for w in weights
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DgradTiles:
+    """Tiles of the two data-gradient kernels."""
+
+    gate_up: GemmTiles
+    """grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e] (`gate_up_dgrad`)."""
+    down: GemmTiles
+    """The gate | up gradients through W_down and the SwiGLU backward (`down_dgrad_swiglu`)."""
+
+
+DGRAD_TILES = DgradTiles(gate_up=PING_PONG, down=DGRAD_SWIGLU_PING_PONG)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RowsProblem:
+    """The operands of one `_rows_wt_kernel` launch (unused descriptors repeat another)."""
+
+    mode: int
+    a: torch.Tensor  # [M, K]
+    w: torch.Tensor  # [E, N, K], or [E, K, N] when read along K
+    out: torch.Tensor  # [M, N], or the [M, 2N] gate | up gradients (DOWN_DGRAD_SWIGLU)
+    a2: torch.Tensor | None = None
+    w2: torch.Tensor | None = None
+    gate_up: torch.Tensor | None = None  # [M, 2N] saved pre-activations: out, or in (dgrad)
+    swiglu_limit: float | None = None
+
+
+def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
+    mode, a, w = problem.mode, problem.a, problem.w
+    by_k = mode >= GATE_UP_DGRAD.value
+    k = a.shape[1]
+    n = w.shape[2] if by_k else w.shape[1]
     if tiles.block_m != cfg.block_m:
         raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    dual = weights2 is not None
-    gate, up = (gate_up[:, :n], gate_up[:, n:]) if gate_up is not None else (out, out)
-    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(n, bn), cfg)
-    w_desc = _descriptor(weights.view(num_experts * n, k), [bn, bk])
+    w_block = [bk, bn] if by_k else [bn, bk]
+    w_desc = _descriptor(w.reshape(-1, w.shape[2]), w_block)
+    w2_desc = (
+        w_desc if problem.w2 is None else _descriptor(problem.w2.reshape(-1, w.shape[2]), w_block)
+    )
+    a_desc = _descriptor(a, [bm, bk])
+    a2_desc = a_desc if problem.a2 is None else _descriptor(problem.a2, [bm, bk])
+    out = problem.out
+    if mode == DOWN_DGRAD_SWIGLU.value:
+        gate, up = out[:, :n], out[:, n:]
+        saved = problem.gate_up
+        saved_gate, saved_up = (
+            _descriptor(saved[:, :n], [bm, bn]),
+            _descriptor(saved[:, n:], [bm, bn]),
+        )
+        out_desc = _descriptor(gate, [bm, bn])
+        gate_up = out
+    else:
+        gate_up = problem.gate_up if problem.gate_up is not None else out
+        gate, up = (gate_up[:, :n], gate_up[:, n:]) if problem.gate_up is not None else (out, out)
+        out_desc = _descriptor(out, [bm, bn])
+        saved_gate = saved_up = out_desc
+    limit = problem.swiglu_limit
+    programs = num_programs(a.device, tiles.capacity * triton.cdiv(n, bn), cfg)
     _rows_wt_kernel[(programs,)](
-        _descriptor(rows, [bm, bk]),
+        a_desc,
+        a2_desc,
         w_desc,
-        _descriptor(weights2.view(num_experts * n, k), [bn, bk]) if dual else w_desc,
-        _descriptor(out, [bm, bn]),
+        w2_desc,
+        out_desc,
         _descriptor(gate, [bm, bn]),
         _descriptor(up, [bm, bn]),
+        saved_gate,
+        saved_up,
         out,
-        gate_up if gate_up is not None else out,
+        gate_up,
         tiles.table,
         tiles.counts,
         tiles.capacity,
         n,
         k,
-        0.0 if swiglu_limit is None else float(swiglu_limit),
-        *limit_edges(swiglu_limit, rows.dtype),
-        DUAL=dual,
-        HAS_LIMIT=swiglu_limit is not None,
-        SAVE_PREACT=gate_up is not None,
+        0.0 if limit is None else float(limit),
+        *limit_edges(limit, a.dtype),
+        MODE=mode,
+        HAS_LIMIT=limit is not None,
+        SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
         GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs,
         STAGES=cfg.num_stages,
@@ -433,7 +624,7 @@ def rows_wt(
         out = torch.empty(m, weights.shape[1], dtype=rows.dtype, device=rows.device)
     out = out[:m]
     if m:
-        _launch(rows, weights, None, tiles, cfg, out, None, None)
+        _launch(_RowsProblem(ROWS_WT.value, rows, weights, out), tiles, cfg)
     return out
 
 
@@ -456,8 +647,71 @@ def gate_up_swiglu(
         torch.empty(m, 2 * inter, dtype=rows.dtype, device=rows.device) if save_preact else None
     )
     if m:
-        _launch(rows, w_gate, w_up, tiles, cfg, h, gate_up, swiglu_limit)
+        problem = _RowsProblem(
+            GATE_UP_SWIGLU.value,
+            rows,
+            w_gate,
+            h,
+            w2=w_up,
+            gate_up=gate_up,
+            swiglu_limit=swiglu_limit,
+        )
+        _launch(problem, tiles, cfg)
     return h, gate_up
+
+
+def gate_up_dgrad(
+    grad_gate_up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    tiles: RowTiles,
+    cfg: GemmTiles = PING_PONG,
+) -> torch.Tensor:
+    """grad_x [M, H] = grad_gate @ W_gate[e] + grad_up @ W_up[e] per group (grad_gate_up [M, 2I],
+    `dgrad_supported` weights [E, I, H]), zero outside the groups: the result of
+    `grouped_gemm.gate_up_dgrad` with the same BLOCK_K (the two products alternate step by
+    step)."""
+    m = grad_gate_up.shape[0]
+    inter, hidden = w_gate.shape[1], w_gate.shape[2]
+    grad_x = torch.empty(m, hidden, dtype=grad_gate_up.dtype, device=grad_gate_up.device)
+    if m:
+        problem = _RowsProblem(
+            GATE_UP_DGRAD.value,
+            grad_gate_up[:, :inter],
+            w_gate,
+            grad_x,
+            a2=grad_gate_up[:, inter:],
+            w2=w_up,
+        )
+        _launch(problem, tiles, cfg)
+    return grad_x
+
+
+def down_dgrad_swiglu(
+    grad_out: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles = DGRAD_SWIGLU_PING_PONG,
+) -> torch.Tensor:
+    """Gradients of the pre-activations gate | up [M, 2I] from grad_out [M, H] through W_down
+    ([E, H, I], `dgrad_supported`) and the SwiGLU backward on the saved gate | up [M, 2I]; rows
+    outside the groups unwritten. The result of `grouped_gemm.down_dgrad_swiglu`."""
+    m = grad_out.shape[0]
+    inter = w_down.shape[2]
+    grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
+    if m:
+        problem = _RowsProblem(
+            DOWN_DGRAD_SWIGLU.value,
+            grad_out,
+            w_down,
+            grad_gate_up,
+            gate_up=gate_up,
+            swiglu_limit=swiglu_limit,
+        )
+        _launch(problem, tiles, cfg)
+    return grad_gate_up
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,171 @@
+"""Compile the warp-specialized Gluon kernels for sm_90a on a machine without a GPU, and report
+each one's registers, spills and shared memory (ptxas -v), before any GPU time is spent.
+
+Gluon does not run under TRITON_INTERPRET, but it compiles without a driver: a stand-in driver
+gives the JIT a Hopper target, every launch becomes a compile-only `warmup`, and the PTX of each
+kernel goes through the ptxas that Triton carries. Needs the Triton the GPU machine runs (3.6):
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:src python scripts/gluon_compile_check.py
+
+Exit status 1 if a kernel fails to compile, spills, or needs more shared memory than Hopper has.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+HOPPER_SHARED_BYTES = 232448
+"""Shared memory a block of an H100/H200 may take (227 KiB)."""
+
+
+class _HopperStandIn:
+    """The parts of Triton's CUDA driver that compiling needs, answering as one H200 would."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+@contextlib.contextmanager
+def compile_only(compiled: list):
+    """Within: kernel launches compile and record (name, CompiledKernel) instead of running."""
+    launch = JITFunction.__getitem__
+
+    def warmup(self, grid):
+        def run(*args, **kwargs):
+            kernel = self.run(*args, grid=grid, warmup=True, **kwargs)
+            compiled.append((self.fn.__name__, kwargs, kernel))
+
+        return run
+
+    previous = driver._active
+    driver.set_active(_HopperStandIn())
+    JITFunction.__getitem__ = warmup
+    try:
+        yield
+    finally:
+        JITFunction.__getitem__ = launch
+        driver._active = previous
+
+
+def ptxas_report(ptx: str) -> dict[str, int]:
+    """registers, spill bytes and shared memory of the PTX's kernel, from the bundled ptxas."""
+    ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run(
+            [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(src.with_suffix(".o"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out))
+    registers = max(int(n) for n in re.findall(r"Used (\d+) registers", out))
+    return {"registers": registers, "spill_bytes": spills}
+
+
+def cases():
+    """(label, callable) for each kernel and tiling the library uses or benchmarks."""
+    from mok.kernels import warp_specialized as ws
+    from mok.kernels.grouped_gemm import GemmTiles, RowTiles
+
+    def tiles(m, bm, experts):
+        capacity = triton.cdiv(m, bm) + experts + 2
+        return RowTiles(
+            table=torch.zeros(3, capacity, dtype=torch.int32),
+            counts=torch.zeros(2, dtype=torch.int32),
+            capacity=capacity,
+            block_m=bm,
+        )
+
+    bf16 = torch.bfloat16
+    m, experts, hidden, inter = 1024, 4, 512, 256
+    x = torch.zeros(m, hidden, dtype=bf16)
+    w_gate = torch.zeros(experts, inter, hidden, dtype=bf16)
+    w_down = torch.zeros(experts, hidden, inter, dtype=bf16)
+    gate_up = torch.zeros(m, 2 * inter, dtype=bf16)
+    rows_cfgs = {"64x256": ws.PING_PONG, "64x128": GemmTiles(64, 128, 64, 4, 6)}
+    for label, cfg in rows_cfgs.items():
+        yield f"down {label}", lambda c=cfg: ws._launch(
+            ws._RowsProblem(ws.ROWS_WT.value, gate_up[:, :inter], w_down, x), tiles(m, c.block_m, experts), c
+        )
+        yield f"gate_up_dgrad {label}", lambda c=cfg: ws._launch(
+            ws._RowsProblem(ws.GATE_UP_DGRAD.value, gate_up[:, :inter], w_gate, x,
+                            a2=gate_up[:, inter:], w2=w_gate),
+            tiles(m, c.block_m, experts),
+            c,
+        )
+    cfg = ws.SWIGLU_PING_PONG
+    for limit in (None, 7.0):
+        yield f"gate_up_swiglu limit={limit}", lambda c=cfg, lim=limit: ws._launch(
+            ws._RowsProblem(ws.GATE_UP_SWIGLU.value, x, w_gate, gate_up[:, :inter], w2=w_gate,
+                            gate_up=gate_up, swiglu_limit=lim),
+            tiles(m, c.block_m, experts),
+            c,
+        )
+    for label, cfg in {"64x128": ws.DGRAD_SWIGLU_PING_PONG, "64x128 6": GemmTiles(64, 128, 64, 4, 6)}.items():
+        for limit in (None, 7.0):
+            yield f"down_dgrad_swiglu {label} limit={limit}", lambda c=cfg, lim=limit: ws._launch(
+                ws._RowsProblem(ws.DOWN_DGRAD_SWIGLU.value, x, w_down, torch.zeros_like(gate_up),
+                                gate_up=gate_up, swiglu_limit=lim),
+                tiles(m, c.block_m, experts),
+                c,
+            )
+
+
+def main() -> int:
+    import mok.kernels.grouped_gemm as gg
+    from mok.kernels import warp_specialized as ws
+
+    gg_num_programs = gg.num_programs
+    ws.num_programs = lambda device, tasks, cfg: 132
+    ws.use_scratch_allocator = lambda device: None
+    failed = False
+    print(f"triton {triton.__version__}, sm_90a")
+    print("| kernel | registers | spill bytes | shared bytes |")
+    print("| --- | --- | --- | --- |")
+    for label, launch in cases():
+        compiled = []
+        try:
+            with compile_only(compiled):
+                launch()
+        except Exception as error:  # noqa: BLE001 - report every kernel, then fail
+            print(f"| {label} | compile failed: {type(error).__name__}: {str(error)[:300]} | | |")
+            failed = True
+            continue
+        for _, _, kernel in compiled:
+            report = ptxas_report(kernel.asm["ptx"])
+            shared = kernel.metadata.shared
+            bad = report["spill_bytes"] or shared > HOPPER_SHARED_BYTES
+            failed |= bool(bad)
+            print(
+                f"| {label} | {report['registers']} | {report['spill_bytes']} | {shared}"
+                f"{' TOO MUCH' if shared > HOPPER_SHARED_BYTES else ''} |"
+            )
+    ws.num_programs = gg_num_programs
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
