@@ -40,10 +40,14 @@ from mok.testing import relative_error
 PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
 GLUON_TILES = {
     "down": {
-        "gluon 128x128": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
         "gluon 64x256": ws.PING_PONG,
+        "gluon 128x128 coop": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
+        "gluon 128x256 coop": ws.COOPERATIVE,
     },
-    "gate_up": {"gluon 64x128": ws.SWIGLU_PING_PONG},
+    "gate_up": {
+        "gluon 64x128": ws.SWIGLU_PING_PONG,
+        "gluon 128x128 coop": ws.SWIGLU_COOPERATIVE,
+    },
     "wgrad": {
         "gluon 64x128": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
         "gluon 64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
@@ -55,13 +59,13 @@ DGRAD_TILES = {
     "gate_up_dgrad": {
         # The tl kernel at the Gluon kernels' BLOCK_K: its results are the bitwise reference (the
         # two products alternate every BLOCK_K columns of the reduction).
-        "tl 128x256 bk64": GemmTiles(128, 256, 64, num_warps=8, num_stages=2),
+        "tl 128x128 bk64": GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
         "gluon 64x256": ws.PING_PONG,
-        "gluon 64x128": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
+        "gluon 128x256 coop": ws.COOPERATIVE,
     },
     "down_dgrad": {
         "gluon 64x128": ws.DGRAD_SWIGLU_PING_PONG,
-        "gluon 64x128 6 slots": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
+        "gluon 128x128 coop": ws.DGRAD_SWIGLU_COOPERATIVE,
     },
 }
 WGRAD_CHECKED_EXPERTS = 8

@@ -25,6 +25,13 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
+ROWS_TILINGS = {
+    # 64-row tiles: the consumers alternate (ping-pong); 128-row tiles: both on each (cooperative).
+    "64x256": GemmTiles(64, 256, 64, num_warps=4, num_stages=4),
+    "128x128": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
+    "128x256": GemmTiles(128, 256, 64, num_warps=4, num_stages=3),
+}
+
 CASES = {
     # name: (group sizes, N (output features), K (reduction))
     "uniform": ([300, 257, 128, 511], 384, 256),
@@ -40,14 +47,14 @@ CASES = {
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("tiles", ["128x128", "64x256"])
+@pytest.mark.parametrize("tiles", list(ROWS_TILINGS))
 @pytest.mark.parametrize("name", list(CASES))
 def test_rows_wt_matches_its_twin_bitwise(name, tiles):
     from mok.kernels import warp_specialized as ws
 
     sizes, n, k = CASES[name]
-    bm, bn = map(int, tiles.split("x"))
-    cfg = GemmTiles(bm, bn, 64, num_warps=4, num_stages=4)
+    cfg = ROWS_TILINGS[tiles]
+    bm = cfg.block_m
     gen = torch.Generator(device="cuda").manual_seed(0)
     before, after = 3, 5  # rows outside every group, which must stay untouched
     m = before + sum(sizes) + after
@@ -92,16 +99,18 @@ def test_rows_wt_is_repeatable_and_handles_no_rows():
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("name", list(CASES))
-def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit):
+def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     """h and the saved pre-activations (with the clamp-preserving rounding) of the dual kernel
     equal the tl kernel's bit for bit; a swapped gate/up, a clamp applied to the wrong operand or
-    a pre-activation saved into the other half of gate | up would not."""
+    a pre-activation saved into the other half of gate | up would not; nor would a cooperative
+    consumer computing or storing the other one's rows."""
     from mok.kernels import warp_specialized as ws
 
     sizes, inter, hidden = CASES[name]
-    cfg = ws.SWIGLU_PING_PONG
+    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
     gen = torch.Generator(device="cuda").manual_seed(2)
     before, after = 2, 7
     m = before + sum(sizes) + after
@@ -169,7 +178,7 @@ def _groups(sizes, before, after):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-@pytest.mark.parametrize("tiles", ["64x256", "64x128"])
+@pytest.mark.parametrize("tiles", ["64x256", "64x128", "128x256"])
 @pytest.mark.parametrize("name", list(DGRAD_CASES))
 def test_gate_up_dgrad_matches_its_twin_bitwise(name, tiles):
     """grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e] equals the tl kernel's at the same
@@ -181,7 +190,7 @@ def test_gate_up_dgrad_matches_its_twin_bitwise(name, tiles):
 
     sizes, hidden, inter = DGRAD_CASES[name]
     bm, bn = map(int, tiles.split("x"))
-    cfg = GemmTiles(bm, bn, 64, num_warps=4, num_stages=4)
+    cfg = GemmTiles(bm, bn, 64, num_warps=4, num_stages=3 if bm * bn > 64 * 256 else 4)
     gen = torch.Generator(device="cuda").manual_seed(8)
     m, offsets, inside = _groups(sizes, before=3, after=5)
     grad_gate_up = torch.randn(m, 2 * inter, generator=gen, device="cuda").bfloat16()
@@ -219,9 +228,10 @@ def _swiglu_gradients(grad_h, gate, up, limit):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
 @pytest.mark.parametrize("limit", [None, 0.75])
 @pytest.mark.parametrize("name", list(DGRAD_CASES))
-def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit):
+def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     """The gate | up gradients through W_down and the SwiGLU backward equal the tl kernel's bit
     for bit and autograd's in fp32 (with the clamp active on many elements). Catches the saved
     gate and up tiles fetched for the wrong rows or swapped, a fetch-barrier phase off by one
@@ -230,7 +240,7 @@ def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit):
     from mok.kernels import warp_specialized as ws
 
     sizes, inter, hidden = DGRAD_CASES[name]
-    cfg = ws.DGRAD_SWIGLU_PING_PONG
+    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
     gen = torch.Generator(device="cuda").manual_seed(9)
     m, offsets, inside = _groups(sizes, before=2, after=7)
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
@@ -399,7 +409,7 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
         cfg,
         warp_specialized_wgrad=None,
         warp_specialized_dgrad=None,
-        gate_up_dgrad=dataclasses.replace(cfg.gate_up_dgrad, block_k=64, num_stages=2),
+        gate_up_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
     )
     results = []
     for config in (cfg, tl_only):

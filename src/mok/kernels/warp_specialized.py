@@ -75,16 +75,21 @@ CONSUMER_REGISTERS = gl.constexpr(232)
 """Registers per thread of a consumer warpgroup: a 128 x 128 fp32 accumulator takes 128."""
 MAX_REGISTERS = 168
 """The kernel's register limit before redistribution: 168 x 12 warps x 32 fits the 64 K file."""
+CONSUMER_ROWS = 64
+"""Rows of a tile one consumer warpgroup computes: a program's tile of 64 rows goes to one
+consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."""
 
 PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
 """Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
 epilogue buffers: 224 KiB of the 227 KiB of shared memory). Measured on an H200 against 128 x 128
 tiles (benchmarks/warp_specialized.py): faster or within 1 % at every preset, 12 % faster at
 kimi-k2, whose ~170 rows per expert leave most of a second 128-row tile idle."""
-DGRAD_SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+DGRAD_SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6)
 """Tiles of the down dgrad + SwiGLU backward kernel: a 64 x 128 accumulator, the saved gate and up
-tiles in registers beside it; 4 slots of 24 KiB and four 16 KiB epilogue buffers (the saved tiles
-land in them, the gradients leave from them): 160 KiB."""
+tiles in registers beside it; 6 slots of 24 KiB and four 16 KiB epilogue buffers (the saved tiles
+land in them, the gradients leave from them): 208 KiB. Measured on an H200 at 8192 tokens
+(benchmarks/warp_specialized.py): 5-13 % faster than the tl kernel at qwen3-30b-a3b,
+qwen3-235b-a22b and kimi-k2, even at deepseek-v3; 4 slots were 9-26 % slower than 6."""
 
 ROWS_WT = gl.constexpr(0)
 """Kernel mode: out = A @ W[e].T (the forward's down projection)."""
@@ -99,6 +104,18 @@ SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, n
 """Tiles of the gate/up + SwiGLU kernel: two 64 x 128 fp32 accumulators per consumer (128
 registers a thread); 3 slots of 40 KiB and six 16 KiB epilogue buffers (h, gate, up of two
 consumers): 216 KiB."""
+COOPERATIVE = GemmTiles(block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3)
+"""Cooperative tiles of the single-product kernels: 128 x 256, each consumer on 64 rows of it
+sharing the weight tile (half the weight traffic per row of 64 x 256 ping-pong tiles); 3 slots of
+48 KiB and two 32 KiB epilogue buffers: 208 KiB."""
+SWIGLU_COOPERATIVE = GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=2)
+"""Cooperative tiles of the gate/up + SwiGLU kernel: 128 x 128 of both products (the tl kernel's
+tile), each consumer on 64 rows; 2 slots of 48 KiB and six 16 KiB epilogue buffers: 192 KiB."""
+DGRAD_SWIGLU_COOPERATIVE = GemmTiles(
+    block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5
+)
+"""Cooperative tiles of the down dgrad + SwiGLU backward kernel: 128 x 128, each consumer on 64
+rows; 5 slots of 32 KiB and four 16 KiB epilogue buffers: 224 KiB."""
 
 
 @gluon.jit
@@ -157,8 +174,12 @@ def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: g
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    step_bytes: gl.constexpr = a_desc.block_type.nbytes + (1 + DUAL) * w_desc.block_type.nbytes
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
+    WG_M: gl.constexpr = a_desc.block_type.shape[0]
+    step_bytes: gl.constexpr = (
+        SPLIT * a_desc.block_type.nbytes + (1 + DUAL) * w_desc.block_type.nbytes
+    )
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     step = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -183,11 +204,16 @@ def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: g
                 mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
                 bar = ready.index(slot)
                 mbarrier.expect(bar, step_bytes)
+                # SPLIT > 1: the tile's rows in one part per consumer (cooperative tiles).
+                for part in gl.static_range(SPLIT):
+                    a_buf = a_bufs.index(slot * SPLIT + part)
+                    if product == 0:
+                        tma.async_copy_global_to_shared(a_desc, [row + part * WG_M, k], bar, a_buf)
+                    else:
+                        tma.async_copy_global_to_shared(a2_desc, [row + part * WG_M, k], bar, a_buf)
                 if product == 0:
-                    tma.async_copy_global_to_shared(a_desc, [row, k], bar, a_bufs.index(slot))
                     tma.async_copy_global_to_shared(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
                 else:
-                    tma.async_copy_global_to_shared(a2_desc, [row, k], bar, a_bufs.index(slot))
                     tma.async_copy_global_to_shared(
                         w2_desc, [w_row, w_col], bar, w_bufs.index(slot)
                     )
@@ -265,7 +291,9 @@ def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row
 def _consume(
     operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, ROLE: gl.constexpr
 ):
-    """Consumer ROLE (0 or 1): tasks ROLE, ROLE + 2, ... of this program; main loop, epilogue."""
+    """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
+    2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of the program,
+    rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other."""
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
     (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits, saved, fetched) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
@@ -274,10 +302,13 @@ def _consume(
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    WG_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
+    PART: gl.constexpr = ROLE if SPLIT > 1 else 0
+    TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1  # one task in TAKES is this consumer's
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
     dtype: gl.constexpr = out_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -286,10 +317,11 @@ def _consume(
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
     first = ROLE * OUTPUTS
-    nth = ROLE
-    for task in range(gl.program_id(0) + ROLE * NUM_PROGRAMS, num_tasks, CONSUMERS * NUM_PROGRAMS):
+    nth = ROLE if SPLIT == 1 else 0  # the program's task index
+    own_start = gl.program_id(0) + (ROLE if SPLIT == 1 else 0) * NUM_PROGRAMS
+    for task in range(own_start, num_tasks, TAKES * NUM_PROGRAMS):
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
-        row = gl.load(table_ptr + capacity + m_idx)
+        row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
         n_off = n_idx * BLOCK_N
         if MODE == DOWN_DGRAD_SWIGLU:
@@ -304,17 +336,19 @@ def _consume(
                 n_off,
             )
         step = nth * k_steps
-        # Wait for the other consumer to have issued its tile's main loop: it has then waited on
-        # every slot before ours, so our ready waits are at most one phase ahead of the barriers
-        # (phase parity cannot tell a phase from the one two later). This also orders the two
-        # main loops on the tensor cores.
-        mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
-        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
-        acc2 = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, acc_layout)
+        if SPLIT == 1:
+            # Wait for the other consumer to have issued its tile's main loop: it has then waited
+            # on every slot before ours, so our ready waits are at most one phase ahead of the
+            # barriers (phase parity cannot tell a phase from the one two later). This also
+            # orders the two main loops on the tensor cores. Cooperative consumers need no
+            # turns: a slot refills only once both have released it.
+            mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
+        acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+        acc2 = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
         for k in range(k_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), step // STAGES & 1)
-            a = a_bufs.index(slot)
+            a = a_bufs.index(slot * SPLIT + PART)
             if W_BY_K:
                 w = w_bufs.index(slot)
             else:
@@ -328,7 +362,8 @@ def _consume(
                 acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
             step += 1
-        mbarrier.arrive(turns.index(1 - ROLE))
+        if SPLIT == 1:
+            mbarrier.arrive(turns.index(1 - ROLE))
         if DUAL:
             acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
         else:
@@ -339,7 +374,7 @@ def _consume(
         if MODE == DOWN_DGRAD_SWIGLU:
             # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
             grad_h = acc.to(dtype).to(gl.float32)
-            mbarrier.wait(fetched.index(ROLE), nth // CONSUMERS & 1)
+            mbarrier.wait(fetched.index(ROLE), nth // TAKES & 1)
             # Rows past row_end hold other groups' values: they reach only rows never stored.
             gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
             up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
@@ -382,21 +417,20 @@ def _consume(
                     n_off,
                     N,
                 )
-        nth += CONSUMERS
+        nth += TAKES
     if MODE == GATE_UP_DGRAD:
         # The rows outside every group get zeros, from no reduction.
         outside = (gl.load(counts_ptr + 1) - num_m) * num_n
-        zeros = gl.zeros((BLOCK_M, BLOCK_N), dtype, acc_layout)
-        for task in range(
-            gl.program_id(0) + ROLE * NUM_PROGRAMS, outside, CONSUMERS * NUM_PROGRAMS
-        ):
+        zeros = gl.zeros((WG_M, BLOCK_N), dtype, acc_layout)
+        for task in range(own_start, outside, TAKES * NUM_PROGRAMS):
             m_idx = num_m + task // num_n
             n_off = task % num_n * BLOCK_N
-            row = gl.load(table_ptr + capacity + m_idx)
+            row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
             row_end = gl.load(table_ptr + 2 * capacity + m_idx)
-            tma.store_wait(0)
-            out_bufs.index(first).store(zeros)
-            _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
+            if row < row_end:
+                tma.store_wait(0)
+                out_bufs.index(first).store(zeros)
+                _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
     tma.store_wait(0)
 
 
@@ -437,15 +471,20 @@ def _rows_wt_kernel(
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS, num_warps 4. For every group's rows, by MODE:
+    """Grid: NUM_PROGRAMS, num_warps 4; row tiles of SPLIT x WG_M rows (the A descriptor's block
+    rows), one consumer's each (SPLIT 1, ping-pong) or both consumers' (SPLIT 2, cooperative).
+    For every group's rows, by MODE:
     ROWS_WT            out = A @ W[e].T
     GATE_UP_SWIGLU     out = swiglu(A @ W[e].T, A @ W2[e].T), with SAVE_PREACT both products saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
     DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)"""
     dtype: gl.constexpr = a_desc.dtype
-    a_bufs = gl.allocate_shared_memory(dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    a_bufs = gl.allocate_shared_memory(
+        dtype, [STAGES * SPLIT] + a_desc.block_type.shape, a_desc.layout
+    )
     w_bufs = gl.allocate_shared_memory(dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     if MODE == GATE_UP_SWIGLU:
         w2_bufs = gl.allocate_shared_memory(
@@ -466,7 +505,7 @@ def _rows_wt_kernel(
         mbarrier.init(fetched.index(role), count=1)
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=SPLIT)  # every consumer reading it releases it
     operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns)
     limits = (limit, limit_below, limit_above)
     saved = (saved_gate_desc, saved_up_desc)
@@ -555,7 +594,10 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     n = w.shape[2] if by_k else w.shape[1]
     if tiles.block_m != cfg.block_m:
         raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    if cfg.block_m not in (CONSUMER_ROWS, CONSUMERS.value * CONSUMER_ROWS):
+        raise ValueError(f"tiles of {cfg.block_m} rows: {CONSUMER_ROWS} or {2 * CONSUMER_ROWS}")
+    split = cfg.block_m // CONSUMER_ROWS
+    bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if by_k else [bn, bk]
     w_desc = _descriptor(w.reshape(-1, w.shape[2]), w_block)
     w2_desc = (
@@ -605,6 +647,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs,
         STAGES=cfg.num_stages,
+        SPLIT=split,
         num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS,
     )
@@ -717,11 +760,6 @@ def down_dgrad_swiglu(
 # --------------------------------------------------------------------------------------------------
 # Weight gradients: out[e] (+)= A[rows of group e].T @ B[rows of group e]
 # --------------------------------------------------------------------------------------------------
-
-
-WGRAD_CONSUMER_ROWS = 64
-"""Rows of a weight-gradient tile one consumer warpgroup computes: a program's tile of 64 rows
-goes to one consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1143,10 +1181,10 @@ def _group_at_b(
 ) -> None:
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if bm not in (WGRAD_CONSUMER_ROWS, CONSUMERS * WGRAD_CONSUMER_ROWS):
+    if bm not in (CONSUMER_ROWS, CONSUMERS * CONSUMER_ROWS):
         raise ValueError(f"weight-gradient tiles of {bm} rows: 64 (ping-pong) or 128 (shared)")
-    split = bm // WGRAD_CONSUMER_ROWS
-    wg_m = WGRAD_CONSUMER_ROWS
+    split = bm // CONSUMER_ROWS
+    wg_m = CONSUMER_ROWS
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
     programs = num_programs(a.device, tasks, cfg)
