@@ -70,18 +70,22 @@ def default_config(
     partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
     H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
     groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
-    Hopper the forward's down projection and both weight gradients run the warp-specialized
-    Gluon kernels (5-10 % and 5-32 % faster, docs/notes/warp-specialized-gemm.md).
+    Hopper the forward's down projection, both data gradients and both weight gradients run the
+    warp-specialized Gluon kernels (docs/notes/warp-specialized-gemm.md): cooperative 128-row
+    tiles, or ping-pong 64-row ones where groups average under 192 rows, for the same reason.
     """
     if device.type != "cuda":
         small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
         return ExpertKernelConfig(small, small, small, small, small, small)
     short = rows_per_expert is not None and rows_per_expert < 192
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    hopper = ws.available(device)
     return ExpertKernelConfig(
-        warp_specialized_down=ws.PING_PONG if ws.available(device) else None,
-        warp_specialized_dgrad=ws.DGRAD_TILES if ws.available(device) else None,
-        warp_specialized_wgrad=ws.WGRAD_TILES if ws.available(device) else None,
+        warp_specialized_down=(ws.PING_PONG if short else ws.COOPERATIVE) if hopper else None,
+        warp_specialized_dgrad=(ws.SHORT_DGRAD_TILES if short else ws.DGRAD_TILES)
+        if hopper
+        else None,
+        warp_specialized_wgrad=ws.WGRAD_TILES if hopper else None,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
         down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),

@@ -100,17 +100,17 @@ GATE_UP_DGRAD = gl.constexpr(2)
 DOWN_DGRAD_SWIGLU = gl.constexpr(3)
 """Kernel mode: grad_h = A @ W[e], then the SwiGLU backward against the saved gate and up."""
 
-SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 """Tiles of the gate/up + SwiGLU kernel: two 64 x 128 fp32 accumulators per consumer (128
-registers a thread); 3 slots of 40 KiB and six 16 KiB epilogue buffers (h, gate, up of two
-consumers): 216 KiB."""
+registers a thread); 4 slots of 40 KiB and four 16 KiB epilogue buffers (two per consumer, for
+h, gate and up in turn): 224 KiB."""
 COOPERATIVE = GemmTiles(block_m=128, block_n=256, block_k=64, num_warps=4, num_stages=3)
 """Cooperative tiles of the single-product kernels: 128 x 256, each consumer on 64 rows of it
 sharing the weight tile (half the weight traffic per row of 64 x 256 ping-pong tiles); 3 slots of
 48 KiB and two 32 KiB epilogue buffers: 208 KiB."""
-SWIGLU_COOPERATIVE = GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=2)
+SWIGLU_COOPERATIVE = GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
 """Cooperative tiles of the gate/up + SwiGLU kernel: 128 x 128 of both products (the tl kernel's
-tile), each consumer on 64 rows; 2 slots of 48 KiB and six 16 KiB epilogue buffers: 192 KiB."""
+tile), each consumer on 64 rows; 3 slots of 48 KiB and four 16 KiB epilogue buffers: 208 KiB."""
 DGRAD_SWIGLU_COOPERATIVE = GemmTiles(
     block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5
 )
@@ -400,22 +400,19 @@ def _consume(
                 value = acc.to(dtype)
             out_bufs.index(first).store(value)
             _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
-            if OUTPUTS == 3:
+            if DUAL and OUTPUTS == 2:
+                # The saved pre-activations: gate through the second buffer, then up through the
+                # first once h's store has left it (two buffers, not three: a deeper ring).
                 gate, up = _saved_preactivations(
                     acc, acc2, limit, limit_below, limit_above, HAS_LIMIT
                 )
-                _store_pair(
-                    gate_desc,
-                    up_desc,
-                    out_bufs,
-                    first + 1,
-                    gate_up_ptr,
-                    gate,
-                    up,
-                    row,
-                    row_end,
-                    n_off,
-                    N,
+                gate_buf = out_bufs.index(first + 1)
+                gate_buf.store(gate.to(dtype))
+                _store_staged(gate_desc, gate_buf, gate_up_ptr, 2 * N, row, row_end, n_off, N)
+                tma.store_wait(1)
+                out_bufs.index(first).store(up.to(dtype))
+                _store_staged(
+                    up_desc, out_bufs.index(first), gate_up_ptr + N, 2 * N, row, row_end, n_off, N
                 )
         nth += TAKES
     if MODE == GATE_UP_DGRAD:
@@ -492,7 +489,7 @@ def _rows_wt_kernel(
         )
     else:
         w2_bufs = w_bufs
-    OUTPUTS: gl.constexpr = 3 if SAVE_PREACT else (2 if MODE == DOWN_DGRAD_SWIGLU else 1)
+    OUTPUTS: gl.constexpr = 2 if SAVE_PREACT or MODE == DOWN_DGRAD_SWIGLU else 1
     out_bufs = gl.allocate_shared_memory(
         dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
@@ -570,7 +567,12 @@ class DgradTiles:
     """The gate | up gradients through W_down and the SwiGLU backward (`down_dgrad_swiglu`)."""
 
 
-DGRAD_TILES = DgradTiles(gate_up=PING_PONG, down=DGRAD_SWIGLU_PING_PONG)
+DGRAD_TILES = DgradTiles(gate_up=COOPERATIVE, down=DGRAD_SWIGLU_COOPERATIVE)
+"""Cooperative 128-row tiles. Measured on an H200 at 8192 tokens (benchmarks/warp_specialized.py)
+where groups average 256-512 rows: 2-5 % (gate/up) and 8-11 % (down) faster than ping-pong."""
+SHORT_DGRAD_TILES = DgradTiles(gate_up=PING_PONG, down=DGRAD_SWIGLU_PING_PONG)
+"""Ping-pong 64-row tiles, for groups averaging under 192 rows (kimi-k2 at EP 1: ~170), where a
+128-row tile leaves a third of its rows idle: 2-4 % faster there than cooperative tiles."""
 
 
 @dataclasses.dataclass(frozen=True)
