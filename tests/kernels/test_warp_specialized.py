@@ -136,8 +136,9 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
-    """On Hopper the default config sends the down projection to the Gluon kernel, with the tl
-    path's results bit for bit; W_down whose experts are not contiguous falls back to tl."""
+    """On Hopper the default config sends both forward products to the Gluon kernels, with the
+    tl path's results bit for bit (h and the saved pre-activations too); W_down whose experts
+    are not contiguous, or W_gate and W_up as views of one [E, 2I, H] tensor, fall back to tl."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_forward
@@ -154,13 +155,17 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     w_down_view = padded.bfloat16()[:, :, :inter]
     w_down = w_down_view.contiguous()
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    fused = torch.cat([w_gate, w_up], 1)  # [E, 2I, H]: gate and up as views of one tensor
     cfg = default_config(rows.device, hidden, inter, m / 4)
-    assert cfg.warp_specialized_down is not None
-    tl_only = dataclasses.replace(cfg, warp_specialized_down=None)
-    gluon, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
-    tl, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
-    fallback, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down_view, config=cfg)
+    assert cfg.warp_specialized_down is not None and cfg.warp_specialized_gate_up is not None
+    tl_only = dataclasses.replace(cfg, warp_specialized_down=None, warp_specialized_gate_up=None)
+    gluon, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
+    tl, tl_saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
+    fallback, _ = expert_mlp_forward(
+        rows, offsets, fused[:, :inter], fused[:, inter:], w_down_view, config=cfg
+    )
     assert torch.equal(gluon, tl) and torch.equal(fallback, tl)
+    assert torch.equal(saved.h, tl_saved.h) and torch.equal(saved.gate_up, tl_saved.gate_up)
 
 
 DGRAD_CASES = {

@@ -50,6 +50,9 @@ class ExpertKernelConfig:
     """grad of W_down: H x I tiles, reduction over the expert's rows."""
     gate_up_wgrad: GemmTiles
     """grads of W_gate and W_up: I x H tiles, reduction over the expert's rows."""
+    warp_specialized_gate_up: GemmTiles | None = None
+    """Tiles of the warp-specialized Gluon kernel that runs the forward gate/up + SwiGLU instead
+    of the tl one where it can (Hopper, contiguous W_gate and W_up); None: the tl kernel."""
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
     of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
@@ -70,17 +73,21 @@ def default_config(
     partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
     H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
     groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
-    Hopper the forward's down projection, both data gradients and both weight gradients run the
-    warp-specialized Gluon kernels (docs/notes/warp-specialized-gemm.md): cooperative 128-row
-    tiles, or ping-pong 64-row ones where groups average under 192 rows, for the same reason.
-    """
+    Hopper all six products run the warp-specialized Gluon kernels
+    (docs/notes/warp-specialized-gemm.md): cooperative 128-row tiles, or ping-pong 64-row ones
+    where groups average under 192 rows, for the same reason (gate/up: also where H < 4096)."""
     if device.type != "cuda":
         small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
         return ExpertKernelConfig(small, small, small, small, small, small)
     short = rows_per_expert is not None and rows_per_expert < 192
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     hopper = ws.available(device)
+    # gate/up's epilogue (h and both pre-activations) weighs most in short reductions, where
+    # ping-pong consumers hide it behind each other's main loops (measured: 7 % faster than
+    # cooperative tiles at H = 2048, 5 % slower at H = 4096).
+    swiglu = ws.SWIGLU_PING_PONG if short or hidden < 4096 else ws.SWIGLU_COOPERATIVE
     return ExpertKernelConfig(
+        warp_specialized_gate_up=swiglu if hopper else None,
         warp_specialized_down=(ws.PING_PONG if short else ws.COOPERATIVE) if hopper else None,
         warp_specialized_dgrad=(ws.SHORT_DGRAD_TILES if short else ws.DGRAD_TILES)
         if hopper
@@ -240,14 +247,19 @@ def expert_mlp_forward(
         )
         return out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
-    h, gate_up = gg.gate_up_swiglu(
+    ws_gate_up = cfg.warp_specialized_gate_up
+    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
+        gate_up_cfg, gate_up_swiglu = ws_gate_up, ws.gate_up_swiglu
+    else:
+        gate_up_cfg, gate_up_swiglu = cfg.gate_up, gg.gate_up_swiglu
+    h, gate_up = gate_up_swiglu(
         rows,
         w_gate,
         w_up,
-        _row_tiles(tiles, group_offsets, m, cfg.gate_up.block_m),
+        _row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
         swiglu_limit,
         save_for_backward,
-        cfg.gate_up,
+        gate_up_cfg,
     )
     ws_down = cfg.warp_specialized_down
     if ws_down is not None and ws.supported(h, w_down):
