@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -15,8 +16,14 @@ from mok.presets import PRESETS, Preset
 
 
 def run_mok(*args):
+    """Run `mok` in a subprocess; its tables are laid out for 200 columns (rich otherwise takes
+    80 for a pipe and wraps cells, such as a pass name, differently by the columns shown)."""
     return subprocess.run(
-        [sys.executable, "-m", "mok", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "mok", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "COLUMNS": "200"},
     )
 
 

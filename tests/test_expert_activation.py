@@ -123,7 +123,9 @@ def test_expert_parallel_layer_splits_the_biases_with_the_experts():
 
 
 def test_backends_that_cannot_compute_it_say_so():
-    reason = TritonBackend.unavailable_reason(GPT_OSS, torch.device("cpu"), None)
+    # A device the triton backend runs on otherwise (the CPU only under the interpreter).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reason = TritonBackend.unavailable_reason(GPT_OSS, device, None)
     assert reason is not None and "without biases" in reason
     baseline = BaselineMoE(GPT_OSS)
     x = torch.randn(3, 32).bfloat16()
