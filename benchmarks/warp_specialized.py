@@ -95,14 +95,14 @@ def time_each(fns: dict, inputs: int, iters: int = 30) -> dict[str, tuple[float,
     return result
 
 
-def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+def _shape(name: str) -> tuple[int, int, int, int]:
+    """(experts, hidden, intermediate, top_k) of a preset."""
     shape = mok.PRESETS[name]
-    experts, hidden, inter, top_k = (
-        shape.num_experts,
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.top_k,
-    )
+    return shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
+
+
+def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+    experts, hidden, inter, top_k = _shape(name)
     down = product == "down"
     k_dim = inter if down else hidden
     sets = []
@@ -178,13 +178,7 @@ def _swiglu_grads(grad_h, gate, up):
 def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
     """gate_up_dgrad: grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; down_dgrad: the gate |
     up gradients from grad_out through W_down[e] and the SwiGLU backward."""
-    shape = mok.PRESETS[name]
-    experts, hidden, inter, top_k = (
-        shape.num_experts,
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.top_k,
-    )
+    experts, hidden, inter, top_k = _shape(name)
     down = product == "down_dgrad"
     sets = []
     for _ in range(2):
@@ -255,13 +249,7 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
 
 
 def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
-    shape = mok.PRESETS[name]
-    experts, hidden, inter, top_k = (
-        shape.num_experts,
-        shape.hidden_size,
-        shape.intermediate_size,
-        shape.top_k,
-    )
+    experts, hidden, inter, top_k = _shape(name)
     down = product == "down_wgrad"
     # A [M, halves * P] and B [M, Q] -> gradients [E, P, Q] per half.
     p, q, halves = (hidden, inter, 1) if down else (inter, hidden, 2)

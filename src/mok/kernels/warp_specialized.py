@@ -1,44 +1,41 @@
-"""Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: the forward's two products
-and the backward's weight gradients.
+"""Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: all six products of the expert
+MLP, forward and backward.
 
-    out[rows of group e] = A[rows of group e] @ W[e].T                      (`rows_wt`: down)
-    h[rows of group e]   = swiglu(A @ W[e].T, A @ W2[e].T), and both saved  (`gate_up_swiglu`)
+    out[rows of group e]    = A @ W[e].T                                 (`rows_wt`: down)
+    h[rows of group e]      = swiglu(A @ W[e].T, A @ W2[e].T), both saved  (`gate_up_swiglu`)
+    grad_x[rows of group e] = A @ W[e] + A2 @ W2[e]                        (`gate_up_dgrad`)
+    gate | up gradients     = swiglu_backward(A @ W[e], saved gate, up)    (`down_dgrad_swiglu`)
     G[e] (+)= A[rows of group e].T @ B[rows of group e]          (`down_wgrad`, `gate_up_wgrad`)
 
-with A [M, K], W and W2 [E, N, K]. Their interpretable twins are `grouped_gemm.down`,
-`grouped_gemm.gate_up_swiglu`, `grouped_gemm.down_wgrad` and `grouped_gemm.gate_up_wgrad`: the same
-reduction order, and results equal bit for bit.
+with A [M, K] and W [E, N, K] (the data gradients read W [E, K, N] along K). The interpretable
+twins are the `grouped_gemm` kernels of the same names: the same reduction order, and results
+equal bit for bit (the GPU tests compare them; the CPU tests cover the twins).
 
 Roles inside one persistent program (one per SM):
-  loader     one warp: walks the program's tasks and streams their A and W (and W2) tiles into a
-             ring of STAGES shared-memory slots with TMA; a slot's `ready` barrier completes when
-             its tiles landed, its `empty` barrier when the consumer that read it is done with it.
-  consumers  two warpgroups taking the program's tasks in turn (the default partition even ones,
-             a worker odd ones). A `turns` barrier passes the main loop from one to the other, so
-             while one consumer runs its tile's epilogue (SwiGLU, converts, stores) the other's
-             wgmma main loop runs on the next tile: the tensor cores do not wait for epilogues
-             (ping-pong).
+  loader     one warp: walks the program's tasks and streams their A and W tiles into a ring of
+             STAGES shared-memory slots with TMA; a slot's `ready` barrier completes when its
+             tiles landed, its `empty` barrier when the consumers that read it are done with it.
+  consumers  two warpgroups. Ping-pong (64-row tiles): they take the program's tasks in turn, and
+             a `turns` barrier passes the main loop from one to the other, so that one consumer's
+             epilogue (SwiGLU, converts, stores) runs under the other's wgmma main loop.
+             Cooperative (128-row tiles): both work on every task, 64 rows each, sharing the
+             weight tile of each step (half the weight traffic per row).
 
-Every task is BLOCK_K steps over all of K, so the ring position of step k of the program's t-th
-task is t * k_steps + k: loader and consumers agree on slots and barrier phases without talking.
-
-Stores: a tile inside its group goes through shared memory and a TMA store (TMA drops the columns
-past N); a group's last, partial tile is stored from registers with a row mask, so that nothing
-outside the group is written.
+Row-tiled tasks are BLOCK_K steps over all of K, so the ring position of step k of the program's
+t-th task is t * k_steps + k: loader and consumers agree on slots and barrier phases without
+talking. Stores: a tile inside its group goes through shared memory and a TMA store (TMA drops the
+columns past N); a group's last, partial tile is read back from shared memory and stored with a
+row mask, so that nothing outside the group is written.
 
 The weight gradients reduce over a group's rows, a different number per expert: the loader reads
 them through descriptors made on the device that end at the group's end, and the consumers count
-steps task by task. Their consumers either alternate (64-row tiles, ping-pong) or share 128-row
-tiles (each takes 64 rows; both release each slot), the default: see `WGRAD_TILES`.
+steps task by task (`WGRAD_TILES`).
 
-Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): the down
-product is 5-10 % faster than the tl kernel and is what `expert_mlp_forward` runs on Hopper; the
-dual product, with 64-row tiles per consumer, is 4-31 % slower than the tl kernel's 128-row tiles
-on two warpgroups (twice the weight traffic per row), so the forward keeps the tl kernel for it.
-The weight gradients are 5-32 % faster than the tl kernels and are what `expert_mlp_backward` runs.
-
-Gluon does not run under TRITON_INTERPRET; the CPU tests cover the twins, and the GPU tests
-compare these kernels with them bit for bit.
+Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): every
+product runs 3-33 % faster than its tl twin at the presets' shapes with the tiles `default_config`
+picks (cooperative where groups average >= 192 rows, else ping-pong), and `expert_mlp_forward` /
+`expert_mlp_backward` run them on Hopper. `scripts/gluon_compile_check.py` compiles them for sm_90a
+without a GPU (registers, spills, shared memory).
 """
 
 from __future__ import annotations
