@@ -20,13 +20,13 @@ import argparse
 import dataclasses
 import datetime
 import statistics
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import mok
+from mok.bench import git_commit
 from mok.kernels import GemmTiles, default_config, expert_mlp_backward, expert_mlp_forward
 from mok.kernels import grouped_gemm as gg
 from mok.testing import grouped_expert_reference, relative_error
@@ -469,13 +469,10 @@ def main(argv=None) -> int:
         ok &= all(r["agree"] for r in rows)
         print(text)
         if args.out:
-            commit = subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-            ).stdout.strip()
             header = (
                 f"{datetime.date.today()} {torch.cuda.get_device_name()}, "
                 f"torch {torch.__version__}, "
-                f"triton {__import__('triton').__version__}, commit {commit or 'unknown'}\n\n"
+                f"triton {__import__('triton').__version__}, commit {git_commit()}\n\n"
                 f"`{' '.join(['python', *sys.argv])}`\n\n"
             )
             with open(args.out, "w") as f:
