@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import torch
 import triton
@@ -29,6 +30,7 @@ from triton.runtime.jit import JITFunction
 
 HOPPER_SHARED_BYTES = 232448
 """Shared memory a block of an H100/H200 may take (227 KiB)."""
+H200_SMS = 132
 
 
 class _HopperStandIn:
@@ -49,8 +51,9 @@ class _HopperStandIn:
 
 @contextlib.contextmanager
 def compile_only(compiled: list):
-    """Within: kernel launches compile and record (name, CompiledKernel) instead of running."""
-    launch = JITFunction.__getitem__
+    """Within: kernel launches compile and record (name, CompiledKernel) instead of running, with
+    the persistent grid of an H200 (one program per SM)."""
+    from mok.kernels import warp_specialized as ws
 
     def warmup(self, grid):
         def run(*args, **kwargs):
@@ -61,11 +64,13 @@ def compile_only(compiled: list):
 
     previous = driver._active
     driver.set_active(_HopperStandIn())
-    JITFunction.__getitem__ = warmup
     try:
-        yield
+        with (
+            mock.patch.object(JITFunction, "__getitem__", warmup),
+            mock.patch.object(ws, "num_programs", lambda device, tasks, cfg: H200_SMS),
+        ):
+            yield
     finally:
-        JITFunction.__getitem__ = launch
         driver._active = previous
 
 
@@ -150,12 +155,6 @@ def cases():
 
 
 def main() -> int:
-    import mok.kernels.grouped_gemm as gg
-    from mok.kernels import warp_specialized as ws
-
-    gg_num_programs = gg.num_programs
-    ws.num_programs = lambda device, tasks, cfg: 132
-    ws.use_scratch_allocator = lambda device: None
     failed = False
     print(f"triton {triton.__version__}, sm_90a")
     print("| kernel | registers | spill bytes | shared bytes |")
@@ -177,7 +176,6 @@ def main() -> int:
                 f"| {label} | {report['registers']} | {report['spill_bytes']} | {shared}"
                 f"{' TOO MUCH' if shared > HOPPER_SHARED_BYTES else ''} |"
             )
-    ws.num_programs = gg_num_programs
     return 1 if failed else 0
 
 

@@ -306,6 +306,7 @@ def _consume(
     SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
     PART: gl.constexpr = ROLE if SPLIT > 1 else 0
     TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1  # one task in TAKES is this consumer's
+    FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0  # this consumer's first, in the program
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
     dtype: gl.constexpr = out_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -314,8 +315,8 @@ def _consume(
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
     first = ROLE * OUTPUTS
-    nth = ROLE if SPLIT == 1 else 0  # the program's task index
-    own_start = gl.program_id(0) + (ROLE if SPLIT == 1 else 0) * NUM_PROGRAMS
+    nth = FIRST_TASK  # the program's task index
+    own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
     for task in range(own_start, num_tasks, TAKES * NUM_PROGRAMS):
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
@@ -586,6 +587,17 @@ class _RowsProblem:
     swiglu_limit: float | None = None
 
 
+def _consumer_split(block_m: int) -> int:
+    """Consumers per tile of block_m rows: 1 for CONSUMER_ROWS (ping-pong), 2 for twice that
+    (cooperative, or the weight gradients' shared tiles); other sizes raise ValueError."""
+    if block_m not in (CONSUMER_ROWS, CONSUMERS.value * CONSUMER_ROWS):
+        raise ValueError(
+            f"tiles of {block_m} rows: {CONSUMER_ROWS} (ping-pong) or "
+            f"{CONSUMERS.value * CONSUMER_ROWS} (both consumers on each tile)"
+        )
+    return block_m // CONSUMER_ROWS
+
+
 def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     mode, a, w = problem.mode, problem.a, problem.w
     by_k = mode >= GATE_UP_DGRAD.value
@@ -593,9 +605,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     n = w.shape[2] if by_k else w.shape[1]
     if tiles.block_m != cfg.block_m:
         raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
-    if cfg.block_m not in (CONSUMER_ROWS, CONSUMERS.value * CONSUMER_ROWS):
-        raise ValueError(f"tiles of {cfg.block_m} rows: {CONSUMER_ROWS} or {2 * CONSUMER_ROWS}")
-    split = cfg.block_m // CONSUMER_ROWS
+    split = _consumer_split(cfg.block_m)
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if by_k else [bn, bk]
     w_desc = _descriptor(w.reshape(-1, w.shape[2]), w_block)
@@ -605,20 +615,20 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     a_desc = _descriptor(a, [bm, bk])
     a2_desc = a_desc if problem.a2 is None else _descriptor(problem.a2, [bm, bk])
     out = problem.out
+    # Descriptors the mode does not use repeat one it does (each is built once: host time).
     if mode == DOWN_DGRAD_SWIGLU.value:
-        gate, up = out[:, :n], out[:, n:]
-        saved = problem.gate_up
-        saved_gate, saved_up = (
-            _descriptor(saved[:, :n], [bm, bn]),
-            _descriptor(saved[:, n:], [bm, bn]),
-        )
-        out_desc = _descriptor(gate, [bm, bn])
-        gate_up = out
+        gate_up = out  # the gradients' gate | up halves; the saved ones come in
+        gate_desc = out_desc = _descriptor(out[:, :n], [bm, bn])
+        up_desc = _descriptor(out[:, n:], [bm, bn])
+        saved_gate = _descriptor(problem.gate_up[:, :n], [bm, bn])
+        saved_up = _descriptor(problem.gate_up[:, n:], [bm, bn])
     else:
-        gate_up = problem.gate_up if problem.gate_up is not None else out
-        gate, up = (gate_up[:, :n], gate_up[:, n:]) if problem.gate_up is not None else (out, out)
-        out_desc = _descriptor(out, [bm, bn])
-        saved_gate = saved_up = out_desc
+        out_desc = gate_desc = up_desc = saved_gate = saved_up = _descriptor(out, [bm, bn])
+        gate_up = out
+        if problem.gate_up is not None:  # the pre-activations go out
+            gate_up = problem.gate_up
+            gate_desc = _descriptor(gate_up[:, :n], [bm, bn])
+            up_desc = _descriptor(gate_up[:, n:], [bm, bn])
     limit = problem.swiglu_limit
     programs = num_programs(a.device, tiles.capacity * triton.cdiv(n, bn), cfg)
     _rows_wt_kernel[(programs,)](
@@ -627,8 +637,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         w_desc,
         w2_desc,
         out_desc,
-        _descriptor(gate, [bm, bn]),
-        _descriptor(up, [bm, bn]),
+        gate_desc,
+        up_desc,
         saved_gate,
         saved_up,
         out,
@@ -1180,9 +1190,7 @@ def _group_at_b(
 ) -> None:
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    if bm not in (CONSUMER_ROWS, CONSUMERS * CONSUMER_ROWS):
-        raise ValueError(f"weight-gradient tiles of {bm} rows: 64 (ping-pong) or 128 (shared)")
-    split = bm // CONSUMER_ROWS
+    split = _consumer_split(bm)
     wg_m = CONSUMER_ROWS
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
