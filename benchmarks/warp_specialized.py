@@ -11,7 +11,9 @@ W_up[e]) and down_dgrad (grad_h = grad_out @ W_down[e] then the SwiGLU backward 
 gate | up, giving their gradients); and its weight gradients, down_wgrad (grad_W_down[e] =
 grad_out[group e].T @ h[group e]) and gate_up_wgrad (grad_W_gate[e] = grad_gate[group e].T @
 x[group e], and up), each written fresh in
-bf16 and added into existing fp32 buffers (gradient accumulation into a main-gradient buffer). At
+bf16 and added into existing fp32 buffers (gradient accumulation into a main-gradient buffer).
+Not in the default list: gate_up_sources and down_sources, the fused layer's building blocks
+(rows gathered through a dispatch index; down's peer-store epilogue), see `bench_sources`. At
 each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
 k). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
 or the fresh gradients, and with fp32 math), then each is timed: CUDA events around each call,
@@ -27,6 +29,7 @@ import statistics
 import sys
 
 import torch
+import triton
 from expert_kernels import dense_tflops, near_uniform_sizes, randn
 
 import mok
@@ -338,6 +341,112 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
     return lines
 
 
+def bench_sources(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+    """The building blocks of the fused layer inside the Gluon kernels, with the default tiles:
+    gate/up and down with A rows gathered through a dispatch index (token t's rows, top_k times)
+    against TMA tiles of rows gathered beforehand, beside the copy that gathering replaces; and
+    down's peer-store epilogue (rows scattered to two simulated ranks' buffers on this GPU, with
+    readiness counts) against local stores. Results must equal the TMA kernel's bit for bit."""
+    experts, hidden, inter, top_k = _shape(name)
+    sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+    offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    m = sum(sizes)
+    index = torch.randint(0, tokens, (m,), generator=gen, device="cuda", dtype=torch.int32)
+    default = default_config(torch.device("cuda"), hidden, inter, m / experts)
+    down = product == "down_sources"
+    k_dim = inter if down else hidden
+    source = randn(tokens, k_dim, gen=gen)
+    gathered_first = source[index.long()].contiguous()
+    if down:
+        cfg = default.warp_specialized_down
+        weights = [randn(experts, hidden, inter, gen=gen, scale=inter**-0.5)]
+    else:
+        cfg = default.warp_specialized_gate_up
+        weights = [randn(experts, inter, hidden, gen=gen, scale=hidden**-0.5) for _ in range(2)]
+    tiles = row_tile_map(offsets, m, cfg.block_m)
+    tile_label = f"{cfg.block_m}x{cfg.block_n}"
+    if down:
+        ep, rank = 2, 0
+        per_rank = (m // ep + 1024) * hidden
+        buffers = torch.empty(ep, per_rank // hidden, hidden, dtype=torch.bfloat16, device="cuda")
+        dest_rank = torch.randint(0, ep, (m,), generator=gen, device="cuda", dtype=torch.int32)
+        dest_row = torch.zeros(m, dtype=torch.int32, device="cuda")
+        for d in range(ep):
+            mine = (dest_rank == d).nonzero().flatten()
+            dest_row[mine] = torch.randperm(mine.numel(), device="cuda", generator=gen).int()
+        counts = torch.zeros(ep, ep, dtype=torch.int32, device="cuda")
+        scatter = gg.RowScatter(
+            out=buffers[rank],
+            out_offsets=torch.arange(ep, device="cuda") * per_rank,
+            dest_rank=dest_rank,
+            dest_row=dest_row,
+            counts=counts[rank],
+            counts_offsets=torch.arange(ep, device="cuda") * ep,
+            rank=rank,
+        )
+        fns = {
+            f"gluon {tile_label} tma rows": lambda: ws.rows_wt(
+                gathered_first, *weights, tiles, cfg
+            ),
+            f"gluon {tile_label} gathered": lambda: ws.rows_wt(
+                source, *weights, tiles, cfg, source_rows=index
+            ),
+            f"gluon {tile_label} gathered + peer stores": lambda: ws.rows_wt_scatter(
+                source, *weights, tiles, scatter, cfg, source_rows=index
+            ),
+        }
+    else:
+        fns = {
+            f"gluon {tile_label} tma rows": lambda: ws.gate_up_swiglu(
+                gathered_first, *weights, tiles, None, True, cfg
+            )[0],
+            f"gluon {tile_label} gathered": lambda: ws.gate_up_swiglu(
+                source, *weights, tiles, None, True, cfg, source_rows=index
+            )[0],
+        }
+    fns["the copy it replaces: rows[index]"] = lambda: source.index_select(0, index)
+    results = {label: fn() for label, fn in fns.items()}
+    reference = next(iter(results.values()))
+    if down:
+        counts.zero_()
+        ws.rows_wt_scatter(source, *weights, tiles, scatter, cfg, source_rows=index)
+        landed = torch.cat([buffers[d][dest_row[dest_rank == d].long()] for d in range(ep)])
+        order = torch.cat([(dest_rank == d).nonzero().flatten() for d in range(ep)])
+        results[f"gluon {tile_label} gathered + peer stores"] = torch.empty_like(reference)
+        results[f"gluon {tile_label} gathered + peer stores"][order] = landed
+        sent = torch.bincount(dest_rank.long(), minlength=ep) * triton.cdiv(hidden, cfg.block_n)
+        if counts[:, rank].tolist() != sent.tolist():
+            raise AssertionError(f"{name}: readiness counts {counts[:, rank]} != {sent}")
+    times = time_each({label: (lambda i, fn=fn: fn()) for label, fn in fns.items()}, 1)
+    flops = 2 * m * hidden * inter * len(weights)
+    lines = []
+    for label in fns:
+        ms, low, high = times[label]
+        copy = label.startswith("the copy")
+        same = copy or torch.equal(results[label], reference)
+        tflops = "" if copy else f"{flops / ms / 1e9:.0f}"
+        share = "" if copy else f"{100 * flops / ms / 1e9 / dense:.0f} %"
+        lines.append(
+            f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
+            f"| {tflops} | {share} | | {'yes' if same else 'no'} |"
+        )
+        if not same:
+            raise AssertionError(f"{name} {product} {label}: differs from the TMA rows' result")
+    return lines
+
+
+RUNNERS = {
+    "gate_up": bench,
+    "down": bench,
+    "gate_up_dgrad": bench_dgrad,
+    "down_dgrad": bench_dgrad,
+    "down_wgrad": bench_wgrad,
+    "gate_up_wgrad": bench_wgrad,
+    "gate_up_sources": bench_sources,
+    "down_sources": bench_sources,
+}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="8192", help="comma-separated token counts")
@@ -366,8 +475,7 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         for tokens in map(int, args.tokens.split(",")):
             for product in args.products.split(","):
-                run = {"wgrad": bench_wgrad, "dgrad": bench_dgrad}.get(product[-5:], bench)
-                rows = run(name, product, tokens, dense, gen)
+                rows = RUNNERS[product](name, product, tokens, dense, gen)
                 print("\n".join(rows), flush=True)
                 lines += rows
     if args.out:

@@ -94,7 +94,7 @@ def ptxas_report(ptx: str) -> dict[str, int]:
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
     from mok.kernels import warp_specialized as ws
-    from mok.kernels.grouped_gemm import GemmTiles, RowTiles
+    from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowTiles
 
     def tiles(cfg):
         capacity = triton.cdiv(m, cfg.block_m) + experts + 2
@@ -114,8 +114,30 @@ def cases():
         "64x128": GemmTiles(64, 128, 64, 4, 6),
         "128x256 cooperative": ws.COOPERATIVE,
     }
+    source_rows = torch.zeros(m, dtype=torch.int32)
+    int64 = torch.zeros(2, dtype=torch.int64)
+    scatter = RowScatter(
+        out=x,
+        out_offsets=int64,
+        dest_rank=source_rows,
+        dest_row=source_rows,
+        counts=torch.zeros(2, dtype=torch.int32),
+        counts_offsets=int64,
+        rank=0,
+    )
     for label, cfg in single.items():
         down = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x)
+        gathered = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x, source_rows=source_rows)
+        scattered = ws._RowsProblem(
+            ws.ROWS_WT.value, grad, w_down, x, source_rows=source_rows, scatter=scatter
+        )
+        yield f"down gather {label}", lambda p=gathered, c=cfg: ws._launch(p, tiles(c), c)
+        # K not a multiple of BLOCK_K (nor of 16 elements): the gather's column mask.
+        ragged = ws._RowsProblem(
+            ws.ROWS_WT.value, grad[:, :136], w_down[:, :, :136], x, source_rows=source_rows
+        )
+        yield f"down gather K=136 {label}", lambda p=ragged, c=cfg: ws._launch(p, tiles(c), c)
+        yield f"down gather+scatter {label}", lambda p=scattered, c=cfg: ws._launch(p, tiles(c), c)
         dgrad = ws._RowsProblem(ws.GATE_UP_DGRAD.value, grad, w_gate, x, other_grad, w_gate)
         yield f"down {label}", lambda p=down, c=cfg: ws._launch(p, tiles(c), c)
         yield f"gate_up_dgrad {label}", lambda p=dgrad, c=cfg: ws._launch(p, tiles(c), c)
@@ -124,6 +146,17 @@ def cases():
         "64x128": ws.DGRAD_SWIGLU_PING_PONG,
         "128x128 cooperative": ws.DGRAD_SWIGLU_COOPERATIVE,
     }
+    for label, cfg in swiglu.items():
+        problem = ws._RowsProblem(
+            ws.GATE_UP_SWIGLU.value,
+            x,
+            w_gate,
+            grad,
+            w2=w_gate,
+            gate_up=gate_up,
+            source_rows=source_rows,
+        )
+        yield f"gate_up_swiglu gather {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
     for limit in (None, 7.0):
         for label, cfg in swiglu.items():
             problem = ws._RowsProblem(

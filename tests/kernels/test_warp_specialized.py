@@ -182,6 +182,125 @@ def _groups(sizes, before, after):
     return m, offsets, slice(before, before + sum(sizes))
 
 
+SOURCE_CASES = {
+    # name: (group sizes, N, K, source rows S)
+    "uniform, repeated sources": ([300, 257, 128, 511], 384, 256, 400),
+    "empty and one-row groups": ([0, 1, 0, 640, 0, 3], 256, 136, 700),
+    "N and K not tile multiples": ([200, 77, 129], 200, 80, 50),
+    "several tiles per consumer": ([5000, 0, 3003, 1], 512, 1024, 9000),
+}
+
+
+def _source_case(name, gen):
+    """(rows [S, K], a random index [M] int32 into them with repeats, group offsets, N)."""
+    sizes, n, k, sources = SOURCE_CASES[name]
+    m = sum(sizes)
+    rows = torch.randn(sources, k, generator=gen, device="cuda").bfloat16()
+    index = torch.randint(0, sources, (m,), generator=gen, device="cuda", dtype=torch.int32)
+    offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+    return rows, index, offsets, n
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["64x256", "128x256"])
+@pytest.mark.parametrize("name", list(SOURCE_CASES))
+def test_gathered_rows_wt_and_gate_up_equal_the_rows_gathered_first(name, tiles):
+    """The gathering A source (cp.async through the index, into the ring's swizzled slots) against
+    TMA tiles of the rows gathered beforehand, and against the tl twin's gather: bitwise. Bugs
+    caught: a cp.async piece in the wrong swizzled place, a slot released before its copies
+    landed (the barrier counting of cp.async arrivals), a missing proxy fence (wgmma reading stale
+    shared memory), rows past M or columns past K not zero, chunks of 16 rows mixed up."""
+    from mok.kernels import warp_specialized as ws
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows, index, offsets, n = _source_case(name, gen)
+    m, k = index.shape[0], rows.shape[1]
+    cfg = ROWS_TILINGS[tiles]
+    tiles_map = row_tile_map(offsets, m, cfg.block_m)
+    weights = torch.randn(offsets.numel() - 1, n, k, generator=gen, device="cuda") * k**-0.5
+    weights = weights.bfloat16()
+    first = rows[index.long()].contiguous()
+    gathered = ws.rows_wt(rows, weights, tiles_map, cfg, source_rows=index)
+    assert torch.equal(gathered, ws.rows_wt(first, weights, tiles_map, cfg))
+    twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
+    twin = gg.down(rows, weights, tiles_map, twin_cfg, source_rows=index)
+    assert torch.equal(gathered, twin)
+    swiglu_cfg = ws.SWIGLU_PING_PONG if cfg.block_m == 64 else ws.SWIGLU_COOPERATIVE
+    w_up = weights.flip(0).contiguous()
+    swiglu_map = row_tile_map(offsets, m, swiglu_cfg.block_m)
+    h, gate_up = ws.gate_up_swiglu(
+        rows, weights, w_up, swiglu_map, None, True, swiglu_cfg, source_rows=index
+    )
+    h_first, gate_up_first = ws.gate_up_swiglu(
+        first, weights, w_up, swiglu_map, None, True, swiglu_cfg
+    )
+    assert torch.equal(h, h_first) and torch.equal(gate_up, gate_up_first)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("gather", [False, True], ids=["tma rows", "gathered rows"])
+@pytest.mark.parametrize("tiles", ["64x256", "128x256"])
+@pytest.mark.parametrize("name", list(SOURCE_CASES))
+def test_rows_wt_scatter_matches_its_twin(name, tiles, gather):
+    """The peer-store epilogue against the tl twin's (`grouped_gemm.down_scatter`): the same rows
+    in the same places of two simulated ranks' buffers (one GPU), nothing else written, and the
+    same readiness counts. Bugs caught: a row to the wrong rank or row, dropped rows (-1) stored,
+    a tail tile storing past its group, a count added by every thread of a row instead of once
+    per tile and rank, or missing for the second consumer's rows."""
+    from mok.kernels import warp_specialized as ws
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    rows, index, offsets, n = _source_case(name, gen)
+    m, k = index.shape[0], rows.shape[1]
+    if not gather:
+        rows = rows[index.long()].contiguous()
+    cfg = ROWS_TILINGS[tiles]
+    tiles_map = row_tile_map(offsets, m, cfg.block_m)
+    weights = torch.randn(offsets.numel() - 1, n, k, generator=gen, device="cuda") * k**-0.5
+    weights = weights.bfloat16()
+    ep, rank, capacity = 2, 1, m + 8
+    dest_rank = torch.randint(0, ep, (m,), generator=gen, device="cuda", dtype=torch.int32)
+    order = torch.randperm(2 * capacity, generator=gen, device="cuda")
+    dest_row = (order[:m] % capacity).to(torch.int32)  # distinct within a rank, mostly
+    dest_row[torch.rand(m, generator=gen, device="cuda") < 0.1] = -1
+    results = []
+    for kernel in ("gluon", "tl"):
+        buffers = torch.full((ep, capacity, n), float("nan"), device="cuda").bfloat16()
+        counts = torch.zeros(ep, ep, dtype=torch.int32, device="cuda")
+        scatter = gg.RowScatter(
+            out=buffers[rank],
+            out_offsets=torch.tensor([-capacity * n, 0], device="cuda"),
+            dest_rank=dest_rank,
+            dest_row=dest_row,
+            counts=counts[rank],
+            counts_offsets=torch.tensor([-ep, 0], device="cuda"),
+            rank=rank,
+        )
+        source = index if gather else None
+        if kernel == "gluon":
+            ws.rows_wt_scatter(rows, weights, tiles_map, scatter, cfg, source_rows=source)
+        else:
+            twin_cfg = GemmTiles(cfg.block_m, cfg.block_n, 64, num_warps=8, num_stages=3)
+            gg.down_scatter(rows, weights, tiles_map, twin_cfg, scatter, source_rows=source)
+        results.append((buffers, counts))
+    (buffers, counts), (twin_buffers, twin_counts) = results
+    # Rows two grouped rows share (an index collision) differ by who wrote last; compare the rest.
+    unique = torch.zeros(ep, capacity, dtype=torch.int32, device="cuda")
+    kept = dest_row >= 0
+    unique.index_put_(
+        (dest_rank[kept].long(), dest_row[kept].long()),
+        torch.ones_like(dest_row[kept]),
+        accumulate=True,
+    )
+    single = (unique == 1)[..., None].expand_as(buffers)
+    assert torch.equal(buffers[single], twin_buffers[single])
+    assert buffers[unique == 0].isnan().all()
+    n_tiles = -(-n // cfg.block_n)
+    sent = torch.bincount(dest_rank[kept].long(), minlength=ep).to(torch.int32) * n_tiles
+    assert counts[:, rank].tolist() == sent.tolist() == twin_counts[:, rank].tolist()
+    assert not counts[:, 0].any()
+
+
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("tiles", ["64x256", "64x128", "128x256"])
 @pytest.mark.parametrize("name", list(DGRAD_CASES))

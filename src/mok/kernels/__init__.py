@@ -2,7 +2,8 @@
 
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
-`warp_specialized`: Gluon versions of the forward's products for Hopper (the down one in use).
+`warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
+A-row sources and epilogues.
 `mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues).
 """
 

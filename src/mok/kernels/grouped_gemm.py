@@ -23,10 +23,13 @@ inside its group through the matrix's descriptor, a group's last, partial tile t
 the spot whose rows end where the group does, so nothing outside the group is ever written.
 
 Building blocks, meant to be called from any task loop, including that of a later fused kernel:
-an A-row source (`row_block`), the weight operand (`weight_block`), the main loops (`rows_tile`,
-and its two-output and two-input forms `rows_dual_tile`, `rows_pair_tile`; `group_at_b_tile` for
-weight gradients), each computing one fp32 accumulator tile, and the epilogues (`swiglu_tile`,
-`saved_preactivations`, `swiglu_backward_tile`, `store_row_tile`, `store_weight_tile`). The
+an A-row source (`row_block`: TMA tiles, or rows gathered through an index, e.g. dispatched rows
+where they landed), the weight operand (`weight_block`), the main loops (`rows_tile`, and its
+two-output and two-input forms `rows_dual_tile`, `rows_pair_tile`; `group_at_b_tile` for weight
+gradients), each computing one fp32 accumulator tile, and the epilogues (`swiglu_tile`,
+`saved_preactivations`, `swiglu_backward_tile`, `store_row_tile`, `store_weight_tile` with its
+accumulation into an existing gradient, and `scatter_row_tile`: the peer-store epilogue, rows to
+other ranks' buffers with readiness counts that `mok.kernels.sync.wait_counts` waits on). The
 kernels are dtype-generic: on GPUs they run bf16; the CPU interpreter runs them exactly in fp32
 (its bf16 arithmetic is wrong).
 """
@@ -89,6 +92,64 @@ class RowTiles:
     capacity: int
     """cdiv(M, block_m) + E + 2: a host-known bound on the number of tiles."""
     block_m: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RowScatter:
+    """Where a row-tiled product's output rows go when they leave for other ranks' buffers instead
+    of a local [M, N] matrix: the peer-store epilogue (`scatter_row_tile`). Buffers of other ranks
+    are reached through peer-offset tables (`mok.kernels.rows`); a table of zeros is local."""
+
+    out: torch.Tensor
+    """[R, N] this rank's buffer (contiguous); rank d's is at out_offsets[d] elements from it."""
+    out_offsets: torch.Tensor
+    """[ep] int64 peer-offset table of `out`."""
+    dest_rank: torch.Tensor
+    """[M] int32: the rank each output row goes to."""
+    dest_row: torch.Tensor
+    """[M] int32: its row in that rank's buffer; -1: the row is not stored."""
+    counts: torch.Tensor
+    """[ep] int32 this rank's readiness counts: counts[s] grows by the rows that landed here from
+    rank s, once per column tile of BLOCK_N. Zeroed by their owner before the product starts."""
+    counts_offsets: torch.Tensor
+    """[ep] int64 peer-offset table of `counts`."""
+    rank: int
+
+    def check(self, num_rows: int, columns: int) -> None:
+        """Raise ValueError naming the first field that does not fit M rows of N columns."""
+        ep = self.out_offsets.shape[0]
+        expected = {
+            "out": (self.out.dim() == 2 and self.out.shape[1] == columns, f"[R, {columns}]"),
+            "out_offsets": (self.out_offsets.dtype == torch.int64, "[ep] int64"),
+            "dest_rank": (tuple(self.dest_rank.shape) == (num_rows,), f"[{num_rows}] int32"),
+            "dest_row": (tuple(self.dest_row.shape) == (num_rows,), f"[{num_rows}] int32"),
+            "counts": (tuple(self.counts.shape) == (ep,), f"[{ep}] int32"),
+            "counts_offsets": (tuple(self.counts_offsets.shape) == (ep,), f"[{ep}] int64"),
+        }
+        for name, (fits, shape) in expected.items():
+            if not fits:
+                raise ValueError(f"RowScatter.{name}: expected {shape}, got {getattr(self, name)}")
+        int32 = [self.dest_rank, self.dest_row, self.counts]
+        if any(t.dtype != torch.int32 for t in int32) or not self.out.is_contiguous():
+            raise ValueError("RowScatter: dest_rank, dest_row, counts int32; out contiguous")
+        if not 0 <= self.rank < ep:
+            raise ValueError(f"RowScatter.rank {self.rank} outside [0, {ep})")
+
+    def args(self) -> tuple:
+        """The kernel arguments, in `scatter_row_tile`'s order."""
+        return (
+            self.out,
+            self.out_offsets,
+            self.dest_rank,
+            self.dest_row,
+            self.counts,
+            self.counts_offsets,
+            self.rank,
+        )
+
+    @property
+    def ep_block(self) -> int:
+        return max(2, triton.next_power_of_2(self.out_offsets.shape[0]))
 
 
 @triton.jit(do_not_specialize=["num_rows", "capacity"])
@@ -185,11 +246,23 @@ def grouped_task(task, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def row_block(a_desc, row, k):
-    """A[row:+BM, k:+BK] through A's tensor descriptor: the A-row source of the row-tiled
-    products (rows of one group are consecutive; a source that gathers rows through an index
-    would take its place here)."""
-    return a_desc.load([row, k])
+def row_block(source, row, k, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The A-row source of the row-tiled products: [BLOCK_M, BLOCK_K] of A at rows row.., columns
+    k... source (a_desc,): A[row:+BM, k:+BK] through A's tensor descriptor (rows of one group are
+    consecutive). GATHER, source (a_ptr, a_stride, source_rows_ptr, num_rows, K): row i of the block
+    is A[source_rows[row + i], k:+BK] by pointer loads (the grouped rows read where they lie, e.g.
+    dispatched rows in arrival order), zeros for rows past num_rows and columns past K."""
+    if GATHER:
+        a_ptr, a_stride, source_rows_ptr, num_rows, K = source
+        rows = row + tl.arange(0, BLOCK_M)
+        valid = rows < num_rows
+        src = tl.load(source_rows_ptr + rows, mask=valid, other=0).to(tl.int64)
+        cols = k + tl.arange(0, BLOCK_K)
+        mask = valid[:, None] & (cols < K)[None, :]
+        block = tl.load(a_ptr + src[:, None] * a_stride + cols[None, :], mask=mask, other=0.0)
+    else:
+        block = source[0].load([row, k])
+    return block
 
 
 @triton.jit
@@ -206,7 +279,7 @@ def weight_block(
 
 @triton.jit
 def rows_tile(
-    a_desc,
+    a_source,  # see `row_block`
     w_desc,
     row,
     expert,
@@ -214,12 +287,14 @@ def rows_tile(
     K,
     acc,  # [BM, BN] fp32
     N_MAJOR: tl.constexpr,
+    GATHER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The main loop: acc + A[row:+BM] @ W[expert][:, n_off:+BN] over K in BLOCK_K steps."""
     for k in tl.range(0, K, BLOCK_K):
-        a = row_block(a_desc, row, k)
+        a = row_block(a_source, row, k, GATHER, BLOCK_M, BLOCK_K)
         w = weight_block(w_desc, expert, n_off, k, N_MAJOR, BLOCK_N, BLOCK_K)
         acc = tl.dot(a, w, acc)
     return acc
@@ -227,13 +302,14 @@ def rows_tile(
 
 @triton.jit
 def rows_dual_tile(
-    a_desc,
+    a_source,  # see `row_block`
     w1_desc,  # [E, N, K]
     w2_desc,  # [E, N, K]
     row,
     expert,
     n_off,
     K,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -245,7 +321,7 @@ def rows_dual_tile(
     for k in tl.range(0, K, BLOCK_K):
         # Both weight tiles loaded before either is transposed: so the pipeliner fetches the
         # three tiles of a step behind one barrier (`weight_block` here split them: seen in PTX).
-        a = row_block(a_desc, row, k)
+        a = row_block(a_source, row, k, GATHER, BLOCK_M, BLOCK_K)
         w1 = w1_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
         w2 = w2_desc.load([expert, n_off, k]).reshape(BLOCK_N, BLOCK_K)
         acc1 = tl.dot(a, w1.T, acc1)
@@ -272,9 +348,9 @@ def rows_pair_tile(
     products interleaved step by step in one accumulator."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(0, K, BLOCK_K):
-        a1 = row_block(a1_desc, row, k)
+        a1 = row_block((a1_desc,), row, k, False, BLOCK_M, BLOCK_K)
         w1 = weight_block(w1_desc, expert, n_off, k, False, BLOCK_N, BLOCK_K)
-        a2 = row_block(a2_desc, row, k)
+        a2 = row_block((a2_desc,), row, k, False, BLOCK_M, BLOCK_K)
         w2 = weight_block(w2_desc, expert, n_off, k, False, BLOCK_N, BLOCK_K)
         acc = tl.dot(a1, w1, acc)
         acc = tl.dot(a2, w2, acc)
@@ -379,6 +455,48 @@ def store_row_tile(
 
 
 @triton.jit
+def scatter_row_tile(
+    tile,  # [BLOCK_M, BLOCK_N] fp32
+    target,  # `RowScatter.args`: buffers, peer tables, destinations, counts, this rank
+    row,
+    row_end,
+    n_off,
+    N,
+    EP_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The peer-store epilogue: row r of [row, row_end) goes to row dest_row[r] (skipped when -1)
+    of the [R, N] buffer of rank dest_rank[r], columns [n_off, N), in the buffer's dtype, and then
+    counts[rank] on each destination rank grows by the rows it received from this tile (one
+    release add per destination rank, system scope: the rows are visible there before the count
+    says so). A destination whose counts reach (rows it expects) x cdiv(N, BLOCK_N) has every
+    piece. Buffers and counts are reached through peer-offset tables (see `mok.kernels.rows`)."""
+    out_ptr, out_offsets_ptr, dest_rank_ptr, dest_row_ptr, counts_ptr, counts_offsets_ptr, rank = (
+        target
+    )
+    rows = row + tl.arange(0, BLOCK_M)
+    valid = rows < row_end
+    dest_rank = tl.load(dest_rank_ptr + rows, mask=valid, other=0)
+    dest_row = tl.load(dest_row_ptr + rows, mask=valid, other=-1)
+    keep = valid & (dest_row >= 0)
+    base = tl.load(out_offsets_ptr + dest_rank, mask=keep, other=0)
+    cols = n_off + tl.arange(0, BLOCK_N)
+    offsets = base[:, None] + dest_row.to(tl.int64)[:, None] * N + cols[None, :]
+    mask = keep[:, None] & (cols < N)[None, :]
+    tl.store(out_ptr + offsets, tile.to(out_ptr.dtype.element_ty), mask=mask)
+    peers = tl.arange(0, EP_BLOCK)
+    landed = tl.sum(((dest_rank[:, None] == peers[None, :]) & keep[:, None]).to(tl.int32), axis=0)
+    signal = landed > 0
+    counts_offsets = tl.load(counts_offsets_ptr + peers, mask=signal, other=0)
+    # Every thread's stores precede the release adds (the barrier), which publish them.
+    tl.debug_barrier()
+    tl.atomic_add(
+        counts_ptr + counts_offsets + rank, landed, mask=signal, sem="release", scope="sys"
+    )
+
+
+@triton.jit
 def _store_weight_part(desc, expert, part, m_off, n_off, ACCUMULATE: tl.constexpr):
     if ACCUMULATE:
         part += desc.load([expert, m_off, n_off]).reshape(part.shape).to(tl.float32)
@@ -412,9 +530,13 @@ def store_weight_tile(
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["capacity"])
+@triton.jit(do_not_specialize=["capacity", "num_rows"])
 def _gate_up_swiglu_kernel(
-    x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K]
+    x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K] (GATHER: unused)
+    x_ptr,  # GATHER: [S, H] the rows, read through source_rows
+    x_stride,
+    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads x row source_rows[r]
+    num_rows,  # M
     w_gate_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
     w_up_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
     h_desc,  # [M, I] out: swiglu(gate, up), block [BLOCK_M, BLOCK_N]
@@ -432,13 +554,19 @@ def _gate_up_swiglu_kernel(
     limit_above,  # float, the smallest value of gate_up's dtype > limit
     HAS_LIMIT: tl.constexpr,
     SAVE_PREACT: tl.constexpr,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. h = swiglu(x @ W_gate[e].T, x @ W_up[e].T) for every group's rows."""
+    """Grid: NUM_PROGRAMS. h = swiglu(x @ W_gate[e].T, x @ W_up[e].T) for every group's rows;
+    GATHER: x's rows through an index (`row_block`)."""
+    if GATHER:
+        a_source = (x_ptr, x_stride, source_rows_ptr, num_rows, hidden)
+    else:
+        a_source = (x_desc,)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     num_tasks = tl.load(counts_ptr) * n_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -446,7 +574,17 @@ def _gate_up_swiglu_kernel(
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
         gate, up = rows_dual_tile(
-            x_desc, w_gate_desc, w_up_desc, row, expert, n_off, hidden, BLOCK_M, BLOCK_N, BLOCK_K
+            a_source,
+            w_gate_desc,
+            w_up_desc,
+            row,
+            expert,
+            n_off,
+            hidden,
+            GATHER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
         h = swiglu_tile(gate, up, limit, HAS_LIMIT)
         store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
@@ -478,24 +616,52 @@ def _gate_up_swiglu_kernel(
             )
 
 
-@triton.jit(do_not_specialize=["capacity"])
+@triton.jit(do_not_specialize=["capacity", "num_rows", "rank"])
 def _down_kernel(
-    h_desc,  # [M, I], block [BLOCK_M, BLOCK_K]
+    h_desc,  # [M, I], block [BLOCK_M, BLOCK_K] (GATHER: unused)
     w_down_desc,  # [E, H, I], block [1, BLOCK_N, BLOCK_K]
-    out_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N]
+    out_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N] (SCATTER: unused)
     out_ptr,  # out's first element
+    h_ptr,  # GATHER: [S, I] the rows, read through source_rows
+    h_stride,
+    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads h row source_rows[r]
+    num_rows,  # M
+    scatter_out_ptr,  # SCATTER: `RowScatter` fields, in order
+    scatter_out_offsets_ptr,
+    dest_rank_ptr,
+    dest_row_ptr,
+    scatter_counts_ptr,
+    scatter_counts_offsets_ptr,
+    rank,
     table_ptr,  # [3, capacity] int32 row tiles
     counts_ptr,  # [2] int32
     capacity,
     hidden,
     inter,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    EP_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. out = h @ W_down[e].T for every group's rows."""
+    """Grid: NUM_PROGRAMS. out = h @ W_down[e].T for every group's rows; GATHER: h's rows through
+    an index (`row_block`); SCATTER: out's rows to the ranks' buffers (`scatter_row_tile`)."""
+    if GATHER:
+        a_source = (h_ptr, h_stride, source_rows_ptr, num_rows, inter)
+    else:
+        a_source = (h_desc,)
+    target = (
+        scatter_out_ptr,
+        scatter_out_offsets_ptr,
+        dest_rank_ptr,
+        dest_row_ptr,
+        scatter_counts_ptr,
+        scatter_counts_offsets_ptr,
+        rank,
+    )
     n_tiles = tl.cdiv(hidden, BLOCK_N)
     num_tasks = tl.load(counts_ptr) * n_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -503,10 +669,26 @@ def _down_kernel(
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = rows_tile(h_desc, w_down_desc, row, expert, n_off, inter, acc, True, BLOCK_N, BLOCK_K)
-        store_row_tile(
-            out_desc, out_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
+        acc = rows_tile(
+            a_source,
+            w_down_desc,
+            row,
+            expert,
+            n_off,
+            inter,
+            acc,
+            True,
+            GATHER,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
+        if SCATTER:
+            scatter_row_tile(acc, target, row, row_end, n_off, hidden, EP_BLOCK, BLOCK_M, BLOCK_N)
+        else:
+            store_row_tile(
+                out_desc, out_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
+            )
 
 
 @triton.jit(do_not_specialize=["capacity"])
@@ -540,7 +722,18 @@ def _down_dgrad_swiglu_kernel(
         n_off = n_idx * BLOCK_N
         grad_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         grad_h = rows_tile(
-            grad_out_desc, w_down_desc, row, expert, n_off, hidden, grad_h, False, BLOCK_N, BLOCK_K
+            (grad_out_desc,),
+            w_down_desc,
+            row,
+            expert,
+            n_off,
+            hidden,
+            grad_h,
+            False,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
         # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
         grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
@@ -827,6 +1020,28 @@ def _launch_options(cfg: GemmTiles, programs: int) -> dict:
     }
 
 
+def gathered_rows(rows: torch.Tensor, source_rows: torch.Tensor | None) -> int:
+    """M, the grouped rows of a product whose A rows are `rows` [S, K], read in place (M = S) or
+    through `source_rows` [M] int32 (grouped row r is rows[source_rows[r]], each index in
+    [0, S)); raise ValueError if the index does not fit."""
+    if source_rows is None:
+        return rows.shape[0]
+    if source_rows.dim() != 1 or source_rows.dtype != torch.int32:
+        raise ValueError(
+            f"source_rows: expected [M] int32, got {tuple(source_rows.shape)} {source_rows.dtype}"
+        )
+    if source_rows.device != rows.device or rows.stride(1) != 1:
+        raise ValueError("source_rows: on the rows' device, and rows with unit column stride")
+    return source_rows.shape[0]
+
+
+def _gather_args(rows: torch.Tensor, source_rows: torch.Tensor | None, fallback: torch.Tensor):
+    """(pointer, row stride, index) of a gathered A source, placeholders without one."""
+    if source_rows is None:
+        return rows, 0, fallback
+    return rows, rows.stride(0), source_rows
+
+
 def gate_up_swiglu(
     rows: torch.Tensor,
     w_gate: torch.Tensor,
@@ -835,19 +1050,26 @@ def gate_up_swiglu(
     swiglu_limit: float | None,
     save_preact: bool,
     cfg: GemmTiles,
+    source_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M, I] and, when `save_preact`, the pre-activations gate | up [M, 2I], both of the rows'
-    dtype; rows outside the groups are left unwritten."""
-    m, hidden = rows.shape
+    dtype; rows outside the groups are left unwritten. With `source_rows`, grouped row r is
+    rows[source_rows[r]] (`gathered_rows`)."""
+    m = gathered_rows(rows, source_rows)
+    hidden = rows.shape[1]
     inter = w_gate.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
     gate_up = torch.empty(m, 2 * inter, dtype=rows.dtype, device=rows.device) if save_preact else h
     gate, up = (gate_up[:, :inter], gate_up[:, inter:]) if save_preact else (h, h)
+    if m == 0:
+        return h, gate_up if save_preact else None
     programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
     use_scratch_allocator(rows.device)
     _gate_up_swiglu_kernel[(programs,)](
         _desc(rows, [bm, bk]),
+        *_gather_args(rows, source_rows, tiles.table),
+        m,
         _desc(w_gate, [1, bn, bk]),
         _desc(w_up, [1, bn, bk]),
         _desc(h, [bm, bn]),
@@ -864,9 +1086,46 @@ def gate_up_swiglu(
         *limit_edges(swiglu_limit, gate_up.dtype),
         HAS_LIMIT=swiglu_limit is not None,
         SAVE_PREACT=save_preact,
+        GATHER=source_rows is not None,
         **_launch_options(cfg, programs),
     )
     return h, gate_up if save_preact else None
+
+
+def _no_scatter(out: torch.Tensor, tiles: RowTiles) -> tuple:
+    """Placeholders of `RowScatter.args`' kinds, for kernels that store locally."""
+    return (out, tiles.counts, tiles.table, tiles.table, tiles.table, tiles.counts, 0)
+
+
+def _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter: RowScatter | None) -> None:
+    m = gathered_rows(h, source_rows)
+    inter = h.shape[1]
+    hidden = w_down.shape[1]
+    if scatter is not None:
+        scatter.check(m, hidden)
+    if m == 0:
+        return
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    programs = num_programs(h.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
+    use_scratch_allocator(h.device)
+    _down_kernel[(programs,)](
+        _desc(h, [bm, bk]),
+        _desc(w_down, [1, bn, bk]),
+        _desc(out, [bm, bn]),
+        out,
+        *_gather_args(h, source_rows, tiles.table),
+        m,
+        *(scatter.args() if scatter else _no_scatter(out, tiles)),
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        hidden,
+        inter,
+        GATHER=source_rows is not None,
+        SCATTER=scatter is not None,
+        EP_BLOCK=scatter.ep_block if scatter else 2,
+        **_launch_options(cfg, programs),
+    )
 
 
 def down(
@@ -875,30 +1134,32 @@ def down(
     tiles: RowTiles,
     cfg: GemmTiles,
     out: torch.Tensor | None = None,
+    source_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [M, H] = h @ W_down[e].T per group; rows outside the groups are left unwritten.
-    `out` (contiguous, at least M rows): where to write (only its first M rows are used)."""
-    m, inter = h.shape
-    hidden = w_down.shape[1]
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    `out` (contiguous, at least M rows): where to write (only its first M rows are used). With
+    `source_rows`, grouped row r is h[source_rows[r]] (`gathered_rows`)."""
+    m = gathered_rows(h, source_rows)
     if out is None:
-        out = torch.empty(m, hidden, dtype=h.dtype, device=h.device)
+        out = torch.empty(m, w_down.shape[1], dtype=h.dtype, device=h.device)
     out = out[:m]
-    programs = num_programs(h.device, tiles.capacity * triton.cdiv(hidden, bn), cfg)
-    use_scratch_allocator(h.device)
-    _down_kernel[(programs,)](
-        _desc(h, [bm, bk]),
-        _desc(w_down, [1, bn, bk]),
-        _desc(out, [bm, bn]),
-        out,
-        tiles.table,
-        tiles.counts,
-        tiles.capacity,
-        hidden,
-        inter,
-        **_launch_options(cfg, programs),
-    )
+    _launch_down(h, w_down, tiles, cfg, out, source_rows, None)
     return out
+
+
+def down_scatter(
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    tiles: RowTiles,
+    cfg: GemmTiles,
+    scatter: RowScatter,
+    source_rows: torch.Tensor | None = None,
+) -> None:
+    """`down`'s rows h @ W_down[e].T stored through the peer-store epilogue instead: row r to row
+    scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then that rank's readiness count
+    of this rank grows (`scatter_row_tile`)."""
+    out = scatter.out
+    _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter)
 
 
 def down_dgrad_swiglu(

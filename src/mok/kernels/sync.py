@@ -121,6 +121,87 @@ def wait_ready(
     tl.debug_barrier()
 
 
+@triton.jit
+def wait_counts(
+    count_pointers,  # [N] pointers to int32 readiness counts
+    count_index,  # [N] int64: each count's index, reported on failure
+    expected,  # [N] int32: the value each count reaches once everything it counts has landed
+    mask,  # [N] bool: the counts to wait for
+    status_ptr,  # [4] int64 status (see the module docstring)
+    timeout_ns,
+    wait_id,
+):
+    """Spin until every count under `mask` equals its expected value, then acquire what the
+    release adds that made it so publish (the peer-store epilogue's counts: a count grows by the
+    rows that landed, `grouped_gemm.scatter_row_tile`).
+
+    Bounded like `wait_ready`: TIMED_OUT after timeout_ns with a count still short, OUT_OF_STEP
+    at once when one is past its expected value (more rows arrived than this rank's routing
+    sends: the ranks' calls diverged), no wait when the status already holds a failure."""
+    failed = tl.load(status_ptr, volatile=True)
+    start = clock_ns()
+    late = start < 0
+    seen = tl.load(count_pointers, mask=mask, other=0, volatile=True)
+    gap = tl.where(mask, seen - expected, 0)
+    while (tl.min(gap) < 0) & (tl.max(gap) <= 0) & (failed == 0) & ~late:
+        seen = tl.load(count_pointers, mask=mask, other=0, volatile=True)
+        gap = tl.where(mask, seen - expected, 0)
+        late = clock_ns() - start > timeout_ns
+    if failed == 0:
+        if tl.max(gap) > 0:
+            where = tl.min(tl.where(gap > 0, count_index, _FAR))
+            record_failure(status_ptr, _OUT_OF_STEP, wait_id, where, tl.max(gap))
+        elif tl.min(gap) < 0:
+            where = tl.min(tl.where(gap < 0, count_index, _FAR))
+            record_failure(status_ptr, _TIMED_OUT, wait_id, where, -tl.min(gap))
+    tl.atomic_add(count_pointers, 0, mask=mask, sem="acquire", scope="sys")
+    tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["timeout_ns", "wait_id"])
+def _wait_counts_kernel(
+    counts_ptr, expected_ptr, num_counts, status_ptr, timeout_ns, wait_id, BLOCK: tl.constexpr
+):
+    index = tl.arange(0, BLOCK)
+    live = index < num_counts
+    expected = tl.load(expected_ptr + index, mask=live, other=0)
+    wait_counts(
+        counts_ptr + index, index.to(tl.int64), expected, live, status_ptr, timeout_ns, wait_id
+    )
+
+
+def await_counts(
+    counts: torch.Tensor,
+    expected: torch.Tensor,
+    status: torch.Tensor,
+    timeout_s: float,
+    wait_id: int,
+) -> None:
+    """Hold this stream until every readiness count (counts [N] int32, this rank's) equals
+    expected [N] int32, or the status records why not within timeout_s (`wait_counts`): the
+    waiting side of the peer-store epilogue, as one small kernel in stream order."""
+    if (
+        counts.shape != expected.shape
+        or counts.dtype != torch.int32
+        or expected.dtype != counts.dtype
+    ):
+        raise ValueError(
+            f"await_counts: counts and expected must be [N] int32 alike, got "
+            f"{tuple(counts.shape)} {counts.dtype} and {tuple(expected.shape)} {expected.dtype}"
+        )
+    n = counts.shape[0]
+    _wait_counts_kernel[(1,)](
+        counts,
+        expected,
+        n,
+        status,
+        timeout_ns(timeout_s),
+        wait_id,
+        BLOCK=max(2, triton.next_power_of_2(n)),
+        num_warps=1,
+    )
+
+
 @triton.jit(do_not_specialize=["rank", "ep", "timeout_ns", "wait_id"])
 def barrier_kernel(
     signals_ptr,  # [ep] int64, this rank's: slot r holds the last barrier rank r signalled here

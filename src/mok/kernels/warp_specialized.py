@@ -27,6 +27,14 @@ talking. Stores: a tile inside its group goes through shared memory and a TMA st
 columns past N); a group's last, partial tile is read back from shared memory and stored with a
 row mask, so that nothing outside the group is written.
 
+The building blocks of the fused layer (their tl twins: `grouped_gemm.row_block`,
+`grouped_gemm.scatter_row_tile`): the loader's A-row source is TMA tiles or, with a row index
+(`source_rows`), rows gathered by cp.async from where they lie, a whole warpgroup issuing the
+copies, each thread's arrival on the slot's barrier counted (forward products); the down product's
+epilogue stores locally or through the peer-store epilogue (`rows_wt_scatter`: rows to other
+ranks' buffers, then release adds to per-rank readiness counts); the weight gradients' epilogue
+adds into an existing gradient buffer.
+
 The weight gradients reduce over a group's rows, a different number per expert: the loader reads
 them through descriptors made on the device that end at the group's end, and the consumers count
 steps task by task (`WGRAD_TILES`).
@@ -47,6 +55,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -58,7 +67,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mok.kernels.grouped_gemm import (
     GemmTiles,
+    RowScatter,
     RowTiles,
+    gathered_rows,
     limit_edges,
     num_programs,
     use_scratch_allocator,
@@ -68,6 +79,9 @@ CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
 LOADER_REGISTERS = gl.constexpr(40)
 """Registers per thread of the loader warp (it holds only scalars)."""
+GATHER_LOADER_WARPS = 4
+"""Warps of a loader that gathers A rows: the whole warpgroup that a one-warp loader leaves three
+quarters idle (registers are given per warpgroup), so that a thread holds few row addresses."""
 CONSUMER_REGISTERS = gl.constexpr(232)
 """Registers per thread of a consumer warpgroup: a 128 x 128 fp32 accumulator takes 128."""
 MAX_REGISTERS = 168
@@ -159,12 +173,65 @@ def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr
     return gate, up
 
 
+@gluon.constexpr_function
+def _gather_layout(block_k, bits, warps):
+    """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K."""
+    vector = 128 // bits
+    lanes_k = min(block_k // vector, 32)
+    return gl.BlockedLayout([1, vector], [32 // lanes_k, lanes_k], [warps, 1], [1, 0])
+
+
 @gluon.jit
-def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
+def _gathered_starts(gather, row, WG_M: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Where the rows [row, row + WG_M) of a tile start in A (elements; -1 past num_rows): read
+    once per task from the index, so that the steps along K issue copies without waiting."""
+    (a_ptr, a_stride, source_rows_ptr, num_rows, K) = gather
+    layout: gl.constexpr = _gather_layout(
+        BLOCK_K, a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps()
+    )
+    rows = row + gl.arange(0, WG_M, gl.SliceLayout(1, layout))
+    valid = rows < num_rows
+    source = gl.load(source_rows_ptr + rows, mask=valid, other=0).to(gl.int64)
+    return gl.where(valid, source * a_stride, -1)
+
+
+@gluon.jit
+def _gather_rows(gather, starts, k, buf):
+    """Start copying A[source_rows[r], k:+BK] for the buf's rows r (their `starts`) into `buf`
+    by cp.async in 16-byte pieces, zeros for rows past num_rows and columns past K: the gathering
+    A-row source."""
+    (a_ptr, a_stride, source_rows_ptr, num_rows, K) = gather
+    BLOCK_K: gl.constexpr = buf.shape[1]
+    VECTOR: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth
+    layout: gl.constexpr = _gather_layout(
+        BLOCK_K, a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps()
+    )
+    cols = k + gl.arange(0, BLOCK_K, gl.SliceLayout(0, layout))
+    cols = gl.max_contiguous(gl.multiple_of(cols, VECTOR), VECTOR)
+    # A row stride that is a whole number of vectors (host checks) keeps every start aligned.
+    aligned = gl.multiple_of(gl.maximum(starts, 0), VECTOR)
+    # K is a whole number of vectors too (host checks): the mask is constant over each piece.
+    mask = (starts >= 0)[:, None] & gl.max_constancy(cols < K, VECTOR)[None, :]
+    async_copy.async_copy_global_to_shared(buf, a_ptr + aligned[:, None] + cols[None, :], mask=mask)
+
+
+@gluon.jit
+def _load_partition(
+    operands,
+    outputs,
+    problem,
+    MODE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+):
     """Loader: the A and W tiles of every step of every task of this program, in order. A step
     holds one A tile and one W tile (two W tiles in GATE_UP_SWIGLU; GATE_UP_DGRAD alternates
-    steps between its two products)."""
-    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
+    steps between its two products). A tiles come by TMA, or with GATHER through the rows' index
+    (`_gather_rows`; not in GATE_UP_DGRAD)."""
+    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
+        operands
+    )
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
@@ -174,9 +241,10 @@ def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: g
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
     WG_M: gl.constexpr = a_desc.block_type.shape[0]
-    step_bytes: gl.constexpr = (
-        SPLIT * a_desc.block_type.nbytes + (1 + DUAL) * w_desc.block_type.nbytes
-    )
+    # Gathered A tiles are counted by their copies' arrivals, not in bytes.
+    step_bytes: gl.constexpr = (0 if GATHER else SPLIT * a_desc.block_type.nbytes) + (
+        1 + DUAL
+    ) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     step = 0
     for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -184,6 +252,9 @@ def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: g
         expert = gl.load(table_ptr + m_idx)
         row = gl.load(table_ptr + capacity + m_idx)
         n_off = n_idx * BLOCK_N
+        if GATHER:
+            first_starts = _gathered_starts(gather, row, WG_M, BLOCK_K)
+            last_starts = _gathered_starts(gather, row + (SPLIT - 1) * WG_M, WG_M, BLOCK_K)
         for k in range(0, K, BLOCK_K):
             # W_BY_K: W is read as [E * K, N], and K is a multiple of BLOCK_K (`dgrad_supported`),
             # so that no step reaches into the next expert. Else as [E * N, K]: rows past this
@@ -200,14 +271,23 @@ def _load_partition(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: g
                 # pass over the ring does not wait.
                 mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
                 bar = ready.index(slot)
+                if GATHER:
+                    _gather_rows(gather, first_starts, k, a_bufs.index(slot * SPLIT))
+                    if SPLIT == 2:
+                        _gather_rows(gather, last_starts, k, a_bufs.index(slot * SPLIT + 1))
+                    # Each thread's arrival (counted first, made when its copies landed) comes
+                    # before the expect below, so the slot cannot complete before the rows did.
+                    async_copy.mbarrier_arrive(bar)
                 mbarrier.expect(bar, step_bytes)
-                # SPLIT > 1: the tile's rows in one part per consumer (cooperative tiles).
-                for part in gl.static_range(SPLIT):
-                    a_buf = a_bufs.index(slot * SPLIT + part)
-                    if product == 0:
-                        tma.async_copy_global_to_shared(a_desc, [row + part * WG_M, k], bar, a_buf)
-                    else:
-                        tma.async_copy_global_to_shared(a2_desc, [row + part * WG_M, k], bar, a_buf)
+                if not GATHER:
+                    # SPLIT > 1: the tile's rows in one part per consumer (cooperative tiles).
+                    for part in gl.static_range(SPLIT):
+                        a_buf = a_bufs.index(slot * SPLIT + part)
+                        a_at = [row + part * WG_M, k]
+                        if product == 0:
+                            tma.async_copy_global_to_shared(a_desc, a_at, bar, a_buf)
+                        else:
+                            tma.async_copy_global_to_shared(a2_desc, a_at, bar, a_buf)
                 if product == 0:
                     tma.async_copy_global_to_shared(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
                 else:
@@ -243,6 +323,50 @@ def _store_staged(desc, buf, ptr, row_stride, row, row_end, n_off, N):
         mask = (rows < row_end)[:, None] & (cols < N)[None, :]
         offsets = rows.to(gl.int64)[:, None] * row_stride + cols[None, :]
         gl.store(ptr + offsets, tile, mask=mask)
+
+
+@gluon.jit
+def _scatter_staged(buf, target, row, row_end, n_off, N, RANKS: gl.constexpr):
+    """The peer-store epilogue (`grouped_gemm.scatter_row_tile`, same contract) on a tile staged
+    in `buf`: rows [row, row_end) to their ranks' buffers in 16-byte vectors, then one release
+    add per destination rank to its count of this rank (RANKS: a power of two >= ep)."""
+    (
+        out_ptr,
+        out_offsets_ptr,
+        dest_rank_ptr,
+        dest_row_ptr,
+        counts_ptr,
+        counts_offsets_ptr,
+        rank,
+    ) = target
+    BLOCK_M: gl.constexpr = buf.shape[0]
+    BLOCK_N: gl.constexpr = buf.shape[1]
+    VECTOR: gl.constexpr = 128 // buf.dtype.primitive_bitwidth
+    LANES_N: gl.constexpr = min(BLOCK_N // VECTOR, 32)
+    rows_layout: gl.constexpr = gl.BlockedLayout(
+        [1, VECTOR], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0]
+    )
+    tile = buf.load(rows_layout)
+    rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, rows_layout))
+    valid = rows < row_end
+    dest_rank = gl.load(dest_rank_ptr + rows, mask=valid, other=0)
+    dest_row = gl.load(dest_row_ptr + rows, mask=valid, other=-1)
+    keep = valid & (dest_row >= 0)
+    # Row starts are whole vectors: N and every peer offset are multiples of VECTOR (host checks).
+    base = gl.load(out_offsets_ptr + dest_rank, mask=keep, other=0)
+    starts = gl.multiple_of(base + dest_row.to(gl.int64) * N, VECTOR)
+    cols = n_off + gl.arange(0, BLOCK_N, gl.SliceLayout(0, rows_layout))
+    mask = keep[:, None] & (cols < N)[None, :]
+    gl.store(out_ptr + starts[:, None] + cols[None, :], tile, mask=mask)
+    peers = gl.arange(0, RANKS, gl.SliceLayout(0, rows_layout))
+    hits = (dest_rank[:, None] == peers[None, :]) & keep[:, None]
+    landed = gl.sum(hits.to(gl.int32), axis=0)
+    signal = landed > 0
+    counts_at = gl.load(counts_offsets_ptr + peers, mask=signal, other=0)
+    # Every thread's stores precede the release adds (this consumer's barrier), which publish them
+    # at system scope: the rows may live on another GPU.
+    gl.thread_barrier()
+    gl.atomic_add(counts_ptr + counts_at + rank, landed, mask=signal, sem="release", scope="sys")
 
 
 @gluon.jit
@@ -286,13 +410,33 @@ def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row
 
 @gluon.jit
 def _consume(
-    operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr, ROLE: gl.constexpr
+    operands,
+    outputs,
+    problem,
+    MODE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+    ROLE: gl.constexpr,
 ):
     """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
     2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of the program,
     rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other."""
-    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns) = operands
-    (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits, saved, fetched) = outputs
+    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
+        operands
+    )
+    (
+        out_desc,
+        gate_desc,
+        up_desc,
+        out_ptr,
+        gate_up_ptr,
+        out_bufs,
+        limits,
+        saved,
+        fetched,
+        target,
+    ) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
     (limit, limit_below, limit_above) = limits
     (saved_gate_desc, saved_up_desc) = saved
@@ -346,6 +490,10 @@ def _consume(
         for k in range(k_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), step // STAGES & 1)
+            if GATHER:
+                # The gathered rows were written by cp.async (the generic proxy); wgmma reads
+                # through the async proxy.
+                fence_async_shared()
             a = a_bufs.index(slot * SPLIT + PART)
             if W_BY_K:
                 w = w_bufs.index(slot)
@@ -397,7 +545,12 @@ def _consume(
             else:
                 value = acc.to(dtype)
             out_bufs.index(first).store(value)
-            _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
+            if SCATTER_RANKS > 0:
+                _scatter_staged(
+                    out_bufs.index(first), target, row, row_end, n_off, N, SCATTER_RANKS
+                )
+            else:
+                _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
             if DUAL and OUTPUTS == 2:
                 # The saved pre-activations: gate through the second buffer, then up through the
                 # first once h's store has left it (two buffers, not three: a deeper ring).
@@ -430,16 +583,32 @@ def _consume(
 
 
 @gluon.jit
-def _first_consumer(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, 0)
+def _first_consumer(
+    operands,
+    outputs,
+    problem,
+    MODE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+):
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 0)
 
 
 @gluon.jit
-def _second_consumer(operands, outputs, problem, MODE: gl.constexpr, HAS_LIMIT: gl.constexpr):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, 1)
+def _second_consumer(
+    operands,
+    outputs,
+    problem,
+    MODE: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+):
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 1)
 
 
-@gluon.jit(do_not_specialize=["capacity"])
+@gluon.jit(do_not_specialize=["capacity", "num_rows", "rank"])
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
@@ -460,6 +629,17 @@ def _rows_wt_kernel(
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
     limit_below,  # float, the largest value of the output dtype <= limit
     limit_above,  # float, the smallest value of the output dtype > limit
+    a_ptr,  # GATHER: [S, K] the A rows, read through source_rows (else a placeholder)
+    a_stride,
+    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads A row source_rows[r]
+    num_rows,  # M
+    scatter_out_ptr,  # SCATTER_RANKS > 0: the `RowScatter` fields, in order
+    scatter_out_offsets_ptr,
+    dest_rank_ptr,
+    dest_row_ptr,
+    scatter_counts_ptr,
+    scatter_counts_offsets_ptr,
+    rank,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     SAVE_PREACT: gl.constexpr,
@@ -467,6 +647,9 @@ def _rows_wt_kernel(
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
     SPLIT: gl.constexpr,
+    GATHER: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+    LOADER_WARPS: gl.constexpr,
 ):
     """Grid: NUM_PROGRAMS, num_warps 4; row tiles of SPLIT x WG_M rows (the A descriptor's block
     rows), one consumer's each (SPLIT 1, ping-pong) or both consumers' (SPLIT 2, cooperative).
@@ -475,7 +658,10 @@ def _rows_wt_kernel(
     GATE_UP_SWIGLU     out = swiglu(A @ W[e].T, A @ W2[e].T), with SAVE_PREACT both products saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
-    DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)"""
+    DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)
+    The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
+    epilogue: local stores, or with SCATTER_RANKS (ROWS_WT) the peer-store epilogue with
+    readiness counts (`_scatter_staged`)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(
         dtype, [STAGES * SPLIT] + a_desc.block_type.shape, a_desc.layout
@@ -501,18 +687,55 @@ def _rows_wt_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=SPLIT)  # every consumer reading it releases it
-    operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns)
+    gather = (a_ptr, a_stride, source_rows_ptr, num_rows, K)
+    operands = (
+        a_desc,
+        a2_desc,
+        w_desc,
+        w2_desc,
+        a_bufs,
+        w_bufs,
+        w2_bufs,
+        ready,
+        empty,
+        turns,
+        gather,
+    )
     limits = (limit, limit_below, limit_above)
     saved = (saved_gate_desc, saved_up_desc)
-    outputs = (out_desc, gate_desc, up_desc, out_ptr, gate_up_ptr, out_bufs, limits, saved, fetched)
+    target = (
+        scatter_out_ptr,
+        scatter_out_offsets_ptr,
+        dest_rank_ptr,
+        dest_row_ptr,
+        scatter_counts_ptr,
+        scatter_counts_offsets_ptr,
+        rank,
+    )
+    outputs = (
+        out_desc,
+        gate_desc,
+        up_desc,
+        out_ptr,
+        gate_up_ptr,
+        out_bufs,
+        limits,
+        saved,
+        fetched,
+        target,
+    )
     problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS)
+    # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
     gl.warp_specialize(
         [
-            (_first_consumer, (operands, outputs, problem, MODE, HAS_LIMIT)),
-            (_second_consumer, (operands, outputs, problem, MODE, HAS_LIMIT)),
-            (_load_partition, (operands, outputs, problem, MODE, HAS_LIMIT)),
+            (_first_consumer, (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS)),
+            (
+                _second_consumer,
+                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS),
+            ),
+            (_load_partition, (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS)),
         ],
-        [4, 1],
+        [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
     )
     for slot in gl.static_range(STAGES):
@@ -585,6 +808,8 @@ class _RowsProblem:
     w2: torch.Tensor | None = None
     gate_up: torch.Tensor | None = None  # [M, 2N] saved pre-activations: out, or in (dgrad)
     swiglu_limit: float | None = None
+    source_rows: torch.Tensor | None = None  # [M] int32: A is [S, K], read through this index
+    scatter: RowScatter | None = None  # ROWS_WT: out's rows to the ranks' buffers instead
 
 
 def _consumer_split(block_m: int) -> int:
@@ -630,6 +855,18 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             gate_desc = _descriptor(gate_up[:, :n], [bm, bn])
             up_desc = _descriptor(gate_up[:, n:], [bm, bn])
     limit = problem.swiglu_limit
+    m = gathered_rows(a, problem.source_rows)
+    gather = problem.source_rows is not None
+    if gather and (k * a.element_size() % 16 or a.stride(0) * a.element_size() % 16):
+        raise ValueError(
+            f"gathered rows of {k} columns, row stride {a.stride(0)}: both must be multiples "
+            "of 16 bytes (cp.async copies 16-byte pieces)"
+        )
+    scatter = problem.scatter
+    if scatter is not None:
+        scatter.check(m, n)
+        if n % 8 or scatter.out.data_ptr() % 16:
+            raise ValueError("RowScatter: rows of 16-byte multiples, out 16-byte aligned")
     programs = num_programs(a.device, tiles.capacity * triton.cdiv(n, bn), cfg)
     _rows_wt_kernel[(programs,)](
         a_desc,
@@ -650,6 +887,12 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         k,
         0.0 if limit is None else float(limit),
         *limit_edges(limit, a.dtype),
+        a,
+        a.stride(0) if gather else 0,
+        problem.source_rows if gather else tiles.table,
+        m,
+        # Without a scatter: placeholders of the same kinds (never read).
+        *(scatter.args() if scatter else (out, tiles.counts, *(tiles.table,) * 3, tiles.counts, 0)),
         MODE=mode,
         HAS_LIMIT=limit is not None,
         SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
@@ -657,6 +900,9 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         NUM_PROGRAMS=programs,
         STAGES=cfg.num_stages,
         SPLIT=split,
+        GATHER=gather,
+        SCATTER_RANKS=scatter.ep_block if scatter else 0,
+        LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
         num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS,
     )
@@ -668,16 +914,41 @@ def rows_wt(
     tiles: RowTiles,
     cfg: GemmTiles = PING_PONG,
     out: torch.Tensor | None = None,
+    source_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [M, N] = rows[group e] @ weights[e].T (rows [M, K], weights [E, N, K], `supported`);
-    rows outside the groups are left unwritten. The result of `grouped_gemm.down`."""
-    m = rows.shape[0]
+    rows outside the groups are left unwritten. The result of `grouped_gemm.down`. With
+    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, K], read in place)."""
+    m = gathered_rows(rows, source_rows)
     if out is None:
         out = torch.empty(m, weights.shape[1], dtype=rows.dtype, device=rows.device)
     out = out[:m]
     if m:
-        _launch(_RowsProblem(ROWS_WT.value, rows, weights, out), tiles, cfg)
+        problem = _RowsProblem(ROWS_WT.value, rows, weights, out, source_rows=source_rows)
+        _launch(problem, tiles, cfg)
     return out
+
+
+def rows_wt_scatter(
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    tiles: RowTiles,
+    scatter: RowScatter,
+    cfg: GemmTiles = PING_PONG,
+    source_rows: torch.Tensor | None = None,
+) -> None:
+    """`rows_wt`'s rows stored by the peer-store epilogue instead: grouped row r to row
+    scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then one release add per
+    destination rank and tile to that rank's count of this rank. The result of
+    `grouped_gemm.down_scatter` (the same values and counts)."""
+    m = gathered_rows(rows, source_rows)
+    if m:
+        problem = _RowsProblem(
+            ROWS_WT.value, rows, weights, scatter.out, source_rows=source_rows, scatter=scatter
+        )
+        _launch(problem, tiles, cfg)
+    else:
+        scatter.check(m, weights.shape[1])
 
 
 def gate_up_swiglu(
@@ -688,11 +959,13 @@ def gate_up_swiglu(
     swiglu_limit: float | None,
     save_preact: bool,
     cfg: GemmTiles = SWIGLU_PING_PONG,
+    source_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M, I] = swiglu(rows @ W_gate[e].T, rows @ W_up[e].T) per group, and when `save_preact`
     the pre-activations gate | up [M, 2I] as `grouped_gemm.saved_preactivations` saves them: the
-    results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left unwritten."""
-    m = rows.shape[0]
+    results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left unwritten. With
+    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, H], read in place)."""
+    m = gathered_rows(rows, source_rows)
     inter = w_gate.shape[1]
     h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
     gate_up = (
@@ -707,6 +980,7 @@ def gate_up_swiglu(
             w2=w_up,
             gate_up=gate_up,
             swiglu_limit=swiglu_limit,
+            source_rows=source_rows,
         )
         _launch(problem, tiles, cfg)
     return h, gate_up
