@@ -98,8 +98,16 @@ def time_each(fns: dict, inputs: int, iters: int = 30) -> dict[str, tuple[float,
     return result
 
 
+SHAPES = {"gpt-oss-120b": (128, 2880, 2880, 4)}
+"""Shapes beside mok's presets, by name: (experts, hidden, intermediate, top_k). gpt-oss-120b's
+is the short-group case with a hidden size off the tiles (256 rows per expert at 8192 tokens,
+H = I = 2880 = 11.25 x 256); the kernels run plain SwiGLU on it (its clamp and biases aside)."""
+
+
 def _shape(name: str) -> tuple[int, int, int, int]:
-    """(experts, hidden, intermediate, top_k) of a preset."""
+    """(experts, hidden, intermediate, top_k) of a preset, or of one of SHAPES."""
+    if name in SHAPES:
+        return SHAPES[name]
     shape = mok.PRESETS[name]
     return shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
 
@@ -265,7 +273,9 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
     m = sets[0][0].shape[0]
     default = default_config(torch.device("cuda"), hidden, inter, m / experts)
     tl_cfg = default.down_wgrad if down else default.gate_up_wgrad
-    configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **GLUON_TILES["wgrad"]}
+    # The Gluon kernel takes gradients whose P is a multiple of its tile's rows (`wgrad_supported`).
+    gluon = {label: cfg for label, cfg in GLUON_TILES["wgrad"].items() if p % cfg.block_m == 0}
+    configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **gluon}
 
     def run(label, cfg, i, grads, accumulate):
         a, b, offsets = sets[i]

@@ -505,18 +505,20 @@ def test_wgrad_tilings_agree_and_calls_repeat():
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("main_grad", [False, True], ids=["bf16 grads", "fp32 buffers"])
-def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
+@pytest.mark.parametrize("hidden", [384, 192], ids=["H 384", "H 192 (off the wgrad tile)"])
+def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
     """On Hopper the default config sends both data gradients and both weight gradients to the
     Gluon kernels, fresh or accumulated into fp32 buffers, with the tl path's results bit for bit
-    (its gate/up data gradient at the Gluon kernel's BLOCK_K)."""
+    (its gate/up data gradient at the Gluon kernel's BLOCK_K). With H = 192, W_down's gradient
+    (H rows) is not a whole number of the Gluon kernel's 128-row tiles: it must go to the tl
+    kernel (the Gluon one would spill a tile's last rows into the next expert's gradient)."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_backward, expert_mlp_forward
     from mok.kernels import warp_specialized as ws
 
     gen = torch.Generator(device="cuda").manual_seed(6)
-    # H and I multiples of 128, the default tiles' rows: both gradients take the Gluon kernel.
-    sizes, hidden, inter = [400, 0, 129, 700], 384, 256
+    sizes, inter = [400, 0, 129, 700], 256
     m = sum(sizes)
     rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
     w_gate, w_up = (
@@ -528,6 +530,8 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     cfg = default_config(rows.device, hidden, inter, m / 4)
     assert cfg.warp_specialized_wgrad is not None and cfg.warp_specialized_dgrad is not None
+    wgrad_rows = cfg.warp_specialized_wgrad.for_grad(torch.bfloat16).block_m
+    assert (hidden % wgrad_rows == 0) == (hidden == 384)  # H 192: W_down's gradient goes to tl
     assert ws.dgrad_supported(rows, cfg.warp_specialized_dgrad.gate_up, w_gate, w_up, w_down)
     tl_only = dataclasses.replace(
         cfg,
@@ -548,3 +552,18 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad):
         results.append(expert_mlp_backward(grad_out, saved, **buffers))
     for gluon, tl in zip(*results, strict=True):
         assert torch.equal(gluon, tl)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_the_wgrad_kernel_refuses_gradients_off_its_tiles():
+    """Bug caught: a direct call with P not a multiple of the tile's rows writing a tile's last
+    rows into the next expert's gradient instead of raising."""
+    from mok.kernels import warp_specialized as ws
+
+    a = torch.randn(300, 192, device="cuda").bfloat16()
+    b = torch.randn(300, 128, device="cuda").bfloat16()
+    offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
+    grad = torch.zeros(2, 192, 128, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="wgrad_supported"):
+        ws.down_wgrad(a, b, offsets, grad, False, ws.WGRAD_TILES.single)
+    assert not grad.any()

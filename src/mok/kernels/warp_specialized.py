@@ -1464,6 +1464,13 @@ def _group_at_b(
 ) -> None:
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    # A tile of rows past P would land on the next expert's gradient (2-D descriptors over E * P).
+    if not all(wgrad_supported(a, b, g, cfg) for g in grads):
+        raise ValueError(
+            f"gradients [E, {p}, {q}] {grads[0].dtype} from {a.dtype} operands: not taken by the "
+            f"Gluon weight-gradient kernel with {bm}-row tiles (`wgrad_supported`: P a multiple "
+            "of the tile's rows, 16-byte rows, contiguous gradients); use the tl kernel"
+        )
     split = _consumer_split(bm)
     wg_m = CONSUMER_ROWS
     halves = len(grads)
