@@ -146,28 +146,25 @@ def cases():
         "64x128": ws.DGRAD_SWIGLU_PING_PONG,
         "128x128 cooperative": ws.DGRAD_SWIGLU_COOPERATIVE,
     }
-    for label, cfg in swiglu.items():
-        problem = ws._RowsProblem(
+
+    def swiglu_problem(limit=None, source=None):
+        return ws._RowsProblem(
             ws.GATE_UP_SWIGLU.value,
             x,
             w_gate,
             grad,
             w2=w_gate,
             gate_up=gate_up,
-            source_rows=source_rows,
+            swiglu_limit=limit,
+            source_rows=source,
         )
+
+    for label, cfg in swiglu.items():
+        problem = swiglu_problem(source=source_rows)
         yield f"gate_up_swiglu gather {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
     for limit in (None, 7.0):
         for label, cfg in swiglu.items():
-            problem = ws._RowsProblem(
-                ws.GATE_UP_SWIGLU.value,
-                x,
-                w_gate,
-                grad,
-                w2=w_gate,
-                gate_up=gate_up,
-                swiglu_limit=limit,
-            )
+            problem = swiglu_problem(limit)
             yield (
                 f"gate_up_swiglu {label} limit={limit}",
                 lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
