@@ -94,7 +94,7 @@ def ptxas_report(ptx: str) -> dict[str, int]:
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
     from mok.kernels import warp_specialized as ws
-    from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowTiles
+    from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowsReady, RowTiles
 
     def tiles(cfg):
         capacity = triton.cdiv(m, cfg.block_m) + experts + 2
@@ -147,7 +147,7 @@ def cases():
         "128x128 cooperative": ws.DGRAD_SWIGLU_COOPERATIVE,
     }
 
-    def swiglu_problem(limit=None, source=None):
+    def swiglu_problem(limit=None, source=None, ready=None):
         return ws._RowsProblem(
             ws.GATE_UP_SWIGLU.value,
             x,
@@ -157,11 +157,16 @@ def cases():
             gate_up=gate_up,
             swiglu_limit=limit,
             source_rows=source,
+            ready=ready,
         )
 
+    flags = torch.zeros(m // 32, dtype=torch.int32)
+    ready = RowsReady(flags, 32, flags[:1], torch.zeros(4, dtype=torch.int64), 1.0, 0)
     for label, cfg in swiglu.items():
         problem = swiglu_problem(source=source_rows)
         yield f"gate_up_swiglu gather {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+        problem = swiglu_problem(ready=ready)
+        yield f"gate_up_swiglu waiting {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
     for limit in (None, 7.0):
         for label, cfg in swiglu.items():
             problem = swiglu_problem(limit)

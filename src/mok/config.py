@@ -27,6 +27,10 @@ class Backend(str, enum.Enum):
     """The fastest backend that can run on the workspace's device and group."""
     TRITON = "triton"
     """Triton kernels and the NVLink exchange: CUDA GPUs, no host synchronization."""
+    FUSED = "fused"
+    """The triton backend's kernels with the exchange overlapped: the dispatch copied by
+    `comm_sms` programs while the expert products run on the other SMs, and the combine stored
+    by the down product's epilogue. Chosen by name only until measured faster."""
     REFERENCE = "reference"
     """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
 

@@ -201,3 +201,103 @@ def test_bad_scatter_and_index_arguments_raise_naming_the_field():
         )
     with pytest.raises(ValueError, match="await_counts"):
         await_counts(scatter.counts, scatter.dest_row[:3], new_status(DEVICE), 1.0, wait_id=0)
+
+
+def landed_flags(rows: int, block_rows: int, epoch: int, missing: int | None = None):
+    """Flags of `rows` rows in blocks, all carrying `epoch` except block `missing` (one behind)."""
+    flags = torch.full((-(-rows // block_rows),), epoch, dtype=torch.int32, device=DEVICE)
+    if missing is not None:
+        flags[missing] = epoch - 1
+    return flags
+
+
+@pytest.mark.parametrize("block_rows", [8, 32, 48])
+def test_gate_up_waiting_on_landed_rows_computes_what_it_computes_without(block_rows):
+    """Bug caught: the readiness wait reading the wrong flags (a tile never starting, or the
+    wait reaching past the flags of the last block) or disturbing the product."""
+    sizes = [37, 0, 61, 5]
+    m = sum(sizes)
+    _, x, _, w_gate, w_up, offsets = operands(sizes, 48, 32, m, seed=3)
+    tiles = row_tile_map(offsets, m, CFG.block_m)
+    epoch = torch.full((1,), 5, dtype=torch.int32, device=DEVICE)
+    status = new_status(DEVICE)
+    ready = gg.RowsReady(landed_flags(m, block_rows, 5), block_rows, epoch, status, 1000.0, 9)
+    h, gate_up = gg.gate_up_swiglu(x, w_gate, w_up, tiles, 2.0, True, CFG, ready=ready)
+    h_plain, gate_up_plain = gg.gate_up_swiglu(x, w_gate, w_up, tiles, 2.0, True, CFG)
+    assert torch.equal(h, h_plain) and torch.equal(gate_up, gate_up_plain)
+    assert status.tolist() == [0, 0, 0, 0]
+
+
+def test_gate_up_gives_up_on_rows_that_never_land_and_names_their_block():
+    """Bug caught: a tile waiting forever on a block that never lands (no bound), or a failure
+    recorded under the wrong wait or block."""
+    sizes = [40, 30]
+    m = sum(sizes)
+    _, x, _, w_gate, w_up, offsets = operands(sizes, 48, 32, m, seed=4)
+    tiles = row_tile_map(offsets, m, CFG.block_m)
+    epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
+    status = new_status(DEVICE)
+    ready = gg.RowsReady(landed_flags(m, 16, 3, missing=2), 16, epoch, status, TIMEOUT_S, 9)
+    gg.gate_up_swiglu(x, w_gate, w_up, tiles, None, False, CFG, ready=ready)
+    assert status.tolist() == [TIMED_OUT, 9, 2, 2]
+
+
+def test_rows_ready_checks_its_flags():
+    """Bug caught: flags too few for the rows (a tile waiting on memory past them)."""
+    epoch = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    ready = gg.RowsReady(landed_flags(40, 16, 1), 16, epoch, new_status(DEVICE), 1.0, 0)
+    with pytest.raises(ValueError, match="RowsReady.flags"):
+        ready.check(49)
+
+
+@pytest.mark.parametrize("count", [0, 1, 31, 32, 70])
+def test_copy_rows_flags_exactly_the_tiles_it_wrote(count):
+    """Bug caught: a tile flagged before (or without) its rows, a flag for rows past the count
+    (a product would read rows never written), flags of another epoch."""
+    from mok.kernels.rows import copy_rows
+
+    rows, hidden, block = 80, 24, 16
+    gen = torch.Generator().manual_seed(count)
+    src = torch.randn(50, hidden, generator=gen).to(DEVICE, DTYPE)
+    src_row = torch.randint(0, 50, (rows,), generator=gen).to(DEVICE)
+    dst = torch.full((rows, hidden), SENTINEL, dtype=DTYPE, device=DEVICE)
+    landed = torch.full((rows // block,), -1, dtype=torch.int32, device=DEVICE)
+    epoch = torch.full((1,), 11, dtype=torch.int32, device=DEVICE)
+    total = torch.full((1,), count, dtype=torch.int64, device=DEVICE)
+    copy_rows(dst, src, src_row, total, 3, block, epoch=epoch, landed=landed)
+    written = -(-count // block)
+    assert landed[:written].tolist() == [11] * written
+    assert landed[written:].tolist() == [-1] * (rows // block - written)
+    assert torch.equal(dst[:count], src[src_row[:count]])
+    assert bool((dst[count:] == SENTINEL).all())
+
+
+def _hopper() -> bool:
+    return DEVICE.type == "cuda" and torch.cuda.get_device_capability(DEVICE)[0] == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the warp-specialized kernels need a Hopper GPU")
+@pytest.mark.parametrize("cooperative", [False, True], ids=["ping-pong", "cooperative"])
+def test_warp_specialized_gate_up_waits_like_its_twin(cooperative):
+    """The Gluon loader's readiness wait: with every block landed, the tl twin's result bit for
+    bit; with one block missing, a bounded wait that names it (no hang, no trap)."""
+    from mok.kernels import warp_specialized as ws
+
+    cfg = ws.SWIGLU_COOPERATIVE if cooperative else ws.SWIGLU_PING_PONG
+    sizes = [300, 0, 77, 129]
+    m = sum(sizes)
+    _, x, _, w_gate, w_up, offsets = operands(sizes, 256, 128, m, seed=5)
+    tiles = row_tile_map(offsets, m, cfg.block_m)
+    epoch = torch.full((1,), 7, dtype=torch.int32, device=DEVICE)
+    status = new_status(DEVICE)
+    ready = gg.RowsReady(landed_flags(m, 32, 7), 32, epoch, status, 1000.0, 9)
+    h, gate_up = ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, True, cfg, ready=ready)
+    twin_cfg = GemmTiles(cfg.block_m, cfg.block_n, cfg.block_k, num_warps=4, num_stages=3)
+    twin_tiles = row_tile_map(offsets, m, twin_cfg.block_m)
+    h_twin, gate_up_twin = gg.gate_up_swiglu(x, w_gate, w_up, twin_tiles, 3.0, True, twin_cfg)
+    assert torch.equal(h, h_twin) and torch.equal(gate_up, gate_up_twin)
+    assert status.tolist() == [0, 0, 0, 0]
+    missing = gg.RowsReady(landed_flags(m, 32, 7, missing=12), 32, epoch, status, 0.05, 9)
+    ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, False, cfg, ready=missing)
+    assert status.tolist() == [TIMED_OUT, 9, 12, 6]

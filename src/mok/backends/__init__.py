@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from mok.backends.fused import FusedBackend
 from mok.backends.reference import ReferenceBackend
 from mok.backends.triton import TritonBackend
 from mok.config import Backend, MoKConfig
@@ -11,6 +12,7 @@ from mok.errors import BackendUnavailableError
 # Fastest first: `auto` takes the first that can run.
 BACKENDS = {
     Backend.TRITON: TritonBackend,
+    Backend.FUSED: FusedBackend,
     Backend.REFERENCE: ReferenceBackend,
 }
 

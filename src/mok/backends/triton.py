@@ -73,6 +73,8 @@ class _Saved:
 class TritonBackend:
     name = "triton"
     checks_ids_on_device = True
+    exchange_layout: dict = {}
+    """Options of the NVLink exchange's shape (`mok.comm.symmetric.ExchangeShape`)."""
 
     def __init__(self, workspace) -> None:
         # Imported here: Triton is an optional dependency of the package.
@@ -98,6 +100,7 @@ class TritonBackend:
                 config.recv_capacity,
                 config.recv_pair_capacity,
                 dtype=self.dtype,
+                **self.exchange_layout,
             )
             self.exchange = acquire_exchange(
                 group, shape, device, config.comm_sms, config.peer_timeout_s

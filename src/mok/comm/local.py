@@ -6,11 +6,15 @@ summed back in the reference's order. No host synchronization; deterministic.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
+from mok.errors import MoKTimeoutError
+from mok.kernels.grouped_gemm import RowScatter, RowsReady
 from mok.kernels.placement import PlacementKernels
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
+from mok.kernels.sync import await_counts, new_status
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +25,8 @@ class LocalRouting:
     group_offsets: torch.Tensor
     pair_row: torch.Tensor
     recv_pairs: torch.Tensor
+    grouped_pair: torch.Tensor
+    """[T * k] int32: the pair t * k + j of each grouped row (the inverse of pair_row)."""
 
 
 class LocalExchange:
@@ -40,6 +46,13 @@ class LocalExchange:
         # Nothing overflows in one process; the placement kernels still want somewhere to say so.
         self._overflowed = torch.zeros(1, dtype=torch.bool, device=self.device)
         self._most_needed = torch.zeros(2, dtype=torch.int64, device=self.device)
+        # The overlapped path's readiness: flags stamped with a per-call epoch (never reset), the
+        # combine's count, and the status its bounded waits record failures in.
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self.status = new_status(self.device)
+        self._landed = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._combined = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._zero_offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
 
     def route(self, topk_idx: torch.Tensor) -> LocalRouting:
         tokens, top_k = topk_idx.shape
@@ -61,11 +74,17 @@ class LocalExchange:
             self._overflowed,
             self._most_needed,
         )
+        self.epoch.add_(1)
+        pair_row = placement.pair_row.view(-1)
+        grouped_pair = torch.empty(pair_row.numel(), dtype=torch.int32, device=self.device)
+        pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=self.device)
+        grouped_pair.scatter_(0, pair_row, pairs)  # every pair has a row: a permutation
         return LocalRouting(
             top_k=top_k,
             group_offsets=placement.group_offsets,
             pair_row=placement.pair_row,
             recv_pairs=placement.recv_pairs,
+            grouped_pair=grouped_pair,
         )
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:
@@ -91,6 +110,85 @@ class LocalExchange:
             **COPY_TILE,
         )
         return grouped
+
+    def dispatch_overlapped(
+        self, routing: LocalRouting, x: torch.Tensor, programs: int, timeout_s: float
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady]:
+        """`dispatch`'s grouped rows [T * k, H] and `pull`, which, run on the caller's
+        communication stream, has `programs` programs copy them in grouped order, each block of
+        COPY_ROWS rows flagged once written: the RowsReady that the gate/up product waits on
+        beside the copy. x must stay unchanged until the copy is done."""
+        pairs = routing.pair_row.numel()
+        x = x.contiguous()
+        grouped = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
+        blocks = -(-pairs // COPY_ROWS)
+        if self._landed.numel() < blocks:
+            self._landed = torch.zeros(blocks, dtype=torch.int32, device=self.device)
+        token_of_row = (routing.grouped_pair // routing.top_k).long()
+        count, landed = self._count(pairs), self._landed
+
+        def pull() -> None:
+            copy_rows(
+                grouped,
+                x,
+                token_of_row,
+                count,
+                programs,
+                COPY_ROWS,
+                epoch=self.epoch,
+                landed=landed,
+                **COPY_TILE,
+            )
+
+        ready = RowsReady(landed, COPY_ROWS, self.epoch, self.status, timeout_s, 0)
+        return grouped, pull, ready
+
+    def combine_target(self, routing: LocalRouting, hidden: int, dtype: torch.dtype) -> RowScatter:
+        """Where the down product's peer-store epilogue puts each grouped row's output: the
+        pair's row of a fresh [T * k, H] matrix (this rank's; the pairs' outputs that
+        `combine_landed` sums and backward keeps). Zeroes the count it adds to."""
+        pairs = routing.pair_row.numel()
+        self._combined.zero_()
+        return RowScatter(
+            out=torch.empty(pairs, hidden, dtype=dtype, device=self.device),
+            out_offsets=self._zero_offsets,
+            dest_rank=torch.zeros(pairs, dtype=torch.int32, device=self.device),
+            dest_row=routing.grouped_pair,
+            counts=self._combined,
+            counts_offsets=self._zero_offsets,
+            rank=0,
+        )
+
+    def combine_landed(
+        self,
+        routing: LocalRouting,
+        target: RowScatter,
+        column_tiles: int,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None,
+        timeout_s: float,
+        save_pair_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y [T, H], the pairs' outputs [T, k, H] when save_pair_out) once every pair's output
+        landed in `target` (column_tiles adds per row): `combine`'s values, in its order."""
+        tokens, top_k = routing.pair_row.shape
+        expected = torch.full(
+            (1,), tokens * top_k * column_tiles, dtype=torch.int32, device=self.device
+        )
+        await_counts(target.counts, expected, self.status, timeout_s, 0)
+        pair_out = target.out.view(tokens, top_k, target.out.shape[1])
+        y = torch.empty(tokens, pair_out.shape[2], dtype=pair_out.dtype, device=self.device)
+        own_rows = torch.arange(tokens * top_k, device=self.device).view(tokens, top_k)
+        reduce_rows(
+            y,
+            target.out,
+            own_rows,
+            self.sms,
+            weight=topk_weights.contiguous(),
+            init=None if shared_out is None else shared_out.contiguous(),
+            **LOCAL_SUM,
+        )
+        return y, pair_out if save_pair_out else None
 
     def expert_output_buffer(self) -> None:
         """The expert outputs stay where the kernels write them."""
@@ -150,7 +248,16 @@ class LocalExchange:
         return grad_x
 
     def check(self) -> None:
-        """Nothing can overflow in one process."""
+        """Raise what a bounded wait of the overlapped path recorded (nothing can overflow in one
+        process)."""
+        code, _, where, seen = self.status.tolist()
+        if code:
+            self.status.zero_()
+            raise MoKTimeoutError(
+                f"the overlapped layer gave up waiting (code {code}) on rows or outputs of block "
+                f"{where} (seen {seen}): the copy beside the expert kernels never finished it "
+                "(another kernel held the SMs it needed?); the results of that call are undefined"
+            )
 
     def reset(self) -> None:
         """Nothing waits on another rank in one process."""

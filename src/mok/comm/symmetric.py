@@ -45,13 +45,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import triton
 
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
+from mok.kernels.grouped_gemm import RowScatter, RowsReady
 from mok.kernels.placement import PlacementKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
@@ -63,7 +66,7 @@ from mok.kernels.rows import (
     push_rows,
     reduce_rows,
 )
-from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT, barrier, new_status
+from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT, await_counts, barrier, new_status
 
 _ALIGN_BYTES = 256
 
@@ -76,6 +79,8 @@ WAITS = (
     "combine backward: pair gradients written",
     "dispatch backward: staging gradients summed",
     "release: peers done with the buffers",
+    "combine: expert outputs stored here",
+    "dispatch: grouped rows copied",
 )
 """Every place where a rank waits for its peers, by wait id (what a timeout names)."""
 _PUSH_WAIT = WAITS.index("dispatch: token rows pushed")
@@ -100,6 +105,9 @@ class ExchangeShape:
     rows per tile of the push kernel)."""
     pull_dispatch: bool = False
     """Owners load token rows from the senders instead of senders storing them."""
+    overlapped: bool = False
+    """The layout of the overlapped layer (the `fused` backend): pull dispatch straight into the
+    grouped rows, and each rank's pair outputs stored into it by the owners' down product."""
     dtype: torch.dtype = torch.bfloat16
     """Token rows and expert outputs (the gradients summed per staging row stay fp32)."""
 
@@ -203,6 +211,10 @@ class SymmetricView:
     """[token_capacity + 1, 2] int64 with pull dispatch: (rank, row) each staging row comes from."""
     x_copy: PeerTensor | None
     """[T_max, H] with pull dispatch: this rank's tokens, for the owners to pull."""
+    pair_out: PeerTensor | None
+    """[T_max * k, H] overlapped: the outputs of this rank's pairs, stored by their owners."""
+    combine_counts: PeerTensor | None
+    """[ep] int32 overlapped: per owner, its rows stored into pair_out (x column tiles)."""
     epoch: torch.Tensor
     """[1] int32: calls of `route` so far."""
     sequence: torch.Tensor
@@ -285,10 +297,17 @@ class SymmetricExchange:
             ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
             ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
         ]
+        if s.overlapped and not s.pull_dispatch:
+            raise ValueError("ExchangeShape.overlapped needs pull_dispatch")
         if s.pull_dispatch:
             layout += [
                 ("staging_source", (s.token_capacity + 1, 2), torch.int64),
                 ("x_copy", (s.max_tokens, s.hidden), s.dtype),
+            ]
+        if s.overlapped:
+            layout += [
+                ("pair_out", (s.max_tokens * s.top_k, s.hidden), s.dtype),
+                ("combine_counts", (ep,), torch.int32),
             ]
         offsets, total = {}, 0
         for name, dims, dtype in layout:
@@ -307,6 +326,8 @@ class SymmetricExchange:
             ep_size=ep,
             staging_source=frozen.pop("staging_source", None),
             x_copy=frozen.pop("x_copy", None),
+            pair_out=frozen.pop("pair_out", None),
+            combine_counts=frozen.pop("combine_counts", None),
             **frozen,
             epoch=torch.zeros(1, dtype=torch.int32, device=device),
             sequence=torch.zeros(1, dtype=torch.int64, device=device),
@@ -315,6 +336,10 @@ class SymmetricExchange:
         )
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
+        # Readiness of the grouped rows of the overlapped dispatch (local; epoch-stamped).
+        self.landed = torch.zeros(
+            triton.cdiv(s.pair_capacity, COPY_ROWS), dtype=torch.int32, device=device
+        )
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
         self._restart()
 
@@ -413,6 +438,13 @@ class SymmetricExchange:
     def _failure(self, code: int, wait_id: int, where: int, seen: int) -> str:
         """The message of a failed wait recorded in the status."""
         wait = WAITS[wait_id] if 0 <= wait_id < len(WAITS) else f"wait {wait_id}"
+        if wait == "dispatch: grouped rows copied":
+            return (
+                f"rank {self.rank} gave up waiting for its own copy of grouped rows (block "
+                f"{where}, seen {seen}) beside the expert kernels after {self.view.timeout_s:g} s "
+                "(a peer's rows never came, or another kernel held the copy's SMs)."
+                + " Every rank must call Workspace.reset() before the next call."
+            )
         flags = wait_id == _PUSH_WAIT
         peer = where // self.shape.blocks_per_rank if flags else where
         after = (
@@ -543,6 +575,111 @@ class SymmetricExchange:
             **COPY_TILE,
         )
         return grouped
+
+    def dispatch_overlapped(
+        self, routing: SymmetricRouting, x: torch.Tensor, programs: int, timeout_s: float
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady]:
+        """The overlapped layout's dispatch (collective), in two parts: on the current stream,
+        x goes into this rank's symmetric copy and the ranks meet (a barrier); then the returned
+        `pull` callable, run on the caller's communication stream, has `programs` programs
+        load each grouped row from its token's rank in grouped order, flagging every block of
+        COPY_ROWS rows once written (the RowsReady the gate/up product waits on beside it).
+        Returns (grouped rows [pair_capacity, H], first recv_pairs valid; pull; ready)."""
+        s = self.shape
+        if not s.overlapped:
+            raise ValueError("dispatch_overlapped needs an exchange of the overlapped layout")
+        self.view.x_copy.local[: x.shape[0]].copy_(x)
+        # Owners add into these counts only after the barrier below.
+        self.view.combine_counts.local.zero_()
+        self._barrier("dispatch: x copied for pulling")
+        staging = routing.grouped_to_staging
+        source = self.view.staging_source.local[staging.clamp(min=0)]
+        source_row = torch.where(staging >= 0, source[:, 1], -1)
+        source_rank = source[:, 0].contiguous()
+        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+
+        def pull() -> None:
+            copy_rows(
+                grouped,
+                self.view.x_copy.local,
+                source_row,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=self.view.x_copy.offsets,
+                src_rank=source_rank,
+                epoch=self.view.epoch,
+                landed=self.landed,
+                **COPY_TILE,
+            )
+
+        ready = RowsReady(
+            self.landed,
+            COPY_ROWS,
+            self.view.epoch,
+            self.view.status,
+            timeout_s,
+            WAITS.index("dispatch: grouped rows copied"),
+        )
+        return grouped, pull, ready
+
+    def combine_target(
+        self, routing: SymmetricRouting, hidden: int, dtype: torch.dtype
+    ) -> RowScatter:
+        """Where the down product's peer-store epilogue puts each grouped row's output: row
+        t * k + j of the token's rank's pair_out (overlapped layout), counted there per owner."""
+        return RowScatter(
+            out=self.view.pair_out.local,
+            out_offsets=self.view.pair_out.offsets,
+            dest_rank=routing.return_rank.to(torch.int32),
+            dest_row=routing.return_row.to(torch.int32),
+            counts=self.view.combine_counts.local,
+            counts_offsets=self.view.combine_counts.offsets,
+            rank=self.rank,
+        )
+
+    def combine_landed(
+        self,
+        routing: SymmetricRouting,
+        target: RowScatter,
+        column_tiles: int,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None,
+        timeout_s: float,
+        save_pair_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y [T, H], the pairs' outputs [T, k, H] when save_pair_out) once every owner stored
+        this rank's pairs (column_tiles adds per row): `combine`'s values, in its order."""
+        s = self.shape
+        tokens = routing.owner.shape[0]
+        owner = routing.owner.view(-1)
+        kept = routing.pair_row.view(-1) >= 0  # pairs dropped for capacity never come back
+        expected = torch.zeros(self.ep_size, dtype=torch.int32, device=self.device)
+        expected.scatter_add_(0, owner, kept.to(torch.int32))
+        await_counts(
+            target.counts,
+            expected * column_tiles,
+            self.view.status,
+            timeout_s,
+            WAITS.index("combine: expert outputs stored here"),
+        )
+        rows = torch.arange(tokens * s.top_k, device=self.device)
+        pair_rows = torch.where(kept, rows, -1).view(tokens, s.top_k)
+        pair_out = None
+        if save_pair_out:
+            pair_out = torch.empty(tokens, s.top_k, s.hidden, dtype=s.dtype, device=self.device)
+        y = torch.empty(tokens, s.hidden, dtype=s.dtype, device=self.device)
+        reduce_rows(
+            y,
+            target.out,
+            pair_rows,
+            self.local_sms,
+            weight=topk_weights.contiguous(),
+            init=None if shared_out is None else shared_out.contiguous(),
+            gathered=pair_out,
+            **LOCAL_SUM,
+        )
+        return y, pair_out
 
     def expert_output_buffer(self) -> torch.Tensor:
         """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies

@@ -31,7 +31,7 @@ import torch
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
 from mok.kernels._triton_compat import interpreting
-from mok.kernels.grouped_gemm import GemmTiles, RowTiles
+from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowsReady, RowTiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +195,26 @@ def _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limi
             raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
 
 
+def with_gate_up_sms(config: ExpertKernelConfig, sms: int | None) -> ExpertKernelConfig:
+    """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
+    runs beside communication programs leaves them theirs (`GemmTiles.max_sms`)."""
+    ws_tiles = config.warp_specialized_gate_up
+    return dataclasses.replace(
+        config,
+        gate_up=dataclasses.replace(config.gate_up, max_sms=sms),
+        warp_specialized_gate_up=ws_tiles and dataclasses.replace(ws_tiles, max_sms=sms),
+    )
+
+
+def down_tiles(config: ExpertKernelConfig, h: torch.Tensor, w_down: torch.Tensor) -> GemmTiles:
+    """The tiles the forward down product runs with for h [M, I] (its block_n is what the
+    peer-store epilogue's counts count in: one add per row and column tile)."""
+    ws_down = config.warp_specialized_down
+    if ws_down is not None and ws.supported(h, w_down):
+        return ws_down
+    return config.down
+
+
 def _row_tiles(saved_tiles: dict[int, RowTiles], group_offsets, num_rows, block_m) -> RowTiles:
     if block_m not in saved_tiles:
         saved_tiles[block_m] = gg.row_tile_map(group_offsets, num_rows, block_m)
@@ -211,7 +231,9 @@ def expert_mlp_forward(
     save_for_backward: bool = True,
     config: ExpertKernelConfig | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, ExpertMLPSaved | None]:
+    rows_ready: RowsReady | None = None,
+    combine: RowScatter | None = None,
+) -> tuple[torch.Tensor | None, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
     rows: [M, H] bf16 on a CUDA device (fp32 is accepted on CPU under TRITON_INTERPRET=1), grouped
@@ -226,10 +248,17 @@ def expert_mlp_forward(
     config: tiles (None: `default_config`).
     out: optional contiguous [>= M, H] tensor of the rows' dtype to write the outputs into (for
       example a communication buffer); its first M rows are returned.
+    rows_ready: the rows land while the gate/up product runs (written by a kernel beside it,
+      `RowsReady`): each tile waits for its rows' flags first.
+    combine: the outputs leave by the peer-store epilogue instead (`RowScatter`: row r to row
+      dest_row[r] of rank dest_rank[r]'s buffer, counted per row and column tile of
+      `down_tiles(config, ...)`); `out` must be None and None is returned in its place.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
     """
+    if combine is not None and out is not None:
+        raise ValueError("expert_mlp_forward: pass out or combine, not both")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
     m, hidden = rows.shape
     if out is not None:
@@ -245,7 +274,7 @@ def expert_mlp_forward(
         saved = ExpertMLPSaved(
             rows, group_offsets, w_gate, w_up, w_down, h, gate_up, {}, swiglu_limit, cfg
         )
-        return out, saved if save_for_backward else None
+        return None if combine else out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
     ws_gate_up = cfg.warp_specialized_gate_up
     if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
@@ -260,15 +289,21 @@ def expert_mlp_forward(
         swiglu_limit,
         save_for_backward,
         gate_up_cfg,
+        ready=rows_ready,
     )
-    ws_down = cfg.warp_specialized_down
-    if ws_down is not None and ws.supported(h, w_down):
-        down_tiles = _row_tiles(tiles, group_offsets, m, ws_down.block_m)
-        out = ws.rows_wt(h, w_down, down_tiles, ws_down, out)
+    down_cfg = down_tiles(cfg, h, w_down)
+    row_tiles = _row_tiles(tiles, group_offsets, m, down_cfg.block_m)
+    warp_specialized = down_cfg is cfg.warp_specialized_down
+    if combine is not None:
+        if warp_specialized:
+            ws.rows_wt_scatter(h, w_down, row_tiles, combine, down_cfg)
+        else:
+            gg.down_scatter(h, w_down, row_tiles, down_cfg, combine)
+        out = None
+    elif warp_specialized:
+        out = ws.rows_wt(h, w_down, row_tiles, down_cfg, out)
     else:
-        out = gg.down(
-            h, w_down, _row_tiles(tiles, group_offsets, m, cfg.down.block_m), cfg.down, out
-        )
+        out = gg.down(h, w_down, row_tiles, down_cfg, out)
     if not save_for_backward:
         return out, None
     saved = ExpertMLPSaved(

@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.sync import async_proxy_fence, timeout_ns, wait_ready
 
 if interpreting():
     patch_interpreter()
@@ -69,6 +70,9 @@ class GemmTiles:
     programs_per_sm: int = 1
     """Persistent programs per SM; 2 lets one program's prologue and epilogue overlap another's
     main loop where registers and shared memory allow."""
+    max_sms: int | None = None
+    """SMs the persistent grid may take (None: all): a product that runs beside communication
+    programs leaves them theirs, so that both are resident at once (the product waits on them)."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,6 +154,45 @@ class RowScatter:
     @property
     def ep_block(self) -> int:
         return max(2, triton.next_power_of_2(self.out_offsets.shape[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsReady:
+    """A-rows that land while the product runs (the overlapped dispatch): rows [b * block_rows,
+    (b + 1) * block_rows) of A are in place once flags[b] equals epoch[0], set by a release
+    (`mok.kernels.sync.signal_ready`) from another kernel running beside the product. A tile
+    waits for the flags of its rows before it reads them (`wait_rows_ready`), bounded by
+    timeout_s; a failure goes to `status` (`mok.kernels.sync`) under `wait_id`."""
+
+    flags: torch.Tensor
+    """[B] int32, this rank's."""
+    block_rows: int
+    epoch: torch.Tensor
+    """[1] int32: the value meaning "written in this call"."""
+    status: torch.Tensor
+    timeout_s: float
+    wait_id: int
+
+    def check(self, num_rows: int) -> None:
+        """Raise ValueError unless the flags cover num_rows rows."""
+        needed = triton.cdiv(num_rows, self.block_rows)
+        if self.flags.dtype != torch.int32 or self.flags.dim() != 1 or self.flags.numel() < needed:
+            raise ValueError(
+                f"RowsReady.flags: expected >= {needed} int32 flags for {num_rows} rows in blocks "
+                f"of {self.block_rows}, got {tuple(self.flags.shape)} {self.flags.dtype}"
+            )
+        if self.block_rows < 1:
+            raise ValueError(f"RowsReady.block_rows must be positive, got {self.block_rows}")
+        if self.epoch.dtype != torch.int32 or self.epoch.numel() != 1:
+            raise ValueError("RowsReady.epoch: expected a [1] int32 tensor")
+
+    def args(self) -> tuple:
+        """The kernel arguments, in `wait_rows_ready`'s order."""
+        return (self.flags, self.epoch, self.status, timeout_ns(self.timeout_s), self.wait_id)
+
+    def flags_per_tile(self, block_m: int) -> int:
+        """A power of two >= the flags one tile of block_m rows can touch."""
+        return triton.next_power_of_2(triton.cdiv(block_m, self.block_rows) + 1)
 
 
 @triton.jit(do_not_specialize=["num_rows", "capacity"])
@@ -263,6 +306,26 @@ def row_block(source, row, k, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
     else:
         block = source[0].load([row, k])
     return block
+
+
+@triton.jit
+def wait_rows_ready(
+    ready,  # `RowsReady.args`: flags, epoch, status, timeout, wait id
+    row,
+    row_end,
+    FLAG_ROWS: tl.constexpr,
+    FLAGS: tl.constexpr,
+):
+    """The readiness part of the A-row source: spin (bounded, `mok.kernels.sync.wait_ready`)
+    until the flags of rows [row, row_end) carry this call's epoch, then fence so that the
+    tile's TMA reads see what the flags published. FLAGS: a power of two >= the flags a tile
+    touches."""
+    flags_ptr, epoch_ptr, status_ptr, timeout_ns, wait_id = ready
+    index = row // FLAG_ROWS + tl.arange(0, FLAGS)
+    mask = index <= (row_end - 1) // FLAG_ROWS
+    epoch = tl.load(epoch_ptr)
+    wait_ready(flags_ptr + index, index.to(tl.int64), epoch, mask, status_ptr, timeout_ns, wait_id)
+    async_proxy_fence()
 
 
 @triton.jit
@@ -530,7 +593,7 @@ def store_weight_tile(
 # --------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["capacity", "num_rows"])
+@triton.jit(do_not_specialize=["capacity", "num_rows", "ready_timeout_ns", "ready_wait_id"])
 def _gate_up_swiglu_kernel(
     x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K] (GATHER: unused)
     x_ptr,  # GATHER: [S, H] the rows, read through source_rows
@@ -552,9 +615,17 @@ def _gate_up_swiglu_kernel(
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
     limit_below,  # float, the largest value of gate_up's dtype <= limit
     limit_above,  # float, the smallest value of gate_up's dtype > limit
+    ready_flags_ptr,  # WAIT_ROWS: the `RowsReady` fields, in order (else placeholders)
+    ready_epoch_ptr,
+    ready_status_ptr,
+    ready_timeout_ns,
+    ready_wait_id,
     HAS_LIMIT: tl.constexpr,
     SAVE_PREACT: tl.constexpr,
     GATHER: tl.constexpr,
+    WAIT_ROWS: tl.constexpr,
+    FLAG_ROWS: tl.constexpr,
+    FLAGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -562,17 +633,21 @@ def _gate_up_swiglu_kernel(
     NUM_PROGRAMS: tl.constexpr,
 ):
     """Grid: NUM_PROGRAMS. h = swiglu(x @ W_gate[e].T, x @ W_up[e].T) for every group's rows;
-    GATHER: x's rows through an index (`row_block`)."""
+    GATHER: x's rows through an index (`row_block`); WAIT_ROWS: a tile first waits for its rows
+    to land (`wait_rows_ready`)."""
     if GATHER:
         a_source = (x_ptr, x_stride, source_rows_ptr, num_rows, hidden)
     else:
         a_source = (x_desc,)
+    ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     num_tasks = tl.load(counts_ptr) * n_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
         m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
+        if WAIT_ROWS:
+            wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
         gate, up = rows_dual_tile(
             a_source,
             w_gate_desc,
@@ -959,12 +1034,13 @@ def _sm_count(device_index: int) -> int:
 
 
 def num_programs(device: torch.device, max_tasks: int, cfg: GemmTiles) -> int:
-    """Programs of a persistent grid: cfg.programs_per_sm per SM on a GPU (3 under the
-    interpreter, enough to exercise the task loop), never more than the tasks."""
+    """Programs of a persistent grid: cfg.programs_per_sm per SM (of at most cfg.max_sms) on a
+    GPU (3 under the interpreter, enough to exercise the task loop), never more than the tasks."""
     if device.type == "cuda":
-        programs = _sm_count(device.index or 0) * cfg.programs_per_sm
+        sms = _sm_count(device.index or 0)
+        programs = min(sms, cfg.max_sms or sms) * cfg.programs_per_sm
     else:
-        programs = 3
+        programs = 3 if cfg.max_sms is None else min(3, cfg.max_sms)
     return max(1, min(programs, max_tasks))
 
 
@@ -1051,11 +1127,15 @@ def gate_up_swiglu(
     save_preact: bool,
     cfg: GemmTiles,
     source_rows: torch.Tensor | None = None,
+    ready: RowsReady | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M, I] and, when `save_preact`, the pre-activations gate | up [M, 2I], both of the rows'
     dtype; rows outside the groups are left unwritten. With `source_rows`, grouped row r is
-    rows[source_rows[r]] (`gathered_rows`)."""
+    rows[source_rows[r]] (`gathered_rows`). With `ready`, a tile reads its rows only once their
+    flags say they landed (`RowsReady`)."""
     m = gathered_rows(rows, source_rows)
+    if ready is not None:
+        ready.check(m)
     hidden = rows.shape[1]
     inter = w_gate.shape[1]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -1084,12 +1164,21 @@ def gate_up_swiglu(
         inter,
         _limit(swiglu_limit),
         *limit_edges(swiglu_limit, gate_up.dtype),
+        *(ready.args() if ready else _no_wait(tiles)),
         HAS_LIMIT=swiglu_limit is not None,
         SAVE_PREACT=save_preact,
         GATHER=source_rows is not None,
+        WAIT_ROWS=ready is not None,
+        FLAG_ROWS=ready.block_rows if ready else 1,
+        FLAGS=ready.flags_per_tile(bm) if ready else 1,
         **_launch_options(cfg, programs),
     )
     return h, gate_up if save_preact else None
+
+
+def _no_wait(tiles: RowTiles) -> tuple:
+    """Placeholders of `RowsReady.args`' kinds, for products whose rows are all in place."""
+    return (tiles.counts, tiles.counts, tiles.table, 0, 0)
 
 
 def _no_scatter(out: torch.Tensor, tiles: RowTiles) -> tuple:

@@ -226,16 +226,19 @@ def copy_rows_kernel(
     status_ptr,
     timeout_ns,
     wait_id,
+    landed_ptr,
     SRC_PEERS: tl.constexpr,
     DST_ROWS: tl.constexpr,
     DST_PEERS: tl.constexpr,
     WAIT: tl.constexpr,
+    SIGNAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGN: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Persistent copy of min(count, max_rows) rows (count read on the device)."""
+    """Persistent copy of min(count, max_rows) rows (count read on the device). SIGNAL: after
+    tile b, landed[b] (this rank's) is set to the epoch."""
     count = tl.minimum(tl.load(count_ptr).to(tl.int64), max_rows)
     epoch = tl.load(epoch_ptr)
     for tile in range(tl.program_id(0), tl.cdiv(count, BLOCK_ROWS), NUM_PROGRAMS):
@@ -267,6 +270,8 @@ def copy_rows_kernel(
             BLOCK_H,
             ALIGN,
         )
+        if SIGNAL:
+            signal_ready(landed_ptr + tile, epoch)
 
 
 @triton.jit
@@ -483,6 +488,7 @@ def copy_rows(
     status: torch.Tensor | None = None,
     timeout_s: float = 0.0,
     wait_id: int = 0,
+    landed: torch.Tensor | None = None,
     num_warps: int = 4,
     block_h: int = BLOCK_H,
 ) -> None:
@@ -491,7 +497,10 @@ def copy_rows(
     dst_{dst_rank[r]} (skipped if outside dst). Without offsets/rank tables a buffer is this
     rank's own. With flags/wait/epoch/status: row r is read only once flags[wait[r]] equals
     epoch[0], waiting timeout_s at most (a failure is recorded in status, [4] int64, with
-    wait_id; see mok.kernels.sync)."""
+    wait_id; see mok.kernels.sync). With landed ([>= cdiv(len(src_row), block_rows)] int32, this
+    rank's; needs epoch and no dst_row): once rows [b * block_rows, (b + 1) * block_rows) of dst
+    are written, landed[b] is set to epoch[0] by a release (what a product running beside the
+    copy waits on, `grouped_gemm.RowsReady`); tiles past count are never flagged."""
     rows = src_row.shape[0]
     dst_capacity, hidden = dst.shape
     device = dst.device
@@ -499,6 +508,14 @@ def copy_rows(
     waits = flags is not None
     if waits and (wait is None or epoch is None or status is None):
         raise ValueError("waiting on flags needs wait, epoch and status")
+    signal = landed is not None
+    if signal and (epoch is None or dst_row is not None or dst_offsets is not None):
+        raise ValueError("flagging landed tiles needs epoch, and dst rows in order (no dst_row)")
+    if signal and (landed.dtype != torch.int32 or landed.numel() < triton.cdiv(rows, block_rows)):
+        raise ValueError(
+            f"landed: expected >= {triton.cdiv(rows, block_rows)} int32 flags, got "
+            f"{landed.numel()} {landed.dtype}"
+        )
     if rows == 0:
         return
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
@@ -518,14 +535,16 @@ def copy_rows(
         hidden,
         flags if waits else placeholder(device, torch.int32),
         wait if waits else placeholder(device),
-        epoch if waits else placeholder(device, torch.int32),
+        epoch if waits or signal else placeholder(device, torch.int32),
         status if waits else placeholder(device),
         timeout_ns(timeout_s),
         wait_id,
+        landed if signal else placeholder(device, torch.int32),
         SRC_PEERS=src_peers,
         DST_ROWS=dst_row is not None,
         DST_PEERS=dst_peers,
         WAIT=waits,
+        SIGNAL=signal,
         **_row_options(hidden, block_rows, block_h, programs, num_warps),
     )
 

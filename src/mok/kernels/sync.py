@@ -40,6 +40,11 @@ if interpreting():
         interpreter runs kernels on the host)."""
         return tl.full([], time.monotonic_ns() // INTERPRETER_SLOWDOWN, tl.int64)
 
+    @triton.jit
+    def async_proxy_fence():
+        """Nothing to order under the interpreter (no TMA)."""
+        pass
+
 else:
     from triton.language.extra.cuda import globaltimer
 
@@ -47,6 +52,15 @@ else:
     def clock_ns():
         """The GPU's global timer in ns."""
         return globaltimer()
+
+    @triton.jit
+    def async_proxy_fence():
+        """Order this thread's earlier (acquiring) loads before its later TMA reads of global
+        memory: TMA reads through the async proxy, which an acquire by ordinary loads does not
+        order by itself."""
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], tl.int32, is_pure=False, pack=1
+        )
 
 
 TIMED_OUT = 1

@@ -68,15 +68,19 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mok.kernels.grouped_gemm import (
     GemmTiles,
     RowScatter,
+    RowsReady,
     RowTiles,
     gathered_rows,
     limit_edges,
     num_programs,
     use_scratch_allocator,
 )
+from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
+TIMED_OUT_CODE = gl.constexpr(TIMED_OUT)
+OUT_OF_STEP_CODE = gl.constexpr(OUT_OF_STEP)
 LOADER_REGISTERS = gl.constexpr(40)
 """Registers per thread of the loader warp (it holds only scalars)."""
 GATHER_LOADER_WARPS = 4
@@ -216,6 +220,60 @@ def _gather_rows(gather, starts, k, buf):
 
 
 @gluon.jit
+def _globaltimer():
+    return gl.inline_asm_elementwise(
+        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _record_failure(status_ptr, code: gl.constexpr, wait_id, where, seen):
+    """`mok.kernels.sync.record_failure`: the first failure recorded in a status wins (on
+    one-element tensors: Gluon's atomics take distributed operands)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    one = gl.arange(0, 1, layout)
+    zero = gl.full([1], 0, gl.int64, layout)
+    old = gl.atomic_cas(status_ptr + one, zero, zero + code, sem="relaxed")
+    first = old == 0
+    gl.store(status_ptr + 1 + one, zero + wait_id.to(gl.int64), mask=first)
+    gl.store(status_ptr + 2 + one, zero + where.to(gl.int64), mask=first)
+    gl.store(status_ptr + 3 + one, zero + seen.to(gl.int64), mask=first)
+
+
+@gluon.jit
+def _wait_rows_ready(ready, row, row_end, FLAG_ROWS: gl.constexpr, FLAGS: gl.constexpr):
+    """`grouped_gemm.wait_rows_ready` in the loader: spin (bounded, recording a failure in the
+    status like `mok.kernels.sync.wait_ready`) until the flags of rows [row, row_end) carry
+    this call's epoch, acquire what they publish, then fence so that the TMA copies issued next
+    (async proxy) see it."""
+    flags_ptr, epoch_ptr, status_ptr, timeout_ns, wait_id = ready
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    index = row // FLAG_ROWS + gl.arange(0, FLAGS, layout)
+    mask = index <= (row_end - 1) // FLAG_ROWS
+    epoch = gl.load(epoch_ptr)
+    failed = gl.load(status_ptr, volatile=True)
+    start = _globaltimer()
+    seen = gl.load(flags_ptr + index, mask=mask, other=epoch, volatile=True)
+    late = False
+    while (gl.min(seen - epoch, 0) < 0) & (gl.max(seen - epoch, 0) <= 0) & (failed == 0) & ~late:
+        seen = gl.load(flags_ptr + index, mask=mask, other=epoch, volatile=True)
+        late = _globaltimer() - start > timeout_ns
+    if failed == 0:
+        far = gl.full([FLAGS], 1 << 62, gl.int64, layout)
+        if gl.max(seen - epoch, 0) > 0:
+            where = gl.min(gl.where(seen > epoch, index.to(gl.int64), far), 0)
+            _record_failure(status_ptr, OUT_OF_STEP_CODE, wait_id, where, gl.max(seen, 0))
+        elif gl.min(seen - epoch, 0) < 0:
+            where = gl.min(gl.where(seen < epoch, index.to(gl.int64), far), 0)
+            _record_failure(status_ptr, TIMED_OUT_CODE, wait_id, where, gl.min(seen, 0))
+    nothing = gl.full([FLAGS], 0, gl.int32, layout)
+    gl.atomic_add(flags_ptr + index, nothing, mask=mask, sem="acquire", scope="sys")
+    gl.inline_asm_elementwise(
+        "fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def _load_partition(
     operands,
     outputs,
@@ -224,11 +282,15 @@ def _load_partition(
     HAS_LIMIT: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
+    rows_ready,
+    FLAG_ROWS: gl.constexpr,
+    WAIT_FLAGS: gl.constexpr,
 ):
     """Loader: the A and W tiles of every step of every task of this program, in order. A step
     holds one A tile and one W tile (two W tiles in GATE_UP_SWIGLU; GATE_UP_DGRAD alternates
     steps between its two products). A tiles come by TMA, or with GATHER through the rows' index
-    (`_gather_rows`; not in GATE_UP_DGRAD)."""
+    (`_gather_rows`; not in GATE_UP_DGRAD). WAIT_FLAGS > 0: a task's first copy waits until its
+    rows landed (`_wait_rows_ready` on the `RowsReady` fields in `rows_ready`)."""
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
@@ -252,6 +314,9 @@ def _load_partition(
         expert = gl.load(table_ptr + m_idx)
         row = gl.load(table_ptr + capacity + m_idx)
         n_off = n_idx * BLOCK_N
+        if WAIT_FLAGS > 0:
+            row_end = gl.load(table_ptr + 2 * capacity + m_idx)
+            _wait_rows_ready(rows_ready, row, row_end, FLAG_ROWS, WAIT_FLAGS)
         if GATHER:
             first_starts = _gathered_starts(gather, row, WG_M, BLOCK_K)
             last_starts = _gathered_starts(gather, row + (SPLIT - 1) * WG_M, WG_M, BLOCK_K)
@@ -608,7 +673,7 @@ def _second_consumer(
     _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 1)
 
 
-@gluon.jit(do_not_specialize=["capacity", "num_rows", "rank"])
+@gluon.jit(do_not_specialize=["capacity", "num_rows", "rank", "ready_timeout_ns", "ready_wait_id"])
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
@@ -640,6 +705,11 @@ def _rows_wt_kernel(
     scatter_counts_ptr,
     scatter_counts_offsets_ptr,
     rank,
+    ready_flags_ptr,  # WAIT_FLAGS > 0: the `RowsReady` fields, in order (else placeholders)
+    ready_epoch_ptr,
+    ready_status_ptr,
+    ready_timeout_ns,
+    ready_wait_id,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     SAVE_PREACT: gl.constexpr,
@@ -650,6 +720,8 @@ def _rows_wt_kernel(
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     LOADER_WARPS: gl.constexpr,
+    FLAG_ROWS: gl.constexpr,
+    WAIT_FLAGS: gl.constexpr,
 ):
     """Grid: NUM_PROGRAMS, num_warps 4; row tiles of SPLIT x WG_M rows (the A descriptor's block
     rows), one consumer's each (SPLIT 1, ping-pong) or both consumers' (SPLIT 2, cooperative).
@@ -661,7 +733,8 @@ def _rows_wt_kernel(
     DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)
     The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
     epilogue: local stores, or with SCATTER_RANKS (ROWS_WT) the peer-store epilogue with
-    readiness counts (`_scatter_staged`)."""
+    readiness counts (`_scatter_staged`). WAIT_FLAGS > 0: every task waits for its A rows to land
+    first (`_wait_rows_ready`; the rows come from a kernel running beside this one)."""
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(
         dtype, [STAGES * SPLIT] + a_desc.block_type.shape, a_desc.layout
@@ -733,7 +806,27 @@ def _rows_wt_kernel(
                 _second_consumer,
                 (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS),
             ),
-            (_load_partition, (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS)),
+            (
+                _load_partition,
+                (
+                    operands,
+                    outputs,
+                    problem,
+                    MODE,
+                    HAS_LIMIT,
+                    GATHER,
+                    SCATTER_RANKS,
+                    (
+                        ready_flags_ptr,
+                        ready_epoch_ptr,
+                        ready_status_ptr,
+                        ready_timeout_ns,
+                        ready_wait_id,
+                    ),
+                    FLAG_ROWS,
+                    WAIT_FLAGS,
+                ),
+            ),
         ],
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
@@ -810,6 +903,7 @@ class _RowsProblem:
     swiglu_limit: float | None = None
     source_rows: torch.Tensor | None = None  # [M] int32: A is [S, K], read through this index
     scatter: RowScatter | None = None  # ROWS_WT: out's rows to the ranks' buffers instead
+    ready: RowsReady | None = None  # the A rows land while the product runs
 
 
 def _consumer_split(block_m: int) -> int:
@@ -862,7 +956,9 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             f"gathered rows of {k} columns, row stride {a.stride(0)}: both must be multiples "
             "of 16 bytes (cp.async copies 16-byte pieces)"
         )
-    scatter = problem.scatter
+    scatter, ready = problem.scatter, problem.ready
+    if ready is not None:
+        ready.check(m)
     if scatter is not None:
         scatter.check(m, n)
         if n % 8 or scatter.out.data_ptr() % 16:
@@ -893,6 +989,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         m,
         # Without a scatter: placeholders of the same kinds (never read).
         *(scatter.args() if scatter else (out, tiles.counts, *(tiles.table,) * 3, tiles.counts, 0)),
+        *(ready.args() if ready else (tiles.counts, tiles.counts, tiles.table, 0, 0)),
         MODE=mode,
         HAS_LIMIT=limit is not None,
         SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
@@ -903,6 +1000,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         GATHER=gather,
         SCATTER_RANKS=scatter.ep_block if scatter else 0,
         LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
+        FLAG_ROWS=ready.block_rows if ready else 1,
+        WAIT_FLAGS=ready.flags_per_tile(cfg.block_m) if ready else 0,
         num_warps=cfg.num_warps,
         maxnreg=MAX_REGISTERS,
     )
@@ -960,11 +1059,13 @@ def gate_up_swiglu(
     save_preact: bool,
     cfg: GemmTiles = SWIGLU_PING_PONG,
     source_rows: torch.Tensor | None = None,
+    ready: RowsReady | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M, I] = swiglu(rows @ W_gate[e].T, rows @ W_up[e].T) per group, and when `save_preact`
     the pre-activations gate | up [M, 2I] as `grouped_gemm.saved_preactivations` saves them: the
     results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left unwritten. With
-    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, H], read in place)."""
+    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, H], read in place).
+    With `ready`, a tile reads its rows only once their flags say they landed (`RowsReady`)."""
     m = gathered_rows(rows, source_rows)
     inter = w_gate.shape[1]
     h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
@@ -981,6 +1082,7 @@ def gate_up_swiglu(
             gate_up=gate_up,
             swiglu_limit=swiglu_limit,
             source_rows=source_rows,
+            ready=ready,
         )
         _launch(problem, tiles, cfg)
     return h, gate_up

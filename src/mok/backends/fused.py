@@ -1,0 +1,171 @@
+"""The `fused` backend: the triton backend's kernels with the token exchange overlapped.
+
+    route -> [x to the symmetric copy, barrier] -> pull ‖ shared expert, gate/up -> down -> sum
+                                                   (communication stream)  (compute stream)
+
+Forward, per call:
+  dispatch  `comm_sms` programs on a side stream load every grouped row from its token's rank
+            (NVLink or local HBM) straight into the expert order, flagging each block of rows
+            once written (`SymmetricExchange.dispatch_overlapped`); meanwhile the shared expert
+            and the gate/up + SwiGLU product run on the other SMs, each gate/up tile waiting for
+            the flags of its rows (`grouped_gemm.RowsReady`). The grid of the products beside the
+            copy is held to SMs - comm_sms, so both are resident at once: the products' waits are
+            on programs that are running, never on programs that need an SM they hold.
+  combine   the down product's epilogue stores each row's output straight into the token rank's
+            pair slot and counts it there (`RowScatter`, the peer-store epilogue); the token rank
+            waits for its counts (bounded) and sums its pairs in the contract's order.
+Every result is bitwise the triton backend's (the same products on the same rows, the same sums
+in the same order); backward is the triton backend's. At EP 1 the same kernels run on local
+buffers (`LocalExchange`).
+
+Why it cannot deadlock: the only waits are (1) the barrier every rank passes after copying its x
+(stream order, bounded), (2) a gate/up tile on rows copied by the side stream's programs, which
+start once the barrier passed and are resident beside the product (the product leaves them
+their SMs), and which wait on nothing, and (3) the token rank on counts that the owners' down
+products add to, which run after their own gate/up, which waits only on (2). Every wait gives up
+after `peer_timeout_s` and records why; `Workspace.check()` raises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import triton
+
+from mok.backends.triton import TritonBackend, TritonRouting, _Saved
+from mok.comm.simulation import simulated_allocator
+from mok.distributed import group_rank_and_size
+from mok.errors import MoKInputError
+
+
+class FusedBackend(TritonBackend):
+    name = "fused"
+    exchange_layout = {"pull_dispatch": True, "overlapped": True}
+
+    def __init__(self, workspace) -> None:
+        super().__init__(workspace)
+        device = workspace.device
+        self.comm_programs = workspace.config.comm_sms
+        self.comm_stream = None
+        self.beside_sms = None
+        """SMs of the products that run beside the communication programs (None: the CPU,
+        where the copy runs first and the products after it)."""
+        if device.type == "cuda":
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            if self.comm_programs >= sms:
+                raise MoKInputError(
+                    f"comm_sms={self.comm_programs} leaves none of the {sms} SMs to the expert "
+                    "products that run beside the communication programs"
+                )
+            self.comm_stream = torch.cuda.Stream(device)
+            self.beside_sms = sms - self.comm_programs
+
+    @staticmethod
+    def unavailable_reason(config, device: torch.device, group) -> str | None:
+        reason = TritonBackend.unavailable_reason(config, device, group)
+        if reason is not None:
+            return reason
+        from mok.comm.symmetric import SymmetricExchange
+
+        _, ep = group_rank_and_size(group)
+        if ep > 1 and simulated_allocator() is None:
+            symmetric = SymmetricExchange.unavailable_reason(group, device)
+            if symmetric is not None:
+                return f"needs the NVLink exchange at EP > 1 ({symmetric})"
+            if dist.get_backend(group) != "nccl":
+                return "needs an nccl group at EP > 1"
+        return None
+
+    @staticmethod
+    def auto_skip_reason(device: torch.device) -> str | None:
+        return "auto does not pick it yet: chosen by name (backend='fused') until measured faster"
+
+    def _beside(self, work) -> None:
+        """Run `work` on the communication stream, after what the compute stream queued so far
+        (on the CPU: now, before the products that wait for it)."""
+        if self.comm_stream is None:
+            work()
+            return
+        self.comm_stream.wait_stream(torch.cuda.current_stream(self.workspace.device))
+        with torch.cuda.stream(self.comm_stream):
+            work()
+
+    def _join(self) -> None:
+        """The compute stream waits for the communication stream's work."""
+        if self.comm_stream is not None:
+            torch.cuda.current_stream(self.workspace.device).wait_stream(self.comm_stream)
+
+    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
+        from mok.kernels import expert_mlp as em
+
+        config = self.workspace.config
+        routing = schedule.exchange
+        dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
+        dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
+        x, weights = x.to(self.dtype).contiguous(), weights.map(lambda w: w.to(self.dtype))
+        if self.dtype == torch.float32:
+            topk_weights = topk_weights.float()
+        router = torch.where(schedule.valid, topk_weights, 0)
+        timeout = config.peer_timeout_s
+        grouped, pull, ready = self.exchange.dispatch_overlapped(
+            routing, x, self.comm_programs, timeout
+        )
+        self._beside(pull)
+        beside = self.beside_sms
+        shared_out, shared = None, None
+        if weights.has_shared_expert:
+            shared_cfg = em.default_config(
+                x.device, config.hidden_size, config.shared_intermediate_size, x.shape[0]
+            )
+            shared_out, shared = em.expert_mlp_forward(
+                x,
+                self._all_tokens(x.shape[0]),
+                weights.shared_gate.unsqueeze(0),
+                weights.shared_up.unsqueeze(0),
+                weights.shared_down.unsqueeze(0),
+                config.swiglu_limit,
+                save_for_backward=need_backward,
+                config=_held_to(shared_cfg, beside),
+            )
+        rows, hidden = grouped.shape
+        kernel_cfg = em.default_config(
+            x.device, hidden, config.intermediate_size, rows / weights.gate.shape[0]
+        )
+        kernel_cfg = em.with_gate_up_sms(kernel_cfg, beside)
+        target = self.exchange.combine_target(routing, hidden, self.dtype)
+        _, experts = em.expert_mlp_forward(
+            grouped,
+            routing.group_offsets,
+            weights.gate,
+            weights.up,
+            weights.down,
+            config.swiglu_limit,
+            save_for_backward=need_backward,
+            config=kernel_cfg,
+            rows_ready=ready,
+            combine=target,
+        )
+        self._join()
+        column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
+        y, pair_out = self.exchange.combine_landed(
+            routing, target, column_tiles, router, shared_out, timeout, need_backward
+        )
+        y = y.to(dtypes["x"])
+        if not need_backward:
+            return y, None
+        return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+
+def _held_to(config, sms: int | None):
+    """The config with every forward product's grid held to `sms` SMs."""
+    from mok.kernels import expert_mlp as em
+
+    held = em.with_gate_up_sms(config, sms)
+    ws_down = held.warp_specialized_down
+    return dataclasses.replace(
+        held,
+        down=dataclasses.replace(held.down, max_sms=sms),
+        warp_specialized_down=ws_down and dataclasses.replace(ws_down, max_sms=sms),
+    )

@@ -1,0 +1,171 @@
+"""The `fused` backend against the `triton` backend, its oracle: every result bitwise equal
+(y, the gradients of x, the router weights and every weight), through the public API, in one
+process (the local exchange) and on 2 or 3 ranks over the NVLink protocol: on the CPU with a
+shared file standing in for symmetric memory (kernels under the Triton interpreter, the copy
+before the products), and on one GPU with the ranks' processes sharing it (CUDA IPC; the copy on
+its own stream beside the products, with real waits). Covered: the shared expert, the SwiGLU
+clamp, an expert id out of range, a rank without tokens, every pair on one expert, receive
+buffers too small.
+
+Bugs these catch: a grouped row read before it landed (stale or zero rows: y differs), a row
+stored to the wrong pair slot or rank, a count that completes before the last column tile
+landed, pairs of dropped rows summed, a product grid that takes the copy's SMs (a timeout
+recorded, check() raises), the wrong rows saved for backward.
+"""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_triton_backend_cpu import CONFIG, SMALL, Scenario, check_verdict, scenario
+
+import mok
+from mok.comm.simulation import simulated_symmetric_memory
+from mok.launch import run_ranks
+from mok.testing import (
+    RankInputs,
+    cuda_ipc_allocator,
+    global_weights,
+    one_call_results,
+    shared_file_allocator,
+)
+
+CPU = torch.device("cpu")
+
+GPU_CONFIG = mok.MoKConfig(
+    hidden_size=256,
+    intermediate_size=128,
+    num_experts=8,
+    top_k=3,
+    shared_intermediate_size=64,
+    swiglu_limit=6.0,
+    backend="triton",
+    max_tokens_per_rank=512,
+    comm_sms=16,
+)
+
+
+def both_backends(rank, world, scenarios, device, shared_dir=None):
+    """Rank worker: per scenario, (triton results, fused results), each with check()'s
+    verdict and the exchange it used. Symmetric memory at EP > 1: files under shared_dir (the
+    CPU), or CUDA IPC (ranks sharing one GPU)."""
+    group = dist.group.WORLD if world > 1 else None
+    allocator = None
+    if world > 1:
+        allocator = cuda_ipc_allocator if shared_dir is None else shared_file_allocator(shared_dir)
+    outcomes = []
+    with simulated_symmetric_memory(allocator) if allocator else contextlib.nullcontext():
+        for case in scenarios:
+            pair = []
+            for backend in ("triton", "fused"):
+                config = dataclasses.replace(case.config, backend=backend)
+                layer = mok.MoE(config, group=group, device=device)
+                layer.load_global_weights(global_weights(config, case.seed, device))
+                inputs = case.ranks[rank]
+                inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(inputs)))
+                results = {k: v.cpu() for k, v in one_call_results(layer, inputs).items()}
+                workspace = layer.workspace(device)
+                results["exchange"] = type(workspace.backend.exchange).__name__
+                results["check"] = check_verdict(workspace)
+                workspace.release()
+                pair.append(results)
+            outcomes.append(pair)
+    return outcomes
+
+
+def assert_bitwise_equal(outcomes) -> None:
+    for case_index, (triton_results, fused_results) in enumerate(outcomes):
+        assert triton_results.keys() == fused_results.keys()
+        for key, want in triton_results.items():
+            got = fused_results[key]
+            if isinstance(want, torch.Tensor):
+                assert got.dtype == want.dtype and torch.equal(got, want), (case_index, key)
+            else:
+                assert got == want, (case_index, key)
+
+
+def cases(config, world) -> list[Scenario]:
+    """A plain call, a skewed one with a bad id, one with every pair on expert 0 and a rank
+    without tokens (at EP > 1), with token counts that are not powers of two."""
+    uneven = [21, 13, 9][:world]
+    idle = [19, 0, 7][:world] if world > 1 else [0]
+    return [
+        scenario(config, uneven, seed=1),
+        scenario(config, uneven, seed=2, routing="zipf", bad_pair=(world - 1, 3, 1)),
+        scenario(config, idle, seed=3, routing="one-expert"),
+    ]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", [CONFIG, SMALL], ids=["shared-clamp", "small"])
+def test_one_process_matches_the_triton_backend_bitwise(config):
+    outcomes = both_backends(0, 1, cases(config, 1), CPU)
+    assert_bitwise_equal(outcomes)
+    assert outcomes[1][1]["check"] == "MoKInputError"  # the bad id is reported by fused too
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", [2, 3])
+def test_expert_parallel_matches_the_triton_backend_bitwise(world, tmp_path):
+    per_rank = run_ranks(both_backends, world, args=(cases(CONFIG, world), CPU, tmp_path))
+    for rank, outcomes in enumerate(per_rank):
+        assert outcomes[0][1]["exchange"] == "SymmetricExchange", rank
+        assert_bitwise_equal(outcomes)
+
+
+@pytest.mark.interpreter
+def test_receive_buffers_too_small_drop_the_same_rows_and_raise(tmp_path):
+    """Capacity overflow: both backends drop the same pairs and check() raises on every rank."""
+    tight = dataclasses.replace(CONFIG, recv_pair_capacity=20)
+    per_rank = run_ranks(
+        both_backends,
+        2,
+        args=([scenario(tight, [30, 25], seed=4, routing="first-experts")], CPU, tmp_path),
+    )
+    for outcomes in per_rank:
+        assert_bitwise_equal(outcomes)
+        assert outcomes[0][1]["check"] == "MoKCapacityError"
+
+
+def test_fused_needs_the_nvlink_exchange_at_ep_above_one():
+    """Without symmetric memory (a CPU gloo group outside the simulation) the backend says why
+    instead of falling back to host-synchronizing collectives."""
+    from mok.backends.fused import FusedBackend
+
+    reason = FusedBackend.unavailable_reason(
+        dataclasses.replace(CONFIG, backend="fused"), CPU, None
+    )
+    assert reason is None or "TRITON_INTERPRET" in reason or "interpreter" in reason
+    assert FusedBackend.auto_skip_reason(CPU) is not None
+
+
+@pytest.mark.gpu
+def test_one_gpu_matches_the_triton_backend_bitwise():
+    """The compiled kernels (warp-specialized on Hopper), the copy on its own stream."""
+    device = torch.device("cuda", 0)
+    outcomes = both_backends(0, 1, cases(GPU_CONFIG, 1), device)
+    assert_bitwise_equal(outcomes)
+
+
+@pytest.mark.gpu
+def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise():
+    """EP 2 with the NVLink protocol's kernels compiled, the ranks' processes sharing the GPU."""
+    device = torch.device("cuda", 0)
+    per_rank = run_ranks(both_backends, 2, args=(cases(GPU_CONFIG, 2), device))
+    for outcomes in per_rank:
+        assert outcomes[0][1]["exchange"] == "SymmetricExchange"
+        assert_bitwise_equal(outcomes)
+
+
+@pytest.mark.gpu
+def test_comm_sms_that_leave_no_sm_to_the_products_raise():
+    device = torch.device("cuda", 0)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    config = dataclasses.replace(GPU_CONFIG, backend="fused", comm_sms=sms)
+    layer = mok.MoE(config, device=device)
+    x = torch.randn(8, config.hidden_size, device=device, dtype=torch.bfloat16)
+    idx = torch.zeros(8, config.top_k, dtype=torch.int64, device=device)
+    with pytest.raises(mok.MoKInputError, match="comm_sms"):
+        layer(x, idx, torch.ones(8, config.top_k, device=device))
