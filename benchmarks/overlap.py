@@ -53,6 +53,8 @@ def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup):
     rows = []
     for name in presets:
         rows.append(bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warmup))
+        if rank == 0:
+            print(markdown(rows[-1:]), flush=True)
         torch.cuda.empty_cache()
     return rows
 
@@ -132,6 +134,7 @@ def bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warm
                     ms = _events_ms(lambda b=backward: experts_alone(b), group)
                 else:
                     ms = _events_ms(lambda la=layers[label], b=backward: forward(la, b), group)
+                    layers[label].zero_grad(set_to_none=True)  # one layer's gradients at a time
                 if step >= warmup:
                     times[(label, passes)].append(ms)
     for layer in layers.values():
