@@ -16,7 +16,8 @@ Forward, per call:
             waits for its counts (bounded) and sums its pairs in the contract's order.
 Every result is bitwise the triton backend's (the same products on the same rows, the same sums
 in the same order); backward is the triton backend's. At EP 1 the same kernels run on local
-buffers (`LocalExchange`).
+buffers (`LocalExchange`), the copy first on every SM (nothing travels, so nothing is worth
+overlapping: the SMs it would take from the products cost more than the copy).
 
 Why it cannot deadlock: the only waits are (1) the barrier every rank passes after copying its x
 (stream order, bounded), (2) a gate/up tile on rows copied by the side stream's programs, which
@@ -48,6 +49,10 @@ class FusedBackend(TritonBackend):
         super().__init__(workspace)
         device = workspace.device
         self.comm_programs = workspace.config.comm_sms
+        # At EP 1 nothing travels: the local expand is cheaper with every SM before the products
+        # than on comm_sms SMs beside them (measured: docs/notes/fused-kernel-plan.md).
+        self.overlap = group_rank_and_size(workspace.group)[1] > 1
+        self.all_sms = 4
         self.comm_stream = None
         self.beside_sms = None
         """SMs of the products that run beside the communication programs (None: the CPU,
@@ -61,6 +66,7 @@ class FusedBackend(TritonBackend):
                 )
             self.comm_stream = torch.cuda.Stream(device)
             self.beside_sms = sms - self.comm_programs
+            self.all_sms = sms
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
@@ -109,11 +115,16 @@ class FusedBackend(TritonBackend):
             topk_weights = topk_weights.float()
         router = torch.where(schedule.valid, topk_weights, 0)
         timeout = config.peer_timeout_s
-        grouped, pull, ready = self.exchange.dispatch_overlapped(
-            routing, x, self.comm_programs, timeout
-        )
-        self._beside(pull)
-        beside = self.beside_sms
+        if self.overlap:
+            grouped, pull, ready = self.exchange.dispatch_overlapped(
+                routing, x, self.comm_programs, timeout
+            )
+            self._beside(pull)
+            beside = self.beside_sms
+        else:
+            grouped, pull, _ = self.exchange.dispatch_overlapped(routing, x, self.all_sms, timeout)
+            pull()
+            ready, beside = None, None
         shared_out, shared = None, None
         if weights.has_shared_expert:
             shared_cfg = em.default_config(
