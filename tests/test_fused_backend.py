@@ -47,10 +47,11 @@ GPU_CONFIG = mok.MoKConfig(
 )
 
 
-def both_backends(rank, world, scenarios, device, shared_dir=None):
+def both_backends(rank, world, scenarios, device, shared_dir=None, overlap=None):
     """Rank worker: per scenario, (triton results, fused results), each with check()'s
     verdict and the exchange it used. Symmetric memory at EP > 1: files under shared_dir (the
-    CPU), or CUDA IPC (ranks sharing one GPU)."""
+    CPU), or CUDA IPC (ranks sharing one GPU). `overlap`: the fused backend's schedule
+    (`FusedBackend.overlap`; None: its default)."""
     group = dist.group.WORLD if world > 1 else None
     allocator = None
     if world > 1:
@@ -63,6 +64,8 @@ def both_backends(rank, world, scenarios, device, shared_dir=None):
                 config = dataclasses.replace(case.config, backend=backend)
                 layer = mok.MoE(config, group=group, device=device)
                 layer.load_global_weights(global_weights(config, case.seed, device))
+                if backend == "fused" and overlap is not None:
+                    layer.workspace(device).backend.overlap = overlap
                 inputs = case.ranks[rank]
                 inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(inputs)))
                 results = {k: v.cpu() for k, v in one_call_results(layer, inputs).items()}
@@ -142,11 +145,20 @@ def test_fused_needs_the_nvlink_exchange_at_ep_above_one():
 
 
 @pytest.mark.gpu
-def test_one_gpu_matches_the_triton_backend_bitwise():
-    """The compiled kernels (warp-specialized on Hopper), the copy on its own stream."""
+@pytest.mark.parametrize("overlap", [True, False], ids=["beside", "copy-first"])
+def test_one_gpu_matches_the_triton_backend_bitwise(overlap):
+    """The compiled kernels (warp-specialized on Hopper); beside: the copy on its own stream,
+    running at the same time as the products that wait for its rows (real concurrency, unlike
+    ranks sharing a GPU, whose kernels take turns)."""
     device = torch.device("cuda", 0)
-    outcomes = both_backends(0, 1, cases(GPU_CONFIG, 1), device)
+    outcomes = both_backends(0, 1, cases(GPU_CONFIG, 1), device, overlap=overlap)
     assert_bitwise_equal(outcomes)
+
+
+@pytest.mark.interpreter
+def test_one_process_overlapped_schedule_matches_the_triton_backend_bitwise():
+    """The schedule of EP > 1 (the copy flagging its tiles, the products waiting) in one process."""
+    assert_bitwise_equal(both_backends(0, 1, cases(CONFIG, 1), CPU, overlap=True))
 
 
 @pytest.mark.gpu

@@ -176,16 +176,19 @@ def test_layers_of_one_shape_share_one_exchange():
         assert max(errors) < TOLERANCE, errors
 
 
-def graph_replays(rank, world):
+def graph_replays(rank, world, backend="triton", overlap=None):
     """The layer's forward and backward captured once in a CUDA graph, then replayed with other
     tokens and routings (copied into the captured inputs): per replay, whether y and every
-    gradient equal the eager call's bit for bit."""
+    gradient equal the eager call's bit for bit. `overlap`: the fused backend's schedule
+    (`FusedBackend.overlap`; None: its default)."""
     config = mok.get_preset("deepseek-v3").config(
-        num_experts=16, backend="triton", max_tokens_per_rank=128
+        num_experts=16, backend=backend, max_tokens_per_rank=128, comm_sms=16
     )
     device = torch.device("cuda", torch.cuda.current_device())
     layer = mok.MoE(config, group=dist.group.WORLD if world > 1 else None, device=device)
     layer.load_global_weights(global_weights(config, 0, device))
+    if overlap is not None:
+        layer.workspace(device).backend.overlap = overlap
     routings = ["uniform", "zipf", "one-expert", "half-empty"]
     cases = [
         rank_inputs(config, 96, kind, 10 * i + rank, device) for i, kind in enumerate(routings)
@@ -230,6 +233,22 @@ def test_layer_forward_and_backward_replay_in_a_cuda_graph():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_layer_replays_in_a_cuda_graph_over_nvlink():
     for same in run_ranks(graph_replays, 2, backend="nccl"):
+        assert same == [True] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False], ids=["beside", "copy-first"])
+def test_fused_layer_replays_in_a_cuda_graph(overlap):
+    """The fused backend's two streams (the copy forked from the captured stream and joined
+    back) and epoch-stamped flags replay correctly: a flag of the capture must never pass for
+    a replay's rows, nor a count of one call for the next."""
+    assert graph_replays(0, 1, "fused", overlap) == [True] * 4
+
+
+@pytest.mark.multigpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fused_layer_replays_in_a_cuda_graph_over_nvlink():
+    for same in run_ranks(graph_replays, 2, args=("fused",), backend="nccl"):
         assert same == [True] * 4
 
 

@@ -29,8 +29,6 @@ after `peer_timeout_s` and records why; `Workspace.check()` raises it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 import triton
@@ -39,6 +37,7 @@ from mok.backends.triton import TritonBackend, TritonRouting, _Saved
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
+from mok.weights import MoEGradients
 
 
 class FusedBackend(TritonBackend):
@@ -49,9 +48,11 @@ class FusedBackend(TritonBackend):
         super().__init__(workspace)
         device = workspace.device
         self.comm_programs = workspace.config.comm_sms
-        # At EP 1 nothing travels: the local expand is cheaper with every SM before the products
-        # than on comm_sms SMs beside them (measured: docs/notes/fused-kernel-plan.md).
         self.overlap = group_rank_and_size(workspace.group)[1] > 1
+        """Copy the grouped rows beside the products (True) or first on every SM. Default: at
+        EP > 1 only; at EP 1 nothing travels and the local expand is cheaper before the products
+        than on comm_sms SMs beside them (measured, docs/notes/fused-kernel-plan.md). Tests set
+        it at EP 1 to run the overlapped schedule with real concurrency on one GPU."""
         self.all_sms = 4
         self.comm_stream = None
         self.beside_sms = None
@@ -138,7 +139,7 @@ class FusedBackend(TritonBackend):
                 weights.shared_down.unsqueeze(0),
                 config.swiglu_limit,
                 save_for_backward=need_backward,
-                config=_held_to(shared_cfg, beside),
+                config=em.held_to(shared_cfg, beside),  # backward too
             )
         rows, hidden = grouped.shape
         kernel_cfg = em.default_config(
@@ -168,15 +169,40 @@ class FusedBackend(TritonBackend):
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
+    def backward(
+        self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
+    ) -> MoEGradients:
+        """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1: the
+        grouped rows' gradients pulled by the communication programs while the shared expert's
+        backward and then the first routed product (through W_down, waiting per tile for its
+        rows) run on the other SMs; the rest as in the triton backend."""
+        if not self.overlap:
+            return super().backward(schedule, saved, grad_y, accumulate_into)
+        from mok.kernels import expert_mlp_backward
 
-def _held_to(config, sms: int | None):
-    """The config with every forward product's grid held to `sms` SMs."""
-    from mok.kernels import expert_mlp as em
-
-    held = em.with_gate_up_sms(config, sms)
-    ws_down = held.warp_specialized_down
-    return dataclasses.replace(
-        held,
-        down=dataclasses.replace(held.down, max_sms=sms),
-        warp_specialized_down=ws_down and dataclasses.replace(ws_down, max_sms=sms),
-    )
+        into = accumulate_into
+        grad_y = grad_y.to(self.dtype).contiguous()
+        grad_out, pull, ready, grad_router = self.exchange.combine_backward_overlapped(
+            saved.routing,
+            grad_y,
+            saved.weights,
+            saved.pair_out,
+            self.comm_programs,
+            self.workspace.config.peer_timeout_s,
+        )
+        self._beside(pull)
+        grad_router = torch.where(saved.valid, grad_router, 0)
+        grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
+        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
+            grad_out,
+            saved.experts,
+            into.get("gate"),
+            into.get("up"),
+            into.get("down"),
+            rows_ready=ready,
+            dgrad_sms=self.beside_sms,
+        )
+        self._join()
+        grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
+        return self._gradients(saved, grad_x, grad_router, grads, into)

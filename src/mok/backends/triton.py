@@ -219,20 +219,32 @@ class TritonBackend:
         grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
             grad_out, saved.experts, into.get("gate"), into.get("up"), into.get("down")
         )
-        grad_shared_x, shared_grads = None, {}
-        if saved.shared is not None:
-            # The shared expert runs as one expert of a group of one: [1, ...] views of its buffers.
-            buffers = [into.get(name) for name in ("shared_gate", "shared_up", "shared_down")]
-            grad_shared_x, gate, up, down = expert_mlp_backward(
-                grad_y, saved.shared, *(None if b is None else b.unsqueeze(0) for b in buffers)
-            )
-            shared_grads = {
-                "shared_gate": gate.squeeze(0),
-                "shared_up": up.squeeze(0),
-                "shared_down": down.squeeze(0),
-            }
+        grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
         grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
+        return self._gradients(saved, grad_x, grad_router, grads, into)
+
+    @staticmethod
+    def _shared_backward(saved: _Saved, grad_y: torch.Tensor, into: dict):
+        """(the shared expert's gradient of x or None, its weights' gradients by name)."""
+        from mok.kernels import expert_mlp_backward
+
+        if saved.shared is None:
+            return None, {}
+        # The shared expert runs as one expert of a group of one: [1, ...] views of its buffers.
+        buffers = [into.get(name) for name in ("shared_gate", "shared_up", "shared_down")]
+        grad_shared_x, gate, up, down = expert_mlp_backward(
+            grad_y, saved.shared, *(None if b is None else b.unsqueeze(0) for b in buffers)
+        )
+        return grad_shared_x, {
+            "shared_gate": gate.squeeze(0),
+            "shared_up": up.squeeze(0),
+            "shared_down": down.squeeze(0),
+        }
+
+    @staticmethod
+    def _gradients(saved: _Saved, grad_x, grad_router, grads: dict, into: dict) -> MoEGradients:
+        """The gradients in the API's dtypes (accumulation buffers returned as they are)."""
         return MoEGradients(
             x=grad_x.to(saved.dtypes["x"]),
             topk_weights=grad_router.to(saved.dtypes["topk_weights"]),

@@ -143,6 +143,15 @@ class LocalExchange:
         ready = RowsReady(landed, COPY_ROWS, self.epoch, self.status, timeout_s, 0)
         return grouped, pull, ready
 
+    def combine_backward_overlapped(
+        self, routing, grad_y, topk_weights, pair_out, programs, timeout_s
+    ):
+        """`combine_backward` in the overlapped layer's form: one process writes the grouped
+        rows' gradients in place (one kernel, nothing to copy), so `pull` does nothing and no
+        product needs to wait (RowsReady None)."""
+        grad_grouped, grad_w = self.combine_backward(routing, grad_y, topk_weights, pair_out)
+        return grad_grouped, lambda: None, None, grad_w
+
     def combine_target(self, routing: LocalRouting, hidden: int, dtype: torch.dtype) -> RowScatter:
         """Where the down product's peer-store epilogue puts each grouped row's output: the
         pair's row of a fresh [T * k, H] matrix (this rank's; the pairs' outputs that

@@ -80,9 +80,10 @@ WAITS = (
     "dispatch backward: staging gradients summed",
     "release: peers done with the buffers",
     "combine: expert outputs stored here",
-    "dispatch: grouped rows copied",
+    "overlap: grouped rows copied beside the products",
 )
-"""Every place where a rank waits for its peers, by wait id (what a timeout names)."""
+"""Every place where a rank waits for its peers, by wait id (what a timeout names); the last is
+the overlapped layer's products waiting for rows copied beside them (forward or backward)."""
 _PUSH_WAIT = WAITS.index("dispatch: token rows pushed")
 """The one wait on readiness flags (its `where` is a flag index, not a rank)."""
 
@@ -199,10 +200,10 @@ class SymmetricView:
     """[pair_capacity + 1, 2] int64: per grouped row (staging row, return address)."""
     flags: PeerTensor
     """[ep * blocks_per_rank] int32: readiness of pushed token blocks (epoch-stamped)."""
-    staging: PeerTensor
-    """[token_capacity, H]: the tokens this rank receives, once per owner."""
-    expert_out: PeerTensor
-    """[pair_capacity, H]: the expert outputs peers pull back."""
+    staging: PeerTensor | None
+    """[token_capacity, H]: the tokens this rank receives, once per owner (not overlapped)."""
+    expert_out: PeerTensor | None
+    """[pair_capacity, H]: the expert outputs peers pull back (not overlapped)."""
     grad_pairs: PeerTensor
     """[T_max * k, H]: the pairs' output gradients owners pull in backward."""
     grad_staging: PeerTensor
@@ -292,13 +293,16 @@ class SymmetricExchange:
             ("counts", (ep, experts + ep), torch.int64),
             ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
             ("flags", (ep * s.blocks_per_rank,), torch.int32),
-            ("staging", (s.token_capacity, s.hidden), s.dtype),
-            ("expert_out", (s.pair_capacity, s.hidden), s.dtype),
             ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
             ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
         ]
         if s.overlapped and not s.pull_dispatch:
             raise ValueError("ExchangeShape.overlapped needs pull_dispatch")
+        if not s.overlapped:  # the overlapped layout pulls into, and stores from, the products'
+            layout += [  # own rows instead
+                ("staging", (s.token_capacity, s.hidden), s.dtype),
+                ("expert_out", (s.pair_capacity, s.hidden), s.dtype),
+            ]
         if s.pull_dispatch:
             layout += [
                 ("staging_source", (s.token_capacity + 1, 2), torch.int64),
@@ -326,6 +330,8 @@ class SymmetricExchange:
             ep_size=ep,
             staging_source=frozen.pop("staging_source", None),
             x_copy=frozen.pop("x_copy", None),
+            staging=frozen.pop("staging", None),
+            expert_out=frozen.pop("expert_out", None),
             pair_out=frozen.pop("pair_out", None),
             combine_counts=frozen.pop("combine_counts", None),
             **frozen,
@@ -336,10 +342,13 @@ class SymmetricExchange:
         )
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
-        # Readiness of the grouped rows of the overlapped dispatch (local; epoch-stamped).
-        self.landed = torch.zeros(
-            triton.cdiv(s.pair_capacity, COPY_ROWS), dtype=torch.int32, device=device
-        )
+        # Readiness of the grouped rows the overlapped layer copies beside its products (local):
+        # forward's stamped with the routing epoch, backward's with a count of backward calls
+        # (two backwards may follow one route: layers of one shape share the exchange).
+        blocks = triton.cdiv(s.pair_capacity, COPY_ROWS)
+        self.landed = torch.zeros(blocks, dtype=torch.int32, device=device)
+        self.landed_backward = torch.zeros(blocks, dtype=torch.int32, device=device)
+        self.backward_epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
         self._restart()
 
@@ -438,7 +447,7 @@ class SymmetricExchange:
     def _failure(self, code: int, wait_id: int, where: int, seen: int) -> str:
         """The message of a failed wait recorded in the status."""
         wait = WAITS[wait_id] if 0 <= wait_id < len(WAITS) else f"wait {wait_id}"
-        if wait == "dispatch: grouped rows copied":
+        if wait == "overlap: grouped rows copied beside the products":
             return (
                 f"rank {self.rank} gave up waiting for its own copy of grouped rows (block "
                 f"{where}, seen {seen}) beside the expert kernels after {self.view.timeout_s:g} s "
@@ -521,8 +530,16 @@ class SymmetricExchange:
             flag_index=rows.flag_index,
         )
 
+    def _require_plain_layout(self, call: str) -> None:
+        if self.shape.overlapped:
+            raise ValueError(
+                f"SymmetricExchange.{call}: this exchange has the overlapped layout (no staging or "
+                "expert-output regions); use dispatch_overlapped / combine_target"
+            )
+
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
         """Rows x [T, H] bf16 -> grouped rows [pair_capacity, H] (first recv_pairs valid)."""
+        self._require_plain_layout("dispatch")
         s = self.shape
         x = x.contiguous()
         if s.pull_dispatch:
@@ -619,9 +636,64 @@ class SymmetricExchange:
             self.view.epoch,
             self.view.status,
             timeout_s,
-            WAITS.index("dispatch: grouped rows copied"),
+            WAITS.index("overlap: grouped rows copied beside the products"),
         )
         return grouped, pull, ready
+
+    def combine_backward_overlapped(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None, torch.Tensor]:
+        """`combine_backward` with its pull beside the products: on the current stream the pair
+        gradients go into this rank's symmetric buffer and the ranks meet; the returned `pull`,
+        run on the caller's communication stream, has `programs` programs load each grouped
+        row's gradient from its token's rank in grouped order, flagging every block of
+        COPY_ROWS rows once written. Returns (gradients of the grouped rows [pair_capacity, H],
+        pull, their RowsReady, the router weights' gradient [T, k])."""
+        s = self.shape
+        tokens = grad_y.shape[0]
+        grad_w = pair_gradients(
+            grad_y.contiguous(),
+            topk_weights.contiguous(),
+            pair_out,
+            self.view.grad_pairs.local[: tokens * s.top_k],
+            self.local_sms,
+        )
+        self.backward_epoch.add_(1)
+        self._barrier("combine backward: pair gradients written")
+        grad_grouped = torch.empty(
+            s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
+        )
+
+        def pull() -> None:
+            copy_rows(
+                grad_grouped,
+                self.view.grad_pairs.local,
+                routing.return_row,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=self.view.grad_pairs.offsets,
+                src_rank=routing.return_rank,
+                epoch=self.backward_epoch,
+                landed=self.landed_backward,
+                **COPY_TILE,
+            )
+
+        ready = RowsReady(
+            self.landed_backward,
+            COPY_ROWS,
+            self.backward_epoch,
+            self.view.status,
+            timeout_s,
+            WAITS.index("overlap: grouped rows copied beside the products"),
+        )
+        return grad_grouped, pull, ready, grad_w
 
     def combine_target(
         self, routing: SymmetricRouting, hidden: int, dtype: torch.dtype
@@ -684,6 +756,7 @@ class SymmetricExchange:
     def expert_output_buffer(self) -> torch.Tensor:
         """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
         nothing. Valid until the next `route`."""
+        self._require_plain_layout("expert_output_buffer")
         return self.view.expert_out.local
 
     def combine(
@@ -696,6 +769,7 @@ class SymmetricExchange:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
         order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out."""
+        self._require_plain_layout("combine")
         s = self.shape
         buffer = self.view.expert_out.local
         if expert_out.data_ptr() != buffer.data_ptr():

@@ -195,6 +195,19 @@ def _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limi
             raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
 
 
+def held_to(config, sms: int | None):
+    """The config (an ExpertKernelConfig, or any dataclass of tiles) with every product's grid
+    held to `sms` SMs (`GemmTiles.max_sms`; None: all)."""
+    if isinstance(config, GemmTiles):
+        return dataclasses.replace(config, max_sms=sms)
+    changes = {
+        field.name: held_to(value, sms)
+        for field in dataclasses.fields(config)
+        if dataclasses.is_dataclass(value := getattr(config, field.name))
+    }
+    return dataclasses.replace(config, **changes)
+
+
 def with_gate_up_sms(config: ExpertKernelConfig, sms: int | None) -> ExpertKernelConfig:
     """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
     runs beside communication programs leaves them theirs (`GemmTiles.max_sms`)."""
@@ -203,6 +216,17 @@ def with_gate_up_sms(config: ExpertKernelConfig, sms: int | None) -> ExpertKerne
         config,
         gate_up=dataclasses.replace(config.gate_up, max_sms=sms),
         warp_specialized_gate_up=ws_tiles and dataclasses.replace(ws_tiles, max_sms=sms),
+    )
+
+
+def _with_down_dgrad_sms(config: ExpertKernelConfig, sms: int) -> ExpertKernelConfig:
+    """The config with the backward's first product (through W_down) held to `sms` SMs."""
+    ws_dgrad = config.warp_specialized_dgrad
+    return dataclasses.replace(
+        config,
+        down_dgrad=dataclasses.replace(config.down_dgrad, max_sms=sms),
+        warp_specialized_dgrad=ws_dgrad
+        and dataclasses.replace(ws_dgrad, down=dataclasses.replace(ws_dgrad.down, max_sms=sms)),
     )
 
 
@@ -337,8 +361,15 @@ def expert_mlp_backward(
     grad_w_gate: torch.Tensor | None = None,
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
+    rows_ready: RowsReady | None = None,
+    dgrad_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device).
+
+    rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
+      kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
+      product's grid held to this many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel
+      beside it; the other products take every SM.
 
     grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 contiguous buffers of the weights'
       shapes; the gradient is ADDED into a given buffer in place (in fp32, rounded once) and the
@@ -368,6 +399,8 @@ def expert_mlp_backward(
         return torch.empty_like(rows), grad_w_gate, grad_w_up, grad_w_down
     offsets = saved.group_offsets
     tiles = saved.row_tiles
+    if dgrad_sms is not None:
+        cfg = _with_down_dgrad_sms(cfg, dgrad_sms)
     ws_dgrad = cfg.warp_specialized_dgrad
     if ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
         down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
@@ -380,6 +413,7 @@ def expert_mlp_backward(
         _row_tiles(tiles, offsets, m, down_cfg.block_m),
         saved.swiglu_limit,
         down_cfg,
+        ready=rows_ready,
     )
     if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
         gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad

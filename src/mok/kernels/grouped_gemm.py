@@ -766,7 +766,7 @@ def _down_kernel(
             )
 
 
-@triton.jit(do_not_specialize=["capacity"])
+@triton.jit(do_not_specialize=["capacity", "ready_timeout_ns", "ready_wait_id"])
 def _down_dgrad_swiglu_kernel(
     grad_out_desc,  # [M, H], block [BLOCK_M, BLOCK_K]
     w_down_desc,  # [E, H, I], block [1, BLOCK_K, BLOCK_N]
@@ -781,20 +781,32 @@ def _down_dgrad_swiglu_kernel(
     hidden,
     inter,
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
+    ready_flags_ptr,  # WAIT_ROWS: the `RowsReady` fields, in order (else placeholders)
+    ready_epoch_ptr,
+    ready_status_ptr,
+    ready_timeout_ns,
+    ready_wait_id,
     HAS_LIMIT: tl.constexpr,
+    WAIT_ROWS: tl.constexpr,
+    FLAG_ROWS: tl.constexpr,
+    FLAGS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. grad_h = grad_out @ W_down[e], then the SwiGLU backward on it."""
+    """Grid: NUM_PROGRAMS. grad_h = grad_out @ W_down[e], then the SwiGLU backward on it.
+    WAIT_ROWS: a tile first waits for its grad_out rows to land (`wait_rows_ready`)."""
+    ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     num_tasks = tl.load(counts_ptr) * n_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
         m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
+        if WAIT_ROWS:
+            wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
         grad_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         grad_h = rows_tile(
             (grad_out_desc,),
@@ -1258,9 +1270,13 @@ def down_dgrad_swiglu(
     tiles: RowTiles,
     swiglu_limit: float | None,
     cfg: GemmTiles,
+    ready: RowsReady | None = None,
 ) -> torch.Tensor:
-    """Gradients of the pre-activations, gate | up [M, 2I]; rows outside the groups unwritten."""
+    """Gradients of the pre-activations, gate | up [M, 2I]; rows outside the groups unwritten.
+    With `ready`, a tile reads its grad_out rows only once their flags say they landed."""
     m, hidden = grad_out.shape
+    if ready is not None:
+        ready.check(m)
     inter = w_down.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
@@ -1280,7 +1296,11 @@ def down_dgrad_swiglu(
         hidden,
         inter,
         _limit(swiglu_limit),
+        *(ready.args() if ready else _no_wait(tiles)),
         HAS_LIMIT=swiglu_limit is not None,
+        WAIT_ROWS=ready is not None,
+        FLAG_ROWS=ready.block_rows if ready else 1,
+        FLAGS=ready.flags_per_tile(bm) if ready else 1,
         **_launch_options(cfg, programs),
     )
     return grad_gate_up

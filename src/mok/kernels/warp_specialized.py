@@ -1122,10 +1122,12 @@ def down_dgrad_swiglu(
     tiles: RowTiles,
     swiglu_limit: float | None,
     cfg: GemmTiles = DGRAD_SWIGLU_PING_PONG,
+    ready: RowsReady | None = None,
 ) -> torch.Tensor:
     """Gradients of the pre-activations gate | up [M, 2I] from grad_out [M, H] through W_down
     ([E, H, I], `dgrad_supported`) and the SwiGLU backward on the saved gate | up [M, 2I]; rows
-    outside the groups unwritten. The result of `grouped_gemm.down_dgrad_swiglu`."""
+    outside the groups unwritten. The result of `grouped_gemm.down_dgrad_swiglu`. With `ready`,
+    a tile reads its grad_out rows only once their flags say they landed (`RowsReady`)."""
     m = grad_out.shape[0]
     inter = w_down.shape[2]
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
@@ -1137,6 +1139,7 @@ def down_dgrad_swiglu(
             grad_gate_up,
             gate_up=gate_up,
             swiglu_limit=swiglu_limit,
+            ready=ready,
         )
         _launch(problem, tiles, cfg)
     return grad_gate_up
