@@ -100,7 +100,8 @@ class FusedBackend(TritonBackend):
             work()
 
     def _join(self) -> None:
-        """The compute stream waits for the communication stream's work."""
+        """The compute stream waits for the communication stream's work (only after `_beside`:
+        under CUDA-graph capture, waiting on a stream the capture never forked is an error)."""
         if self.comm_stream is not None:
             torch.cuda.current_stream(self.workspace.device).wait_stream(self.comm_stream)
 
@@ -159,7 +160,8 @@ class FusedBackend(TritonBackend):
             rows_ready=ready,
             combine=target,
         )
-        self._join()
+        if self.overlap:
+            self._join()
         column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
         y, pair_out = self.exchange.combine_landed(
             routing, target, column_tiles, router, shared_out, timeout, need_backward
