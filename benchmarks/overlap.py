@@ -2,13 +2,14 @@
 expert work alone (no communication, every SM), in one run.
 
     python benchmarks/overlap.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens N] [--ep N]
-                                 [--comm-sms 16] [--iters 20] [--out results.md]
+                                 [--comm-sms 16] [--iters 20] [--overlap] [--out results.md]
 
 One rank per GPU (EP = the GPU count unless --ep). Per preset: both layers get the same weights
 and inputs (random bf16 x, uniform routing); their outputs and gradients are compared bit for bit
 first (the fused backend's contract), then forward and forward + backward are timed with CUDA
 events, the two backends interleaved iteration by iteration (median, min, max over the ranks'
-maximum). "experts alone" is the routed and shared experts' kernels on this rank's grouped rows
+maximum). --overlap runs the fused backend's overlapped schedule also at EP 1 (its default
+there is the copy first on every SM): what the SMs given to the copies cost. "experts alone" is the routed and shared experts' kernels on this rank's grouped rows
 with every SM and nothing else running: the denominator of the issue's exposed-exchange ratio.
 """
 
@@ -46,20 +47,24 @@ def _summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup):
+def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup, overlap):
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = dist.group.WORLD if world > 1 else None
     rows = []
     for name in presets:
-        rows.append(bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warmup))
+        rows.append(
+            bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap)
+        )
         if rank == 0:
             print(markdown(rows[-1:]), flush=True)
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warmup) -> dict:
+def bench_preset(
+    name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap
+) -> dict:
     preset = mok.get_preset(name)
     t = tokens or preset.default_tokens
     base = preset.config(max_tokens_per_rank=t, comm_sms=comm_sms)
@@ -73,6 +78,8 @@ def bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warm
         config = dataclasses.replace(base, backend=backend)
         layer = mok.MoE(config, group=group, device=device)
         layer.load_global_weights(global_weights(config, 0, device))
+        if backend == "fused" and overlap:
+            layer.workspace(device).backend.overlap = True
         layers[backend] = layer
 
     def forward(layer, backward):
@@ -174,11 +181,12 @@ def main() -> None:
     parser.add_argument("--comm-sms", type=int, default=16)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--overlap", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     world = args.ep or torch.cuda.device_count()
     presets = args.preset.split(",")
-    call = (presets, args.tokens, args.comm_sms, args.iters, args.warmup)
+    call = (presets, args.tokens, args.comm_sms, args.iters, args.warmup, args.overlap)
     if world > 1:
         rows = run_ranks(bench_rank, world, args=call, backend="nccl")[0]
     else:

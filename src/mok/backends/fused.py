@@ -34,6 +34,7 @@ import torch.distributed as dist
 import triton
 
 from mok.backends.triton import TritonBackend, TritonRouting, _Saved
+from mok.comm.exchange import OverlappedExchange
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
@@ -43,6 +44,7 @@ from mok.weights import MoEGradients
 class FusedBackend(TritonBackend):
     name = "fused"
     exchange_layout = {"pull_dispatch": True, "overlapped": True}
+    exchange: OverlappedExchange
 
     def __init__(self, workspace) -> None:
         super().__init__(workspace)
@@ -174,13 +176,18 @@ class FusedBackend(TritonBackend):
     def backward(
         self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
     ) -> MoEGradients:
-        """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1: the
-        grouped rows' gradients pulled by the communication programs while the shared expert's
-        backward and then the first routed product (through W_down, waiting per tile for its
-        rows) run on the other SMs; the rest as in the triton backend."""
+        """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1:
+
+            pair gradients, barrier -> pull grad rows          -> return and sum grad x
+                                     ‖ shared expert, dgrads    ‖ weight gradients
+        The grouped rows' gradients are pulled by the communication programs while the shared
+        expert's backward and the first routed product (waiting per tile for its rows) run on
+        the other SMs; once the data gradients are done, the gradient of x goes back and is
+        summed (`dispatch_backward`, on the communication programs) while the weight gradients,
+        which need no communication, run beside it."""
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
-        from mok.kernels import expert_mlp_backward
+        from mok.kernels import expert_mlp_data_gradients, expert_mlp_weight_gradients
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
@@ -195,16 +202,31 @@ class FusedBackend(TritonBackend):
         self._beside(pull)
         grad_router = torch.where(saved.valid, grad_router, 0)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
-        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
+        grad_rows, grad_gate_up = expert_mlp_data_gradients(
+            grad_out, saved.experts, rows_ready=ready, dgrad_sms=self.beside_sms
+        )
+        grad_x = []
+
+        def give_back() -> None:
+            grad_x.append(
+                self.exchange.dispatch_backward(
+                    saved.routing, grad_rows, extra=grad_shared_x, programs=self.comm_programs
+                )
+            )
+
+        self._beside(give_back)
+        grad_gate, grad_up, grad_down = expert_mlp_weight_gradients(
             grad_out,
+            grad_gate_up,
             saved.experts,
             into.get("gate"),
             into.get("up"),
             into.get("down"),
-            rows_ready=ready,
-            dgrad_sms=self.beside_sms,
+            sms=self.beside_sms,
         )
         self._join()
-        grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
         grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
+        grad_x = grad_x[0]
+        if self.comm_stream is not None:  # made on the communication stream, used on this one
+            grad_x.record_stream(torch.cuda.current_stream(self.workspace.device))
         return self._gradients(saved, grad_x, grad_router, grads, into)

@@ -1,11 +1,16 @@
 """What every token exchange provides (`LocalExchange`, `CollectiveExchange`, `SymmetricExchange`):
-the calls the triton backend makes, in this order per layer call (checked by type checkers)."""
+the calls the triton backend makes, in this order per layer call, and what the overlapped layer
+calls besides (checked by type checkers)."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from mok.kernels.grouped_gemm import RowScatter, RowsReady
 
 
 class ExchangeRouting(Protocol):
@@ -60,3 +65,53 @@ class Exchange(Protocol):
 
     def release(self) -> None:
         """Free the exchange's buffers."""
+
+
+class OverlappedExchange(Exchange, Protocol):
+    """What the overlapped layer (`mok.backends.fused`) calls besides: copies that run on the
+    caller's communication stream while the products wait per tile for their rows, and the
+    combine stored by the down product's epilogue (`LocalExchange`, `SymmetricExchange` with the
+    overlapped layout)."""
+
+    def dispatch_overlapped(
+        self, routing: ExchangeRouting, x: torch.Tensor, programs: int, timeout_s: float
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None]:
+        """(grouped rows, the copy to run beside the products, their readiness flags)."""
+
+    def combine_target(
+        self, routing: ExchangeRouting, hidden: int, dtype: torch.dtype
+    ) -> RowScatter:
+        """Where the down product's peer-store epilogue stores each grouped row's output."""
+
+    def combine_landed(
+        self,
+        routing: ExchangeRouting,
+        target: RowScatter,
+        column_tiles: int,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None,
+        timeout_s: float,
+        save_pair_out: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(y [T, H], the pairs' outputs [T, k, H] or None) once every output landed."""
+
+    def combine_backward_overlapped(
+        self,
+        routing: ExchangeRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None, torch.Tensor]:
+        """(grouped rows' gradients, the copy to run beside the products, their readiness
+        flags, the router weights' gradient)."""
+
+    def dispatch_backward(
+        self,
+        routing: ExchangeRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None = None,
+        programs: int | None = None,
+    ) -> torch.Tensor:
+        """`Exchange.dispatch_backward` on `programs` SMs (None: the exchange's choice)."""

@@ -240,8 +240,9 @@ class LocalExchange:
         )
         return grad_grouped, grad_w
 
-    def dispatch_backward(self, routing, grad_grouped, extra=None):
-        """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`."""
+    def dispatch_backward(self, routing, grad_grouped, extra=None, programs=None):
+        """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`
+        (on `programs` SMs; None: all)."""
         tokens = routing.pair_row.shape[0]
         grad_x = torch.empty(
             tokens, grad_grouped.shape[1], dtype=grad_grouped.dtype, device=self.device
@@ -250,7 +251,7 @@ class LocalExchange:
             grad_x,
             grad_grouped,
             routing.pair_row,
-            self.sms,
+            self.sms if programs is None else programs,
             tail=None if extra is None else extra.contiguous(),
             **LOCAL_SUM,
         )

@@ -860,10 +860,14 @@ class SymmetricExchange:
         routing: SymmetricRouting,
         grad_grouped: torch.Tensor,
         extra: torch.Tensor | None = None,
+        programs: int | None = None,
     ) -> torch.Tensor:
         """grad of x [T, H] from the grads of the grouped rows (first recv_pairs valid): summed
         in fp32 per staging row (ascending grouped row), then per token over owners (ascending
-        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`."""
+        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`. `programs`: SMs
+        for all of it (None: every SM for the local sums, `self.programs` for the pull)."""
+        local_sms = self.local_sms if programs is None else programs
+        pull_sms = self.programs if programs is None else programs
         s = self.shape
         fan_in = staging_fan_in(
             routing.grouped_to_staging,
@@ -875,7 +879,7 @@ class SymmetricExchange:
             self.view.grad_staging.local,
             grad_grouped,
             fan_in,
-            self.local_sms,
+            local_sms,
             count=routing.recv_tokens,
             **LOCAL_SUM,
         )
@@ -887,7 +891,7 @@ class SymmetricExchange:
             self.view.grad_staging.local,
             routing.token_slot.view(-1),
             self._row_count(parts.shape[0]),
-            self.programs,
+            pull_sms,
             COPY_ROWS,
             src_offsets=self.view.grad_staging.offsets,
             src_rank=self._owner_of_part(tokens),
@@ -899,7 +903,7 @@ class SymmetricExchange:
             grad_x,
             parts,
             part_rows,
-            self.local_sms,
+            local_sms,
             tail=None if extra is None else extra.contiguous(),
             **LOCAL_SUM,
         )

@@ -1,6 +1,7 @@
 """Triton kernels of MoK (Hopper GPUs; the CPU interpreter runs them for tests).
 
-`expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert.
+`expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert (the
+backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_weight_gradients`).
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
@@ -12,7 +13,9 @@ from mok.kernels.expert_mlp import (
     ExpertMLPSaved,
     default_config,
     expert_mlp_backward,
+    expert_mlp_data_gradients,
     expert_mlp_forward,
+    expert_mlp_weight_gradients,
 )
 from mok.kernels.grouped_gemm import GemmTiles
 
@@ -22,5 +25,7 @@ __all__ = [
     "GemmTiles",
     "default_config",
     "expert_mlp_backward",
+    "expert_mlp_data_gradients",
     "expert_mlp_forward",
+    "expert_mlp_weight_gradients",
 ]

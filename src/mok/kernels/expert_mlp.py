@@ -361,15 +361,10 @@ def expert_mlp_backward(
     grad_w_gate: torch.Tensor | None = None,
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
-    rows_ready: RowsReady | None = None,
-    dgrad_sms: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device).
-
-    rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
-      kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
-      product's grid held to this many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel
-      beside it; the other products take every SM.
+    """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device): the
+    data gradients (`expert_mlp_data_gradients`), then the weight gradients
+    (`expert_mlp_weight_gradients`).
 
     grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 contiguous buffers of the weights'
       shapes; the gradient is ADDED into a given buffer in place (in fp32, rounded once) and the
@@ -378,25 +373,36 @@ def expert_mlp_backward(
     groups; weight gradients of experts without rows are zero (accumulation buffers untouched).
     Rows of grad_out outside the groups are never read.
     """
+    grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved)
+    return grad_rows, *expert_mlp_weight_gradients(
+        grad_out, grad_gate_up, saved, grad_w_gate, grad_w_up, grad_w_down
+    )
+
+
+def expert_mlp_data_gradients(
+    grad_out: torch.Tensor,
+    saved: ExpertMLPSaved,
+    rows_ready: RowsReady | None = None,
+    dgrad_sms: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_rows [M, H], the pre-activations' gradients gate | up [M, 2I]) of
+    `expert_mlp_forward` given grad_out [M, H]: the two data-gradient products.
+
+    rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
+      kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
+      product's grid held to this many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel
+      beside it; the second product takes every SM.
+    """
     if not isinstance(saved, ExpertMLPSaved):
         raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
     rows = saved.rows
     m, hidden = rows.shape
     _check("grad_out", grad_out, (m, hidden), (rows.dtype,), rows.device)
     _check_tma_layout("grad_out", grad_out)
-    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
-    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
-    grad_w_down, acc_down = _grad_buffer("grad_w_down", grad_w_down, saved.w_down)
     cfg = saved.config
+    inter = saved.w_gate.shape[1]
     if m == 0:
-        for buffer, accumulate in (
-            (grad_w_gate, acc_gate),
-            (grad_w_up, acc_up),
-            (grad_w_down, acc_down),
-        ):
-            if not accumulate:
-                buffer.zero_()
-        return torch.empty_like(rows), grad_w_gate, grad_w_up, grad_w_down
+        return torch.empty_like(rows), rows.new_empty(0, 2 * inter)
     offsets = saved.group_offsets
     tiles = saved.row_tiles
     if dgrad_sms is not None:
@@ -426,6 +432,38 @@ def expert_mlp_backward(
         _row_tiles(tiles, offsets, m, gate_up_cfg.block_m),
         gate_up_cfg,
     )
+    return grad_rows, grad_gate_up
+
+
+def expert_mlp_weight_gradients(
+    grad_out: torch.Tensor,
+    grad_gate_up: torch.Tensor,
+    saved: ExpertMLPSaved,
+    grad_w_gate: torch.Tensor | None = None,
+    grad_w_up: torch.Tensor | None = None,
+    grad_w_down: torch.Tensor | None = None,
+    sms: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_w_gate, grad_w_up, grad_w_down) of `expert_mlp_forward` from grad_out [M, H] and
+    the pre-activations' gradients [M, 2I] (`expert_mlp_data_gradients`); the buffers as in
+    `expert_mlp_backward`. sms: the products' grids held to this many SMs (the rest left to
+    communication running beside them; None: every SM)."""
+    rows = saved.rows
+    m = rows.shape[0]
+    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
+    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
+    grad_w_down, acc_down = _grad_buffer("grad_w_down", grad_w_down, saved.w_down)
+    if m == 0:
+        for buffer, accumulate in (
+            (grad_w_gate, acc_gate),
+            (grad_w_up, acc_up),
+            (grad_w_down, acc_down),
+        ):
+            if not accumulate:
+                buffer.zero_()
+        return grad_w_gate, grad_w_up, grad_w_down
+    cfg = saved.config if sms is None else held_to(saved.config, sms)
+    offsets = saved.group_offsets
     ws_wgrad = cfg.warp_specialized_wgrad
     down_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)
     if down_tiles and ws.wgrad_supported(grad_out, saved.h, grad_w_down, down_tiles):
@@ -446,4 +484,4 @@ def expert_mlp_backward(
         gg.gate_up_wgrad(
             grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
         )
-    return grad_rows, grad_w_gate, grad_w_up, grad_w_down
+    return grad_w_gate, grad_w_up, grad_w_down
