@@ -9,8 +9,9 @@ and inputs (random bf16 x, uniform routing); their outputs and gradients are com
 first (the fused backend's contract), then forward and forward + backward are timed with CUDA
 events, the two backends interleaved iteration by iteration (median, min, max over the ranks'
 maximum). --overlap runs the fused backend's overlapped schedule also at EP 1 (its default
-there is the copy first on every SM): what the SMs given to the copies cost. "experts alone" is the routed and shared experts' kernels on this rank's grouped rows
-with every SM and nothing else running: the denominator of the issue's exposed-exchange ratio.
+there is the copy first on every SM): what the SMs given to the copies cost. "experts alone" is
+the routed and shared experts' kernels on this rank's grouped rows with every SM and nothing
+else running: the denominator of the issue's exposed-exchange ratio.
 """
 
 from __future__ import annotations
