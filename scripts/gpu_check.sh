@@ -3,6 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
+#                        [fused]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -13,6 +14,8 @@
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
+# fused: the overlapped layer's tests, its benchmark against the triton backend (comm_sms 8, 16,
+# 24) at EP = the GPU count, and a profiler trace of one fused forward + backward (the timeline).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -76,6 +79,18 @@ for step in $steps; do
     gluon)
       run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
       run gluon-bench python3 benchmarks/warp_specialized.py --out "$OUT/warp-specialized.md" ;;
+    fused)
+      run fused-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_fused_backend.py \
+        tests/kernels/test_row_sources.py tests/test_triton_backend.py
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      run fused-bench python3 benchmarks/overlap.py --preset qwen3-235b-a22b,deepseek-v3 \
+        --ep "$ngpu" --out "$OUT/overlap.md"
+      for sms in 8 24; do
+        run "fused-bench-sms$sms" python3 benchmarks/overlap.py --preset deepseek-v3 \
+          --ep "$ngpu" --comm-sms "$sms" --out "$OUT/overlap-sms$sms.md"
+      done
+      run fused-trace python3 benchmarks/profile_layer.py --preset deepseek-v3 --backend fused \
+        --trace "$OUT/trace-fused" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
