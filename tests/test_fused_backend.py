@@ -132,16 +132,54 @@ def test_receive_buffers_too_small_drop_the_same_rows_and_raise(tmp_path):
         assert outcomes[0][1]["check"] == "MoKCapacityError"
 
 
-def test_fused_needs_the_nvlink_exchange_at_ep_above_one():
-    """Without symmetric memory (a CPU gloo group outside the simulation) the backend says why
-    instead of falling back to host-synchronizing collectives."""
+def call_reset_call(rank, world, shared_dir):
+    """Rank worker: a fused call, a reset (collective), the overlapped flags and epochs after
+    it, then the triton and fused results of a second call."""
+    group = dist.group.WORLD
+    with simulated_symmetric_memory(shared_file_allocator(shared_dir)):
+        first, second = scenario(CONFIG, [17, 11], seed=7), scenario(CONFIG, [9, 20], seed=8)
+        config = dataclasses.replace(CONFIG, backend="fused")
+        layer = mok.MoE(config, group=group, device=CPU)
+        layer.load_global_weights(global_weights(config, first.seed, CPU))
+        one_call_results(layer, first.ranks[rank])
+        workspace = layer.workspace(CPU)
+        workspace.reset()
+        exchange = workspace.backend.exchange
+        cleared = [t.tolist() for t in (exchange.landed, exchange.landed_backward)]
+        cleared.append(exchange.backward_epoch.item())
+        workspace.release()
+    return cleared, both_backends(rank, world, [second], CPU, shared_dir)
+
+
+@pytest.mark.interpreter
+def test_reset_clears_the_overlapped_flags(tmp_path):
+    """Bug caught: flags left stamped with an epoch that the restarted epochs reach again (a
+    product after a reset would read rows before they land)."""
+    for cleared, outcomes in run_ranks(call_reset_call, 2, args=(tmp_path,)):
+        *flags, epoch = cleared
+        assert all(value == 0 for block in flags for value in block) and epoch == 0
+        assert_bitwise_equal(outcomes)
+
+
+def fused_reasons(rank, world):
+    """Rank worker: why the fused backend cannot run (None: it can), and why auto passes it over,
+    on this CPU gloo group without simulated symmetric memory."""
     from mok.backends.fused import FusedBackend
 
-    reason = FusedBackend.unavailable_reason(
-        dataclasses.replace(CONFIG, backend="fused"), CPU, None
+    config = dataclasses.replace(CONFIG, backend="fused")
+    return (
+        FusedBackend.unavailable_reason(config, CPU, dist.group.WORLD),
+        FusedBackend.auto_skip_reason(CPU),
     )
-    assert reason is None or "TRITON_INTERPRET" in reason or "interpreter" in reason
-    assert FusedBackend.auto_skip_reason(CPU) is not None
+
+
+@pytest.mark.interpreter
+def test_fused_says_why_it_cannot_run_without_the_nvlink_exchange():
+    """Bug caught: the backend falling back to host-synchronizing collectives at EP > 1 (or
+    failing inside) instead of naming what it needs; `auto` picking it before it is measured."""
+    for reason, auto_reason in run_ranks(fused_reasons, 2):
+        assert reason is not None and "NVLink exchange" in reason
+        assert auto_reason is not None and "backend='fused'" in auto_reason
 
 
 @pytest.mark.gpu

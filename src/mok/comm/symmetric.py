@@ -353,10 +353,11 @@ class SymmetricExchange:
         self._restart()
 
     def _restart(self) -> None:
-        """Zero this rank's flags, signals, epoch, barrier sequence and status between two
+        """Zero this rank's flags, signals, epochs, barrier sequence and status between two
         meetings of every rank on the host: the first once every rank's queued work (which may
         still write into its peers' flags) is done, the second once every rank has zeroed (no
-        peer may signal into a buffer not yet zeroed)."""
+        peer may signal into a buffer not yet zeroed). The overlapped layer's flags go too: the
+        epochs restart, and a flag left at a value they reach again would pass before its rows."""
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
         for tensor in (
@@ -364,6 +365,9 @@ class SymmetricExchange:
             self.view.signals.local,
             self.view.epoch,
             self.view.sequence,
+            self.landed,
+            self.landed_backward,
+            self.backward_epoch,
         ):
             tensor.zero_()
         self.view.status.zero_()
