@@ -2,13 +2,15 @@
 expert work alone (no communication, every SM), in one run.
 
     python benchmarks/overlap.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens N] [--ep N]
-                                 [--comm-sms 16] [--iters 20] [--overlap] [--out results.md]
+                                 [--comm-sms 16] [--dispatch pull] [--iters 20] [--overlap]
+                                 [--out results.md]
 
 One rank per GPU (EP = the GPU count unless --ep). Per preset: both layers get the same weights
 and inputs (random bf16 x, uniform routing); their outputs and gradients are compared bit for bit
 first (the fused backend's contract), then forward and forward + backward are timed with CUDA
 events, the two backends interleaved iteration by iteration (median, min, max over the ranks'
-maximum). --overlap runs the fused backend's overlapped schedule also at EP 1 (its default
+maximum). --dispatch: the fused layer's (pull or push; the triton layer keeps its own, push).
+--overlap runs the fused backend's overlapped schedule also at EP 1 (its default
 there is the copy first on every SM): what the SMs given to the copies cost. "experts alone" is
 the routed and shared experts' kernels on this rank's grouped rows with every SM and nothing
 else running: the denominator of the issue's exposed-exchange ratio.
@@ -48,14 +50,16 @@ def _summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
-def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup, overlap):
+def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup, overlap, dispatch):
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = dist.group.WORLD if world > 1 else None
     rows = []
     for name in presets:
         rows.append(
-            bench_preset(name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap)
+            bench_preset(
+                name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap, dispatch
+            )
         )
         if rank == 0:
             print(markdown(rows[-1:]), flush=True)
@@ -64,7 +68,7 @@ def bench_rank(rank, world, presets, tokens, comm_sms, iters, warmup, overlap):
 
 
 def bench_preset(
-    name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap
+    name, rank, world, group, device, tokens, comm_sms, iters, warmup, overlap, dispatch
 ) -> dict:
     preset = mok.get_preset(name)
     t = tokens or preset.default_tokens
@@ -77,6 +81,8 @@ def bench_preset(
     layers = {}
     for backend in ("triton", "fused"):
         config = dataclasses.replace(base, backend=backend)
+        if backend == "fused":
+            config = dataclasses.replace(config, dispatch=dispatch)
         layer = mok.MoE(config, group=group, device=device)
         layer.load_global_weights(global_weights(config, 0, device))
         if backend == "fused" and overlap:
@@ -148,7 +154,7 @@ def bench_preset(
     for layer in layers.values():
         layer.workspace(device).check()
         layer.workspace(device).release()
-    row = {"preset": name, "tokens": t, "ep": world, "bitwise": bitwise}
+    row = {"preset": f"{name} ({dispatch})", "tokens": t, "ep": world, "bitwise": bitwise}
     row.update({f"{b} {p}": _summary(v) for (b, p), v in times.items()})
     return row
 
@@ -183,11 +189,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--overlap", action="store_true")
+    parser.add_argument("--dispatch", choices=("pull", "push"), default="pull")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     world = args.ep or torch.cuda.device_count()
     presets = args.preset.split(",")
-    call = (presets, args.tokens, args.comm_sms, args.iters, args.warmup, args.overlap)
+    call = (
+        presets,
+        args.tokens,
+        args.comm_sms,
+        args.iters,
+        args.warmup,
+        args.overlap,
+        args.dispatch,
+    )
     if world > 1:
         rows = run_ranks(bench_rank, world, args=call, backend="nccl")[0]
     else:

@@ -14,8 +14,8 @@
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
-# fused: the overlapped layer's tests, its benchmark against the triton backend (comm_sms 8, 16,
-# 24) at EP = the GPU count, and a profiler trace of one fused forward + backward (the timeline).
+# fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
+# comm_sms 8, 16, 24) at EP = the GPU count, and a profiler trace of one fused forward + backward.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -83,8 +83,10 @@ for step in $steps; do
       run fused-tests python3 -m pytest -q -rs -p no:cacheprovider tests/test_fused_backend.py \
         tests/kernels/test_row_sources.py tests/test_triton_backend.py
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-      run fused-bench python3 benchmarks/overlap.py --preset qwen3-235b-a22b,deepseek-v3 \
-        --ep "$ngpu" --out "$OUT/overlap.md"
+      for dispatch in pull push; do
+        run "fused-bench-$dispatch" python3 benchmarks/overlap.py --dispatch "$dispatch" \
+          --preset qwen3-235b-a22b,deepseek-v3 --ep "$ngpu" --out "$OUT/overlap-$dispatch.md"
+      done
       for sms in 8 24; do
         run "fused-bench-sms$sms" python3 benchmarks/overlap.py --preset deepseek-v3 \
           --ep "$ngpu" --comm-sms "$sms" --out "$OUT/overlap-sms$sms.md"

@@ -110,18 +110,23 @@ def test_one_process_matches_the_triton_backend_bitwise(config):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_expert_parallel_matches_the_triton_backend_bitwise(world, tmp_path):
-    per_rank = run_ranks(both_backends, world, args=(cases(CONFIG, world), CPU, tmp_path))
+def test_expert_parallel_matches_the_triton_backend_bitwise(world, dispatch, tmp_path):
+    """Both dispatches of the overlapped layer (the push: staging, then the expand waiting on
+    the senders' flags beside the products), against the triton backend's same dispatch."""
+    config = dataclasses.replace(CONFIG, dispatch=dispatch)
+    per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
     for rank, outcomes in enumerate(per_rank):
         assert outcomes[0][1]["exchange"] == "SymmetricExchange", rank
         assert_bitwise_equal(outcomes)
 
 
 @pytest.mark.interpreter
-def test_receive_buffers_too_small_drop_the_same_rows_and_raise(tmp_path):
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
+def test_receive_buffers_too_small_drop_the_same_rows_and_raise(dispatch, tmp_path):
     """Capacity overflow: both backends drop the same pairs and check() raises on every rank."""
-    tight = dataclasses.replace(CONFIG, recv_pair_capacity=20)
+    tight = dataclasses.replace(CONFIG, recv_pair_capacity=20, recv_capacity=25, dispatch=dispatch)
     per_rank = run_ranks(
         both_backends,
         2,
@@ -200,10 +205,12 @@ def test_one_process_overlapped_schedule_matches_the_triton_backend_bitwise():
 
 
 @pytest.mark.gpu
-def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise():
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
+def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise(dispatch):
     """EP 2 with the NVLink protocol's kernels compiled, the ranks' processes sharing the GPU."""
     device = torch.device("cuda", 0)
-    per_rank = run_ranks(both_backends, 2, args=(cases(GPU_CONFIG, 2), device))
+    config = dataclasses.replace(GPU_CONFIG, dispatch=dispatch)
+    per_rank = run_ranks(both_backends, 2, args=(cases(config, 2), device))
     for outcomes in per_rank:
         assert outcomes[0][1]["exchange"] == "SymmetricExchange"
         assert_bitwise_equal(outcomes)

@@ -5,7 +5,7 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 `mok.MoE`) -> `mok bench` and the command line.
 """
 
-from mok.config import Backend, MoKConfig, Precision, Validation
+from mok.config import Backend, Dispatch, MoKConfig, Precision, Validation
 from mok.errors import (
     BackendUnavailableError,
     MoKCapacityError,
@@ -41,6 +41,7 @@ __all__ = [
     "MoKCapacityError",
     "MoKInputError",
     "MoKTimeoutError",
+    "Dispatch",
     "Precision",
     "Validation",
     "SavedForward",

@@ -35,6 +35,19 @@ class Backend(str, enum.Enum):
     """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
 
 
+class Dispatch(str, enum.Enum):
+    """Which side moves the token rows of the NVLink dispatch."""
+
+    AUTO = "auto"
+    """Each backend's measured choice: push for `triton`, pull for `fused`."""
+    PUSH = "push"
+    """Senders store their rows into the owners' buffers (once per token and owner), and the
+    owners expand them into the experts' order."""
+    PULL = "pull"
+    """Owners load the rows from the senders' buffers (`triton`: once per token and owner, then
+    expanded; `fused`: once per pair, straight into the experts' order)."""
+
+
 class Validation(str, enum.Enum):
     """How the ranks check each call's inputs on the host. Both check every rank's own inputs
     (types, dtypes, devices, shapes, the weights against the config: what keeps the kernels in
@@ -106,6 +119,8 @@ class MoKConfig:
     """Added to up (after its clamp) before the product; see `swiglu_alpha`."""
     expert_bias: bool = False
     """Per-expert biases on the routed experts' gate, up and down projections (gpt-oss)."""
+    dispatch: Dispatch = Dispatch.AUTO
+    """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -114,6 +129,7 @@ class MoKConfig:
         object.__setattr__(
             self, "validation", _parse_enum(Validation, self.validation, "validation")
         )
+        object.__setattr__(self, "dispatch", _parse_enum(Dispatch, self.dispatch, "dispatch"))
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
         for name in ("max_tokens_per_rank", "comm_sms"):

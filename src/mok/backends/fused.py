@@ -43,7 +43,8 @@ from mok.weights import MoEGradients
 
 class FusedBackend(TritonBackend):
     name = "fused"
-    exchange_layout = {"pull_dispatch": True, "overlapped": True}
+    exchange_layout = {"overlapped": True}
+    pull_by_default = True
     exchange: OverlappedExchange
 
     def __init__(self, workspace) -> None:

@@ -75,6 +75,8 @@ class TritonBackend:
     checks_ids_on_device = True
     exchange_layout: dict = {}
     """Options of the NVLink exchange's shape (`mok.comm.symmetric.ExchangeShape`)."""
+    pull_by_default = False
+    """Dispatch.AUTO means pull (True) or push (False) on this backend."""
 
     def __init__(self, workspace) -> None:
         # Imported here: Triton is an optional dependency of the package.
@@ -100,6 +102,7 @@ class TritonBackend:
                 config.recv_capacity,
                 config.recv_pair_capacity,
                 dtype=self.dtype,
+                pull_dispatch=self._pulls(config),
                 **self.exchange_layout,
             )
             self.exchange = acquire_exchange(
@@ -110,6 +113,14 @@ class TritonBackend:
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
+
+    @classmethod
+    def _pulls(cls, config) -> bool:
+        from mok.config import Dispatch
+
+        if config.dispatch is Dispatch.AUTO:
+            return cls.pull_by_default
+        return config.dispatch is Dispatch.PULL
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:

@@ -107,8 +107,9 @@ class ExchangeShape:
     pull_dispatch: bool = False
     """Owners load token rows from the senders instead of senders storing them."""
     overlapped: bool = False
-    """The layout of the overlapped layer (the `fused` backend): pull dispatch straight into the
-    grouped rows, and each rank's pair outputs stored into it by the owners' down product."""
+    """The layout of the overlapped layer (the `fused` backend): each rank's pair outputs stored
+    into it by the owners' down product; the dispatch pulled straight into the grouped rows, or
+    pushed into staging and expanded beside the products (pull_dispatch False)."""
     dtype: torch.dtype = torch.bfloat16
     """Token rows and expert outputs (the gradients summed per staging row stay fp32)."""
 
@@ -296,13 +297,12 @@ class SymmetricExchange:
             ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
             ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
         ]
-        if s.overlapped and not s.pull_dispatch:
-            raise ValueError("ExchangeShape.overlapped needs pull_dispatch")
-        if not s.overlapped:  # the overlapped layout pulls into, and stores from, the products'
-            layout += [  # own rows instead
-                ("staging", (s.token_capacity, s.hidden), s.dtype),
-                ("expert_out", (s.pair_capacity, s.hidden), s.dtype),
-            ]
+        # The overlapped layout stores the expert outputs straight into the token ranks' pair
+        # slots, and pulls straight into the products' rows (staging only for a push).
+        if not (s.overlapped and s.pull_dispatch):
+            layout.append(("staging", (s.token_capacity, s.hidden), s.dtype))
+        if not s.overlapped:
+            layout.append(("expert_out", (s.pair_capacity, s.hidden), s.dtype))
         if s.pull_dispatch:
             layout += [
                 ("staging_source", (s.token_capacity + 1, 2), torch.int64),
@@ -609,6 +609,8 @@ class SymmetricExchange:
         s = self.shape
         if not s.overlapped:
             raise ValueError("dispatch_overlapped needs an exchange of the overlapped layout")
+        if not s.pull_dispatch:
+            return self._push_overlapped(routing, x, programs, timeout_s)
         self.view.x_copy.local[: x.shape[0]].copy_(x)
         # Owners add into these counts only after the barrier below.
         self.view.combine_counts.local.zero_()
@@ -630,6 +632,62 @@ class SymmetricExchange:
                 src_offsets=self.view.x_copy.offsets,
                 src_rank=source_rank,
                 epoch=self.view.epoch,
+                landed=self.landed,
+                **COPY_TILE,
+            )
+
+        ready = RowsReady(
+            self.landed,
+            COPY_ROWS,
+            self.view.epoch,
+            self.view.status,
+            timeout_s,
+            WAITS.index("overlap: grouped rows copied beside the products"),
+        )
+        return grouped, pull, ready
+
+    def _push_overlapped(
+        self, routing: SymmetricRouting, x: torch.Tensor, programs: int, timeout_s: float
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady]:
+        """`dispatch_overlapped` by push: `pull` (on the communication stream) stores this rank's
+        token rows into the owners' staging (once per token and owner, a readiness flag per
+        block of tokens set on each owner), then expands the staging rows into the grouped order
+        as their blocks land (waiting on those flags, bounded), flagging every COPY_ROWS grouped
+        rows once written. No barrier: the route's barriers already order these stores after
+        every owner's last read of its staging, and the owners' adds into this rank's combine
+        counts come only for rows this push delivers, after the zeroing below."""
+        s = self.shape
+        x = x.contiguous()
+        self.view.combine_counts.local.zero_()
+        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+
+        def pull() -> None:
+            push_rows(
+                x,
+                routing.token_slot,
+                self.view.staging.local,
+                self.view.staging.offsets,
+                programs,
+                s.block_tokens,
+                flags=self.view.flags.local,
+                flag_offsets=self.view.flags.offsets,
+                flag_base=self.rank * s.blocks_per_rank,
+                epoch=self.view.epoch,
+                **PUSH_TILE,
+            )
+            copy_rows(
+                grouped,
+                self.view.staging.local,
+                routing.grouped_to_staging,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                flags=self.view.flags.local,
+                wait=routing.flag_index,
+                epoch=self.view.epoch,
+                status=self.view.status,
+                timeout_s=timeout_s,
+                wait_id=_PUSH_WAIT,
                 landed=self.landed,
                 **COPY_TILE,
             )
