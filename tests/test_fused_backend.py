@@ -226,3 +226,26 @@ def test_comm_sms_that_leave_no_sm_to_the_products_raise():
     idx = torch.zeros(8, config.top_k, dtype=torch.int64, device=device)
     with pytest.raises(mok.MoKInputError, match="comm_sms"):
         layer(x, idx, torch.ones(8, config.top_k, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False], ids=["beside", "copy-first"])
+def test_fused_layer_never_synchronizes_with_the_host(overlap):
+    """Bug caught: a device value read on the host (a count, a capacity, an .item()) anywhere in
+    the fused forward or backward; the call after the first (which compiles) must run under
+    CUDA's sync debug mode set to raise."""
+    device = torch.device("cuda", 0)
+    config = dataclasses.replace(GPU_CONFIG, backend="fused")
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(global_weights(config, 0, device))
+    layer.workspace(device).backend.overlap = overlap
+    case = cases(config, 1)[0].ranks[0]
+    inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(case)))
+    first = one_call_results(layer, inputs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = one_call_results(layer, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    layer.workspace(device).check()
+    assert all(torch.equal(first[key], second[key]) for key in first)
