@@ -5,7 +5,9 @@ Bugs these catch: the e4m3 rounding done by bit arithmetic off at ties, at the n
 boundary (2^-6) or for -0 and NaN; an exact-ceiling scale off for subnormal or infinite block
 maxima; a NaN in a block not making its scale 255; the FLOOR factor taken from the wrong byte; a
 tile's partial rows or columns written; the strided (dim 0) path reading or writing the wrong
-layout.
+layout. The dequantization (the A-row source of MX products on Hopper): an e4m3 code decoded
+wrongly (subnormals, the sign of zero, NaN), a scale applied to the wrong block, a bf16 rounding
+off at ties or for subnormal products.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mx_cases import assert_same_bits, blocks_of_every_kind
 
-from mok.kernels.mx import mx_quantize, mx_quantize_both
+from mok.kernels.mx import mx_dequantize, mx_quantize, mx_quantize_both
 from mok.reference import mx
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,3 +113,42 @@ def test_both_layouts_refuse_bad_shapes():
         mx_quantize_both(torch.ones(48, 64, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous"):
         mx_quantize_both(torch.ones(64, 64, device=DEVICE).T[:, :32])
+
+
+def assert_same_values(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Bit for bit, any NaN matching any NaN."""
+    nan = theirs.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    bits = torch.int32 if ours.dtype == torch.float32 else torch.int16
+    assert torch.equal(ours.view(bits)[~nan], theirs.view(bits)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_every_e4m3_code_at_every_kind_of_scale(dtype):
+    """All 256 codes (zeros, subnormals, NaN, both signs) under scales from 2^-127 (products
+    subnormal in fp32) through 2^127 and the NaN scale."""
+    scale_bytes = [0, 1, 3, 60, 118, 127, 128, 200, 254, 255]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(len(scale_bytes), 1)
+    data = codes.view(torch.float8_e4m3fn)
+    scales = torch.tensor(scale_bytes, dtype=torch.uint8)[:, None].repeat(1, 256 // 32)
+    got = mx_dequantize(data.to(DEVICE), scales.to(DEVICE), dtype)
+    assert_same_values(got.cpu(), mx.dequantize(data, scales, dtype=dtype))
+
+
+@given(seed=st.integers(0, 2**16), rows=st.integers(1, 40), blocks=st.integers(1, 9))
+def test_dequantize_what_the_cast_quantized(seed, rows, blocks):
+    """The round trip of random data of every magnitude: the reference's values exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    exponent = torch.randint(-60, 60, (rows, blocks * 32), generator=gen).float()
+    x = torch.randn(rows, blocks * 32, generator=gen) * torch.exp2(exponent)
+    data, scales = mx.quantize(x)
+    got = mx_dequantize(data.to(DEVICE), scales.to(DEVICE), torch.bfloat16)
+    assert_same_values(got.cpu(), mx.dequantize(data, scales, dtype=torch.bfloat16))
+
+
+def test_dequantize_refuses_bad_operands():
+    data = torch.zeros(4, 64, dtype=torch.float8_e4m3fn, device=DEVICE)
+    with pytest.raises(ValueError, match="scales must be"):
+        mx_dequantize(data, torch.zeros(4, 3, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mx_dequantize(data[:, :48], torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE))

@@ -5,7 +5,8 @@ backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_wei
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
-`mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues).
+`mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues) and its inverse
+(`mx_dequantize_tile`, for the operands of MX products).
 """
 
 from mok.kernels.expert_mlp import (

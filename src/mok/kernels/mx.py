@@ -98,6 +98,103 @@ def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.con
 
 
 @triton.jit
+def e4m3_values(codes):
+    """fp32 values of e4m3fn bytes (int32 in [0, 256)), by integer arithmetic (no hardware fp8
+    conversion, which the interpreter rounds wrongly): sign, 4 exponent bits (bias 7), 3
+    mantissa bits; exponent 0 is m x 2^-9; 0x7F and 0xFF are NaN."""
+    exponent = (codes >> 3) & 0xF
+    mantissa = codes & 0x7
+    normal = ((exponent + 120) << 23) | (mantissa << 20)
+    magnitude = tl.where(exponent == 0, 0, normal).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, magnitude)
+    magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
+    return tl.where((codes & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def mx_dequantize_tile(codes, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The fp32 tile [ROWS, COLS] of e4m3 bytes `codes` (int32) x 2^(scale - 127) per block of 32
+    along the columns (scale_bytes [ROWS, COLS // 32], int32; 255 is NaN): what an MX operand is
+    before a bf16 MMA. Exact, and exactly representable in bf16 whenever the product is normal
+    (`docs/mxfp8.md`), so rounding it to bf16 changes nothing there."""
+    values = e4m3_values(codes).reshape(ROWS, COLS // 32, 32)
+    factor = _power_of_two(tl.minimum(scale_bytes, 254) - 127)
+    factor = tl.where(scale_bytes == 255, float("nan"), factor)
+    return (values * factor[:, :, None]).reshape(ROWS, COLS)
+
+
+@triton.jit
+def _mx_dequantize_kernel(
+    data_ptr,  # uint8 [rows, cols], contiguous
+    scales_ptr,  # uint8 [rows, cols // 32], contiguous
+    out_ptr,  # [rows, cols], contiguous: fp32, or bf16 bit patterns (int16) when BF16_BITS
+    rows,
+    cols,
+    BF16_BITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    """Grid: (cdiv(rows, BLOCK_ROWS), cdiv(cols, BLOCK_COLS)); cols a multiple of 32."""
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+    codes = tl.load(data_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
+    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+    scale_bytes = tl.load(scales_ptr + scale_offsets, mask=scale_mask, other=127).to(tl.int32)
+    values = mx_dequantize_tile(codes, scale_bytes, BLOCK_ROWS, BLOCK_COLS)
+    if BF16_BITS:
+        # Round to nearest even by integer arithmetic (the interpreter's bf16 cast flushes
+        # subnormals); NaN stays NaN.
+        bits = values.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(values != values, (bits >> 16) | 0x40, rounded)
+        tl.store(out_ptr + offsets, rounded.to(tl.int16), mask=mask)
+    else:
+        tl.store(out_ptr + offsets, values, mask=mask)
+
+
+def mx_dequantize(
+    data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """`mok.reference.mx.dequantize` on the device for blocks along the last dimension: data
+    [rows, cols] float8_e4m3fn and scales [rows, cols // 32] uint8 (both contiguous) -> [rows,
+    cols] of `dtype` (fp32 or bf16). The dequantizing A-row source of an MX product on Hopper,
+    as a kernel of its own for tests."""
+    if data.dim() != 2 or data.dtype != torch.float8_e4m3fn or data.shape[1] % BLOCK:
+        raise ValueError(
+            f"mx_dequantize: data must be [rows, cols] float8_e4m3fn with cols a multiple of "
+            f"{BLOCK}, got {tuple(data.shape)} {data.dtype}"
+        )
+    rows, cols = data.shape
+    if tuple(scales.shape) != (rows, cols // BLOCK) or scales.dtype != torch.uint8:
+        raise ValueError(
+            f"mx_dequantize: scales must be [{rows}, {cols // BLOCK}] uint8, got "
+            f"{tuple(scales.shape)} {scales.dtype}"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"mx_dequantize: dtype must be float32 or bfloat16, got {dtype}")
+    out = torch.empty(rows, cols, dtype=dtype, device=data.device)
+    if data.numel():
+        block_rows, block_cols = 16, 128
+        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+        bf16 = dtype == torch.bfloat16
+        _mx_dequantize_kernel[grid](
+            data.contiguous().view(torch.uint8),
+            scales.contiguous(),
+            out.view(torch.int16) if bf16 else out,
+            rows,
+            cols,
+            BF16_BITS=bf16,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+        )
+    return out
+
+
+@triton.jit
 def _load_fp32(pointers, mask, BF16_BITS: tl.constexpr):
     """A tile as fp32; BF16_BITS: the pointers hold bf16 bit patterns (int16), widened here
     exactly (the interpreter's own bf16 conversion flushes subnormals)."""
