@@ -6,7 +6,8 @@ backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_wei
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
 `mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues) and its inverse
-(`mx_dequantize_tile`, for the operands of MX products).
+(`mx_dequantize_tile`, for the operands of MX products); `mx_grouped_gemm`: the forward
+products in MXFP8 (interpretable twins; not yet in a backend).
 """
 
 from mok.kernels.expert_mlp import (

@@ -1,0 +1,378 @@
+"""The forward expert products in MXFP8 on Hopper's bf16 tensor cores: @triton.jit tile functions
+and persistent kernels, the interpretable twins of the fast path (`docs/mxfp8.md`).
+
+Hopper has no block-scaled MMA, but every e4m3 x 2^k a real tensor holds is a bf16 value, so an MX
+operand dequantized to bf16 feeds a bf16 MMA exactly: the products are the exact MX products,
+accumulated in fp32. Here each main-loop step dequantizes its A and W tiles in registers
+(`mx_operand`, built on `mok.kernels.mx.mx_dequantize_tile`); a warp-specialized kernel would do
+it in a producer stage instead, hidden behind the MMA of the consumers.
+
+    gate, up = Q_H(x) @ Q_H(W_gate[e]).T, Q_H(x) @ Q_H(W_up[e]).T     fp32 accumulators
+    h        = Q_I(swiglu(gate, up))            quantized in the epilogue from fp32 (never bf16)
+    out      = Q_I(h) @ Q_I(W_down[e]).T        fp32 accumulator, rounded once
+
+(`mok.reference.mx_expert`'s forward; Q_d: MXFP8 along d.) Operands are e4m3 bytes (uint8) with
+e8m0 scale bytes per 32 elements along the reduction; row tiles come from
+`grouped_gemm.row_tile_map`, tasks walk as in `grouped_gemm`. On the CPU interpreter the MMAs run
+in fp32 (exact for these products, as bf16 is on GPUs; the interpreter's bf16 is wrong).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.grouped_gemm import (
+    GemmTiles,
+    RowTiles,
+    grouped_task,
+    load_row_tile,
+    num_programs,
+    swiglu_tile,
+)
+from mok.kernels.mx import mx_dequantize_tile, mx_quantize_tile
+from mok.reference.mx import BLOCK, ScaleRounding
+
+if interpreting():
+    patch_interpreter()
+
+
+@triton.jit
+def mx_operand(
+    codes_ptr,  # uint8 [R, K] e4m3 bytes, contiguous
+    scales_ptr,  # uint8 [R, K // 32] e8m0 bytes, contiguous
+    rows,  # [BLOCK_R] row indices
+    row_ok,  # [BLOCK_R] bool
+    k,
+    K,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """The MX operand block [BLOCK_R, BLOCK_K] at rows `rows`, columns k.., dequantized exactly
+    and cast to DOT_DTYPE (bf16 on GPUs: exact); zeros for masked rows and columns past K."""
+    cols = k + tl.arange(0, BLOCK_K)
+    offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    mask = row_ok[:, None] & (cols < K)[None, :]
+    codes = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    scale_offsets = rows.to(tl.int64)[:, None] * (K // 32) + blocks[None, :]
+    scale_mask = row_ok[:, None] & (blocks < K // 32)[None, :]
+    scale_bytes = tl.load(scales_ptr + scale_offsets, mask=scale_mask, other=127).to(tl.int32)
+    return mx_dequantize_tile(codes, scale_bytes, BLOCK_R, BLOCK_K).to(DOT_DTYPE)
+
+
+@triton.jit
+def mx_rows_tile(
+    a_codes_ptr,  # [M, K]
+    a_scales_ptr,
+    w_codes_ptr,  # [E, N, K]
+    w_scales_ptr,
+    row,
+    row_end,
+    expert,
+    n_off,
+    N,
+    K,
+    acc,  # [BLOCK_M, BLOCK_N] fp32
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """The MX main loop: acc + Q(A)[row:row_end] @ Q(W[expert])[n_off:+BN].T over K."""
+    rows = row + tl.arange(0, BLOCK_M)
+    w_rows = n_off + tl.arange(0, BLOCK_N)
+    w_codes = w_codes_ptr + expert.to(tl.int64) * N * K
+    w_scales = w_scales_ptr + expert.to(tl.int64) * N * (K // 32)
+    for k in tl.range(0, K, BLOCK_K):
+        a = mx_operand(
+            a_codes_ptr, a_scales_ptr, rows, rows < row_end, k, K, BLOCK_M, BLOCK_K, DOT_DTYPE
+        )
+        w = mx_operand(w_codes, w_scales, w_rows, w_rows < N, k, K, BLOCK_N, BLOCK_K, DOT_DTYPE)
+        acc = tl.dot(a, w.T, acc)
+    return acc
+
+
+@triton.jit
+def _store_rows(
+    ptr, stride, tile, row, row_end, n_off, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Store rows [row, row_end), columns [n_off, N) of a tile into a matrix of row stride
+    `stride` starting at ptr."""
+    rows = row + tl.arange(0, BLOCK_M)
+    cols = n_off + tl.arange(0, BLOCK_N)
+    mask = (rows < row_end)[:, None] & (cols < N)[None, :]
+    tl.store(ptr + rows.to(tl.int64)[:, None] * stride + cols[None, :], tile, mask=mask)
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _mx_gate_up_swiglu_kernel(
+    x_codes_ptr,  # [M, H] e4m3 bytes of the grouped rows, quantized along H
+    x_scales_ptr,  # [M, H // 32]
+    wg_codes_ptr,  # [E, I, H] W_gate, quantized along H
+    wg_scales_ptr,
+    wu_codes_ptr,  # [E, I, H] W_up, quantized along H
+    wu_scales_ptr,
+    h_codes_ptr,  # [M, I] out: h quantized along I
+    h_scales_ptr,  # [M, I // 32] out
+    gate_up_ptr,  # [M, 2I] fp32 out when SAVE_PREACT: gate | up
+    table_ptr,
+    counts_ptr,
+    capacity,
+    hidden,
+    inter,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    RCEIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. Per group e: h = Q_I(swiglu(Q_H(x) @ Q_H(W_gate[e]).T, ... W_up ...)),
+    stored as e4m3 bytes and scales; with SAVE_PREACT also the fp32 pre-activations."""
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        gate = mx_rows_tile(
+            x_codes_ptr,
+            x_scales_ptr,
+            wg_codes_ptr,
+            wg_scales_ptr,
+            row,
+            row_end,
+            expert,
+            n_off,
+            inter,
+            hidden,
+            zeros,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            DOT_DTYPE,
+        )
+        up = mx_rows_tile(
+            x_codes_ptr,
+            x_scales_ptr,
+            wu_codes_ptr,
+            wu_scales_ptr,
+            row,
+            row_end,
+            expert,
+            n_off,
+            inter,
+            hidden,
+            zeros,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            DOT_DTYPE,
+        )
+        h = swiglu_tile(gate, up, limit, HAS_LIMIT)
+        codes, scale_bytes = mx_quantize_tile(h, BLOCK_M, BLOCK_N, RCEIL)
+        h_bytes = codes.to(tl.uint8)
+        _store_rows(h_codes_ptr, inter, h_bytes, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
+        _store_rows(
+            h_scales_ptr,
+            inter // 32,
+            scale_bytes.to(tl.uint8),
+            row,
+            row_end,
+            n_off // 32,
+            inter // 32,
+            BLOCK_M,
+            BLOCK_N // 32,
+        )
+        if SAVE_PREACT:
+            preact = gate_up_ptr
+            _store_rows(preact, 2 * inter, gate, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
+            _store_rows(preact + inter, 2 * inter, up, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _mx_down_kernel(
+    h_codes_ptr,  # [M, I] e4m3 bytes, quantized along I
+    h_scales_ptr,  # [M, I // 32]
+    w_codes_ptr,  # [E, H, I] W_down, quantized along I
+    w_scales_ptr,
+    out_ptr,  # [M, H] out
+    table_ptr,
+    counts_ptr,
+    capacity,
+    hidden,
+    inter,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. Per group e: out = Q_I(h) @ Q_I(W_down[e]).T, rounded once."""
+    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        acc = mx_rows_tile(
+            h_codes_ptr,
+            h_scales_ptr,
+            w_codes_ptr,
+            w_scales_ptr,
+            row,
+            row_end,
+            expert,
+            n_off,
+            hidden,
+            inter,
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            DOT_DTYPE,
+        )
+        value = acc.to(out_ptr.dtype.element_ty)
+        _store_rows(out_ptr, hidden, value, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N)
+
+
+def _bytes(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor's bytes (float8_e4m3fn viewed as uint8), checked against `shape`."""
+    if tensor.dtype == torch.float8_e4m3fn:
+        tensor = tensor.view(torch.uint8)
+    if tensor.dtype != torch.uint8 or tuple(tensor.shape) != shape or not tensor.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous {shape} float8_e4m3fn or uint8 tensor, got "
+            f"{tuple(tensor.shape)} {tensor.dtype}"
+        )
+    return tensor
+
+
+def _check_tiles(cfg: GemmTiles, *sizes: int) -> None:
+    if cfg.block_k % BLOCK or cfg.block_n % BLOCK:
+        raise ValueError(f"MX tiles need block_k and block_n multiples of {BLOCK}, got {cfg}")
+    for size in sizes:
+        if size % BLOCK:
+            raise ValueError(
+                f"MXFP8 needs every reduced and quantized size to be a multiple of {BLOCK}, "
+                f"got {size}"
+            )
+
+
+def _dot_dtype(device: torch.device):
+    return tl.bfloat16 if device.type == "cuda" else tl.float32
+
+
+def mx_gate_up_swiglu(
+    x: tuple[torch.Tensor, torch.Tensor],
+    w_gate: tuple[torch.Tensor, torch.Tensor],
+    w_up: tuple[torch.Tensor, torch.Tensor],
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+    save_preact: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The MX gate/up + SwiGLU product of grouped rows: x = (data [M, H], scales [M, H / 32]),
+    w_gate and w_up = (data [E, I, H], scales [E, I, H / 32]), all quantized along H
+    (`mok.reference.mx.quantize`). Returns (h data [M, I] float8_e4m3fn, h scales [M, I / 32]
+    uint8: h quantized along I from fp32 with `rounding`, and when save_preact the fp32
+    pre-activations gate | up [M, 2I]). Rows outside the groups are left unwritten."""
+    x_data, x_scales = x
+    m, hidden = x_data.shape
+    experts, inter = w_gate[0].shape[:2]
+    _check_tiles(cfg, hidden, inter)
+    shapes = {
+        "x data": (x_data, (m, hidden)),
+        "x scales": (x_scales, (m, hidden // BLOCK)),
+        "w_gate data": (w_gate[0], (experts, inter, hidden)),
+        "w_gate scales": (w_gate[1], (experts, inter, hidden // BLOCK)),
+        "w_up data": (w_up[0], (experts, inter, hidden)),
+        "w_up scales": (w_up[1], (experts, inter, hidden // BLOCK)),
+    }
+    args = [_bytes(name, tensor, shape) for name, (tensor, shape) in shapes.items()]
+    device = x_data.device
+    h_codes = torch.empty(m, inter, dtype=torch.uint8, device=device)
+    h_scales = torch.empty(m, inter // BLOCK, dtype=torch.uint8, device=device)
+    gate_up = torch.empty(m, 2 * inter, dtype=torch.float32, device=device) if save_preact else None
+    if m:
+        programs = num_programs(device, tiles.capacity * triton.cdiv(inter, cfg.block_n), cfg)
+        _mx_gate_up_swiglu_kernel[(programs,)](
+            *args,
+            h_codes,
+            h_scales,
+            gate_up if save_preact else h_scales,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            0.0 if swiglu_limit is None else float(swiglu_limit),
+            HAS_LIMIT=swiglu_limit is not None,
+            SAVE_PREACT=save_preact,
+            RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+            DOT_DTYPE=_dot_dtype(device),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return h_codes.view(torch.float8_e4m3fn), h_scales, gate_up
+
+
+def mx_down(
+    h: tuple[torch.Tensor, torch.Tensor],
+    w_down: tuple[torch.Tensor, torch.Tensor],
+    tiles: RowTiles,
+    cfg: GemmTiles,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """out [M, H] = Q_I(h) @ Q_I(W_down[e]).T per group, rounded once to out_dtype: h = (data
+    [M, I], scales [M, I / 32]) and w_down = (data [E, H, I], scales [E, H, I / 32]), quantized
+    along I. Rows outside the groups are left unwritten."""
+    h_data, h_scales = h
+    m, inter = h_data.shape
+    experts, hidden = w_down[0].shape[:2]
+    _check_tiles(cfg, hidden, inter)
+    shapes = {
+        "h data": (h_data, (m, inter)),
+        "h scales": (h_scales, (m, inter // BLOCK)),
+        "w_down data": (w_down[0], (experts, hidden, inter)),
+        "w_down scales": (w_down[1], (experts, hidden, inter // BLOCK)),
+    }
+    args = [_bytes(name, tensor, shape) for name, (tensor, shape) in shapes.items()]
+    device = h_data.device
+    out = torch.empty(m, hidden, dtype=out_dtype, device=device)
+    if m:
+        programs = num_programs(device, tiles.capacity * triton.cdiv(hidden, cfg.block_n), cfg)
+        _mx_down_kernel[(programs,)](
+            *args,
+            out,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            DOT_DTYPE=_dot_dtype(device),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+    return out

@@ -1,0 +1,108 @@
+"""The MX forward products (`mok.kernels.mx_grouped_gemm`) against `mok.reference.mx_expert`'s
+forward: on the CPU under the interpreter (fp32 MMAs), compiled on a GPU (bf16 MMAs). The MX
+products are exact, so the pre-activations may differ from a float64 sum of the same products
+only by fp32 accumulation; h must be exactly the MXFP8 cast of the kernel's own fp32 SwiGLU, and
+the down product must be its products summed in fp32 and rounded once.
+
+Bugs these catch: a scale applied to the wrong 32-element block or the wrong row (errors of
+whole powers of two), the weights of the wrong expert, a ragged group's rows past its end stored
+or read from the next group, the quantized h stored at the wrong place or from bf16 instead of
+fp32, FLOOR and RCEIL mixed up, W_down quantized along the wrong dimension.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+from mok.kernels.mx_grouped_gemm import mx_down, mx_gate_up_swiglu
+from mok.reference import mx
+from mok.reference.expert import swiglu
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CFG = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
+OUT_DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+
+
+def case(sizes, hidden, inter, seed):
+    """Grouped bf16 rows and weights of random magnitudes (scales far from 1), MX-quantized."""
+    gen = torch.Generator().manual_seed(seed)
+    experts, m = len(sizes), sum(sizes)
+
+    def randn(*shape, spread=8):
+        exponent = torch.randint(-spread, spread, shape, generator=gen).float()
+        return (torch.randn(*shape, generator=gen) * torch.exp2(exponent)).to(torch.bfloat16)
+
+    rows = randn(m, hidden)
+    w_gate, w_up = randn(experts, inter, hidden), randn(experts, inter, hidden)
+    w_down = randn(experts, hidden, inter)
+    offsets = torch.tensor([0, *sizes]).cumsum(0).to(torch.int32)
+    return rows, w_gate, w_up, w_down, offsets
+
+
+def on_device(pair):
+    return tuple(t.to(DEVICE) for t in pair)
+
+
+def fp64_products(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Per group e: dequantized a[group] @ dequantized w[e].T in float64 (a [M, K] fp32 values)."""
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64)
+    for e in range(w.shape[0]):
+        lo, hi = offsets[e].item(), offsets[e + 1].item()
+        out[lo:hi] = a[lo:hi].double() @ w[e].double().T
+    return out
+
+
+def accumulation_bound(a: torch.Tensor, w: torch.Tensor, offsets, k: int) -> torch.Tensor:
+    """|fp32 sum - exact sum| <= k * 2^-24 * sum |products| (a generous form of the bound)."""
+    return fp64_products(a.abs(), w.abs(), offsets) * k * 2.0**-24
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("limit", [None, 3.0])
+def test_mx_forward_products_are_the_reference_forward(rounding, limit):
+    sizes = [37, 0, 16, 53]
+    hidden, inter = 96, 64
+    rows, w_gate, w_up, w_down, offsets = case(sizes, hidden, inter, seed=1)
+    x_q = mx.quantize(rows, rounding=rounding)
+    wg_q, wu_q = mx.quantize(w_gate, rounding=rounding), mx.quantize(w_up, rounding=rounding)
+    wd_q = mx.quantize(w_down, rounding=rounding)  # along I, its last dimension
+    tiles = row_tile_map(offsets.to(DEVICE), sum(sizes), CFG.block_m)
+    h_data, h_scales, gate_up = mx_gate_up_swiglu(
+        on_device(x_q),
+        on_device(wg_q),
+        on_device(wu_q),
+        tiles,
+        limit,
+        CFG,
+        rounding=rounding,
+        save_preact=True,
+    )
+    x_values = mx.dequantize(*x_q)
+    for values, w_q in ((gate_up[:, :inter], wg_q), (gate_up[:, inter:], wu_q)):
+        w_values = mx.dequantize(*w_q)
+        exact = fp64_products(x_values, w_values, offsets)
+        bound = accumulation_bound(x_values, w_values, offsets, hidden)
+        assert bool(((values.cpu().double() - exact).abs() <= bound).all())
+    h_fp32 = swiglu(gate_up[:, :inter].cpu(), gate_up[:, inter:].cpu(), limit)
+    want_data, want_scales = mx.quantize(h_fp32, rounding=rounding)
+    assert torch.equal(h_scales.cpu(), want_scales)
+    assert torch.equal(h_data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+    out = mx_down((h_data, h_scales), on_device(wd_q), tiles, CFG, OUT_DTYPE)
+    h_values, wd_values = mx.dequantize(want_data, want_scales), mx.dequantize(*wd_q)
+    exact = fp64_products(h_values, wd_values, offsets)
+    bound = accumulation_bound(h_values, wd_values, offsets, inter)
+    if OUT_DTYPE == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8  # one rounding to bf16
+    assert bool(((out.cpu().double() - exact).abs() <= bound).all())
+
+
+def test_mx_products_refuse_sizes_off_the_blocks():
+    rows, w_gate, w_up, _, offsets = case([8], 64, 48, seed=2)
+    tiles = row_tile_map(offsets.to(DEVICE), 8, CFG.block_m)
+    quantized = [on_device(mx.quantize(t)) for t in (rows, w_gate, w_up)]
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mx_gate_up_swiglu(*quantized, tiles, None, CFG)
+    with pytest.raises(ValueError, match="block_k and block_n"):
+        mx_gate_up_swiglu(*quantized, tiles, None, GemmTiles(16, 48, 32))
