@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
-from mok.kernels.mx_grouped_gemm import mx_down, mx_gate_up_swiglu
+from mok.kernels.mx_grouped_gemm import (
+    mx_down,
+    mx_down_dgrad_swiglu,
+    mx_gate_up_dgrad,
+    mx_gate_up_swiglu,
+)
 from mok.reference import mx
 from mok.reference.expert import swiglu
 
@@ -106,3 +111,59 @@ def test_mx_products_refuse_sizes_off_the_blocks():
         mx_gate_up_swiglu(*quantized, tiles, None, CFG)
     with pytest.raises(ValueError, match="block_k and block_n"):
         mx_gate_up_swiglu(*quantized, tiles, None, GemmTiles(16, 48, 32))
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours.double().cpu(), theirs.double().cpu()
+    return ((ours - theirs).norm() / theirs.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("limit", [None, 3.0])
+def test_mx_data_gradients_are_the_reference_backward(limit):
+    """grad gate | grad up from grad h = bf16(Q_H(g) @ Q_H(W_down)) and the saved fp32
+    pre-activations, their casts along I, and grad x from those casts and Q_I(W_gate), Q_I(W_up)."""
+    sizes = [21, 40, 0, 35]
+    hidden, inter = 64, 96
+    rows, w_gate, w_up, w_down, offsets = case(sizes, hidden, inter, seed=3)
+    m = sum(sizes)
+    tiles = row_tile_map(offsets.to(DEVICE), m, CFG.block_m)
+    quantized = [on_device(mx.quantize(t)) for t in (rows, w_gate, w_up)]
+    _, _, gate_up = mx_gate_up_swiglu(*quantized, tiles, limit, CFG, save_preact=True)
+    grad_out = (torch.randn(m, hidden, generator=torch.Generator().manual_seed(4))).bfloat16()
+    g_q = mx.quantize(grad_out)
+    wd_q = tuple(t.contiguous() for t in mx.quantize(w_down, dim=1))  # along H
+    grad_gate_q, grad_up_q, grads = mx_down_dgrad_swiglu(
+        on_device(g_q), on_device(wd_q), gate_up, tiles, limit, CFG
+    )
+    # The reference: grad h from the exact products, rounded to bf16; SwiGLU's backward by autograd.
+    g_values, wd_values = mx.dequantize(*g_q), mx.dequantize(*wd_q, dim=1)
+    grad_h = torch.zeros(m, inter, dtype=torch.float64)
+    for e in range(len(sizes)):
+        lo, hi = offsets[e].item(), offsets[e + 1].item()
+        grad_h[lo:hi] = g_values[lo:hi].double() @ wd_values[e].double()
+    grad_h = grad_h.float().bfloat16().float()
+    gate = gate_up[:, :inter].cpu().requires_grad_(True)
+    up = gate_up[:, inter:].cpu().requires_grad_(True)
+    want_gate, want_up = torch.autograd.grad(swiglu(gate, up, limit), [gate, up], grad_h)
+    assert relative_error(grads[:, :inter], want_gate) < 2.0**-7
+    assert relative_error(grads[:, inter:], want_up) < 2.0**-7
+    for (data, scales), want in ((grad_gate_q, want_gate), (grad_up_q, want_up)):
+        values = mx.dequantize(data.cpu(), scales.cpu())
+        assert relative_error(values, want) < 2.0**-3  # e4m3 keeps 3 mantissa bits
+    wg_q = tuple(t.contiguous() for t in mx.quantize(w_gate, dim=1))  # along I
+    wu_q = tuple(t.contiguous() for t in mx.quantize(w_up, dim=1))
+    grad_x = mx_gate_up_dgrad(
+        grad_gate_q, grad_up_q, on_device(wg_q), on_device(wu_q), tiles, CFG, OUT_DTYPE
+    )
+    exact = torch.zeros(m, hidden, dtype=torch.float64)
+    magnitude = torch.zeros(m, hidden, dtype=torch.float64)
+    for (data, scales), w_q in ((grad_gate_q, wg_q), (grad_up_q, wu_q)):
+        a, w = mx.dequantize(data.cpu(), scales.cpu()).double(), mx.dequantize(*w_q, dim=1).double()
+        for e in range(len(sizes)):
+            lo, hi = offsets[e].item(), offsets[e + 1].item()
+            exact[lo:hi] += a[lo:hi] @ w[e]
+            magnitude[lo:hi] += a[lo:hi].abs() @ w[e].abs()
+    bound = magnitude * 2 * inter * 2.0**-24
+    if OUT_DTYPE == torch.bfloat16:
+        bound = bound + exact.abs() * 2.0**-8
+    assert bool(((grad_x.cpu().double() - exact).abs() <= bound).all())

@@ -124,6 +124,26 @@ def mx_dequantize_tile(codes, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexp
 
 
 @triton.jit
+def mx_dequantize_columns(codes, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """`mx_dequantize_tile` for blocks of 32 along the rows: codes [ROWS, COLS], scale_bytes
+    [ROWS // 32, COLS] (an operand quantized along its first dimension)."""
+    values = e4m3_values(codes).reshape(ROWS // 32, 32, COLS)
+    factor = _power_of_two(tl.minimum(scale_bytes, 254) - 127)
+    factor = tl.where(scale_bytes == 255, float("nan"), factor)
+    return (values * factor[:, None, :]).reshape(ROWS, COLS)
+
+
+@triton.jit
+def bf16_rounded(values):
+    """fp32 values rounded to bf16 precision (nearest, ties to even), still fp32: by integer
+    arithmetic, so that the interpreter (whose bf16 casts flush subnormals) rounds as GPUs do."""
+    bits = values.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    rounded = tl.where(values != values, bits, rounded)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _mx_dequantize_kernel(
     data_ptr,  # uint8 [rows, cols], contiguous
     scales_ptr,  # uint8 [rows, cols // 32], contiguous

@@ -1,5 +1,6 @@
-"""The forward expert products in MXFP8 on Hopper's bf16 tensor cores: @triton.jit tile functions
-and persistent kernels, the interpretable twins of the fast path (`docs/mxfp8.md`).
+"""The expert products in MXFP8 on Hopper's bf16 tensor cores: @triton.jit tile functions and
+persistent kernels, the interpretable twins of the fast path (`docs/mxfp8.md`): the forward and
+the data gradients (the weight gradients, quantized along the tokens, are not built yet).
 
 Hopper has no block-scaled MMA, but every e4m3 x 2^k a real tensor holds is a bf16 value, so an MX
 operand dequantized to bf16 feeds a bf16 MMA exactly: the products are the exact MX products,
@@ -11,7 +12,11 @@ it in a producer stage instead, hidden behind the MMA of the consumers.
     h        = Q_I(swiglu(gate, up))            quantized in the epilogue from fp32 (never bf16)
     out      = Q_I(h) @ Q_I(W_down[e]).T        fp32 accumulator, rounded once
 
-(`mok.reference.mx_expert`'s forward; Q_d: MXFP8 along d.) Operands are e4m3 bytes (uint8) with
+    grad h   = bf16(Q_H(g) @ Q_H(W_down[e]))   W_down read along H, its first dimension
+    grad gate, grad up = the SwiGLU backward at the saved fp32 pre-activations
+    grad x   = Q_I(grad gate) @ Q_I(W_gate[e]) + Q_I(grad up) @ Q_I(W_up[e])
+
+(`mok.reference.mx_expert`; Q_d: MXFP8 along d.) Operands are e4m3 bytes (uint8) with
 e8m0 scale bytes per 32 elements along the reduction; row tiles come from
 `grouped_gemm.row_tile_map`, tasks walk as in `grouped_gemm`. On the CPU interpreter the MMAs run
 in fp32 (exact for these products, as bf16 is on GPUs; the interpreter's bf16 is wrong).
@@ -30,9 +35,15 @@ from mok.kernels.grouped_gemm import (
     grouped_task,
     load_row_tile,
     num_programs,
+    swiglu_backward_tile,
     swiglu_tile,
 )
-from mok.kernels.mx import mx_dequantize_tile, mx_quantize_tile
+from mok.kernels.mx import (
+    bf16_rounded,
+    mx_dequantize_columns,
+    mx_dequantize_tile,
+    mx_quantize_tile,
+)
 from mok.reference.mx import BLOCK, ScaleRounding
 
 if interpreting():
@@ -93,6 +104,67 @@ def mx_rows_tile(
         )
         w = mx_operand(w_codes, w_scales, w_rows, w_rows < N, k, K, BLOCK_N, BLOCK_K, DOT_DTYPE)
         acc = tl.dot(a, w.T, acc)
+    return acc
+
+
+@triton.jit
+def mx_k_major_operand(
+    codes_ptr,  # uint8 [K, N] e4m3 bytes, contiguous
+    scales_ptr,  # uint8 [K // 32, N] e8m0 bytes: quantized along K, the first dimension
+    k,
+    cols,  # [BLOCK_N] column indices
+    col_ok,  # [BLOCK_N] bool
+    K,
+    N,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """The MX operand block [BLOCK_K, BLOCK_N] at rows k.., columns `cols` of a [K, N] weight
+    read along K (as W_down in grad h = g @ W_down), dequantized exactly, cast to DOT_DTYPE."""
+    ks = k + tl.arange(0, BLOCK_K)
+    mask = (ks < K)[:, None] & col_ok[None, :]
+    codes = tl.load(codes_ptr + ks.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+    blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
+    scale_mask = (blocks < K // 32)[:, None] & col_ok[None, :]
+    scale_offsets = blocks.to(tl.int64)[:, None] * N + cols[None, :]
+    scale_bytes = tl.load(scales_ptr + scale_offsets, mask=scale_mask, other=127).to(tl.int32)
+    values = mx_dequantize_columns(codes.to(tl.int32), scale_bytes, BLOCK_K, BLOCK_N)
+    return values.to(DOT_DTYPE)
+
+
+@triton.jit
+def mx_rows_k_major_tile(
+    a_codes_ptr,  # [M, K], quantized along K
+    a_scales_ptr,
+    w_codes_ptr,  # [E, K, N], quantized along K (dim 1)
+    w_scales_ptr,  # [E, K // 32, N]
+    row,
+    row_end,
+    expert,
+    n_off,
+    N,
+    K,
+    acc,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """The MX main loop of the data gradients: acc + Q(A)[row:row_end] @ Q(W[expert])[:, n_off:+BN]
+    over K, the weight read along its first dimension."""
+    rows = row + tl.arange(0, BLOCK_M)
+    cols = n_off + tl.arange(0, BLOCK_N)
+    w_codes = w_codes_ptr + expert.to(tl.int64) * K * N
+    w_scales = w_scales_ptr + expert.to(tl.int64) * (K // 32) * N
+    for k in tl.range(0, K, BLOCK_K):
+        a = mx_operand(
+            a_codes_ptr, a_scales_ptr, rows, rows < row_end, k, K, BLOCK_M, BLOCK_K, DOT_DTYPE
+        )
+        w = mx_k_major_operand(
+            w_codes, w_scales, k, cols, cols < N, K, N, BLOCK_K, BLOCK_N, DOT_DTYPE
+        )
+        acc = tl.dot(a, w, acc)
     return acc
 
 
@@ -374,5 +446,279 @@ def mx_down(
             NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
+        )
+    return out
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _mx_down_dgrad_swiglu_kernel(
+    g_codes_ptr,  # [M, H] grad out, quantized along H
+    g_scales_ptr,
+    w_codes_ptr,  # [E, H, I] W_down, quantized along H (dim 1)
+    w_scales_ptr,  # [E, H // 32, I]
+    gate_up_ptr,  # [M, 2I] fp32 saved pre-activations
+    gate_codes_ptr,  # [M, I] out: grad gate quantized along I
+    gate_scales_ptr,  # [M, I // 32] out
+    up_codes_ptr,  # [M, I] out: grad up quantized along I
+    up_scales_ptr,  # [M, I // 32] out
+    grad_ptr,  # [M, 2I] out: grad gate | grad up rounded to bf16 (fp32 storage)
+    table_ptr,
+    counts_ptr,
+    capacity,
+    hidden,
+    inter,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    RCEIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad h = bf16(Q_H(g) @ Q_H(W_down[e])); grad gate, grad up = the
+    SwiGLU backward at the saved fp32 pre-activations; stored quantized along I (for grad x) and
+    rounded to bf16 (for the weight gradients)."""
+    n_tiles = tl.cdiv(inter, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        acc = mx_rows_k_major_tile(
+            g_codes_ptr,
+            g_scales_ptr,
+            w_codes_ptr,
+            w_scales_ptr,
+            row,
+            row_end,
+            expert,
+            n_off,
+            inter,
+            hidden,
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
+            DOT_DTYPE,
+        )
+        grad_h = bf16_rounded(acc)
+        rows = row + tl.arange(0, BLOCK_M)
+        cols = n_off + tl.arange(0, BLOCK_N)
+        mask = (rows < row_end)[:, None] & (cols < inter)[None, :]
+        saved = gate_up_ptr + rows.to(tl.int64)[:, None] * (2 * inter) + cols[None, :]
+        gate = tl.load(saved, mask=mask, other=0.0)
+        up = tl.load(saved + inter, mask=mask, other=0.0)
+        grad_gate, grad_up = swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT)
+        for part in tl.static_range(2):
+            grad = grad_gate if part == 0 else grad_up
+            codes_ptr = gate_codes_ptr if part == 0 else up_codes_ptr
+            scales_ptr = gate_scales_ptr if part == 0 else up_scales_ptr
+            codes, scale_bytes = mx_quantize_tile(grad, BLOCK_M, BLOCK_N, RCEIL)
+            offset = part * inter
+            _store_rows(
+                codes_ptr, inter, codes.to(tl.uint8), row, row_end, n_off, inter, BLOCK_M, BLOCK_N
+            )
+            _store_rows(
+                scales_ptr,
+                inter // 32,
+                scale_bytes.to(tl.uint8),
+                row,
+                row_end,
+                n_off // 32,
+                inter // 32,
+                BLOCK_M,
+                BLOCK_N // 32,
+            )
+            _store_rows(
+                grad_ptr + offset,
+                2 * inter,
+                bf16_rounded(grad),
+                row,
+                row_end,
+                n_off,
+                inter,
+                BLOCK_M,
+                BLOCK_N,
+            )
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _mx_gate_up_dgrad_kernel(
+    gate_codes_ptr,  # [M, I] grad gate, quantized along I
+    gate_scales_ptr,  # [M, I // 32]
+    up_codes_ptr,  # [M, I] grad up, quantized along I
+    up_scales_ptr,
+    wg_codes_ptr,  # [E, I, H] W_gate, quantized along I (dim 1)
+    wg_scales_ptr,  # [E, I // 32, H]
+    wu_codes_ptr,
+    wu_scales_ptr,
+    out_ptr,  # [M, H] grad x
+    table_ptr,
+    counts_ptr,
+    capacity,
+    hidden,
+    inter,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. grad x = Q_I(grad gate) @ Q_I(W_gate[e]) + Q_I(grad up) @ Q_I(W_up[e]),
+    both products into one fp32 accumulator (gate's first), rounded once."""
+    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    num_tasks = tl.load(counts_ptr) * n_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        n_off = n_idx * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for part in tl.static_range(2):
+            w_codes = wg_codes_ptr if part == 0 else wu_codes_ptr
+            w_scales = wg_scales_ptr if part == 0 else wu_scales_ptr
+            acc = mx_rows_k_major_tile(
+                gate_codes_ptr if part == 0 else up_codes_ptr,
+                gate_scales_ptr if part == 0 else up_scales_ptr,
+                w_codes,
+                w_scales,
+                row,
+                row_end,
+                expert,
+                n_off,
+                hidden,
+                inter,
+                acc,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_K,
+                DOT_DTYPE,
+            )
+        _store_rows(
+            out_ptr,
+            hidden,
+            acc.to(out_ptr.dtype.element_ty),
+            row,
+            row_end,
+            n_off,
+            hidden,
+            BLOCK_M,
+            BLOCK_N,
+        )
+
+
+def _launch_options(cfg: GemmTiles, programs: int, device: torch.device) -> dict:
+    return {
+        "DOT_DTYPE": _dot_dtype(device),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "NUM_PROGRAMS": programs,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
+def mx_down_dgrad_swiglu(
+    grad_out: tuple[torch.Tensor, torch.Tensor],
+    w_down: tuple[torch.Tensor, torch.Tensor],
+    gate_up: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+):
+    """The MX backward through W_down and SwiGLU: grad h = bf16(Q_H(g) @ Q_H(W_down[e])) per
+    group, then the SwiGLU backward at the saved fp32 pre-activations gate_up [M, 2I]
+    (`mx_gate_up_swiglu(save_preact=True)`). grad_out = (data [M, H], scales [M, H / 32]) along
+    H; w_down = (data [E, H, I], scales [E, H / 32, I]) along H, its dim 1
+    (`mok.reference.mx.quantize(w_down, dim=1)`). Returns ((grad gate data [M, I], scales
+    [M, I / 32]), (grad up data, scales), both along I with `rounding`, and grad gate | grad up
+    [M, 2I] rounded to bf16 precision, in fp32)."""
+    g_data, g_scales = grad_out
+    m, hidden = g_data.shape
+    experts, _, inter = w_down[0].shape
+    _check_tiles(cfg, hidden, inter)
+    shapes = {
+        "grad_out data": (g_data, (m, hidden)),
+        "grad_out scales": (g_scales, (m, hidden // BLOCK)),
+        "w_down data": (w_down[0], (experts, hidden, inter)),
+        "w_down scales": (w_down[1], (experts, hidden // BLOCK, inter)),
+    }
+    args = [_bytes(name, tensor, shape) for name, (tensor, shape) in shapes.items()]
+    if tuple(gate_up.shape) != (m, 2 * inter) or gate_up.dtype != torch.float32:
+        raise ValueError(
+            f"gate_up: expected [{m}, {2 * inter}] float32, got {tuple(gate_up.shape)}"
+        )
+    device = g_data.device
+    codes = [torch.empty(m, inter, dtype=torch.uint8, device=device) for _ in range(2)]
+    scales = [torch.empty(m, inter // BLOCK, dtype=torch.uint8, device=device) for _ in range(2)]
+    grads = torch.empty(m, 2 * inter, dtype=torch.float32, device=device)
+    if m:
+        programs = num_programs(device, tiles.capacity * triton.cdiv(inter, cfg.block_n), cfg)
+        _mx_down_dgrad_swiglu_kernel[(programs,)](
+            *args,
+            gate_up.contiguous(),
+            codes[0],
+            scales[0],
+            codes[1],
+            scales[1],
+            grads,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            0.0 if swiglu_limit is None else float(swiglu_limit),
+            HAS_LIMIT=swiglu_limit is not None,
+            RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+            **_launch_options(cfg, programs, device),
+        )
+    quantized = [(c.view(torch.float8_e4m3fn), s) for c, s in zip(codes, scales, strict=True)]
+    return quantized[0], quantized[1], grads
+
+
+def mx_gate_up_dgrad(
+    grad_gate: tuple[torch.Tensor, torch.Tensor],
+    grad_up: tuple[torch.Tensor, torch.Tensor],
+    w_gate: tuple[torch.Tensor, torch.Tensor],
+    w_up: tuple[torch.Tensor, torch.Tensor],
+    tiles: RowTiles,
+    cfg: GemmTiles,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """grad x [M, H] = Q_I(grad gate) @ Q_I(W_gate[e]) + Q_I(grad up) @ Q_I(W_up[e]) per group,
+    one fp32 sum rounded once: the grads (data [M, I], scales [M, I / 32]) along I, the weights
+    (data [E, I, H], scales [E, I / 32, H]) along I, their dim 1."""
+    m, inter = grad_gate[0].shape
+    experts, _, hidden = w_gate[0].shape
+    _check_tiles(cfg, hidden, inter)
+    shapes = {
+        "grad_gate data": (grad_gate[0], (m, inter)),
+        "grad_gate scales": (grad_gate[1], (m, inter // BLOCK)),
+        "grad_up data": (grad_up[0], (m, inter)),
+        "grad_up scales": (grad_up[1], (m, inter // BLOCK)),
+        "w_gate data": (w_gate[0], (experts, inter, hidden)),
+        "w_gate scales": (w_gate[1], (experts, inter // BLOCK, hidden)),
+        "w_up data": (w_up[0], (experts, inter, hidden)),
+        "w_up scales": (w_up[1], (experts, inter // BLOCK, hidden)),
+    }
+    args = [_bytes(name, tensor, shape) for name, (tensor, shape) in shapes.items()]
+    device = grad_gate[0].device
+    out = torch.empty(m, hidden, dtype=out_dtype, device=device)
+    if m:
+        programs = num_programs(device, tiles.capacity * triton.cdiv(hidden, cfg.block_n), cfg)
+        _mx_gate_up_dgrad_kernel[(programs,)](
+            *args,
+            out,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            **_launch_options(cfg, programs, device),
         )
     return out
