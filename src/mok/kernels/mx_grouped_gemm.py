@@ -1,6 +1,6 @@
 """The expert products in MXFP8 on Hopper's bf16 tensor cores: @triton.jit tile functions and
-persistent kernels, the interpretable twins of the fast path (`docs/mxfp8.md`): the forward and
-the data gradients (the weight gradients, quantized along the tokens, are not built yet).
+persistent kernels, the interpretable twins of the fast path (`docs/mxfp8.md`): the forward, the
+data gradients and the weight gradients.
 
 Hopper has no block-scaled MMA, but every e4m3 x 2^k a real tensor holds is a bf16 value, so an MX
 operand dequantized to bf16 feeds a bf16 MMA exactly: the products are the exact MX products,
@@ -15,6 +15,8 @@ it in a producer stage instead, hidden behind the MMA of the consumers.
     grad h   = bf16(Q_H(g) @ Q_H(W_down[e]))   W_down read along H, its first dimension
     grad gate, grad up = the SwiGLU backward at the saved fp32 pre-activations
     grad x   = Q_I(grad gate) @ Q_I(W_gate[e]) + Q_I(grad up) @ Q_I(W_up[e])
+    grad W   = Q_T(a[e]).T @ Q_T(b[e])           a, b quantized along the group's rows in blocks
+                                                 of 32 from its first, in the kernel's registers
 
 (`mok.reference.mx_expert`; Q_d: MXFP8 along d.) Operands are e4m3 bytes (uint8) with
 e8m0 scale bytes per 32 elements along the reduction; row tiles come from
@@ -40,9 +42,11 @@ from mok.kernels.grouped_gemm import (
 )
 from mok.kernels.mx import (
     bf16_rounded,
+    e4m3_bytes,
     mx_dequantize_columns,
     mx_dequantize_tile,
     mx_quantize_tile,
+    mx_scale_bytes,
 )
 from mok.reference.mx import BLOCK, ScaleRounding
 
@@ -720,5 +724,111 @@ def mx_gate_up_dgrad(
             hidden,
             inter,
             **_launch_options(cfg, programs, device),
+        )
+    return out
+
+
+@triton.jit
+def mx_row_blocks(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.constexpr):
+    """Q_T of an fp32 tile [ROWS, COLS]: each column's blocks of 32 consecutive rows cast to
+    MXFP8 and back (exact values, fp32), as `mok.reference.mx_expert.quantized_rows`."""
+    blocks = tile.reshape(ROWS // 32, 32, COLS)
+    amax = tl.max(tl.abs(blocks), axis=1)
+    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=1) > 0
+    byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
+    scaled = blocks * factor[:, None, :]
+    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
+    codes = e4m3_bytes(scaled).reshape(ROWS, COLS)
+    return mx_dequantize_columns(codes, byte, ROWS, COLS)
+
+
+@triton.jit
+def _mx_group_at_b_kernel(
+    a_ptr,  # [M, P] fp32 values (contiguous)
+    b_ptr,  # [M, Q] fp32 values (contiguous)
+    offsets_ptr,  # [E + 1] int32 group offsets
+    out_ptr,  # [E, P, Q] fp32 out
+    num_experts,
+    P,
+    Q,
+    RCEIL: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. out[e] = Q_T(a[group e]).T @ Q_T(b[group e]), the rows of group e
+    quantized in blocks of 32 from its first row (the last block zero-padded); zeros for an
+    empty group. BLOCK_T a multiple of 32: a step's blocks never straddle the group's start."""
+    p_tiles = tl.cdiv(P, BLOCK_P)
+    q_tiles = tl.cdiv(Q, BLOCK_Q)
+    num_tasks = num_experts * p_tiles * q_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert = task // (p_tiles * q_tiles)
+        p_off = (task // q_tiles) % p_tiles * BLOCK_P
+        q_off = task % q_tiles * BLOCK_Q
+        first = tl.load(offsets_ptr + expert)
+        end = tl.load(offsets_ptr + expert + 1)
+        ps = p_off + tl.arange(0, BLOCK_P)
+        qs = q_off + tl.arange(0, BLOCK_Q)
+        acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
+        for t in tl.range(first, end, BLOCK_T):
+            rows = t + tl.arange(0, BLOCK_T)
+            live = rows < end
+            a_mask = live[:, None] & (ps < P)[None, :]
+            a = tl.load(
+                a_ptr + rows.to(tl.int64)[:, None] * P + ps[None, :], mask=a_mask, other=0.0
+            )
+            b_mask = live[:, None] & (qs < Q)[None, :]
+            b = tl.load(
+                b_ptr + rows.to(tl.int64)[:, None] * Q + qs[None, :], mask=b_mask, other=0.0
+            )
+            a_q = mx_row_blocks(a, BLOCK_T, BLOCK_P, RCEIL).to(DOT_DTYPE)
+            b_q = mx_row_blocks(b, BLOCK_T, BLOCK_Q, RCEIL).to(DOT_DTYPE)
+            acc = tl.dot(a_q.T, b_q, acc)
+        out = out_ptr + expert.to(tl.int64) * P * Q
+        mask = (ps < P)[:, None] & (qs < Q)[None, :]
+        tl.store(out + ps.to(tl.int64)[:, None] * Q + qs[None, :], acc, mask=mask)
+
+
+def mx_group_at_b(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    cfg: GemmTiles,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+) -> torch.Tensor:
+    """The MX weight gradient of every group: out [E, P, Q] fp32, out[e] = Q_T(a[e]).T @
+    Q_T(b[e]) for a [M, P] and b [M, Q] (fp32 values, e.g. bf16 gradients or dequantized MX
+    operands), group e the rows [offsets[e], offsets[e + 1]) ([E + 1] int32 on the device),
+    quantized along the rows in blocks of 32 from each group's first. Tiles: block_m (P) x
+    block_n (Q), block_k the rows per step (a multiple of 32)."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"a [M, P] and b [M, Q] expected, got {tuple(a.shape)}, {tuple(b.shape)}")
+    if cfg.block_k % BLOCK:
+        raise ValueError(f"MX weight gradients step over rows in multiples of {BLOCK}: {cfg}")
+    experts = group_offsets.numel() - 1
+    (m, p), q = a.shape, b.shape[1]
+    out = torch.zeros(experts, p, q, dtype=torch.float32, device=a.device)
+    if m and experts:
+        tasks = experts * triton.cdiv(p, cfg.block_m) * triton.cdiv(q, cfg.block_n)
+        programs = num_programs(a.device, tasks, cfg)
+        _mx_group_at_b_kernel[(programs,)](
+            a.float().contiguous(),
+            b.float().contiguous(),
+            group_offsets,
+            out,
+            experts,
+            p,
+            q,
+            RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+            DOT_DTYPE=_dot_dtype(a.device),
+            BLOCK_P=cfg.block_m,
+            BLOCK_Q=cfg.block_n,
+            BLOCK_T=cfg.block_k,
+            NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out
