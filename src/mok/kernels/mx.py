@@ -181,8 +181,8 @@ def mx_dequantize(
 ) -> torch.Tensor:
     """`mok.reference.mx.dequantize` on the device for blocks along the last dimension: data
     [rows, cols] float8_e4m3fn and scales [rows, cols // 32] uint8 (both contiguous) -> [rows,
-    cols] of `dtype` (fp32 or bf16). The dequantizing A-row source of an MX product on Hopper,
-    as a kernel of its own for tests."""
+    cols] of `dtype` (fp32 or bf16): the dequantizing A-row source of an MX product on Hopper as
+    a kernel of its own (tests; the MX weight gradients' operands)."""
     if data.dim() != 2 or data.dtype != torch.float8_e4m3fn or data.shape[1] % BLOCK:
         raise ValueError(
             f"mx_dequantize: data must be [rows, cols] float8_e4m3fn with cols a multiple of "

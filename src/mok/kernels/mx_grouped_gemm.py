@@ -695,8 +695,9 @@ def mx_gate_up_dgrad(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """grad x [M, H] = Q_I(grad gate) @ Q_I(W_gate[e]) + Q_I(grad up) @ Q_I(W_up[e]) per group,
-    one fp32 sum rounded once: the grads (data [M, I], scales [M, I / 32]) along I, the weights
-    (data [E, I, H], scales [E, I / 32, H]) along I, their dim 1."""
+    one fp32 sum rounded once, zero outside the groups: the grads (data [M, I], scales
+    [M, I / 32]) along I, the weights (data [E, I, H], scales [E, I / 32, H]) along I, their dim
+    1."""
     m, inter = grad_gate[0].shape
     experts, _, hidden = w_gate[0].shape
     _check_tiles(cfg, hidden, inter)
@@ -712,7 +713,7 @@ def mx_gate_up_dgrad(
     }
     args = [_bytes(name, tensor, shape) for name, (tensor, shape) in shapes.items()]
     device = grad_gate[0].device
-    out = torch.empty(m, hidden, dtype=out_dtype, device=device)
+    out = torch.zeros(m, hidden, dtype=out_dtype, device=device)  # zero outside the groups
     if m:
         programs = num_programs(device, tiles.capacity * triton.cdiv(hidden, cfg.block_n), cfg)
         _mx_gate_up_dgrad_kernel[(programs,)](
