@@ -77,6 +77,8 @@ class FusedBackend(TritonBackend):
         reason = TritonBackend.unavailable_reason(config, device, group)
         if reason is not None:
             return reason
+        if config.precision.value != "bf16":
+            return f"computes bf16 only so far, not {config.precision.value}"
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)

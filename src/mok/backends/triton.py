@@ -14,6 +14,10 @@ Errors found on the device (an expert id outside [0, E), a receive buffer too sm
 memory out of bounds: bad pairs are dropped (zero weight, zero gradients) and `check()` raises at
 the next host synchronization the caller chooses (`mok.Workspace.check`).
 
+MXFP8 (`precision="mxfp8"`): the routed experts through `mok.kernels.mx_expert_mlp` (the
+reference's quantization points; the shared expert, router, dispatch and combine stay bf16), in
+the CPU test mode only so far: refused on GPUs until those kernels have run there.
+
 CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
 code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
 or a shared file standing in for symmetric memory). The interpreter computes bf16 wrongly, so
@@ -41,6 +45,7 @@ from mok.weights import MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
     from mok.kernels import ExpertMLPSaved
+    from mok.kernels.mx_expert_mlp import MXExpertSaved
 
 KERNEL_MULTIPLE = 16
 """The expert kernels' tiles need H and I (also the shared expert's) to be multiples of this."""
@@ -63,7 +68,7 @@ class _Saved:
     weights: torch.Tensor
     """[T, k] the router weights as used (zero for dropped pairs)."""
     valid: torch.Tensor
-    experts: ExpertMLPSaved
+    experts: ExpertMLPSaved | MXExpertSaved
     shared: ExpertMLPSaved | None
     pair_out: torch.Tensor | None
     dtypes: dict[str, torch.dtype]
@@ -132,8 +137,17 @@ class TritonBackend:
                 f"needs a CUDA device, got {device} (a CPU only under the Triton interpreter, "
                 "TRITON_INTERPRET=1, a test mode)"
             )
-        if config.precision.value != "bf16":
-            return f"computes bf16 only so far, not {config.precision.value}"
+        if config.precision.value == "mxfp8":
+            if device.type == "cuda":
+                return (
+                    "its MXFP8 kernels (mok.kernels.mx_expert_mlp) have run only in the CPU test "
+                    "mode so far (TRITON_INTERPRET=1); on GPUs use the reference backend"
+                )
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(config, name) % 32:
+                    return f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks)"
+        elif config.precision.value != "bf16":
+            return f"computes bf16 and MXFP8 only, not {config.precision.value}"
         if not config.plain_swiglu:
             return (
                 "its kernels compute SwiGLU experts without biases so far (swiglu_alpha=1, "
@@ -184,17 +198,28 @@ class TritonBackend:
             topk_weights = topk_weights.float()
         router = torch.where(schedule.valid, topk_weights, 0)
         grouped = self.exchange.dispatch(routing, x)
-        buffer = self.exchange.expert_output_buffer()
-        expert_out, experts = expert_mlp_forward(
-            grouped,
-            routing.group_offsets,
-            weights.gate,
-            weights.up,
-            weights.down,
-            config.swiglu_limit,
-            save_for_backward=need_backward,
-            out=buffer,
-        )
+        if config.precision.value == "mxfp8":
+            from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
+
+            expert_out, experts = mx_expert_mlp_forward(
+                grouped,
+                routing.group_offsets,
+                weights.gate,
+                weights.up,
+                weights.down,
+                config.swiglu_limit,
+            )
+        else:
+            expert_out, experts = expert_mlp_forward(
+                grouped,
+                routing.group_offsets,
+                weights.gate,
+                weights.up,
+                weights.down,
+                config.swiglu_limit,
+                save_for_backward=need_backward,
+                out=self.exchange.expert_output_buffer(),
+            )
         shared_out, shared = None, None
         if weights.has_shared_expert:
             shared_out, shared = expert_mlp_forward(
@@ -220,6 +245,7 @@ class TritonBackend:
         """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
         that buffer by the weight-gradient kernels themselves (no extra pass)."""
         from mok.kernels import expert_mlp_backward
+        from mok.kernels.mx_expert_mlp import MXExpertSaved, mx_expert_mlp_backward
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
@@ -227,9 +253,19 @@ class TritonBackend:
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
         grad_router = torch.where(saved.valid, grad_router, 0)
-        grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
-            grad_out, saved.experts, into.get("gate"), into.get("up"), into.get("down")
-        )
+        if isinstance(saved.experts, MXExpertSaved):
+            # The contract casts bf16 output gradients; the CPU test mode holds them in fp32.
+            bf16_values = grad_out.to(torch.bfloat16).to(grad_out.dtype)
+            grad_rows, *weight_grads = mx_expert_mlp_backward(bf16_values, saved.experts)
+            # Into the accumulation buffers here (the bf16 kernels add in their epilogues).
+            for index, name in enumerate(("gate", "up", "down")):
+                if name in into:
+                    weight_grads[index] = into[name].add_(weight_grads[index])
+            grad_gate, grad_up, grad_down = weight_grads
+        else:
+            grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
+                grad_out, saved.experts, into.get("gate"), into.get("up"), into.get("down")
+            )
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
         grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
