@@ -91,13 +91,16 @@ def assert_bitwise_equal(outcomes) -> None:
 
 def cases(config, world) -> list[Scenario]:
     """A plain call, a skewed one with a bad id, one with every pair on expert 0 and a rank
-    without tokens (at EP > 1), with token counts that are not powers of two."""
+    without tokens (at EP > 1), and one whose pairs all go to the first experts (at EP > 1 the
+    other ranks receive nothing: no rows to pull, no tiles, counts of zero), with token counts
+    that are not powers of two."""
     uneven = [21, 13, 9][:world]
     idle = [19, 0, 7][:world] if world > 1 else [0]
     return [
         scenario(config, uneven, seed=1),
         scenario(config, uneven, seed=2, routing="zipf", bad_pair=(world - 1, 3, 1)),
         scenario(config, idle, seed=3, routing="one-expert"),
+        scenario(config, uneven, seed=4, routing="first-experts"),
     ]
 
 
