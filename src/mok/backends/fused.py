@@ -115,12 +115,8 @@ class FusedBackend(TritonBackend):
 
         config = self.workspace.config
         routing = schedule.exchange
-        dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
-        dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
-        x, weights = x.to(self.dtype).contiguous(), weights.map(lambda w: w.to(self.dtype))
-        if self.dtype == torch.float32:
-            topk_weights = topk_weights.float()
-        router = torch.where(schedule.valid, topk_weights, 0)
+        x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
+        x = x.contiguous()
         timeout = config.peer_timeout_s
         if self.overlap:
             grouped, pull, ready = self.exchange.dispatch_overlapped(
@@ -132,21 +128,7 @@ class FusedBackend(TritonBackend):
             grouped, pull, _ = self.exchange.dispatch_overlapped(routing, x, self.all_sms, timeout)
             pull()
             ready, beside = None, None
-        shared_out, shared = None, None
-        if weights.has_shared_expert:
-            shared_cfg = em.default_config(
-                x.device, config.hidden_size, config.shared_intermediate_size, x.shape[0]
-            )
-            shared_out, shared = em.expert_mlp_forward(
-                x,
-                self._all_tokens(x.shape[0]),
-                weights.shared_gate.unsqueeze(0),
-                weights.shared_up.unsqueeze(0),
-                weights.shared_down.unsqueeze(0),
-                config.swiglu_limit,
-                save_for_backward=need_backward,
-                config=em.held_to(shared_cfg, beside),  # backward too
-            )
+        shared_out, shared = self._shared_forward(x, weights, need_backward, beside)
         rows, hidden = grouped.shape
         kernel_cfg = em.default_config(
             x.device, hidden, config.intermediate_size, rows / weights.gate.shape[0]

@@ -189,14 +189,7 @@ class TritonBackend:
 
         config = self.workspace.config
         routing = schedule.exchange
-        dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
-        dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
-        x, weights = x.to(self.dtype), weights.map(lambda w: w.to(self.dtype))
-        if self.dtype == torch.float32:
-            # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
-            # PyTorch rounds it at exit.
-            topk_weights = topk_weights.float()
-        router = torch.where(schedule.valid, topk_weights, 0)
+        x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
         grouped = self.exchange.dispatch(routing, x)
         if config.precision.value == "mxfp8":
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
@@ -220,17 +213,7 @@ class TritonBackend:
                 save_for_backward=need_backward,
                 out=self.exchange.expert_output_buffer(),
             )
-        shared_out, shared = None, None
-        if weights.has_shared_expert:
-            shared_out, shared = expert_mlp_forward(
-                x,
-                self._all_tokens(x.shape[0]),
-                weights.shared_gate.unsqueeze(0),
-                weights.shared_up.unsqueeze(0),
-                weights.shared_down.unsqueeze(0),
-                config.swiglu_limit,
-                save_for_backward=need_backward,
-            )
+        shared_out, shared = self._shared_forward(x, weights, need_backward)
         y, pair_out = self.exchange.combine(
             routing, expert_out, router, shared_out, save_pair_out=need_backward
         )
@@ -238,6 +221,41 @@ class TritonBackend:
         if not need_backward:
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+    def _layer_inputs(self, schedule: TritonRouting, x, topk_weights, weights):
+        """(x and the weights in the kernels' dtype, the router weights as used (zero for
+        dropped pairs), the API's dtypes of x, topk_weights and every weight)."""
+        dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
+        dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
+        x, weights = x.to(self.dtype), weights.map(lambda w: w.to(self.dtype))
+        if self.dtype == torch.float32:
+            # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
+            # PyTorch rounds it at exit.
+            topk_weights = topk_weights.float()
+        return x, weights, torch.where(schedule.valid, topk_weights, 0), dtypes
+
+    def _shared_forward(self, x, weights: MoEWeights, need_backward: bool, sms: int | None = None):
+        """(the shared expert's output, its saved state), or (None, None) without one; sms: the
+        grids of all its products, forward and backward, held to that many SMs."""
+        from mok.kernels import expert_mlp as em
+
+        if not weights.has_shared_expert:
+            return None, None
+        config = self.workspace.config
+        kernel_cfg = None
+        if sms is not None:
+            inter = config.shared_intermediate_size
+            kernel_cfg = em.held_to(em.default_config(x.device, x.shape[1], inter, x.shape[0]), sms)
+        return em.expert_mlp_forward(
+            x,
+            self._all_tokens(x.shape[0]),
+            weights.shared_gate.unsqueeze(0),
+            weights.shared_up.unsqueeze(0),
+            weights.shared_down.unsqueeze(0),
+            config.swiglu_limit,
+            save_for_backward=need_backward,
+            config=kernel_cfg,
+        )
 
     def backward(
         self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict

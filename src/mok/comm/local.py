@@ -6,6 +6,7 @@ summed back in the reference's order. No host synchronization; deterministic.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -25,8 +26,15 @@ class LocalRouting:
     group_offsets: torch.Tensor
     pair_row: torch.Tensor
     recv_pairs: torch.Tensor
-    grouped_pair: torch.Tensor
-    """[T * k] int32: the pair t * k + j of each grouped row (the inverse of pair_row)."""
+
+    @functools.cached_property
+    def grouped_pair(self) -> torch.Tensor:
+        """[T * k] int32: the pair t * k + j of each grouped row (the inverse of pair_row); made
+        on first use (only the overlapped layer asks)."""
+        pair_row = self.pair_row.view(-1)
+        grouped_pair = torch.empty(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
+        pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
+        return grouped_pair.scatter_(0, pair_row, pairs)  # every pair has a row: a permutation
 
 
 class LocalExchange:
@@ -74,17 +82,11 @@ class LocalExchange:
             self._overflowed,
             self._most_needed,
         )
-        self.epoch.add_(1)
-        pair_row = placement.pair_row.view(-1)
-        grouped_pair = torch.empty(pair_row.numel(), dtype=torch.int32, device=self.device)
-        pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=self.device)
-        grouped_pair.scatter_(0, pair_row, pairs)  # every pair has a row: a permutation
         return LocalRouting(
             top_k=top_k,
             group_offsets=placement.group_offsets,
             pair_row=placement.pair_row,
             recv_pairs=placement.recv_pairs,
-            grouped_pair=grouped_pair,
         )
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:
@@ -120,6 +122,7 @@ class LocalExchange:
         beside the copy. x must stay unchanged until the copy is done."""
         pairs = routing.pair_row.numel()
         x = x.contiguous()
+        self.epoch.add_(1)  # this call's flags: stamped with a value no earlier call used
         grouped = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
         blocks = -(-pairs // COPY_ROWS)
         if self._landed.numel() < blocks:
@@ -144,8 +147,14 @@ class LocalExchange:
         return grouped, pull, ready
 
     def combine_backward_overlapped(
-        self, routing, grad_y, topk_weights, pair_out, programs, timeout_s
-    ):
+        self,
+        routing: LocalRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], None, torch.Tensor]:
         """`combine_backward` in the overlapped layer's form: one process writes the grouped
         rows' gradients in place (one kernel, nothing to copy), so `pull` does nothing and no
         product needs to wait (RowsReady None)."""

@@ -636,15 +636,13 @@ class SymmetricExchange:
                 **COPY_TILE,
             )
 
-        ready = RowsReady(
-            self.landed,
-            COPY_ROWS,
-            self.view.epoch,
-            self.view.status,
-            timeout_s,
-            WAITS.index("overlap: grouped rows copied beside the products"),
-        )
+        ready = self._copied_rows(self.landed, self.view.epoch, timeout_s)
         return grouped, pull, ready
+
+    def _copied_rows(self, flags: torch.Tensor, epoch: torch.Tensor, timeout_s: float) -> RowsReady:
+        """The readiness of grouped rows that a copy beside the products flags per COPY_ROWS."""
+        wait_id = WAITS.index("overlap: grouped rows copied beside the products")
+        return RowsReady(flags, COPY_ROWS, epoch, self.view.status, timeout_s, wait_id)
 
     def _push_overlapped(
         self, routing: SymmetricRouting, x: torch.Tensor, programs: int, timeout_s: float
@@ -692,14 +690,7 @@ class SymmetricExchange:
                 **COPY_TILE,
             )
 
-        ready = RowsReady(
-            self.landed,
-            COPY_ROWS,
-            self.view.epoch,
-            self.view.status,
-            timeout_s,
-            WAITS.index("overlap: grouped rows copied beside the products"),
-        )
+        ready = self._copied_rows(self.landed, self.view.epoch, timeout_s)
         return grouped, pull, ready
 
     def combine_backward_overlapped(
@@ -747,14 +738,7 @@ class SymmetricExchange:
                 **COPY_TILE,
             )
 
-        ready = RowsReady(
-            self.landed_backward,
-            COPY_ROWS,
-            self.backward_epoch,
-            self.view.status,
-            timeout_s,
-            WAITS.index("overlap: grouped rows copied beside the products"),
-        )
+        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
         return grad_grouped, pull, ready, grad_w
 
     def combine_target(

@@ -195,15 +195,17 @@ def _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limi
             raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
 
 
-def held_to(config, sms: int | None):
-    """The config (an ExpertKernelConfig, or any dataclass of tiles) with every product's grid
-    held to `sms` SMs (`GemmTiles.max_sms`; None: all)."""
-    if isinstance(config, GemmTiles):
-        return dataclasses.replace(config, max_sms=sms)
+def held_to(config, sms: int | None, only: tuple[str, ...] | None = None):
+    """The config (an ExpertKernelConfig, or any dataclass of tiles; None stays None) with the
+    grids of its products held to `sms` SMs (`GemmTiles.max_sms`; None: all): of every product,
+    or of the fields named in `only`."""
+    if config is None or isinstance(config, GemmTiles):
+        return config and dataclasses.replace(config, max_sms=sms)
     changes = {
         field.name: held_to(value, sms)
         for field in dataclasses.fields(config)
-        if dataclasses.is_dataclass(value := getattr(config, field.name))
+        if (only is None or field.name in only)
+        and dataclasses.is_dataclass(value := getattr(config, field.name))
     }
     return dataclasses.replace(config, **changes)
 
@@ -211,22 +213,14 @@ def held_to(config, sms: int | None):
 def with_gate_up_sms(config: ExpertKernelConfig, sms: int | None) -> ExpertKernelConfig:
     """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
     runs beside communication programs leaves them theirs (`GemmTiles.max_sms`)."""
-    ws_tiles = config.warp_specialized_gate_up
-    return dataclasses.replace(
-        config,
-        gate_up=dataclasses.replace(config.gate_up, max_sms=sms),
-        warp_specialized_gate_up=ws_tiles and dataclasses.replace(ws_tiles, max_sms=sms),
-    )
+    return held_to(config, sms, ("gate_up", "warp_specialized_gate_up"))
 
 
 def _with_down_dgrad_sms(config: ExpertKernelConfig, sms: int) -> ExpertKernelConfig:
     """The config with the backward's first product (through W_down) held to `sms` SMs."""
-    ws_dgrad = config.warp_specialized_dgrad
+    held = held_to(config, sms, ("down_dgrad",))
     return dataclasses.replace(
-        config,
-        down_dgrad=dataclasses.replace(config.down_dgrad, max_sms=sms),
-        warp_specialized_dgrad=ws_dgrad
-        and dataclasses.replace(ws_dgrad, down=dataclasses.replace(ws_dgrad.down, max_sms=sms)),
+        held, warp_specialized_dgrad=held_to(config.warp_specialized_dgrad, sms, ("down",))
     )
 
 

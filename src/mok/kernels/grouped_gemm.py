@@ -1176,7 +1176,7 @@ def gate_up_swiglu(
         inter,
         _limit(swiglu_limit),
         *limit_edges(swiglu_limit, gate_up.dtype),
-        *(ready.args() if ready else _no_wait(tiles)),
+        *ready_args(ready, tiles),
         HAS_LIMIT=swiglu_limit is not None,
         SAVE_PREACT=save_preact,
         GATHER=source_rows is not None,
@@ -1188,13 +1188,17 @@ def gate_up_swiglu(
     return h, gate_up if save_preact else None
 
 
-def _no_wait(tiles: RowTiles) -> tuple:
-    """Placeholders of `RowsReady.args`' kinds, for products whose rows are all in place."""
-    return (tiles.counts, tiles.counts, tiles.table, 0, 0)
+def ready_args(ready: RowsReady | None, tiles: RowTiles) -> tuple:
+    """The kernel arguments of an optional RowsReady: its fields, or placeholders of their kinds
+    (never read) for products whose rows are all in place."""
+    return ready.args() if ready else (tiles.counts, tiles.counts, tiles.table, 0, 0)
 
 
-def _no_scatter(out: torch.Tensor, tiles: RowTiles) -> tuple:
-    """Placeholders of `RowScatter.args`' kinds, for kernels that store locally."""
+def scatter_args(scatter: RowScatter | None, out: torch.Tensor, tiles: RowTiles) -> tuple:
+    """The kernel arguments of an optional RowScatter: its fields, or placeholders of their
+    kinds (never read) for products that store locally into `out`."""
+    if scatter:
+        return scatter.args()
     return (out, tiles.counts, tiles.table, tiles.table, tiles.table, tiles.counts, 0)
 
 
@@ -1216,7 +1220,7 @@ def _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter: RowScatter | 
         out,
         *_gather_args(h, source_rows, tiles.table),
         m,
-        *(scatter.args() if scatter else _no_scatter(out, tiles)),
+        *scatter_args(scatter, out, tiles),
         tiles.table,
         tiles.counts,
         tiles.capacity,
@@ -1296,7 +1300,7 @@ def down_dgrad_swiglu(
         hidden,
         inter,
         _limit(swiglu_limit),
-        *(ready.args() if ready else _no_wait(tiles)),
+        *ready_args(ready, tiles),
         HAS_LIMIT=swiglu_limit is not None,
         WAIT_ROWS=ready is not None,
         FLAG_ROWS=ready.block_rows if ready else 1,

@@ -139,7 +139,7 @@ def bf16_rounded(values):
     arithmetic, so that the interpreter (whose bf16 casts flush subnormals) rounds as GPUs do."""
     bits = values.to(tl.int32, bitcast=True)
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-    rounded = tl.where(values != values, bits, rounded)
+    rounded = tl.where(values != values, bits | 0x400000, rounded)  # NaN: quiet, in the top bits
     return rounded.to(tl.float32, bitcast=True)
 
 
@@ -166,12 +166,8 @@ def _mx_dequantize_kernel(
     scale_bytes = tl.load(scales_ptr + scale_offsets, mask=scale_mask, other=127).to(tl.int32)
     values = mx_dequantize_tile(codes, scale_bytes, BLOCK_ROWS, BLOCK_COLS)
     if BF16_BITS:
-        # Round to nearest even by integer arithmetic (the interpreter's bf16 cast flushes
-        # subnormals); NaN stays NaN.
-        bits = values.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        rounded = tl.where(values != values, (bits >> 16) | 0x40, rounded)
-        tl.store(out_ptr + offsets, rounded.to(tl.int16), mask=mask)
+        bits = bf16_rounded(values).to(tl.int32, bitcast=True) >> 16
+        tl.store(out_ptr + offsets, bits.to(tl.int16), mask=mask)
     else:
         tl.store(out_ptr + offsets, values, mask=mask)
 

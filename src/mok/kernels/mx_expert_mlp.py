@@ -3,11 +3,12 @@ casts (`mok.kernels.mx`) and the MX products (`mok.kernels.mx_grouped_gemm`): th
 `mok.reference.mx_expert` (its quantization points and rounding), no host synchronization.
 
 Each weight is cast once per call in both layouts (`mx_quantize_both`: along its last dimension
-for the forward, along the one before for the data gradients); x once along H; h in the gate/up
-epilogue; grad out along H; the SwiGLU gradients along I in the down data gradient's epilogue;
-the weight gradients' operands along the tokens inside their kernel. Saved for backward: x and h
-as MXFP8 (bytes and scales) and the fp32 pre-activations (the reference's backward reads them in
-fp32; what a production layout keeps instead is an open point of issue 14).
+for the forward, along the one before for the data gradients, kept for the backward); x once
+along H; h in the gate/up epilogue; grad out along H; the SwiGLU gradients along I in the down
+data gradient's epilogue; the weight gradients' operands along the tokens inside their kernel.
+Saved for backward: x and h as MXFP8 (bytes and scales), the weights' backward casts, and the
+fp32 pre-activations (the reference's backward reads them in fp32; what a production layout
+keeps instead is an open point of issue 14).
 """
 
 from __future__ import annotations
@@ -53,9 +54,11 @@ class MXExpertSaved:
     """[M, 2I] fp32 pre-activations."""
     group_offsets: torch.Tensor
     row_tiles: RowTiles
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
+    w_down_along_h: MXPair
+    """W_down cast along H, its dim 1 (for grad h), made with the forward's cast."""
+    w_gate_along_i: MXPair
+    """W_gate cast along I, its dim 1 (for grad x)."""
+    w_up_along_i: MXPair
     swiglu_limit: float | None
     rounding: ScaleRounding
     tiles: MXExpertTiles
@@ -90,8 +93,8 @@ def mx_expert_mlp_forward(
     m = rows.shape[0]
     row_tiles = row_tile_map(group_offsets, m, tiles.rows.block_m)
     x_q = mx_quantize(rows, dim=-1, rounding=rounding)
-    (wg_q, _), (wu_q, _) = _weight_casts(w_gate, rounding), _weight_casts(w_up, rounding)
-    wd_q, _ = _weight_casts(w_down, rounding)
+    (wg_q, wg_k), (wu_q, wu_k) = _weight_casts(w_gate, rounding), _weight_casts(w_up, rounding)
+    wd_q, wd_k = _weight_casts(w_down, rounding)
     h_data, h_scales, gate_up = mx_gate_up_swiglu(
         x_q, wg_q, wu_q, row_tiles, swiglu_limit, tiles.rows, rounding, save_preact=True
     )
@@ -102,9 +105,9 @@ def mx_expert_mlp_forward(
         gate_up=gate_up,
         group_offsets=group_offsets,
         row_tiles=row_tiles,
-        w_gate=w_gate,
-        w_up=w_up,
-        w_down=w_down,
+        w_down_along_h=wd_k,
+        w_gate_along_i=wg_k,
+        w_up_along_i=wu_k,
         swiglu_limit=swiglu_limit,
         rounding=rounding,
         tiles=tiles,
@@ -119,21 +122,22 @@ def mx_expert_mlp_backward(
     given grad_out [M, H] (bf16 values): the reference's MXFP8 backward. grad rows is zero
     outside the groups; an expert without rows gets zero weight gradients."""
     rounding, tiles = saved.rounding, saved.tiles
-    inter = saved.w_gate.shape[1]
+    inter = saved.h[0].shape[1]
     g_q = mx_quantize(grad_out, dim=-1, rounding=rounding)
-    _, wd_k = _weight_casts(saved.w_down, rounding)
     grad_gate_q, grad_up_q, grads = mx_down_dgrad_swiglu(
-        g_q, wd_k, saved.gate_up, saved.row_tiles, saved.swiglu_limit, tiles.rows, rounding
-    )
-    (_, wg_k), (_, wu_k) = (
-        _weight_casts(saved.w_gate, rounding),
-        _weight_casts(saved.w_up, rounding),
+        g_q,
+        saved.w_down_along_h,
+        saved.gate_up,
+        saved.row_tiles,
+        saved.swiglu_limit,
+        tiles.rows,
+        rounding,
     )
     grad_rows = mx_gate_up_dgrad(
         grad_gate_q,
         grad_up_q,
-        wg_k,
-        wu_k,
+        saved.w_gate_along_i,
+        saved.w_up_along_i,
         saved.row_tiles,
         tiles.rows,
         _values_dtype(grad_out.device),

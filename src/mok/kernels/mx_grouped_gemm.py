@@ -42,11 +42,9 @@ from mok.kernels.grouped_gemm import (
 )
 from mok.kernels.mx import (
     bf16_rounded,
-    e4m3_bytes,
     mx_dequantize_columns,
     mx_dequantize_tile,
     mx_quantize_tile,
-    mx_scale_bytes,
 )
 from mok.reference.mx import BLOCK, ScaleRounding
 
@@ -397,14 +395,7 @@ def mx_gate_up_swiglu(
             HAS_LIMIT=swiglu_limit is not None,
             SAVE_PREACT=save_preact,
             RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
-            DOT_DTYPE=_dot_dtype(device),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=programs,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **_launch_options(cfg, programs, device),
         )
     return h_codes.view(torch.float8_e4m3fn), h_scales, gate_up
 
@@ -442,14 +433,7 @@ def mx_down(
             tiles.capacity,
             hidden,
             inter,
-            DOT_DTYPE=_dot_dtype(device),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k,
-            GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=programs,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            **_launch_options(cfg, programs, device),
         )
     return out
 
@@ -733,14 +717,8 @@ def mx_gate_up_dgrad(
 def mx_row_blocks(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.constexpr):
     """Q_T of an fp32 tile [ROWS, COLS]: each column's blocks of 32 consecutive rows cast to
     MXFP8 and back (exact values, fp32), as `mok.reference.mx_expert.quantized_rows`."""
-    blocks = tile.reshape(ROWS // 32, 32, COLS)
-    amax = tl.max(tl.abs(blocks), axis=1)
-    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=1) > 0
-    byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
-    scaled = blocks * factor[:, None, :]
-    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
-    codes = e4m3_bytes(scaled).reshape(ROWS, COLS)
-    return mx_dequantize_columns(codes, byte, ROWS, COLS)
+    codes, scale_bytes = mx_quantize_tile(tl.trans(tile), COLS, ROWS, RCEIL)
+    return tl.trans(mx_dequantize_tile(codes, scale_bytes, COLS, ROWS))
 
 
 @triton.jit

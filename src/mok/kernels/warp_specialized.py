@@ -73,6 +73,8 @@ from mok.kernels.grouped_gemm import (
     gathered_rows,
     limit_edges,
     num_programs,
+    ready_args,
+    scatter_args,
     use_scratch_allocator,
 )
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
@@ -987,9 +989,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         a.stride(0) if gather else 0,
         problem.source_rows if gather else tiles.table,
         m,
-        # Without a scatter: placeholders of the same kinds (never read).
-        *(scatter.args() if scatter else (out, tiles.counts, *(tiles.table,) * 3, tiles.counts, 0)),
-        *(ready.args() if ready else (tiles.counts, tiles.counts, tiles.table, 0, 0)),
+        *scatter_args(scatter, out, tiles),
+        *ready_args(ready, tiles),
         MODE=mode,
         HAS_LIMIT=limit is not None,
         SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
