@@ -176,13 +176,17 @@ def test_layers_of_one_shape_share_one_exchange():
         assert max(errors) < TOLERANCE, errors
 
 
-def graph_replays(rank, world, backend="triton", overlap=None):
+def graph_replays(rank, world, backend="triton", overlap=None, precision="bf16"):
     """The layer's forward and backward captured once in a CUDA graph, then replayed with other
     tokens and routings (copied into the captured inputs): per replay, whether y and every
     gradient equal the eager call's bit for bit. `overlap`: the fused backend's schedule
     (`FusedBackend.overlap`; None: its default)."""
     config = mok.get_preset("deepseek-v3").config(
-        num_experts=16, backend=backend, max_tokens_per_rank=128, comm_sms=16
+        num_experts=16,
+        backend=backend,
+        max_tokens_per_rank=128,
+        comm_sms=16,
+        precision=precision,
     )
     device = torch.device("cuda", torch.cuda.current_device())
     layer = mok.MoE(config, group=dist.group.WORLD if world > 1 else None, device=device)
@@ -234,6 +238,12 @@ def test_layer_forward_and_backward_replay_in_a_cuda_graph():
 def test_layer_replays_in_a_cuda_graph_over_nvlink():
     for same in run_ranks(graph_replays, 2, backend="nccl"):
         assert same == [True] * 4
+
+
+@pytest.mark.gpu
+def test_mxfp8_layer_replays_in_a_cuda_graph():
+    # Catches a host-side cast cache or a size read on the host that a replay would not redo.
+    assert graph_replays(0, 1, precision="mxfp8") == [True] * 4
 
 
 @pytest.mark.gpu

@@ -15,8 +15,7 @@ memory out of bounds: bad pairs are dropped (zero weight, zero gradients) and `c
 the next host synchronization the caller chooses (`mok.Workspace.check`).
 
 MXFP8 (`precision="mxfp8"`): the routed experts through `mok.kernels.mx_expert_mlp` (the
-reference's quantization points; the shared expert, router, dispatch and combine stay bf16), in
-the CPU test mode only so far: refused on GPUs until those kernels have run there.
+reference's quantization points; the shared expert, router, dispatch and combine stay bf16).
 
 CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
 code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
@@ -138,11 +137,6 @@ class TritonBackend:
                 "TRITON_INTERPRET=1, a test mode)"
             )
         if config.precision.value == "mxfp8":
-            if device.type == "cuda":
-                return (
-                    "its MXFP8 kernels (mok.kernels.mx_expert_mlp) have run only in the CPU test "
-                    "mode so far (TRITON_INTERPRET=1); on GPUs use the reference backend"
-                )
             for name in ("hidden_size", "intermediate_size"):
                 if getattr(config, name) % 32:
                     return f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks)"

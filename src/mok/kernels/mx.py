@@ -2,9 +2,11 @@
 
 The tile functions take an fp32 tile whose last dimension is cut into 32-element blocks and return
 its e4m3 bytes and e8m0 scale bytes; they are meant for epilogues too (a GEMM that quantizes its
-output). Every step is integer or exact fp32 arithmetic (no log2, no division, no hardware fp8
+output). The cast is integer or exact fp32 arithmetic (no log2, no division, no hardware fp8
 conversion), so the CPU interpreter, whose fp8 casts round wrongly, computes the same bytes as the
-GPU.
+GPU. Decoding e4m3 (`e4m3_values`) uses the GPU's conversion on GPUs (exact, and a few
+instructions instead of a dozen in a GEMM's inner loop) and integer arithmetic under the
+interpreter; the GPU tests hold the first to the reference, the CPU tests the second.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from mok.reference.mx import BLOCK, ScaleRounding
 
 if interpreting():
     patch_interpreter()
+
+HARDWARE_FP8 = tl.constexpr(not interpreting())
+"""Decode e4m3 with the GPU's conversion; the interpreter's rounds wrongly, so there integers."""
 
 
 @triton.jit
@@ -99,9 +104,13 @@ def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.con
 
 @triton.jit
 def e4m3_values(codes):
-    """fp32 values of e4m3fn bytes (int32 in [0, 256)), by integer arithmetic (no hardware fp8
-    conversion, which the interpreter rounds wrongly): sign, 4 exponent bits (bias 7), 3
-    mantissa bits; exponent 0 is m x 2^-9; 0x7F and 0xFF are NaN."""
+    """fp32 values of e4m3fn bytes (any integer type, values in [0, 256)): sign, 4 exponent bits
+    (bias 7), 3 mantissa bits; exponent 0 is m x 2^-9; 0x7F and 0xFF are NaN. On GPUs by the
+    hardware conversion, under the interpreter (whose fp8 conversion rounds wrongly) by integer
+    arithmetic; both exact."""
+    if HARDWARE_FP8:
+        return codes.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    codes = codes.to(tl.int32)
     exponent = (codes >> 3) & 0xF
     mantissa = codes & 0x7
     normal = ((exponent + 120) << 23) | (mantissa << 20)

@@ -34,12 +34,33 @@ MXPair = tuple[torch.Tensor, torch.Tensor]
 
 @dataclasses.dataclass(frozen=True)
 class MXExpertTiles:
-    """Tiles of the MX products (the interpretable twins: small tiles everywhere)."""
+    """Tiles of the MX products; the defaults are the interpreter's (small tiles everywhere),
+    `for_device` gives a GPU's."""
 
     rows: GemmTiles = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
-    """The row-tiled products (forward, data gradients)."""
+    """The row-tiled products with one accumulator (down, both data gradients)."""
+    gate_up: GemmTiles = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
+    """gate/up + SwiGLU (two accumulators per tile)."""
     weights: GemmTiles = GemmTiles(32, 32, 32, num_warps=4, num_stages=1)
     """The weight gradients: block_m x block_n of a weight, block_k rows per step."""
+
+    def __post_init__(self):
+        if self.gate_up.block_m != self.rows.block_m:
+            raise ValueError(
+                f"the row-tiled MX products share one row-tile map: block_m {self.gate_up.block_m}"
+                f" (gate/up) and {self.rows.block_m} (the others) must be equal"
+            )
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> MXExpertTiles:
+        """The tiles for `device`: the defaults off GPUs, tensor-core-sized tiles on GPUs."""
+        if device.type != "cuda":
+            return cls()
+        return cls(
+            rows=GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
+            gate_up=GemmTiles(128, 64, 64, num_warps=8, num_stages=3),
+            weights=GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +110,14 @@ def mx_expert_mlp_forward(
     on the device), weights [E, I, H], [E, I, H], [E, H, I]; H and I multiples of 32. Returns
     (out in bf16 on GPUs, fp32 on the CPU; rows outside the groups unwritten, saved)."""
     rounding = ScaleRounding(rounding)
-    tiles = tiles or MXExpertTiles()
+    tiles = tiles or MXExpertTiles.for_device(rows.device)
     m = rows.shape[0]
     row_tiles = row_tile_map(group_offsets, m, tiles.rows.block_m)
     x_q = mx_quantize(rows, dim=-1, rounding=rounding)
     (wg_q, wg_k), (wu_q, wu_k) = _weight_casts(w_gate, rounding), _weight_casts(w_up, rounding)
     wd_q, wd_k = _weight_casts(w_down, rounding)
     h_data, h_scales, gate_up = mx_gate_up_swiglu(
-        x_q, wg_q, wu_q, row_tiles, swiglu_limit, tiles.rows, rounding, save_preact=True
+        x_q, wg_q, wu_q, row_tiles, swiglu_limit, tiles.gate_up, rounding, save_preact=True
     )
     out = mx_down((h_data, h_scales), wd_q, row_tiles, tiles.rows, _values_dtype(rows.device))
     saved = MXExpertSaved(

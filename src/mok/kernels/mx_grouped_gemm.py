@@ -69,7 +69,7 @@ def mx_operand(
     cols = k + tl.arange(0, BLOCK_K)
     offsets = rows.to(tl.int64)[:, None] * K + cols[None, :]
     mask = row_ok[:, None] & (cols < K)[None, :]
-    codes = tl.load(codes_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    codes = tl.load(codes_ptr + offsets, mask=mask, other=0)
     blocks = k // 32 + tl.arange(0, BLOCK_K // 32)
     scale_offsets = rows.to(tl.int64)[:, None] * (K // 32) + blocks[None, :]
     scale_mask = row_ok[:, None] & (blocks < K // 32)[None, :]
@@ -131,7 +131,7 @@ def mx_k_major_operand(
     scale_mask = (blocks < K // 32)[:, None] & col_ok[None, :]
     scale_offsets = blocks.to(tl.int64)[:, None] * N + cols[None, :]
     scale_bytes = tl.load(scales_ptr + scale_offsets, mask=scale_mask, other=127).to(tl.int32)
-    values = mx_dequantize_columns(codes.to(tl.int32), scale_bytes, BLOCK_K, BLOCK_N)
+    values = mx_dequantize_columns(codes, scale_bytes, BLOCK_K, BLOCK_N)
     return values.to(DOT_DTYPE)
 
 
