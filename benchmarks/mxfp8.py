@@ -56,7 +56,9 @@ def accuracy(name: str, device) -> dict:
     base = preset.config(num_experts=min(16, preset.num_experts), max_tokens_per_rank=512)
     inputs = _inputs(base, 512, device, seed=7)
     weights = global_weights(base, 7, device)
-    exact = float64_results(*inputs, weights, base.swiglu_limit)
+    exact = float64_results(
+        inputs.x, inputs.topk_idx, inputs.topk_weights, inputs.grad_y, weights, base.swiglu_limit
+    )
     row, results = {}, {}
     for label, backend, precision in (
         ("bf16", "triton", "bf16"),

@@ -77,10 +77,14 @@ def test_mxfp8_layer_matches_the_reference_backend(world, tmp_path):
 # On GPUs both backends round at the contract's bf16 points; they differ where the fp32 sums run
 # in another order (the reference's fp32 matmuls, the kernels' bf16 MMAs of the same exact
 # operands) and where such a difference moves an e4m3 rounding of h or of the SwiGLU gradients
-# (2^-4 of that element). Measured (H200, these cases): at most GPU_MEASURED; a missed cast, a cast
-# along the wrong dimension or a bf16 operand where MX is due is >= 1e-2 normwise.
-GPU_TOLERANCE = 2e-3
-GPU_MEASURED = "see benchmarks/results/2026-12-02-issue14-mxfp8-h200.md"
+# (2^-4 of that element): measured on an H200 at most 6e-4 for the routed weights' gradients and
+# the router weights' (GPU_ROUTED_TOLERANCE), 1e-3 for y. The shared expert is bf16 in both, as
+# in the bf16 tests: the kernels round h to bf16 where the reference keeps fp32, 3.7e-3 measured
+# for its gradients and grad x (GPU_TOLERANCE). A missed cast, a cast along the wrong dimension
+# or a bf16 operand where MX is due costs e4m3's rounding, ~2e-2 normwise.
+GPU_TOLERANCE = 6e-3
+GPU_ROUTED_TOLERANCE = 2e-3
+GPU_ROUTED = ("grad gate", "grad up", "grad down", "grad topk_weights")
 
 
 def gpu_cases() -> list[tuple[str, mok.MoKConfig, str]]:
@@ -141,7 +145,8 @@ def assert_gpu_results(per_rank_results):
         for name, errors, repeatable in results:
             assert repeatable, name
             for key, error in errors.items():
-                assert error <= GPU_TOLERANCE, (name, key, error)
+                tolerance = GPU_ROUTED_TOLERANCE if key in GPU_ROUTED else GPU_TOLERANCE
+                assert error <= tolerance, (name, key, error)
 
 
 @pytest.mark.gpu
