@@ -135,6 +135,31 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
     return row
 
 
+def profile(name, device, tokens) -> str:
+    """The CUDA kernels of one MXFP8 forward + backward, by total time (torch.profiler)."""
+    preset = mok.get_preset(name)
+    t = tokens or preset.default_tokens
+    config = preset.config(backend="triton", precision="mxfp8", max_tokens_per_rank=t)
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(global_weights(config, 0, device))
+    inputs = _inputs(config, t, device)
+
+    def step():
+        x = inputs.x.detach().requires_grad_(True)
+        w = inputs.topk_weights.detach().requires_grad_(True)
+        layer(x, inputs.topk_idx, w).backward(inputs.grad_y)
+        layer.zero_grad(set_to_none=True)
+
+    step()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        torch.cuda.synchronize()
+    layer.workspace(device).release()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60)
+
+
 def markdown(rows, accuracies) -> str:
     def cell(s):
         return f"{s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]"
@@ -186,9 +211,16 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None)
+    parser.add_argument(
+        "--profile", action="store_true", help="print the kernels of one MXFP8 step per preset"
+    )
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     presets = args.preset.split(",")
+    if args.profile:
+        for name in presets:
+            print(name, profile(name, device, args.tokens), sep="\n", flush=True)
+            torch.cuda.empty_cache()
     accuracies = {name: accuracy(name, device) for name in presets}
     for name, a in accuracies.items():
         print(name, {k: v for k, v in a.items() if k.endswith("by key")}, flush=True)
