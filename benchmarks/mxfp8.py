@@ -157,7 +157,9 @@ def profile(name, device, tokens) -> str:
         step()
         torch.cuda.synchronize()
     layer.workspace(device).release()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=16, max_name_column_width=60)
+    return prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=16, max_name_column_width=60
+    )
 
 
 def markdown(rows, accuracies) -> str:
