@@ -2,8 +2,9 @@
 
 The bitwise tests restate docs/mxfp8.md's table operand by operand with `mok.reference.mx` alone;
 they catch an operand quantized along the wrong dimension (a backward reusing the forward's
-weight layout, for instance), an operand left in bf16, h quantized after a bf16 rounding instead
-of from fp32, token blocks that run past an expert's group. The accuracy tests catch a
+weight layout, for instance), an operand left in bf16, h or the SwiGLU gradients cast from fp32
+instead of from the bf16 tensors the bf16 layer holds, pre-activations saved in fp32, token blocks
+that run past an expert's group. The accuracy tests catch a
 quantization that does nothing (errors at bf16 level) or a wrong scale (errors of O(1)).
 """
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import mok
-from mok.reference import mx
+from mok.reference import expert, mx
 from mok.reference.expert import grouped_expert_mlp, swiglu
 from mok.reference.mx_expert import mx_grouped_expert_mlp
 from mok.testing import relative_error
@@ -58,6 +59,13 @@ def problem(sizes, seed=0, scale_rows=None):
     return rows.bfloat16(), [w.bfloat16() for w in weights], grad.bfloat16()
 
 
+def saved_preactivations(gate, up, limit):
+    """The pre-activations as the bf16 layer saves them (rounded to bf16, clamp decisions kept)."""
+    if limit is None:
+        return gate.bfloat16(), up.bfloat16()
+    return expert.saved_preactivations(gate, up, limit, torch.bfloat16)
+
+
 def run(fn, rows, weights, grad, sizes, limit=None):
     leaves = [t.clone().requires_grad_(True) for t in (rows, *weights)]
     out = fn(leaves[0], sizes, *leaves[1:], limit)
@@ -79,19 +87,20 @@ def test_every_gemm_reads_its_operands_as_the_table_says(limit):
             assert not g_gate[e].any() and not g_up[e].any() and not g_down[e].any()
             continue
         x_q = q(r, 1)
-        gate_f = (x_q @ q(w_gate[e], 1).T).requires_grad_(True)
-        up_f = (x_q @ q(w_up[e], 1).T).requires_grad_(True)
-        h_f = swiglu(gate_f, up_f, limit)
-        h_q = q(h_f.detach(), 1)
+        gate_f = x_q @ q(w_gate[e], 1).T
+        up_f = x_q @ q(w_up[e], 1).T
+        h_q = q(swiglu(gate_f, up_f, limit).bfloat16(), 1)
         assert torch.equal(out[start : start + size], (h_q @ q(w_down[e], 1).T).bfloat16())
+        saved = [t.float().requires_grad_(True) for t in saved_preactivations(gate_f, up_f, limit)]
         grad_h = (q(g, 1) @ q(w_down[e], 0)).bfloat16().float()
-        grad_gate, grad_up = torch.autograd.grad(h_f, [gate_f, up_f], grad_h)
+        grads = torch.autograd.grad(swiglu(*saved, limit), saved, grad_h)
+        grad_gate, grad_up = (t.bfloat16() for t in grads)
         want_rows = q(grad_gate, 1) @ q(w_gate[e], 0) + q(grad_up, 1) @ q(w_up[e], 0)
         assert torch.equal(g_rows[start : start + size], want_rows.bfloat16())
         assert torch.equal(g_down[e], (q_tokens(g).T @ q_tokens(h_q)).bfloat16())
         x_t = q_tokens(x_q)
-        assert torch.equal(g_gate[e], (q_tokens(grad_gate.bfloat16()).T @ x_t).bfloat16())
-        assert torch.equal(g_up[e], (q_tokens(grad_up.bfloat16()).T @ x_t).bfloat16())
+        assert torch.equal(g_gate[e], (q_tokens(grad_gate).T @ x_t).bfloat16())
+        assert torch.equal(g_up[e], (q_tokens(grad_up).T @ x_t).bfloat16())
         start += size
 
 

@@ -9,6 +9,7 @@ import math
 import torch
 
 from mok.errors import MoKConfigError
+from mok.reference.mx import ScaleRounding
 
 
 class Precision(str, enum.Enum):
@@ -121,6 +122,9 @@ class MoKConfig:
     """Per-expert biases on the routed experts' gate, up and down projections (gpt-oss)."""
     dispatch: Dispatch = Dispatch.AUTO
     """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`."""
+    mx_rounding: ScaleRounding = ScaleRounding.RCEIL
+    """How MXFP8 picks each block's scale (precision "mxfp8"): RCEIL (amax never saturates, the
+    default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -130,6 +134,8 @@ class MoKConfig:
             self, "validation", _parse_enum(Validation, self.validation, "validation")
         )
         object.__setattr__(self, "dispatch", _parse_enum(Dispatch, self.dispatch, "dispatch"))
+        rounding = _parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
+        object.__setattr__(self, "mx_rounding", rounding)
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
         for name in ("max_tokens_per_rank", "comm_sms"):

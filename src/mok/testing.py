@@ -116,14 +116,21 @@ def float64_results(
 
 
 def compare_with_reference(
-    layer, full_weights: MoEWeights, everyone: list[RankInputs], rank: int
+    layer,
+    full_weights: MoEWeights,
+    everyone: list[RankInputs],
+    rank: int,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Relative errors of `layer` (a mok.MoE holding its slice of `full_weights`) on this rank's
-    inputs against the single-process reference on the inputs of all ranks.
+    inputs against the single-process reference on the inputs of all ranks, at the layer's
+    precision (bf16 or MXFP8).
 
     Runs forward and backward on every rank (collective when the layer has a group). Keys: "y",
     "grad x", "grad topk_weights", "grad <weight>". The shared expert's gradient is summed over the
-    ranks first: it is replicated, and data parallelism sums it.
+    ranks first: it is replicated, and data parallelism sums it. dtype: the reference's inputs
+    and weights converted first (fp32: the rounding points of the triton backend's CPU test
+    mode, which computes in fp32 where GPUs round to bf16).
     """
     mine = everyone[rank]
     x = mine.x.clone().requires_grad_(True)
@@ -132,9 +139,12 @@ def compare_with_reference(
     y = layer(x, mine.topk_idx, topk_weights)
     y.backward(mine.grad_y)
 
-    full = full_weights.map(lambda t: t.detach().clone().requires_grad_(True))
-    x_all = torch.cat([r.x for r in everyone]).requires_grad_(True)
-    w_all = torch.cat([r.topk_weights for r in everyone]).requires_grad_(True)
+    def converted(t):
+        return t if dtype is None else t.to(dtype)
+
+    full = full_weights.map(lambda t: converted(t.detach()).clone().requires_grad_(True))
+    x_all = converted(torch.cat([r.x for r in everyone])).requires_grad_(True)
+    w_all = converted(torch.cat([r.topk_weights for r in everyone])).requires_grad_(True)
     idx_all = torch.cat([r.topk_idx for r in everyone])
     config = layer.config
     y_all = moe_forward(
@@ -143,10 +153,12 @@ def compare_with_reference(
         w_all,
         full,
         config.swiglu_limit,
+        precision=config.precision.value,
+        mx_rounding=config.mx_rounding.value,
         swiglu_alpha=config.swiglu_alpha,
         swiglu_up_offset=config.swiglu_up_offset,
     )
-    y_all.backward(torch.cat([r.grad_y for r in everyone]))
+    y_all.backward(converted(torch.cat([r.grad_y for r in everyone])))
 
     start = sum(r.x.shape[0] for r in everyone[:rank])
     rows = slice(start, start + mine.x.shape[0])

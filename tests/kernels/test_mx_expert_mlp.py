@@ -2,13 +2,16 @@
 (`mok.reference.mx_expert`), forward and backward: on the CPU under the interpreter, compiled on a
 GPU. The two sum the same exact MX products in different orders (the reference's fp32 GEMMs, the
 kernels' K-loops), so they agree to fp32 rounding before each cast and may then differ by one
-e4m3 step where a value lies on a rounding boundary: normwise within 2^-10 once the kernels'
-results are rounded to the reference's bf16 (on the CPU they come out bit for bit equal).
+e4m3 step where a value lies on a rounding boundary: normwise within 2^-10. On the CPU the
+kernels compute in fp32 (the interpreter's bf16 is wrong), so there the reference runs in fp32
+too: the same contract with fp32 where GPUs round to bf16 (h, the pre-activations, the SwiGLU
+gradients before their casts).
 
-Bugs these catch: a wrong quantization point (a tensor cast along the wrong dimension, or
-from bf16 where the contract says fp32: errors of e4m3's 2^-4, far above the tolerance), the
-weights' two casts swapped, a gradient of the wrong expert, grad rows outside the groups not
-zero, an empty group's weight gradients not zero.
+Bugs these catch: a wrong quantization point (a tensor cast along the wrong dimension, or left
+in bf16: errors of e4m3's 2^-4, far above the tolerance), the weights' two casts swapped, a
+gradient of the wrong expert, token blocks that cross an expert's group, grad rows outside the
+groups not zero, an empty group's weight gradients not zero, gradient buffers not added into,
+a weight cache that serves stale casts after an update.
 """
 
 from __future__ import annotations
@@ -16,24 +19,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok.kernels.mx_expert_mlp import mx_expert_mlp_backward, mx_expert_mlp_forward
+from mok.kernels.mx_expert_mlp import (
+    MXWeightCache,
+    MXWeightValues,
+    mx_expert_mlp_backward,
+    mx_expert_mlp_forward,
+)
+from mok.reference.mx import ScaleRounding
 from mok.reference.mx_expert import mx_grouped_expert_mlp
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 TOLERANCE = 2.0**-10
 
 
 def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    """Normwise, ours rounded to the reference's dtype first (bf16 results, fp32 on the CPU)."""
+    """Normwise, ours rounded to the reference's dtype first."""
     ours, theirs = ours.cpu().to(theirs.dtype).double(), theirs.double().cpu()
     return ((ours - theirs).norm() / theirs.norm().clamp_min(1e-300)).item()
 
 
-@pytest.mark.parametrize("limit", [None, 2.0])
-@pytest.mark.parametrize("rounding", ["rceil", "floor"])
-def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
-    sizes, hidden, inter = [29, 0, 48, 11], 64, 96
-    gen = torch.Generator().manual_seed(7)
+def problem(sizes, hidden=64, inter=96, seed=7):
+    gen = torch.Generator().manual_seed(seed)
     experts, m = len(sizes), sum(sizes)
     rows = torch.randn(m + 5, hidden, generator=gen).bfloat16()  # 5 padding rows past the groups
     w_gate = (torch.randn(experts, inter, hidden, generator=gen) / 8).bfloat16()
@@ -41,22 +48,28 @@ def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
     w_down = (torch.randn(experts, hidden, inter, generator=gen) / 8).bfloat16()
     grad_out = torch.randn(m + 5, hidden, generator=gen).bfloat16()
     offsets = torch.tensor([0, *sizes]).cumsum(0).to(torch.int32)
+    return rows, (w_gate, w_up, w_down), grad_out, offsets
 
-    leaves = [t.clone().requires_grad_(True) for t in (rows[:m], w_gate, w_up, w_down)]
+
+@pytest.mark.parametrize("limit", [None, 2.0])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
+    sizes = [29, 0, 48, 11]
+    rows, weights, grad_out, offsets = problem(sizes)
+    m, experts = sum(sizes), len(sizes)
+    leaves = [t.to(DTYPE).requires_grad_(True) for t in (rows[:m], *weights)]
     want = mx_grouped_expert_mlp(*leaves[:1], sizes, *leaves[1:], limit, rounding)
-    want.backward(grad_out[:m])
+    want.backward(grad_out[:m].to(DTYPE))
 
+    on_device = [w.to(DEVICE, DTYPE) for w in weights]
+    casts = MXWeightValues.of(*on_device, ScaleRounding(rounding))
     out, saved = mx_expert_mlp_forward(
-        rows.to(DEVICE),
-        offsets.to(DEVICE),
-        w_gate.to(DEVICE),
-        w_up.to(DEVICE),
-        w_down.to(DEVICE),
-        limit,
-        rounding,
+        rows.to(DEVICE, DTYPE), offsets.to(DEVICE), casts, limit, rounding
     )
     assert relative_error(out[:m], want.detach()) < TOLERANCE
-    grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(grad_out.to(DEVICE), saved)
+    grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
+        grad_out.to(DEVICE, DTYPE), saved
+    )
     assert relative_error(grad_rows[:m], leaves[0].grad) < TOLERANCE
     assert bool((grad_rows[m:] == 0).all())
     for ours, leaf in zip((grad_gate, grad_up, grad_down), leaves[1:], strict=True):
@@ -65,3 +78,33 @@ def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
                 assert relative_error(ours[e], leaf.grad[e]) < TOLERANCE, e
             else:
                 assert bool((ours[e] == 0).all()) and bool((leaf.grad[e] == 0).all())
+
+
+def test_gradient_buffers_are_added_into():
+    rows, weights, grad_out, offsets = problem([40, 24])
+    on_device = [w.to(DEVICE, DTYPE) for w in weights]
+    casts = MXWeightValues.of(*on_device, ScaleRounding.RCEIL)
+    rows, grad_out, offsets = rows.to(DEVICE, DTYPE), grad_out.to(DEVICE, DTYPE), offsets.to(DEVICE)
+    _, saved = mx_expert_mlp_forward(rows, offsets, casts)
+    fresh = mx_expert_mlp_backward(grad_out, saved)[1:]
+    _, saved = mx_expert_mlp_forward(rows, offsets, casts)
+    buffers = [torch.ones_like(w, dtype=torch.float32) for w in on_device]
+    added = mx_expert_mlp_backward(grad_out, saved, *buffers)[1:]
+    for total, buffer, alone in zip(added, buffers, fresh, strict=True):
+        assert total is buffer
+        assert relative_error(total - 1, alone.float()) < 2.0**-8
+
+
+def test_the_weight_cache_casts_once_per_weight_update():
+    weights = [w.to(DEVICE, DTYPE) for w in problem([8])[1]]
+    cache = MXWeightCache()
+    first = cache.get(*weights, ScaleRounding.RCEIL)
+    assert cache.get(*weights, ScaleRounding.RCEIL) is first and cache.casts == 1
+    with torch.no_grad():
+        weights[2].mul_(2)  # an optimizer step: in place, the version counter moves
+    second = cache.get(*weights, ScaleRounding.RCEIL)
+    assert cache.casts == 2 and torch.equal(second.down, first.down * 2)
+    assert cache.get(*weights, ScaleRounding.FLOOR) is not second and cache.casts == 3
+    copies = [w.clone() for w in weights]  # equal values, other tensors: never served old casts
+    cache.get(*copies, ScaleRounding.FLOOR)
+    assert cache.casts == 4

@@ -60,6 +60,7 @@ class ReferenceBackend:
             topk_idx=topk_idx,
             swiglu_limit=self.workspace.config.swiglu_limit,
             precision=self.workspace.config.precision.value,
+            mx_rounding=self.workspace.config.mx_rounding.value,
             swiglu_alpha=self.workspace.config.swiglu_alpha,
             swiglu_up_offset=self.workspace.config.swiglu_up_offset,
             group=self.workspace.group,

@@ -115,6 +115,12 @@ class TritonBackend:
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
+        self.mx_weights = None
+        if config.precision.value == "mxfp8":
+            from mok.kernels.mx_expert_mlp import MXWeightCache
+
+            # The routed weights' MX casts, made once per weight update.
+            self.mx_weights = MXWeightCache()
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
 
@@ -183,18 +189,23 @@ class TritonBackend:
 
         config = self.workspace.config
         routing = schedule.exchange
+        given = weights
         x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
         grouped = self.exchange.dispatch(routing, x)
         if config.precision.value == "mxfp8":
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
 
+            casts = self.mx_weights.get(
+                given.gate, given.up, given.down, config.mx_rounding, self.dtype
+            )
             expert_out, experts = mx_expert_mlp_forward(
                 grouped,
                 routing.group_offsets,
-                weights.gate,
-                weights.up,
-                weights.down,
+                casts,
                 config.swiglu_limit,
+                config.mx_rounding,
+                save_for_backward=need_backward,
+                out=self.exchange.expert_output_buffer(),
             )
         else:
             expert_out, experts = expert_mlp_forward(
@@ -265,18 +276,14 @@ class TritonBackend:
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
         grad_router = torch.where(saved.valid, grad_router, 0)
+        buffers = (into.get("gate"), into.get("up"), into.get("down"))
         if isinstance(saved.experts, MXExpertSaved):
-            # The contract casts bf16 output gradients; the CPU test mode holds them in fp32.
-            bf16_values = grad_out.to(torch.bfloat16).to(grad_out.dtype)
-            grad_rows, *weight_grads = mx_expert_mlp_backward(bf16_values, saved.experts)
-            # Into the accumulation buffers here (the bf16 kernels add in their epilogues).
-            for index, name in enumerate(("gate", "up", "down")):
-                if name in into:
-                    weight_grads[index] = into[name].add_(weight_grads[index])
-            grad_gate, grad_up, grad_down = weight_grads
+            grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
+                grad_out, saved.experts, *buffers
+            )
         else:
             grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
-                grad_out, saved.experts, into.get("gate"), into.get("up"), into.get("down")
+                grad_out, saved.experts, *buffers
             )
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)

@@ -5,9 +5,9 @@ backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_wei
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
-`mx`: the MXFP8 cast (`mx_quantize`, and tile functions for epilogues) and its inverse
-(`mx_dequantize_tile`, for the operands of MX products); `mx_grouped_gemm`: the forward
-products in MXFP8 (interpretable twins; not yet in a backend).
+`mx`: the MXFP8 casts (bytes and scales, or the values they represent: the operands of bf16
+GEMMs that compute MX products exactly) and their inverse; `mx_expert_mlp`: the expert MLP in
+MXFP8 on the bf16 kernels fed with those casts.
 """
 
 from mok.kernels.expert_mlp import (

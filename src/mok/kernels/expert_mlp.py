@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -251,6 +252,7 @@ def expert_mlp_forward(
     out: torch.Tensor | None = None,
     rows_ready: RowsReady | None = None,
     combine: RowScatter | None = None,
+    down_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
@@ -271,6 +273,8 @@ def expert_mlp_forward(
     combine: the outputs leave by the peer-store epilogue instead (`RowScatter`: row r to row
       dest_row[r] of rank dest_rank[r]'s buffer, counted per row and column tile of
       `down_tiles(config, ...)`); `out` must be None and None is returned in its place.
+    down_operand: maps h [M, I] to what the down product reads instead (a tensor of h's shape,
+      dtype and layout; the MXFP8 layer's cast of h); `saved.h` stays h.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
@@ -309,19 +313,21 @@ def expert_mlp_forward(
         gate_up_cfg,
         ready=rows_ready,
     )
-    down_cfg = down_tiles(cfg, h, w_down)
+    h_in = h if down_operand is None else down_operand(h)
+    down_cfg = down_tiles(cfg, h_in, w_down)
     row_tiles = _row_tiles(tiles, group_offsets, m, down_cfg.block_m)
     warp_specialized = down_cfg is cfg.warp_specialized_down
     if combine is not None:
         if warp_specialized:
-            ws.rows_wt_scatter(h, w_down, row_tiles, combine, down_cfg)
+            ws.rows_wt_scatter(h_in, w_down, row_tiles, combine, down_cfg)
         else:
-            gg.down_scatter(h, w_down, row_tiles, down_cfg, combine)
+            gg.down_scatter(h_in, w_down, row_tiles, down_cfg, combine)
         out = None
     elif warp_specialized:
-        out = ws.rows_wt(h, w_down, row_tiles, down_cfg, out)
+        out = ws.rows_wt(h_in, w_down, row_tiles, down_cfg, out)
     else:
-        out = gg.down(h, w_down, row_tiles, down_cfg, out)
+        out = gg.down(h_in, w_down, row_tiles, down_cfg, out)
+    del h_in
     if not save_for_backward:
         return out, None
     saved = ExpertMLPSaved(
@@ -378,9 +384,12 @@ def expert_mlp_data_gradients(
     saved: ExpertMLPSaved,
     rows_ready: RowsReady | None = None,
     dgrad_sms: int | None = None,
+    gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_rows [M, H], the pre-activations' gradients gate | up [M, 2I]) of
     `expert_mlp_forward` given grad_out [M, H]: the two data-gradient products.
+    gate_up_operand: maps the pre-activations' gradients to what the second product reads
+    instead (the MXFP8 layer's cast of them; the returned gradients stay unmapped).
 
     rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
       kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
@@ -419,8 +428,9 @@ def expert_mlp_data_gradients(
         gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
     else:
         gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
+    operand = grad_gate_up if gate_up_operand is None else gate_up_operand(grad_gate_up)
     grad_rows = gate_up_dgrad(
-        grad_gate_up,
+        operand,
         saved.w_gate,
         saved.w_up,
         _row_tiles(tiles, offsets, m, gate_up_cfg.block_m),

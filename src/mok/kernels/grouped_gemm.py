@@ -46,6 +46,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.sync import async_proxy_fence, timeout_ns, wait_ready
+from mok.reference.expert import limit_edges
 
 if interpreting():
     patch_interpreter()
@@ -1079,20 +1080,6 @@ def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
 
 def _limit(swiglu_limit: float | None) -> float:
     return 0.0 if swiglu_limit is None else float(swiglu_limit)
-
-
-def limit_edges(swiglu_limit: float | None, dtype: torch.dtype) -> tuple[float, float]:
-    """(largest value of `dtype` <= L, smallest > L) for L = the limit in fp32, as the kernels
-    compare it (zeros without a limit): the bounds `saved_preactivations` saves clamped and
-    unclamped pre-activations at."""
-    if swiglu_limit is None:
-        return 0.0, 0.0
-    limit = torch.tensor(float(swiglu_limit), dtype=torch.float32)
-    below = limit.to(dtype)
-    if below.float() > limit:
-        below = torch.nextafter(below, torch.zeros_like(below))
-    above = torch.nextafter(below, torch.full_like(below, float("inf")))
-    return below.item(), above.item()
 
 
 def _launch_options(cfg: GemmTiles, programs: int) -> dict:

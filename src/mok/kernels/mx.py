@@ -240,10 +240,22 @@ def _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS: tl.constexp
 
 
 @triton.jit
+def _store_values(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
+    """Store fp32 values that bf16 represents exactly (dequantized MX values) into fp32 storage,
+    or as bf16 bit patterns (int16) when BF16_BITS (exact on the interpreter too)."""
+    if BF16_BITS:
+        bits = bf16_rounded(values).to(tl.int32, bitcast=True) >> 16
+        tl.store(ptr + offsets, bits.to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offsets, values, mask=mask)
+
+
+@triton.jit
 def _mx_quantize_kernel(
     x_ptr,
-    data_ptr,  # uint8, x's layout
-    scales_ptr,  # uint8 [rows, cols // 32], contiguous
+    data_ptr,  # uint8, x's layout (STORE_CODES)
+    scales_ptr,  # uint8 [rows, cols // 32], contiguous (STORE_CODES)
+    values_ptr,  # [rows, cols] contiguous (STORE_VALUES): the cast's values, fp32 or bf16 bits
     rows,
     cols,
     stride_row,
@@ -252,21 +264,98 @@ def _mx_quantize_kernel(
     data_stride_col,
     RCEIL: tl.constexpr,
     BF16_BITS: tl.constexpr,
+    STORE_CODES: tl.constexpr,
+    STORE_VALUES: tl.constexpr,
+    VALUES_BF16_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     """Grid: (cdiv(rows, BLOCK_ROWS), cdiv(cols, BLOCK_COLS)). Quantizes x [rows, cols] (any
-    strides; cols a multiple of 32) along cols. BF16_BITS: x holds bf16 bit patterns (int16),
-    widened here to fp32 exactly (the interpreter's own bf16 conversion flushes subnormals)."""
+    strides; cols a multiple of 32) along cols; stores the e4m3 bytes and scales, the values
+    they represent (dequantized), or both. BF16_BITS: x holds bf16 bit patterns (int16), widened
+    here to fp32 exactly (the interpreter's own bf16 conversion flushes subnormals)."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     offsets = r.to(tl.int64)[:, None] * stride_row + c[None, :] * stride_col
     tile = _load_fp32(x_ptr + offsets, mask, BF16_BITS)
     data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-    data_offsets = r.to(tl.int64)[:, None] * data_stride_row + c[None, :] * data_stride_col
-    tl.store(data_ptr + data_offsets, data.to(tl.uint8), mask=mask)
-    _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS)
+    if STORE_CODES:
+        data_offsets = r.to(tl.int64)[:, None] * data_stride_row + c[None, :] * data_stride_col
+        tl.store(data_ptr + data_offsets, data.to(tl.uint8), mask=mask)
+        _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS)
+    if STORE_VALUES:
+        values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
+        value_offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+        _store_values(values_ptr, value_offsets, values, mask, VALUES_BF16_BITS)
+
+
+def _check_cast(x: torch.Tensor, dim: int) -> int:
+    if x.dim() != 2:
+        raise ValueError(f"the MXFP8 cast takes a 2-D tensor, got shape {tuple(x.shape)}")
+    dim = dim % 2
+    if x.shape[dim] % BLOCK:
+        raise ValueError(
+            f"MXFP8 needs the quantized dimension ({dim}, size {x.shape[dim]}) to be a multiple "
+            f"of {BLOCK}"
+        )
+    return dim
+
+
+def _values_arg(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(the kernel's view of a values output, whether it takes bf16 bit patterns)."""
+    if values.dtype == torch.bfloat16:
+        return values.view(torch.int16), True
+    if values.dtype != torch.float32:
+        raise ValueError(f"MX values are stored as float32 or bfloat16, not {values.dtype}")
+    return values, False
+
+
+def mx_quantized_values(
+    x: torch.Tensor,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+    keep_codes: bool = False,
+):
+    """The values of x's MXFP8 cast along its last dimension, `mok.reference.mx` quantize then
+    dequantize, as a contiguous tensor of x's dtype (exact: every MX value is a bf16 value): the
+    operand a bf16 GEMM reads to compute the MX product exactly. x: 2-D bf16 or fp32, the last
+    dimension a multiple of 32. keep_codes: return (values, (data float8_e4m3fn, scales uint8))
+    from the same pass."""
+    rounding = ScaleRounding(rounding)
+    _check_cast(x, -1)
+    rows, cols = x.shape
+    values = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
+    data = torch.empty(rows, cols if keep_codes else 0, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(
+        rows, cols // BLOCK if keep_codes else 0, dtype=torch.uint8, device=x.device
+    )
+    if x.numel():
+        block_rows, block_cols = 16, 128
+        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+        bf16 = x.dtype == torch.bfloat16
+        values_arg, values_bits = _values_arg(values)
+        _mx_quantize_kernel[grid](
+            x.view(torch.int16) if bf16 else x,
+            data,
+            scales,
+            values_arg,
+            rows,
+            cols,
+            x.stride(0),
+            x.stride(1),
+            cols,
+            1,
+            RCEIL=rounding is ScaleRounding.RCEIL,
+            BF16_BITS=bf16,
+            STORE_CODES=keep_codes,
+            STORE_VALUES=True,
+            VALUES_BF16_BITS=values_bits,
+            BLOCK_ROWS=block_rows,
+            BLOCK_COLS=block_cols,
+        )
+    if keep_codes:
+        return values, (data.view(torch.float8_e4m3fn), scales)
+    return values
 
 
 def mx_quantize(
@@ -275,14 +364,7 @@ def mx_quantize(
     """`mok.reference.mx.quantize` on the device: (data float8_e4m3fn of x's shape, contiguous;
     scales uint8 of x's shape with `dim` divided by 32) of a 2-D x (bf16 or fp32)."""
     rounding = ScaleRounding(rounding)
-    if x.dim() != 2:
-        raise ValueError(f"mx_quantize takes a 2-D tensor, got shape {tuple(x.shape)}")
-    dim = dim % 2
-    if x.shape[dim] % BLOCK:
-        raise ValueError(
-            f"MXFP8 needs the quantized dimension ({dim}, size {x.shape[dim]}) to be a multiple "
-            f"of {BLOCK}"
-        )
+    dim = _check_cast(x, dim)
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     view, out = (x, data) if dim == 1 else (x.T, data.T)
     rows, cols = view.shape
@@ -295,6 +377,7 @@ def mx_quantize(
             view.view(torch.int16) if bf16 else view,
             out,
             scales,
+            scales,
             rows,
             cols,
             view.stride(0),
@@ -303,6 +386,9 @@ def mx_quantize(
             out.stride(1),
             RCEIL=rounding is ScaleRounding.RCEIL,
             BF16_BITS=bf16,
+            STORE_CODES=True,
+            STORE_VALUES=False,
+            VALUES_BF16_BITS=False,
             BLOCK_ROWS=block_rows,
             BLOCK_COLS=block_cols,
         )
@@ -312,20 +398,24 @@ def mx_quantize(
 @triton.jit
 def _mx_quantize_both_kernel(
     x_ptr,  # [rows, cols] contiguous (bf16 bit patterns as int16 when BF16_BITS)
-    rowwise_ptr,  # uint8 [rows, cols]: blocks of 32 along cols
-    rowwise_scales_ptr,  # uint8 [rows, cols // 32]
-    colwise_ptr,  # uint8 [rows, cols]: blocks of 32 along rows
-    colwise_scales_ptr,  # uint8 [rows // 32, cols]
+    rowwise_ptr,  # [rows, cols]: blocks of 32 along cols (uint8 codes, or VALUES)
+    rowwise_scales_ptr,  # uint8 [rows, cols // 32] (not VALUES)
+    colwise_ptr,  # [rows, cols]: blocks of 32 along rows (uint8 codes, or VALUES)
+    colwise_scales_ptr,  # uint8 [rows // 32, cols] (not VALUES)
     rows,
     cols,
     RCEIL: tl.constexpr,
     BF16_BITS: tl.constexpr,
+    VALUES: tl.constexpr,
+    VALUES_BF16_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
 ):
     """Grid: (rows // BLOCK_ROWS, cdiv(cols, BLOCK_COLS)). Both MXFP8 casts of x from one read of
     each tile: along cols (a weight's reduction dimension in forward) and along rows (its
-    reduction dimension in backward). rows a multiple of BLOCK_ROWS, cols of 32."""
+    reduction dimension in backward), as e4m3 bytes and scales or, with VALUES, as the values
+    they represent (fp32, or bf16 bits when VALUES_BF16_BITS). rows a multiple of BLOCK_ROWS,
+    cols of 32."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
@@ -333,15 +423,67 @@ def _mx_quantize_both_kernel(
     tile = _load_fp32(x_ptr + offsets, mask, BF16_BITS)
 
     data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-    tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
-    _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, BLOCK_COLS)
+    if VALUES:
+        values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
+        _store_values(rowwise_ptr, offsets, values, mask, VALUES_BF16_BITS)
+    else:
+        tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
+        _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, BLOCK_COLS)
 
     data_t, scales_t = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
-    tl.store(colwise_ptr + offsets, tl.trans(data_t).to(tl.uint8), mask=mask)
-    b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
-    block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
-    block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
-    tl.store(colwise_scales_ptr + block_offsets, tl.trans(scales_t).to(tl.uint8), mask=block_mask)
+    if VALUES:
+        values_t = mx_dequantize_tile(data_t, scales_t, BLOCK_COLS, BLOCK_ROWS)
+        _store_values(colwise_ptr, offsets, tl.trans(values_t), mask, VALUES_BF16_BITS)
+    else:
+        tl.store(colwise_ptr + offsets, tl.trans(data_t).to(tl.uint8), mask=mask)
+        b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
+        block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
+        block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
+        scales_t = tl.trans(scales_t).to(tl.uint8)
+        tl.store(colwise_scales_ptr + block_offsets, scales_t, mask=block_mask)
+
+
+def _check_both(x: torch.Tensor) -> None:
+    if x.dim() < 2 or not x.is_contiguous():
+        raise ValueError(
+            f"the MXFP8 cast along both dimensions takes a contiguous tensor of >= 2 dimensions, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if x.shape[-1] % BLOCK or x.shape[-2] % BLOCK:
+        raise ValueError(
+            f"MXFP8 along both of the last two dimensions needs them to be multiples of {BLOCK}, "
+            f"got {tuple(x.shape[-2:])}"
+        )
+
+
+def _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, values) -> None:
+    cols = x.shape[-1]
+    flat = x.reshape(-1, cols)
+    rows = flat.shape[0]
+    if not x.numel():
+        return
+    block_rows, block_cols = 32, 64
+    grid = (rows // block_rows, triton.cdiv(cols, block_cols))
+    bf16 = x.dtype == torch.bfloat16
+    values_bits = False
+    if values:
+        rowwise, values_bits = _values_arg(rowwise)
+        colwise, _ = _values_arg(colwise)
+    _mx_quantize_both_kernel[grid](
+        flat.view(torch.int16) if bf16 else flat,
+        rowwise,
+        rowwise_scales,
+        colwise,
+        colwise_scales,
+        rows,
+        cols,
+        RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+        BF16_BITS=bf16,
+        VALUES=values,
+        VALUES_BF16_BITS=values_bits,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+    )
 
 
 def mx_quantize_both(
@@ -351,40 +493,102 @@ def mx_quantize_both(
     (data, scales) along the one before), each bit for bit `mok.reference.mx.quantize` of x along
     that dimension. x: contiguous bf16 or fp32, [..., R, C] with R and C multiples of 32; leading
     dimensions (experts) are batched, so a block never mixes two experts' rows."""
-    rounding = ScaleRounding(rounding)
-    if x.dim() < 2 or not x.is_contiguous():
-        raise ValueError(
-            f"mx_quantize_both takes a contiguous tensor of >= 2 dimensions, got "
-            f"shape {tuple(x.shape)}"
-        )
-    if x.shape[-1] % BLOCK or x.shape[-2] % BLOCK:
-        raise ValueError(
-            f"MXFP8 along both of the last two dimensions needs them to be multiples of {BLOCK}, "
-            f"got {tuple(x.shape[-2:])}"
-        )
+    _check_both(x)
     *lead, rows_per, cols = x.shape
-    flat = x.reshape(-1, cols)
-    rows = flat.shape[0]
     rowwise = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     colwise = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     rowwise_scales = torch.empty(*lead, rows_per, cols // BLOCK, dtype=torch.uint8, device=x.device)
     colwise_scales = torch.empty(*lead, rows_per // BLOCK, cols, dtype=torch.uint8, device=x.device)
-    if x.numel():
-        block_rows, block_cols = 32, 64
-        grid = (rows // block_rows, triton.cdiv(cols, block_cols))
-        bf16 = x.dtype == torch.bfloat16
-        _mx_quantize_both_kernel[grid](
-            flat.view(torch.int16) if bf16 else flat,
-            rowwise,
-            rowwise_scales,
-            colwise,
-            colwise_scales,
-            rows,
-            cols,
-            RCEIL=rounding is ScaleRounding.RCEIL,
-            BF16_BITS=bf16,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-        )
+    _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, values=False)
     fp8 = torch.float8_e4m3fn
     return (rowwise.view(fp8), rowwise_scales), (colwise.view(fp8), colwise_scales)
+
+
+def mx_quantized_values_both(
+    x: torch.Tensor, rounding: ScaleRounding | str = ScaleRounding.RCEIL
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values of x's MXFP8 cast along its last dimension, along the one before), each of x's
+    shape and dtype, from one pass over x: what a weight is to the bf16 GEMMs of the forward and
+    of the data gradients. x as in `mx_quantize_both`."""
+    _check_both(x)
+    rowwise, colwise = torch.empty_like(x), torch.empty_like(x)
+    _launch_both(x, rowwise, x, colwise, x, rounding, values=True)
+    return rowwise, colwise
+
+
+@triton.jit(do_not_specialize=["capacity"])
+def _mx_group_rows_kernel(
+    a_ptr,  # [M, C] contiguous (bf16 bit patterns as int16 when BF16_BITS)
+    out_ptr,  # [M, C] contiguous: the values (fp32, or bf16 bits when OUT_BF16_BITS)
+    table_ptr,  # RowTiles of BLOCK_ROWS rows
+    counts_ptr,
+    capacity,
+    cols,
+    RCEIL: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    OUT_BF16_BITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. Every group's rows cast to MXFP8 along the rows in blocks of 32 from
+    the group's first (a row tile starts there, BLOCK_ROWS a multiple of 32; rows past the group
+    read as zeros), stored as the values they represent."""
+    c_tiles = tl.cdiv(cols, BLOCK_COLS)
+    num_tasks = tl.load(counts_ptr) * c_tiles
+    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+        row = tl.load(table_ptr + capacity + task // c_tiles)
+        row_end = tl.load(table_ptr + 2 * capacity + task // c_tiles)
+        r = row + tl.arange(0, BLOCK_ROWS)
+        c = task % c_tiles * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        mask = (r < row_end)[:, None] & (c < cols)[None, :]
+        offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+        tile = _load_fp32(a_ptr + offsets, mask, BF16_BITS)
+        data, scales = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
+        values = tl.trans(mx_dequantize_tile(data, scales, BLOCK_COLS, BLOCK_ROWS))
+        _store_values(out_ptr, offsets, values, mask, OUT_BF16_BITS)
+
+
+GROUP_ROWS = 64
+"""Rows per tile of `mx_group_rows_values` (a multiple of 32): its `RowTiles` block_m."""
+
+
+def mx_group_rows_values(
+    a: torch.Tensor,
+    tiles,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+) -> torch.Tensor:
+    """Q_T of every expert group's rows of a [M, C] (bf16 or fp32, contiguous): the values of the
+    MXFP8 cast along the rows in blocks of 32 from each group's first row, the last block padded
+    with zeros (`mok.reference.mx_expert.quantized_rows`), in a's dtype: the operand a bf16
+    weight-gradient GEMM reads. tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`. Rows
+    outside the groups are left unwritten."""
+    from mok.kernels.grouped_gemm import GemmTiles, num_programs
+
+    if a.dim() != 2 or not a.is_contiguous():
+        raise ValueError(f"a must be a contiguous [M, C] tensor, got {tuple(a.shape)}")
+    out = torch.empty_like(a)
+    rows, cols = a.shape
+    if rows:
+        block_cols = 64
+        tasks = tiles.capacity * triton.cdiv(cols, block_cols)
+        programs = num_programs(
+            a.device, tasks, GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=4)
+        )
+        out_arg, out_bits = _values_arg(out)
+        bf16 = a.dtype == torch.bfloat16
+        _mx_group_rows_kernel[(programs,)](
+            a.view(torch.int16) if bf16 else a,
+            out_arg,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            cols,
+            RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+            BF16_BITS=bf16,
+            OUT_BF16_BITS=out_bits,
+            BLOCK_ROWS=GROUP_ROWS,
+            BLOCK_COLS=block_cols,
+            NUM_PROGRAMS=programs,
+        )
+    return out

@@ -71,13 +71,13 @@ from mok.kernels.grouped_gemm import (
     RowsReady,
     RowTiles,
     gathered_rows,
-    limit_edges,
     num_programs,
     ready_args,
     scatter_args,
     use_scratch_allocator,
 )
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
+from mok.reference.expert import limit_edges
 
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""

@@ -36,6 +36,38 @@ def swiglu(
     return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
 
 
+def limit_edges(swiglu_limit: float | None, dtype: torch.dtype) -> tuple[float, float]:
+    """(largest value of `dtype` <= L, smallest > L) for L = the limit in fp32, as the kernels
+    compare it (zeros without a limit): the bounds `saved_preactivations` saves clamped and
+    unclamped pre-activations at."""
+    if swiglu_limit is None:
+        return 0.0, 0.0
+    limit = torch.tensor(float(swiglu_limit), dtype=torch.float32)
+    below = limit.to(dtype)
+    if below.float() > limit:
+        below = torch.nextafter(below, torch.zeros_like(below))
+    above = torch.nextafter(below, torch.full_like(below, float("inf")))
+    return below.item(), above.item()
+
+
+def saved_preactivations(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 pre-activations as the kernels save them for the backward in `dtype`: rounded, except
+    that under a limit L a clamped value is saved at least at the smallest `dtype` value above L
+    and an unclamped one at most at the largest at or below L, so that the backward's clamp
+    decisions on the saved values are the forward's on the fp32 ones (NaN stays NaN)."""
+    if limit is None:
+        return gate.to(dtype), up.to(dtype)
+    below, above = limit_edges(limit, dtype)
+    gate = torch.where(gate > limit, gate.clamp(min=above), gate.clamp(max=below))
+    kept_up = up.clamp(min=-below, max=below)
+    up = torch.where(
+        up > limit, up.clamp(min=above), torch.where(up < -limit, up.clamp(max=-above), kept_up)
+    )
+    return gate.to(dtype), up.to(dtype)
+
+
 def expert_mlp(
     x: torch.Tensor,
     w_gate: torch.Tensor,

@@ -50,6 +50,7 @@ def moe_forward(
     group: dist.ProcessGroup | None = None,
     routing: ReferenceRouting | None = None,
     precision: str = "bf16",
+    mx_rounding: str = "rceil",
     swiglu_alpha: float = 1.0,
     swiglu_up_offset: float = 0.0,
 ) -> torch.Tensor:
@@ -58,7 +59,8 @@ def moe_forward(
     x [T, H]; topk_idx [T, k] global expert ids; topk_weights [T, k]; weights holds this rank's
     E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `routing` may be passed
     when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
-    precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, RCEIL scales); the
+    precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, scales rounded by
+    `mx_rounding`); the
     shared expert and the combine stay bf16. `swiglu_alpha`, `swiglu_up_offset`: the activation
     of every expert, the shared one included (`mok.reference.expert.swiglu`); the routed experts'
     biases come with `weights` (gate_bias, up_bias, down_bias).
@@ -80,7 +82,7 @@ def moe_forward(
     sizes = routing.group_sizes
     if precision == "mxfp8":
         expert_rows = mx_grouped_expert_mlp(
-            grouped, sizes, weights.gate, weights.up, weights.down, swiglu_limit
+            grouped, sizes, weights.gate, weights.up, weights.down, swiglu_limit, mx_rounding
         )
     else:
         biases = None

@@ -1,22 +1,27 @@
 """The expert MLP in MXFP8, in plain PyTorch: the oracle of the MXFP8 kernels (docs/mxfp8.md).
 
-Every GEMM reads its two operands quantized to MXFP8 along its reduction dimension (`mok.reference
-.mx`: quantize, then dequantize, which is exact) and accumulates their products in fp32; an
-operand read by two GEMMs along different dimensions is quantized once for each. Per expert, rows
-r [m, H], weights W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
+The MXFP8 layer is the bf16 layer with every GEMM operand replaced by its MXFP8 cast along that
+GEMM's reduction dimension (`mok.reference.mx`: quantize, then dequantize, which is exact), cast
+from the tensor the bf16 layer holds at that point (as torchao's MX training casts its bf16
+tensors); products accumulate in fp32, every other step is the bf16 layer's. An operand read by
+two GEMMs along different dimensions is cast once for each. Per expert, rows r [m, H], weights
+W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
 
     forward    gate, up = Q_H(r) @ Q_H(W_gate).T, Q_H(r) @ Q_H(W_up).T        (fp32)
-               h        = Q_I(swiglu(gate, up))                                (from fp32)
-               out      = h @ Q_I(W_down).T, rounded to bf16
+               h        = bf16(swiglu(gate, up))                               (the bf16 layer's)
+               out      = bf16(Q_I(h) @ Q_I(W_down).T)
+               saved    Q_H(r), Q_I(h), gate and up in bf16 (`expert.saved_preactivations`)
     backward   g        = grad out (bf16)
-               grad h   = Q_H(g) @ Q_H(W_down), rounded to bf16
-               grad gate, grad up: the SwiGLU backward of grad h at gate, up (fp32)
-               grad r   = Q_I(grad gate) @ Q_I(W_gate) + Q_I(grad up) @ Q_I(W_up), rounded to bf16
-               grad W_down = Q_T(g).T @ Q_T(h)
-               grad W_gate = Q_T(bf16(grad gate)).T @ Q_T(Q_H(r)); grad W_up alike
+               grad h   = bf16(Q_H(g) @ Q_H(W_down))
+               grad gate, grad up = bf16 of the SwiGLU backward of grad h at the saved gate, up
+               grad r   = bf16(Q_I(grad gate) @ Q_I(W_gate) + Q_I(grad up) @ Q_I(W_up))
+               grad W_down = Q_T(g).T @ Q_T(Q_I(h))
+               grad W_gate = Q_T(grad gate).T @ Q_T(Q_H(r)); grad W_up alike
 
 Q_T quantizes along the rows (tokens) of one expert's group: blocks of 32 rows from the group's
-first, the last one padded with zeros. The weights' gradients are returned in the weights' dtype.
+first, the last one padded with zeros. The saved activations are the MX casts (x and h: about half
+their bf16 bytes), so the weight gradients cast them a second time, along the tokens. The weights'
+gradients are returned in the weights' dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from mok.reference import mx
-from mok.reference.expert import grouped_expert_mlp, swiglu
+from mok.reference.expert import grouped_expert_mlp, saved_preactivations, swiglu
 
 
 def quantized(
@@ -49,13 +54,15 @@ class _MXExpert(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, w_gate, w_up, w_down, limit, rounding):
+        dtype = rows.dtype
         x_q = quantized(rows, -1, rounding)
         gate = x_q @ quantized(w_gate, -1, rounding).T
         up = x_q @ quantized(w_up, -1, rounding).T
-        h_q = quantized(swiglu(gate, up, limit), -1, rounding)
-        out = (h_q @ quantized(w_down, -1, rounding).T).to(rows.dtype)
+        h_q = quantized(swiglu(gate, up, limit).to(dtype), -1, rounding)
+        out = (h_q @ quantized(w_down, -1, rounding).T).to(dtype)
+        gate, up = saved_preactivations(gate, up, limit, dtype)
         ctx.save_for_backward(x_q, gate, up, h_q, w_gate, w_up, w_down)
-        ctx.limit, ctx.rounding, ctx.dtype = limit, rounding, rows.dtype
+        ctx.limit, ctx.rounding, ctx.dtype = limit, rounding, dtype
         return out
 
     @staticmethod
@@ -66,16 +73,18 @@ class _MXExpert(torch.autograd.Function):
         grad_h = quantized(grad_out, -1, rounding) @ quantized(w_down, 0, rounding)
         grad_h = grad_h.to(dtype).float()
         with torch.enable_grad():
-            gate_, up_ = gate.detach().requires_grad_(True), up.detach().requires_grad_(True)
+            gate_ = gate.float().requires_grad_(True)
+            up_ = up.float().requires_grad_(True)
             grad_gate, grad_up = torch.autograd.grad(
                 swiglu(gate_, up_, ctx.limit), [gate_, up_], grad_h
             )
+        grad_gate, grad_up = grad_gate.to(dtype), grad_up.to(dtype)
         grad_rows = quantized(grad_gate, -1, rounding) @ quantized(w_gate, 0, rounding)
         grad_rows = grad_rows + quantized(grad_up, -1, rounding) @ quantized(w_up, 0, rounding)
         x_t = quantized_rows(x_q, rounding)
         grad_w_down = quantized_rows(grad_out, rounding).T @ quantized_rows(h_q, rounding)
-        grad_w_gate = quantized_rows(grad_gate.to(dtype), rounding).T @ x_t
-        grad_w_up = quantized_rows(grad_up.to(dtype), rounding).T @ x_t
+        grad_w_gate = quantized_rows(grad_gate, rounding).T @ x_t
+        grad_w_up = quantized_rows(grad_up, rounding).T @ x_t
         return (
             grad_rows.to(dtype),
             grad_w_gate.to(w_gate.dtype),
