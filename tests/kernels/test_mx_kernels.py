@@ -18,8 +18,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mx_cases import assert_same_bits, blocks_of_every_kind
 
-from mok.kernels.mx import mx_dequantize, mx_quantize, mx_quantize_both
+from mok.kernels.grouped_gemm import row_tile_map
+from mok.kernels.mx import (
+    GROUP_ROWS,
+    mx_dequantize,
+    mx_group_rows_values,
+    mx_quantize,
+    mx_quantize_both,
+    mx_quantized_values,
+    mx_quantized_values_both,
+)
 from mok.reference import mx
+from mok.reference.mx_expert import quantized_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -152,3 +162,63 @@ def test_dequantize_refuses_bad_operands():
         mx_dequantize(data, torch.zeros(4, 3, dtype=torch.uint8, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of 32"):
         mx_dequantize(data[:, :48], torch.zeros(4, 1, dtype=torch.uint8, device=DEVICE))
+
+
+def reference_values(x: torch.Tensor, dim: int, rounding: str, dtype: torch.dtype) -> torch.Tensor:
+    data, scales = mx.quantize(x, dim=dim, rounding=rounding)
+    return mx.dequantize(data, scales, dim=dim).to(dtype)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_values_are_the_reference_cast_dequantized(rounding, dtype):
+    """The values a bf16 GEMM reads in place of an MX operand, with the bytes from the same pass.
+    Catches values not rounded to the cast (an identity), a cast along the wrong dimension, codes
+    and values from different passes, bf16 stores that truncate."""
+    x = blocks_of_every_kind(dtype)
+    values, (data, scales) = mx_quantized_values(x.to(DEVICE), rounding, keep_codes=True)
+    assert values.dtype == dtype
+    assert_same_values(values.cpu(), reference_values(x, -1, rounding, dtype))
+    want_data, want_scales = mx.quantize(x, dim=-1, rounding=rounding)
+    assert torch.equal(scales.cpu(), want_scales)
+    assert_same_bits(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+    assert_same_values(mx_quantized_values(x.to(DEVICE), rounding).cpu(), values.cpu())
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_cast_values_in_one_pass(rounding, dtype):
+    """A weight's forward and backward operand values from one read (experts stacked: a block
+    along N never mixes two experts' rows). Catches the two layouts swapped or transposed."""
+    x = blocks_of_every_kind(dtype, seed=5)[:, :96].reshape(2, 32, 96).contiguous()
+    along_k, along_n = mx_quantized_values_both(x.to(DEVICE), rounding)
+    for ours, dim in ((along_k, -1), (along_n, -2)):
+        want = torch.stack([reference_values(e, dim, rounding, dtype) for e in x])
+        assert_same_values(ours.cpu(), want)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_along_the_tokens_of_each_group(rounding, dtype):
+    """Q_T per expert group (blocks of 32 rows from each group's first, zero-padded), from values
+    and from an MX tensor cast along C (dequantized, then cast again). Groups of 5, 0, 70 and 53
+    rows: blocks that start mid-group, a group shorter than a block, a partial last tile. Catches
+    blocks aligned to the tensor instead of the group, padding read from the next group."""
+    x = torch.cat([blocks_of_every_kind(dtype, seed=1), blocks_of_every_kind(dtype, seed=2)])
+    sizes = [5, 0, 70, 53]
+    offsets = torch.tensor([0, *sizes]).cumsum(0).to(torch.int32).to(DEVICE)
+    tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
+    codes = mx_quantize(x.to(DEVICE), dim=-1, rounding=rounding)
+    from_values = mx_group_rows_values(x.to(DEVICE), tiles, rounding).cpu()
+    from_codes = mx_group_rows_values(codes, tiles, rounding, dtype).cpu()
+    dequantized = mx.dequantize(codes[0].cpu(), codes[1].cpu(), dim=-1)
+    start = 0
+    for size in sizes:
+        if size:
+            rows = slice(start, start + size)
+            want = quantized_rows(x[rows], rounding).to(dtype)
+            assert_same_values(from_values[rows], want)
+            assert_same_values(
+                from_codes[rows], quantized_rows(dequantized[rows], rounding).to(dtype)
+            )
+        start += size

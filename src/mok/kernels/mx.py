@@ -103,6 +103,19 @@ def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.con
 
 
 @triton.jit
+def mx_quantize_columns(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.constexpr):
+    """`mx_quantize_tile` for blocks of 32 along the rows: (e4m3 bytes [ROWS, COLS], scale
+    bytes [ROWS // 32, COLS]), without a transpose."""
+    blocks = tile.reshape(ROWS // 32, 32, COLS)
+    amax = tl.max(tl.abs(blocks), axis=1)
+    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=1) > 0
+    byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
+    scaled = blocks * factor[:, None, :]
+    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
+    return e4m3_bytes(scaled).reshape(ROWS, COLS), byte
+
+
+@triton.jit
 def e4m3_values(codes):
     """fp32 values of e4m3fn bytes (any integer type, values in [0, 256)): sign, 4 exponent bits
     (bias 7), 3 mantissa bits; exponent 0 is m x 2^-9; 0x7F and 0xFF are NaN. On GPUs by the
@@ -150,6 +163,12 @@ def bf16_rounded(values):
     rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
     rounded = tl.where(values != values, bits | 0x400000, rounded)  # NaN: quiet, in the top bits
     return rounded.to(tl.float32, bitcast=True)
+
+
+def _cast_tile(device: torch.device, interpreted: tuple[int, int]) -> tuple[int, int]:
+    """(rows, columns) of one program's tile in the cast kernels: small under the interpreter
+    (partial tiles in small tests), 32 x 256 on GPUs (more bytes in flight per program)."""
+    return (32, 256) if device.type == "cuda" else interpreted
 
 
 @triton.jit
@@ -203,7 +222,7 @@ def mx_dequantize(
         raise ValueError(f"mx_dequantize: dtype must be float32 or bfloat16, got {dtype}")
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
     if data.numel():
-        block_rows, block_cols = 16, 128
+        block_rows, block_cols = _cast_tile(data.device, (16, 128))
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         bf16 = dtype == torch.bfloat16
         _mx_dequantize_kernel[grid](
@@ -330,7 +349,7 @@ def mx_quantized_values(
         rows, cols // BLOCK if keep_codes else 0, dtype=torch.uint8, device=x.device
     )
     if x.numel():
-        block_rows, block_cols = 16, 128
+        block_rows, block_cols = _cast_tile(x.device, (16, 128))
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         bf16 = x.dtype == torch.bfloat16
         values_arg, values_bits = _values_arg(values)
@@ -370,7 +389,7 @@ def mx_quantize(
     rows, cols = view.shape
     scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
     if x.numel():
-        block_rows, block_cols = 16, 128
+        block_rows, block_cols = _cast_tile(x.device, (16, 128))
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         bf16 = view.dtype == torch.bfloat16
         _mx_quantize_kernel[grid](
@@ -430,17 +449,16 @@ def _mx_quantize_both_kernel(
         tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
         _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, BLOCK_COLS)
 
-    data_t, scales_t = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
+    data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
     if VALUES:
-        values_t = mx_dequantize_tile(data_t, scales_t, BLOCK_COLS, BLOCK_ROWS)
-        _store_values(colwise_ptr, offsets, tl.trans(values_t), mask, VALUES_BF16_BITS)
+        values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
+        _store_values(colwise_ptr, offsets, values_t, mask, VALUES_BF16_BITS)
     else:
-        tl.store(colwise_ptr + offsets, tl.trans(data_t).to(tl.uint8), mask=mask)
+        tl.store(colwise_ptr + offsets, data_t.to(tl.uint8), mask=mask)
         b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
         block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
         block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
-        scales_t = tl.trans(scales_t).to(tl.uint8)
-        tl.store(colwise_scales_ptr + block_offsets, scales_t, mask=block_mask)
+        tl.store(colwise_scales_ptr + block_offsets, scales_t.to(tl.uint8), mask=block_mask)
 
 
 def _check_both(x: torch.Tensor) -> None:
@@ -462,7 +480,7 @@ def _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, 
     rows = flat.shape[0]
     if not x.numel():
         return
-    block_rows, block_cols = 32, 64
+    block_rows, block_cols = _cast_tile(x.device, (32, 64))
     grid = (rows // block_rows, triton.cdiv(cols, block_cols))
     bf16 = x.dtype == torch.bfloat16
     values_bits = False
@@ -518,7 +536,8 @@ def mx_quantized_values_both(
 
 @triton.jit(do_not_specialize=["capacity"])
 def _mx_group_rows_kernel(
-    a_ptr,  # [M, C] contiguous (bf16 bit patterns as int16 when BF16_BITS)
+    a_ptr,  # [M, C] contiguous: values (bf16 bits as int16 when BF16_BITS), or e4m3 bytes (MX_IN)
+    a_scales_ptr,  # MX_IN: [M, C // 32] scale bytes of a, cast along C
     out_ptr,  # [M, C] contiguous: the values (fp32, or bf16 bits when OUT_BF16_BITS)
     table_ptr,  # RowTiles of BLOCK_ROWS rows
     counts_ptr,
@@ -526,6 +545,7 @@ def _mx_group_rows_kernel(
     cols,
     RCEIL: tl.constexpr,
     BF16_BITS: tl.constexpr,
+    MX_IN: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
@@ -533,7 +553,8 @@ def _mx_group_rows_kernel(
 ):
     """Grid: NUM_PROGRAMS. Every group's rows cast to MXFP8 along the rows in blocks of 32 from
     the group's first (a row tile starts there, BLOCK_ROWS a multiple of 32; rows past the group
-    read as zeros), stored as the values they represent."""
+    read as zeros), stored as the values they represent. MX_IN: a is itself an MXFP8 tensor cast
+    along C, dequantized first (its values cast again)."""
     c_tiles = tl.cdiv(cols, BLOCK_COLS)
     num_tasks = tl.load(counts_ptr) * c_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -543,9 +564,17 @@ def _mx_group_rows_kernel(
         c = task % c_tiles * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         mask = (r < row_end)[:, None] & (c < cols)[None, :]
         offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
-        tile = _load_fp32(a_ptr + offsets, mask, BF16_BITS)
-        data, scales = mx_quantize_tile(tl.trans(tile), BLOCK_COLS, BLOCK_ROWS, RCEIL)
-        values = tl.trans(mx_dequantize_tile(data, scales, BLOCK_COLS, BLOCK_ROWS))
+        if MX_IN:
+            codes = tl.load(a_ptr + offsets, mask=mask, other=0)
+            s = task % c_tiles * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+            s_mask = (r < row_end)[:, None] & (s < cols // 32)[None, :]
+            s_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+            scale_bytes = tl.load(a_scales_ptr + s_offsets, mask=s_mask, other=127)
+            tile = mx_dequantize_tile(codes, scale_bytes.to(tl.int32), BLOCK_ROWS, BLOCK_COLS)
+        else:
+            tile = _load_fp32(a_ptr + offsets, mask, BF16_BITS)
+        data, scales = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+        values = mx_dequantize_columns(data, scales, BLOCK_ROWS, BLOCK_COLS)
         _store_values(out_ptr, offsets, values, mask, OUT_BF16_BITS)
 
 
@@ -554,38 +583,44 @@ GROUP_ROWS = 64
 
 
 def mx_group_rows_values(
-    a: torch.Tensor,
+    a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
     tiles,
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Q_T of every expert group's rows of a [M, C] (bf16 or fp32, contiguous): the values of the
-    MXFP8 cast along the rows in blocks of 32 from each group's first row, the last block padded
-    with zeros (`mok.reference.mx_expert.quantized_rows`), in a's dtype: the operand a bf16
-    weight-gradient GEMM reads. tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`. Rows
-    outside the groups are left unwritten."""
+    """Q_T of every expert group's rows of a [M, C]: the values of the MXFP8 cast along the rows
+    in blocks of 32 from each group's first row, the last block padded with zeros
+    (`mok.reference.mx_expert.quantized_rows`): the operand a bf16 weight-gradient GEMM reads.
+    a: contiguous bf16 or fp32 values, or an MXFP8 tensor cast along C (data, scales), whose
+    values are cast (a second cast, in the same pass). Returns a's dtype (`dtype` for an MXFP8
+    a). tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`. Rows outside the groups
+    are left unwritten."""
     from mok.kernels.grouped_gemm import GemmTiles, num_programs
 
-    if a.dim() != 2 or not a.is_contiguous():
-        raise ValueError(f"a must be a contiguous [M, C] tensor, got {tuple(a.shape)}")
-    out = torch.empty_like(a)
-    rows, cols = a.shape
+    mx_in = isinstance(a, tuple)
+    data, scales = a if mx_in else (a, a)
+    if data.dim() != 2 or not data.is_contiguous():
+        raise ValueError(f"a must be a contiguous [M, C] tensor, got {tuple(data.shape)}")
+    rows, cols = data.shape
+    out = torch.empty(rows, cols, dtype=dtype or data.dtype, device=data.device)
     if rows:
-        block_cols = 64
+        block_cols = 128
         tasks = tiles.capacity * triton.cdiv(cols, block_cols)
-        programs = num_programs(
-            a.device, tasks, GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=4)
-        )
+        cfg = GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=4)
+        programs = num_programs(data.device, tasks, cfg)
         out_arg, out_bits = _values_arg(out)
-        bf16 = a.dtype == torch.bfloat16
+        bf16 = data.dtype == torch.bfloat16
         _mx_group_rows_kernel[(programs,)](
-            a.view(torch.int16) if bf16 else a,
+            data.view(torch.uint8) if mx_in else data.view(torch.int16) if bf16 else data,
+            scales,
             out_arg,
             tiles.table,
             tiles.counts,
             tiles.capacity,
             cols,
             RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
-            BF16_BITS=bf16,
+            BF16_BITS=bf16 and not mx_in,
+            MX_IN=mx_in,
             OUT_BF16_BITS=out_bits,
             BLOCK_ROWS=GROUP_ROWS,
             BLOCK_COLS=block_cols,

@@ -35,7 +35,6 @@ from mok.kernels.expert_mlp import (
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.kernels.mx import (
     GROUP_ROWS,
-    mx_dequantize,
     mx_group_rows_values,
     mx_quantized_values,
     mx_quantized_values_both,
@@ -225,8 +224,8 @@ def mx_expert_mlp_backward(
     def along_tokens(values: torch.Tensor) -> torch.Tensor:
         return mx_group_rows_values(values, tiles, rounding)
 
-    x_tokens = along_tokens(_values(saved.x, dtype))
-    h_tokens = along_tokens(_values(saved.h, dtype))
+    x_tokens = mx_group_rows_values(saved.x, tiles, rounding, dtype)
+    h_tokens = mx_group_rows_values(saved.h, tiles, rounding, dtype)
     wgrad = dataclasses.replace(through, rows=x_tokens, h=h_tokens)
     grad_w_gate, grad_w_up, grad_w_down = expert_mlp_weight_gradients(
         along_tokens(grad_out.contiguous()),
@@ -237,10 +236,3 @@ def mx_expert_mlp_backward(
         grad_w_down,
     )
     return grad_rows, grad_w_gate, grad_w_up, grad_w_down
-
-
-def _values(pair: MXPair, dtype: torch.dtype) -> torch.Tensor:
-    data, scales = pair
-    if data.shape[0] == 0:
-        return torch.empty(data.shape, dtype=dtype, device=data.device)
-    return mx_dequantize(data, scales, dtype)
