@@ -2,11 +2,11 @@
 
 The tile functions take an fp32 tile whose last dimension is cut into 32-element blocks and return
 its e4m3 bytes and e8m0 scale bytes; they are meant for epilogues too (a GEMM that quantizes its
-output). The cast is integer or exact fp32 arithmetic (no log2, no division, no hardware fp8
-conversion), so the CPU interpreter, whose fp8 casts round wrongly, computes the same bytes as the
-GPU. Decoding e4m3 (`e4m3_values`) uses the GPU's conversion on GPUs (exact, and a few
-instructions instead of a dozen in a GEMM's inner loop) and integer arithmetic under the
-interpreter; the GPU tests hold the first to the reference, the CPU tests the second.
+output). The scales are integer or exact fp32 arithmetic (no log2, no division). The e4m3
+rounding and decoding (`e4m3_bytes`, `e4m3_values`) use the GPU's conversions on GPUs (a few instructions
+instead of a dozen per element: the casts are ALU-bound otherwise) and integer arithmetic under
+the interpreter, whose fp8 conversions round wrongly; the GPU tests hold the first to the
+reference bit for bit, the CPU tests the second.
 """
 
 from __future__ import annotations
@@ -71,7 +71,10 @@ def mx_scale_bytes(amax, has_nan, RCEIL: tl.constexpr):
 @triton.jit
 def e4m3_bytes(values):
     """e4m3fn bytes (int32) of fp32 values in [-448, 448] or NaN: round to nearest, ties to even;
-    NaN to 0x7F with its sign; -0 to 0x80."""
+    NaN to 0x7F with its sign; -0 to 0x80. On GPUs by the hardware conversion (round to nearest
+    even, the same bytes), under the interpreter by integer arithmetic."""
+    if HARDWARE_FP8:
+        return values.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     bits = values.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     is_nan = values != values
@@ -165,10 +168,12 @@ def bf16_rounded(values):
     return rounded.to(tl.float32, bitcast=True)
 
 
-def _cast_tile(device: torch.device, interpreted: tuple[int, int]) -> tuple[int, int]:
+def _cast_tile(
+    device: torch.device, interpreted: tuple[int, int], gpu: tuple[int, int] = (32, 256)
+) -> tuple[int, int]:
     """(rows, columns) of one program's tile in the cast kernels: small under the interpreter
-    (partial tiles in small tests), 32 x 256 on GPUs (more bytes in flight per program)."""
-    return (32, 256) if device.type == "cuda" else interpreted
+    (partial tiles in small tests), measured on an H200 for GPUs (benchmarks/mx_casts.py)."""
+    return gpu if device.type == "cuda" else interpreted
 
 
 @triton.jit
@@ -480,7 +485,7 @@ def _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, 
     rows = flat.shape[0]
     if not x.numel():
         return
-    block_rows, block_cols = _cast_tile(x.device, (32, 64))
+    block_rows, block_cols = _cast_tile(x.device, (32, 64), (32, 128))
     grid = (rows // block_rows, triton.cdiv(cols, block_cols))
     bf16 = x.dtype == torch.bfloat16
     values_bits = False
@@ -604,9 +609,9 @@ def mx_group_rows_values(
     rows, cols = data.shape
     out = torch.empty(rows, cols, dtype=dtype or data.dtype, device=data.device)
     if rows:
-        block_cols = 128
+        block_cols = 64
         tasks = tiles.capacity * triton.cdiv(cols, block_cols)
-        cfg = GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=4)
+        cfg = GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=8)
         programs = num_programs(data.device, tasks, cfg)
         out_arg, out_bits = _values_arg(out)
         bf16 = data.dtype == torch.bfloat16
