@@ -3,10 +3,10 @@
 The tile functions take an fp32 tile whose last dimension is cut into 32-element blocks and return
 its e4m3 bytes and e8m0 scale bytes; they are meant for epilogues too (a GEMM that quantizes its
 output). The scales are integer or exact fp32 arithmetic (no log2, no division). The e4m3
-rounding and decoding (`e4m3_bytes`, `e4m3_values`) use the GPU's conversions on GPUs (a few instructions
-instead of a dozen per element: the casts are ALU-bound otherwise) and integer arithmetic under
-the interpreter, whose fp8 conversions round wrongly; the GPU tests hold the first to the
-reference bit for bit, the CPU tests the second.
+rounding and decoding (`e4m3_bytes`, `e4m3_values`) use the GPU's conversions on GPUs (a few
+instructions instead of a dozen per element: the casts are ALU-bound otherwise) and integer
+arithmetic under the interpreter, whose fp8 conversions round wrongly; the GPU tests hold the
+first to the reference bit for bit, the CPU tests the second.
 """
 
 from __future__ import annotations
