@@ -8,6 +8,7 @@ import torch
 
 import mok
 from mok.reference import moe_forward
+from mok.reference.mx import ScaleRounding
 from mok.testing import global_weights
 
 TINY = mok.get_preset("tiny").config()
@@ -98,6 +99,7 @@ FIELD_LIMITS = {
     "backend": enum_limits(mok.Backend),
     "validation": enum_limits(mok.Validation),
     "dispatch": enum_limits(mok.Dispatch),
+    "mx_rounding": enum_limits(ScaleRounding),
     "max_tokens_per_rank": int_limits(1),
     "comm_sms": int_limits(1),
     "recv_capacity": int_limits(1, optional=True),
@@ -118,6 +120,7 @@ STORED_TYPES = {
     "backend": mok.Backend,
     "validation": mok.Validation,
     "dispatch": mok.Dispatch,
+    "mx_rounding": ScaleRounding,
     "swiglu_alpha": float,
     "swiglu_up_offset": float,
     "expert_bias": bool,

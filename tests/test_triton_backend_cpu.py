@@ -194,7 +194,7 @@ def test_triton_is_auto_on_cuda_devices_and_refuses_what_its_kernels_cannot_run(
     assert mok.backends.select_backend(auto, cuda, None) is TritonBackend
     for change, reason in (
         ({"hidden_size": 40}, "hidden_size=40 is not a multiple"),
-        ({"precision": "mxfp8"}, "CPU test mode"),
+        ({"precision": "mxfp8", "hidden_size": 48}, "multiple of 32"),
     ):
         with pytest.raises(mok.BackendUnavailableError, match=reason):
             mok.backends.select_backend(CONFIG.replace(**change), cuda, None)
