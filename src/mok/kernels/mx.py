@@ -354,7 +354,7 @@ def mx_quantized_values(
         rows, cols // BLOCK if keep_codes else 0, dtype=torch.uint8, device=x.device
     )
     if x.numel():
-        block_rows, block_cols = _cast_tile(x.device, (16, 128))
+        block_rows, block_cols = _cast_tile(x.device, (16, 128), (16, 512))
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         bf16 = x.dtype == torch.bfloat16
         values_arg, values_bits = _values_arg(values)
@@ -394,7 +394,7 @@ def mx_quantize(
     rows, cols = view.shape
     scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
     if x.numel():
-        block_rows, block_cols = _cast_tile(x.device, (16, 128))
+        block_rows, block_cols = _cast_tile(x.device, (16, 128), (16, 512))
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         bf16 = view.dtype == torch.bfloat16
         _mx_quantize_kernel[grid](
