@@ -3,7 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused]
+#                        [fused] [mxfp8]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -14,6 +14,8 @@
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
+# mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py) and the
+# cast kernels by tile (benchmarks/mx_casts.py), one GPU.
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
 # comm_sms 8, 16, 24) at EP = the GPU count, and a profiler trace of one fused forward + backward.
 set -uo pipefail
@@ -76,6 +78,13 @@ for step in $steps; do
       done
       run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
         --tokens 4096 --iters 10 --warmup 3 --validation local --json "$OUT/bench-local.json" ;;
+    mxfp8)
+      run mxfp8-tests python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
+        tests/kernels/test_mx_kernels.py tests/kernels/test_mx_expert_mlp.py \
+        tests/test_triton_backend_mx.py tests/test_mx_expert.py
+      run mxfp8-bench env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        python3 benchmarks/mxfp8.py --profile --out "$OUT/mxfp8.md"
+      run mx-casts python3 benchmarks/mx_casts.py ;;
     gluon)
       run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
       run gluon-bench python3 benchmarks/warp_specialized.py --out "$OUT/warp-specialized.md" ;;
