@@ -18,9 +18,9 @@ before; the cached weight casts are not in it); the peak of a forward + backward
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from overlap import cell, events_ms, summary
 
 import mok
 from mok.kernels.mx import mx_quantized_values_both
@@ -28,19 +28,6 @@ from mok.reference.mx import ScaleRounding
 from mok.routing import make_routing
 from mok.testing import RankInputs, float64_results, global_weights, one_call_results
 from mok.testing import relative_error as error
-
-
-def _ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _summary(times: list[float]) -> dict:
-    return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
 def _inputs(config, tokens, device, seed=0) -> RankInputs:
@@ -107,11 +94,11 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
     for step in range(warmup + iters):
         for passes, backward in (("fwd", False), ("fwd+bwd", True)):
             for label, layer in layers.items():
-                ms = _ms(lambda la=layer, b=backward: call(la, b))
+                ms = events_ms(lambda la=layer, b=backward: call(la, b))
                 layer.zero_grad(set_to_none=True)
                 if step >= warmup:
                     times[(passes, label)].append(ms)
-        ms = 3 * _ms(casts)
+        ms = 3 * events_ms(casts)
         if step >= warmup:
             times[("fwd", "casts")].append(ms)
     memory = {}
@@ -134,7 +121,7 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
         layer.workspace(device).check()
     bf16.workspace(device).release()
     row = {"preset": name, "tokens": t, "memory": memory}
-    row.update({f"{label} {p}": _summary(v) for (p, label), v in times.items() if v})
+    row.update({f"{label} {p}": summary(v) for (p, label), v in times.items() if v})
     return row
 
 
@@ -166,9 +153,6 @@ def profile(name, device, tokens) -> str:
 
 
 def markdown(rows, accuracies) -> str:
-    def cell(s):
-        return f"{s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]"
-
     lines = [
         "| preset | tokens | pass | bf16 ms | mxfp8 ms | mxfp8 / bf16 time | weight casts ms |",
         "| --- | --- | --- | --- | --- | --- | --- |",

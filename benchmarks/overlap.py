@@ -32,7 +32,8 @@ from mok.routing import make_routing
 from mok.testing import global_weights
 
 
-def _events_ms(fn, group) -> float:
+def events_ms(fn, group=None) -> float:
+    """CUDA-event ms of fn(), the largest over the group's ranks (None: this process)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     if group is not None:
         dist.barrier(group)
@@ -46,7 +47,7 @@ def _events_ms(fn, group) -> float:
     return ms.item()
 
 
-def _summary(times: list[float]) -> dict:
+def summary(times: list[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
 
@@ -145,9 +146,9 @@ def bench_preset(
         for passes, backward in (("fwd", False), ("fwd+bwd", True)):
             for label in labels:
                 if label == "experts alone":
-                    ms = _events_ms(lambda b=backward: experts_alone(b), group)
+                    ms = events_ms(lambda b=backward: experts_alone(b), group)
                 else:
-                    ms = _events_ms(lambda la=layers[label], b=backward: forward(la, b), group)
+                    ms = events_ms(lambda la=layers[label], b=backward: forward(la, b), group)
                     layers[label].zero_grad(set_to_none=True)  # one layer's gradients at a time
                 if step >= warmup:
                     times[(label, passes)].append(ms)
@@ -155,8 +156,13 @@ def bench_preset(
         layer.workspace(device).check()
         layer.workspace(device).release()
     row = {"preset": f"{name} ({dispatch})", "tokens": t, "ep": world, "bitwise": bitwise}
-    row.update({f"{b} {p}": _summary(v) for (b, p), v in times.items()})
+    row.update({f"{b} {p}": summary(v) for (b, p), v in times.items()})
     return row
+
+
+def cell(s: dict) -> str:
+    """A `summary` as "median [min, max]"."""
+    return f"{s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]"
 
 
 def markdown(rows) -> str:
@@ -165,9 +171,6 @@ def markdown(rows) -> str:
         "| fused / triton | triton / alone | fused / alone |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-
-    def cell(s):
-        return f"{s['median']:.2f} [{s['min']:.2f}, {s['max']:.2f}]"
 
     for r in rows:
         for p in ("fwd", "fwd+bwd"):

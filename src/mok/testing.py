@@ -201,6 +201,16 @@ def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
     return results
 
 
+def results_without_host_sync(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """`one_call_results` with CUDA's sync debug mode set to raise: a forward or backward that
+    synchronizes with the host fails."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return one_call_results(layer, inputs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def capture_in_graph(call):
     """(a CUDA graph of `call()`, the output of the captured call). `call` runs once first on a
     side stream, the warm-up torch.cuda.graph asks for; `graph.replay()` then reruns it on

@@ -234,7 +234,11 @@ def down_tiles(config: ExpertKernelConfig, h: torch.Tensor, w_down: torch.Tensor
     return config.down
 
 
-def _row_tiles(saved_tiles: dict[int, RowTiles], group_offsets, num_rows, block_m) -> RowTiles:
+def cached_row_tiles(
+    saved_tiles: dict[int, RowTiles], group_offsets, num_rows, block_m
+) -> RowTiles:
+    """`grouped_gemm.row_tile_map` of the groups for block_m, made once per call and kept in
+    `saved_tiles` (`ExpertMLPSaved.row_tiles`) for every later product with that block_m."""
     if block_m not in saved_tiles:
         saved_tiles[block_m] = gg.row_tile_map(group_offsets, num_rows, block_m)
     return saved_tiles[block_m]
@@ -307,7 +311,7 @@ def expert_mlp_forward(
         rows,
         w_gate,
         w_up,
-        _row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
+        cached_row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
         swiglu_limit,
         save_for_backward,
         gate_up_cfg,
@@ -315,7 +319,7 @@ def expert_mlp_forward(
     )
     h_in = h if down_operand is None else down_operand(h)
     down_cfg = down_tiles(cfg, h_in, w_down)
-    row_tiles = _row_tiles(tiles, group_offsets, m, down_cfg.block_m)
+    row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
     warp_specialized = down_cfg is cfg.warp_specialized_down
     if combine is not None:
         if warp_specialized:
@@ -419,7 +423,7 @@ def expert_mlp_data_gradients(
         grad_out,
         saved.w_down,
         saved.gate_up,
-        _row_tiles(tiles, offsets, m, down_cfg.block_m),
+        cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
         saved.swiglu_limit,
         down_cfg,
         ready=rows_ready,
@@ -433,7 +437,7 @@ def expert_mlp_data_gradients(
         operand,
         saved.w_gate,
         saved.w_up,
-        _row_tiles(tiles, offsets, m, gate_up_cfg.block_m),
+        cached_row_tiles(tiles, offsets, m, gate_up_cfg.block_m),
         gate_up_cfg,
     )
     return grad_rows, grad_gate_up

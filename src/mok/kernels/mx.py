@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
 from mok.reference.mx import BLOCK, ScaleRounding
 
 if interpreting():
@@ -210,8 +211,8 @@ def mx_dequantize(
 ) -> torch.Tensor:
     """`mok.reference.mx.dequantize` on the device for blocks along the last dimension: data
     [rows, cols] float8_e4m3fn and scales [rows, cols // 32] uint8 (both contiguous) -> [rows,
-    cols] of `dtype` (fp32 or bf16): the dequantizing A-row source of an MX product on Hopper as
-    a kernel of its own (tests; the MX weight gradients' operands)."""
+    cols] of `dtype` (fp32 or bf16): the inverse of `mx_quantize`, and the test kernel of
+    `mx_dequantize_tile` (every e4m3 code at every kind of scale)."""
     if data.dim() != 2 or data.dtype != torch.float8_e4m3fn or data.shape[1] % BLOCK:
         raise ValueError(
             f"mx_dequantize: data must be [rows, cols] float8_e4m3fn with cols a multiple of "
@@ -335,6 +336,38 @@ def _values_arg(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return values, False
 
 
+def _launch_row_cast(view, rounding, data=None, scales=None, values=None) -> None:
+    """Cast view [rows, cols] (any strides) along cols into the bytes `data` (view's layout) and
+    `scales` [rows, cols // 32], the contiguous `values`, or both."""
+    rows, cols = view.shape
+    if not view.numel():
+        return
+    block_rows, block_cols = _cast_tile(view.device, (16, 128), (16, 512))
+    grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+    bf16 = view.dtype == torch.bfloat16
+    values_arg, values_bits = (scales, False) if values is None else _values_arg(values)
+    codes = data if data is not None else values_arg
+    _mx_quantize_kernel[grid](
+        view.view(torch.int16) if bf16 else view,
+        codes,
+        scales if scales is not None else values_arg,
+        values_arg,
+        rows,
+        cols,
+        view.stride(0),
+        view.stride(1),
+        codes.stride(0),
+        codes.stride(1),
+        RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
+        BF16_BITS=bf16,
+        STORE_CODES=data is not None,
+        STORE_VALUES=values is not None,
+        VALUES_BF16_BITS=values_bits,
+        BLOCK_ROWS=block_rows,
+        BLOCK_COLS=block_cols,
+    )
+
+
 def mx_quantized_values(
     x: torch.Tensor,
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
@@ -345,41 +378,16 @@ def mx_quantized_values(
     operand a bf16 GEMM reads to compute the MX product exactly. x: 2-D bf16 or fp32, the last
     dimension a multiple of 32. keep_codes: return (values, (data float8_e4m3fn, scales uint8))
     from the same pass."""
-    rounding = ScaleRounding(rounding)
     _check_cast(x, -1)
     rows, cols = x.shape
     values = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
-    data = torch.empty(rows, cols if keep_codes else 0, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(
-        rows, cols // BLOCK if keep_codes else 0, dtype=torch.uint8, device=x.device
-    )
-    if x.numel():
-        block_rows, block_cols = _cast_tile(x.device, (16, 128), (16, 512))
-        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
-        bf16 = x.dtype == torch.bfloat16
-        values_arg, values_bits = _values_arg(values)
-        _mx_quantize_kernel[grid](
-            x.view(torch.int16) if bf16 else x,
-            data,
-            scales,
-            values_arg,
-            rows,
-            cols,
-            x.stride(0),
-            x.stride(1),
-            cols,
-            1,
-            RCEIL=rounding is ScaleRounding.RCEIL,
-            BF16_BITS=bf16,
-            STORE_CODES=keep_codes,
-            STORE_VALUES=True,
-            VALUES_BF16_BITS=values_bits,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-        )
-    if keep_codes:
-        return values, (data.view(torch.float8_e4m3fn), scales)
-    return values
+    if not keep_codes:
+        _launch_row_cast(x, rounding, values=values)
+        return values
+    data = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
+    _launch_row_cast(x, rounding, data, scales, values)
+    return values, (data.view(torch.float8_e4m3fn), scales)
 
 
 def mx_quantize(
@@ -387,35 +395,12 @@ def mx_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`mok.reference.mx.quantize` on the device: (data float8_e4m3fn of x's shape, contiguous;
     scales uint8 of x's shape with `dim` divided by 32) of a 2-D x (bf16 or fp32)."""
-    rounding = ScaleRounding(rounding)
     dim = _check_cast(x, dim)
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     view, out = (x, data) if dim == 1 else (x.T, data.T)
     rows, cols = view.shape
     scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
-    if x.numel():
-        block_rows, block_cols = _cast_tile(x.device, (16, 128), (16, 512))
-        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
-        bf16 = view.dtype == torch.bfloat16
-        _mx_quantize_kernel[grid](
-            view.view(torch.int16) if bf16 else view,
-            out,
-            scales,
-            scales,
-            rows,
-            cols,
-            view.stride(0),
-            view.stride(1),
-            out.stride(0),
-            out.stride(1),
-            RCEIL=rounding is ScaleRounding.RCEIL,
-            BF16_BITS=bf16,
-            STORE_CODES=True,
-            STORE_VALUES=False,
-            VALUES_BF16_BITS=False,
-            BLOCK_ROWS=block_rows,
-            BLOCK_COLS=block_cols,
-        )
+    _launch_row_cast(view, rounding, out, scales)
     return data.view(torch.float8_e4m3fn), scales if dim == 1 else scales.T
 
 
@@ -589,7 +574,7 @@ GROUP_ROWS = 64
 
 def mx_group_rows_values(
     a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    tiles,
+    tiles: RowTiles,
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -600,8 +585,6 @@ def mx_group_rows_values(
     values are cast (a second cast, in the same pass). Returns a's dtype (`dtype` for an MXFP8
     a). tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`. Rows outside the groups
     are left unwritten."""
-    from mok.kernels.grouped_gemm import GemmTiles, num_programs
-
     mx_in = isinstance(a, tuple)
     data, scales = a if mx_in else (a, a)
     if data.dim() != 2 or not data.is_contiguous():

@@ -28,11 +28,11 @@ import torch
 from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
+    cached_row_tiles,
     expert_mlp_data_gradients,
     expert_mlp_forward,
     expert_mlp_weight_gradients,
 )
-from mok.kernels.grouped_gemm import row_tile_map
 from mok.kernels.mx import (
     GROUP_ROWS,
     mx_group_rows_values,
@@ -219,7 +219,7 @@ def mx_expert_mlp_backward(
         gate_up_operand=lambda grads: mx_quantized_values(grads, rounding),
     )
     del g_values
-    tiles = row_tile_map(saved.group_offsets, m, GROUP_ROWS)
+    tiles = cached_row_tiles(saved.row_tiles, saved.group_offsets, m, GROUP_ROWS)
 
     def along_tokens(values: torch.Tensor) -> torch.Tensor:
         return mx_group_rows_values(values, tiles, rounding)
