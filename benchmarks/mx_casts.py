@@ -1,7 +1,8 @@
 """Bandwidth of the MXFP8 cast kernels by tile shape, on deepseek-v3's shapes at EP 1 (one GPU):
-the weights' two-layout cast ([256 experts x 2048, 7168] bf16 -> two bf16 value tensors), the
-row cast of grouped rows ([65536, 7168] -> values and bytes) and the per-group token cast
-([65536, 7168], 256 groups). Reads + writes per CUDA-event time, median of 5.
+the weights' two-layout cast ([64 experts x 2048, 7168] bf16 -> two bf16 value tensors), the
+row cast of x before its dispatch ([8192, 7168] -> packed MX rows), and the casts of the grouped
+rows (`mx_group_casts`, 65536 rows in 256 groups) in each of the layer's uses. Reads + writes per
+CUDA-event time, median of 5, random data.
 
     python benchmarks/mx_casts.py
 """
@@ -30,13 +31,11 @@ def _ms(fn, iters=5) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    device = torch.device("cuda")
+def weight_casts(device) -> None:
     w = torch.randn(64 * 2048, 7168, device=device).bfloat16()  # a quarter of the experts
     rows, cols = w.shape
     along_k, along_n = torch.empty_like(w), torch.empty_like(w)
-    print("| kernel | tile | warps | GB/s |\n| --- | --- | --- | --- |")
-    for block_rows, block_cols in ((32, 64), (32, 128), (32, 256), (64, 128)):
+    for block_rows, block_cols in ((32, 64), (32, 128), (32, 256)):
         for warps in (4, 8):
 
             def both(br=block_rows, bc=block_cols, nw=warps):
@@ -58,70 +57,59 @@ def main() -> None:
                 )
 
             gbs = 6 * w.numel() / _ms(both) / 1e6
-            print(f"| both layouts | {block_rows} x {block_cols} | {warps} | {gbs:.0f} |")
-    x = torch.randn(65536, 7168, device=device).bfloat16()
-    values = torch.empty_like(x)
-    codes = torch.empty(x.shape, dtype=torch.uint8, device=device)
-    scales = torch.empty(65536, 7168 // 32, dtype=torch.uint8, device=device)
-    for block_rows, block_cols in ((16, 128), (32, 256), (64, 128), (16, 512)):
+            tile = f"{block_rows} x {block_cols}"
+            print(f"| both layouts of a weight | {tile} | {warps} | {gbs:.0f} |")
+
+
+def group_casts(device) -> None:
+    """Every use of `mx_group_casts` in the MX layer, at each tile of a small sweep."""
+    m, groups = 65536, 256
+    offsets = torch.linspace(0, m, groups + 1, device=device).to(torch.int32)
+    tiles = row_tile_map(offsets, m, mx.GROUP_ROWS)
+    packed_bytes = lambda cols: mx.MXRows.row_bytes(cols) / cols  # noqa: E731
+    uses = []
+    for name, cols, packed, asks, write_bytes in (
+        ("grad out: along H + tokens", 7168, False, {"values": True, "token_values": True}, 4),
+        ("SwiGLU grads: along I + tokens", 4096, False, {"values": True, "token_values": True}, 4),
+        ("h: values + bytes", 2048, False, {"values": True, "codes": True}, 2 + packed_bytes(2048)),
+        ("pre-activations: bytes", 4096, False, {"codes": True}, packed_bytes(4096)),
+        ("x: values from bytes", 7168, True, {"values": True}, 2),
+        ("x: tokens from bytes", 7168, True, {"token_values": True}, 2),
+    ):
+        values = torch.randn(m, cols, device=device).bfloat16()
+        a = mx.mx_quantize_rows(values) if packed else values
+        read_bytes = packed_bytes(cols) if packed else 2
+        uses.append((name, a, asks, (read_bytes + write_bytes) * m * cols))
+    default = dict(mx.GROUP_CAST_TILE)
+    for block_cols in (64, 128, 256):
         for warps in (4, 8):
+            for per_sm in (2, 4, 8):
+                mx.GROUP_CAST_TILE = {
+                    "block_cols": block_cols,
+                    "num_warps": warps,
+                    "programs_per_sm": per_sm,
+                }
+                for name, a, asks, moved in uses:
+                    dtype = torch.bfloat16 if isinstance(a, mx.MXRows) else None
 
-            def row_cast(br=block_rows, bc=block_cols, nw=warps):
-                mx._mx_quantize_kernel[(triton.cdiv(65536, br), triton.cdiv(7168, bc))](
-                    x.view(torch.int16),
-                    codes,
-                    scales,
-                    values.view(torch.int16),
-                    65536,
-                    7168,
-                    7168,
-                    1,
-                    7168,
-                    1,
-                    RCEIL=True,
-                    BF16_BITS=True,
-                    STORE_CODES=True,
-                    STORE_VALUES=True,
-                    VALUES_BF16_BITS=True,
-                    BLOCK_ROWS=br,
-                    BLOCK_COLS=bc,
-                    num_warps=nw,
-                )
+                    def cast(a=a, asks=asks, d=dtype):
+                        return mx.mx_group_casts(a, tiles, **asks, dtype=d)
 
-            gbs = 5.03 * x.numel() / _ms(row_cast) / 1e6
-            print(
-                f"| row cast (values + bytes) | {block_rows} x {block_cols} | {warps} | {gbs:.0f} |"
-            )
-    offsets = torch.linspace(0, 65536, 257, device=device).to(torch.int32)
-    tiles = row_tile_map(offsets, 65536, mx.GROUP_ROWS)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for block_cols in (32, 64, 128):
-        for warps in (4, 8):
-            for per_sm in (4, 8):
-                programs = sms * per_sm
+                    ms = _ms(cast)
+                    label = f"64 x {block_cols}, {per_sm}/SM"
+                    print(f"| {name} | {label} | {warps} | {moved / ms / 1e6:.0f} |", flush=True)
+    mx.GROUP_CAST_TILE = default
 
-                def tokens(bc=block_cols, nw=warps, p=programs):
-                    mx._mx_group_rows_kernel[(p,)](
-                        x.view(torch.int16),
-                        x,
-                        values.view(torch.int16),
-                        tiles.table,
-                        tiles.counts,
-                        tiles.capacity,
-                        7168,
-                        RCEIL=True,
-                        BF16_BITS=True,
-                        MX_IN=False,
-                        OUT_BF16_BITS=True,
-                        BLOCK_ROWS=mx.GROUP_ROWS,
-                        BLOCK_COLS=bc,
-                        NUM_PROGRAMS=p,
-                        num_warps=nw,
-                    )
 
-                gbs = 4 * x.numel() / _ms(tokens) / 1e6
-                label = f"{mx.GROUP_ROWS} x {block_cols}, {per_sm}/SM"
-                print(f"| token cast per group | {label} | {warps} | {gbs:.0f} |")
+def main() -> None:
+    device = torch.device("cuda")
+    print("| kernel | tile | warps | GB/s |\n| --- | --- | --- | --- |")
+    weight_casts(device)
+    x = torch.randn(8192, 7168, device=device).bfloat16()
+    ms = _ms(lambda: mx.mx_quantize_rows(x))
+    moved = (2 + mx.MXRows.row_bytes(7168) / 7168) * x.numel()
+    print(f"| x before the dispatch (packed rows) | 16 x 512 | 4 | {moved / ms / 1e6:.0f} |")
+    group_casts(device)
 
 
 if __name__ == "__main__":

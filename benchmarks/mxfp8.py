@@ -12,7 +12,9 @@ iteration by iteration (median [min, max]); the MXFP8 layer casts its weights on
 update (they do not change here), so the casts are timed alone beside it (both layouts of the
 three routed weights: what a training step adds once, whatever its micro-batch count); the
 memory a forward leaves for its backward (allocated after the forward, graph alive, minus
-before; the cached weight casts are not in it); the peak of a forward + backward.
+before; the cached weight casts are not in it); the peak of a forward + backward; the bytes of
+one row as the exchange's dispatch receives them (recorded at every call: what crosses NVLink
+per token and remote owner at EP > 1).
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def accuracy(name: str, device) -> dict:
     return row
 
 
+def record_dispatched_row_bytes(layer, device) -> set[int]:
+    """The bytes per row of every row tensor the layer's exchange dispatches from now on."""
+    exchange = layer.workspace(device).backend.exchange
+    seen, dispatch = set(), exchange.dispatch
+
+    def recording(routing, x):
+        seen.add(x.shape[1] * x.element_size())
+        return dispatch(routing, x)
+
+    exchange.dispatch = recording
+    return seen
+
+
 def bench_preset(name, device, tokens, iters, warmup) -> dict:
     preset = mok.get_preset(name)
     t = tokens or preset.default_tokens
@@ -91,6 +106,10 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
         mx_quantized_values_both(bf16.gate.detach(), ScaleRounding.RCEIL)
 
     times = {(p, label): [] for p in ("fwd", "fwd+bwd") for label in (*layers, "casts")}
+    row_bytes = {}
+    for label, layer in layers.items():
+        call(layer, False)
+        row_bytes[label] = record_dispatched_row_bytes(layer, device)
     for step in range(warmup + iters):
         for passes, backward in (("fwd", False), ("fwd+bwd", True)):
             for label, layer in layers.items():
@@ -121,6 +140,7 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
         layer.workspace(device).check()
     bf16.workspace(device).release()
     row = {"preset": name, "tokens": t, "memory": memory}
+    row["dispatched row bytes"] = {label: sorted(seen) for label, seen in row_bytes.items()}
     row.update({f"{label} {p}": summary(v) for (p, label), v in times.items() if v})
     return row
 
@@ -176,6 +196,14 @@ def markdown(rows, accuracies) -> str:
             f"| {r['preset']} | {b['saved GiB']:.2f} | {m['saved GiB']:.2f} "
             f"| {m['saved GiB'] / b['saved GiB']:.3f} | {b['peak GiB']:.2f} | {m['peak GiB']:.2f} |"
         )
+    lines += [
+        "",
+        "| preset | bf16 bytes per dispatched row | mxfp8 bytes per dispatched row | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        b, m = r["dispatched row bytes"]["bf16"], r["dispatched row bytes"]["mxfp8"]
+        lines.append(f"| {r['preset']} | {b} | {m} | {max(m) / max(b):.3f} |")
     lines += [
         "",
         "| preset (16 experts, 512 tokens) | error vs float64: bf16 y / worst | mxfp8 y / worst "

@@ -3,9 +3,10 @@
 The bitwise tests restate docs/mxfp8.md's table operand by operand with `mok.reference.mx` alone;
 they catch an operand quantized along the wrong dimension (a backward reusing the forward's
 weight layout, for instance), an operand left in bf16, h or the SwiGLU gradients cast from fp32
-instead of from the bf16 tensors the bf16 layer holds, pre-activations saved in fp32, token blocks
-that run past an expert's group. The accuracy tests catch a
-quantization that does nothing (errors at bf16 level) or a wrong scale (errors of O(1)).
+instead of from the bf16 tensors the bf16 layer holds, pre-activations saved in fp32 or bf16
+instead of their MX cast (or cast under a clamp), token blocks that run past an expert's group.
+The accuracy tests catch a quantization that does nothing (errors at bf16 level) or a wrong
+scale (errors of O(1)).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import mok
 from mok.reference import expert, mx
 from mok.reference.expert import grouped_expert_mlp, swiglu
+from mok.reference.moe import mx_combine
 from mok.reference.mx_expert import mx_grouped_expert_mlp
 from mok.testing import relative_error
 
@@ -60,9 +62,10 @@ def problem(sizes, seed=0, scale_rows=None):
 
 
 def saved_preactivations(gate, up, limit):
-    """The pre-activations as the bf16 layer saves them (rounded to bf16, clamp decisions kept)."""
+    """The pre-activations as the MX layer saves them: cast along I from their bf16 rounding;
+    under a clamp in bf16 as the bf16 layer saves them (clamp decisions kept)."""
     if limit is None:
-        return gate.bfloat16(), up.bfloat16()
+        return q(gate.bfloat16(), 1), q(up.bfloat16(), 1)
     return expert.saved_preactivations(gate, up, limit, torch.bfloat16)
 
 
@@ -155,3 +158,28 @@ def test_the_layer_in_mxfp8_on_the_reference_backend():
     assert torch.equal(mx_x, again_x) and torch.equal(mx_gate, again_gate)
     assert 0 < relative_error(mx_x, bf_x) < 0.1
     assert 0 < relative_error(mx_gate, bf_gate) < 0.1
+
+
+def test_the_router_weights_gradient_reads_the_outputs_mx_cast():
+    """`mx_combine`: y and the gradients of the outputs and the shared expert are the bf16
+    combine's bit for bit; the router weights' gradient is <grad y, Q_H(out)> in fp32 (what the
+    layer saves in place of the outputs). Catches the cast along the wrong dimension (k or
+    tokens instead of H), the bf16 outputs read instead, a cast that changes y."""
+    gen = torch.Generator().manual_seed(4)
+    tokens, top_k = 40, 3
+    out = uneven(torch.randn(tokens, top_k, H, generator=gen), gen).bfloat16()
+    weights = torch.rand(tokens, top_k, generator=gen)
+    shared = torch.randn(tokens, H, generator=gen).bfloat16()
+    grad_y = torch.randn(tokens, H, generator=gen).bfloat16()
+    results = []
+    for combine in (mok.reference.combine, mx_combine):
+        leaves = [t.clone().requires_grad_(True) for t in (out, weights, shared)]
+        y = combine(*leaves)
+        y.backward(grad_y)
+        results.append((y.detach(), *(t.grad for t in leaves)))
+    (y, g_out, g_w, g_shared), (mx_y, mx_g_out, mx_g_w, mx_g_shared) = results
+    assert torch.equal(mx_y, y) and torch.equal(mx_g_out, g_out)
+    assert torch.equal(mx_g_shared, g_shared)
+    want = torch.einsum("th,tkh->tk", grad_y.float(), q(out.view(-1, H), 1).view(out.shape))
+    assert torch.allclose(mx_g_w, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(mx_g_w, g_w, rtol=1e-3, atol=1e-3)

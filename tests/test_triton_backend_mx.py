@@ -1,10 +1,11 @@
 """The `triton` backend in MXFP8 against the MXFP8 reference, through the public API.
 
 CPU test mode (kernels under the interpreter, fp32 where GPUs round to bf16), in one process and
-on 2 gloo ranks with the NVLink protocol over a shared file: against the single-process MXFP8
-reference computed in fp32 (`compare_with_reference(dtype=float32)`: the same rounding points),
-so the two differ by summation order and by the bf16 rounding of the results at the API (2^-9
-normwise); a missed or misplaced cast costs e4m3's rounding, ~2e-2.
+on 2 gloo ranks with the NVLink protocol over a shared file (x crossing as packed e4m3 rows):
+against the single-process MXFP8 reference computed in fp32
+(`compare_with_reference(dtype=float32)`: the same rounding points), so the two differ by
+summation order and by the bf16 rounding of the results at the API (2^-9 normwise); a missed or
+misplaced cast costs e4m3's rounding, ~2e-2.
 
 On GPUs: against the reference backend in MXFP8 at every preset's shape, skewed and empty
 routings, T = 0, EP 1 and EP 2 over NVLink; bitwise repeatable, with no host synchronization.
@@ -19,9 +20,12 @@ from test_triton_backend_cpu import scenario
 
 import mok
 from mok.comm.simulation import simulated_symmetric_memory
+from mok.kernels.mx import MXRows
 from mok.launch import run_ranks
 from mok.testing import (
+    RankInputs,
     compare_with_reference,
+    cuda_ipc_allocator,
     global_weights,
     one_call_results,
     relative_error,
@@ -45,7 +49,8 @@ CONFIG = mok.MoKConfig(
 
 
 def errors_against_the_reference(rank, world, case, shared_dir):
-    """Rank worker: the MXFP8 triton layer's errors against the fp32 MXFP8 reference."""
+    """Rank worker: the MXFP8 triton layer's errors against the fp32 MXFP8 reference, and the
+    bytes of one row in the NVLink exchange's staging (None in one process)."""
     group = dist.group.WORLD if world > 1 else None
     with simulated_symmetric_memory(shared_file_allocator(shared_dir)):
         layer = mok.MoE(case.config, group=group, device=CPU)
@@ -53,8 +58,13 @@ def errors_against_the_reference(rank, world, case, shared_dir):
         layer.load_global_weights(full)
         errors = compare_with_reference(layer, full, case.ranks, rank, dtype=torch.float32)
         layer.workspace(CPU).check()
+        staging = getattr(layer.workspace(CPU).backend.exchange, "view", None)
+        row_bytes = None
+        if staging is not None:
+            row = staging.staging.local[0]
+            row_bytes = row.numel() * row.element_size()
         layer.workspace(CPU).release()
-    return errors
+    return errors, row_bytes
 
 
 @pytest.mark.interpreter
@@ -67,9 +77,12 @@ def test_mxfp8_layer_matches_the_reference(world, rounding, tmp_path):
         per_rank = [errors_against_the_reference(0, 1, case, tmp_path)]
     else:
         per_rank = run_ranks(errors_against_the_reference, world, args=(case, tmp_path))
-    for errors in per_rank:
+    for errors, row_bytes in per_rank:
         for key, error in errors.items():
             assert error <= TOLERANCE, (key, error)
+        # x travels as e4m3 bytes and scales: 64 + 2 bytes padded to 80, where an fp32 (CPU test
+        # mode) row would take 256 and a bf16 one 128 (0.625x: the padding weighs at H = 64).
+        assert row_bytes in (None, MXRows.row_bytes(CONFIG.hidden_size)), row_bytes
 
 
 # On GPUs both backends round at the contract's bf16 points; they differ where the fp32 sums run
@@ -151,6 +164,36 @@ def test_mxfp8_layer_on_a_gpu_matches_the_reference_backend():
 @pytest.mark.gpu
 def test_mxfp8_layer_on_a_gpu_with_no_tokens():
     assert_gpu_results([gpu_check_cases(0, 1, gpu_cases()[-2:], [0])])
+
+
+def errors_on_a_shared_gpu(rank, world, case):
+    """Rank worker (ranks sharing GPU 0 through CUDA IPC): the MXFP8 triton layer's errors
+    against the single-process MXFP8 reference, and the bytes per row of its exchange's staging."""
+    device = torch.device("cuda", 0)
+    with simulated_symmetric_memory(cuda_ipc_allocator):
+        layer = mok.MoE(case.config, group=dist.group.WORLD, device=device)
+        full = global_weights(case.config, case.seed, device)
+        layer.load_global_weights(full)
+        ranks = [RankInputs(*(t.to(device) for t in dataclasses.astuple(r))) for r in case.ranks]
+        errors = compare_with_reference(layer, full, ranks, rank)
+        workspace = layer.workspace(device)
+        workspace.check()
+        row = workspace.backend.exchange.view.staging.local[0]
+        workspace.release()
+    return errors, row.numel() * row.element_size()
+
+
+@pytest.mark.gpu
+def test_mxfp8_layer_on_ranks_sharing_one_gpu():
+    """EP 2 with the NVLink protocol's kernels compiled (x crossing as packed e4m3 rows of
+    deepseek-v3's H = 7168: 7392 bytes where bf16 takes 14336), the ranks sharing GPU 0."""
+    config = dict((name, c) for name, c, _ in gpu_cases())["deepseek-v3"]
+    case = scenario(config, [96, 61], seed=5)
+    for errors, row_bytes in run_ranks(errors_on_a_shared_gpu, 2, args=(case,)):
+        assert row_bytes == MXRows.row_bytes(7168) == 7392
+        for key, error in errors.items():
+            tolerance = GPU_ROUTED_TOLERANCE if key in GPU_ROUTED else GPU_TOLERANCE
+            assert error <= tolerance, (key, error)
 
 
 @pytest.mark.multigpu

@@ -5,9 +5,10 @@ Bugs these catch: the e4m3 rounding done by bit arithmetic off at ties, at the n
 boundary (2^-6) or for -0 and NaN; an exact-ceiling scale off for subnormal or infinite block
 maxima; a NaN in a block not making its scale 255; the FLOOR factor taken from the wrong byte; a
 tile's partial rows or columns written; the strided (dim 0) path reading or writing the wrong
-layout. The dequantization (the A-row source of MX products on Hopper): an e4m3 code decoded
-wrongly (subnormals, the sign of zero, NaN), a scale applied to the wrong block, a bf16 rounding
-off at ties or for subnormal products.
+layout; packed MX rows with their scales at the wrong offset or the padding in the wrong place.
+The dequantization (the A-row source of MX products on Hopper): an e4m3 code decoded wrongly
+(subnormals, the sign of zero, NaN), a scale applied to the wrong block, a bf16 rounding off at
+ties or for subnormal products.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from mx_cases import assert_same_bits, blocks_of_every_kind
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.kernels.mx import (
     GROUP_ROWS,
+    MXRows,
     mx_dequantize,
-    mx_group_rows_values,
+    mx_group_casts,
     mx_quantize,
     mx_quantize_both,
+    mx_quantize_rows,
     mx_quantized_values,
     mx_quantized_values_both,
 )
@@ -176,12 +179,10 @@ def test_cast_values_are_the_reference_cast_dequantized(rounding, dtype):
     Catches values not rounded to the cast (an identity), a cast along the wrong dimension, codes
     and values from different passes, bf16 stores that truncate."""
     x = blocks_of_every_kind(dtype)
-    values, (data, scales) = mx_quantized_values(x.to(DEVICE), rounding, keep_codes=True)
+    values, codes = mx_quantized_values(x.to(DEVICE), rounding, keep_codes=True)
     assert values.dtype == dtype
     assert_same_values(values.cpu(), reference_values(x, -1, rounding, dtype))
-    want_data, want_scales = mx.quantize(x, dim=-1, rounding=rounding)
-    assert torch.equal(scales.cpu(), want_scales)
-    assert_same_bits(data.cpu().view(torch.uint8), want_data.view(torch.uint8))
+    assert_same_rows(codes, x, rounding)
     assert_same_values(mx_quantized_values(x.to(DEVICE), rounding).cpu(), values.cpu())
 
 
@@ -197,28 +198,96 @@ def test_both_cast_values_in_one_pass(rounding, dtype):
         assert_same_values(ours.cpu(), want)
 
 
+def assert_same_rows(rows: MXRows, x: torch.Tensor, rounding: str) -> None:
+    """Packed MX rows hold the reference cast of x along its rows, bytes then scales."""
+    want_data, want_scales = mx.quantize(x, dim=-1, rounding=rounding)
+    assert rows.shape == tuple(x.shape)
+    assert torch.equal(rows.scales.cpu(), want_scales)
+    assert_same_bits(rows.codes.cpu().view(torch.uint8), want_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("cols", [32, 224, 256])
+def test_packed_rows_hold_the_cast_and_travel_as_rows(rounding, cols):
+    """`mx_quantize_rows` from a strided view: each packed row is the reference's bytes, then
+    its scales, padded to 16 bytes (32 columns: 33 bytes in a 48-byte row; 256: 264 in 272); as
+    bf16 or fp32 rows and back (what the exchange moves) the bytes are unchanged. Catches scales
+    stored at the row's start or into the next row, a row length that is not the padded one."""
+    x = blocks_of_every_kind(torch.bfloat16, seed=4)[:, :cols]
+    rows = mx_quantize_rows(x.to(DEVICE), rounding)
+    assert rows.packed.shape == (64, MXRows.row_bytes(cols))
+    assert MXRows.row_bytes(cols) % 16 == 0 and MXRows.row_bytes(cols) - cols - cols // 32 < 16
+    assert_same_rows(rows, x, rounding)
+    for dtype in (torch.bfloat16, torch.float32):
+        moved = rows.as_rows(dtype).clone()
+        assert torch.equal(MXRows.from_rows(moved, cols).packed, rows.packed)
+
+
+def test_packed_rows_refuse_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        MXRows(torch.zeros(2, 48, dtype=torch.uint8), 40)
+    with pytest.raises(ValueError, match="uint8"):
+        MXRows(torch.zeros(2, 32, dtype=torch.uint8), 32)
+
+
+def groups_with_padding(dtype: torch.dtype):
+    """(x, group sizes, offsets on the device): groups of 5, 0, 70 and 53 rows starting at row 3,
+    3 rows before and 9 after them that are NaN (never read into a group's result)."""
+    x = torch.cat([blocks_of_every_kind(dtype, seed=1), blocks_of_every_kind(dtype, seed=2)])
+    x = torch.cat([x, x[:12]])  # [140, 256]
+    sizes = [5, 0, 70, 53]
+    offsets = (torch.tensor([0, *sizes]).cumsum(0) + 3).to(torch.int32)
+    x[:3] = float("nan")
+    x[int(offsets[-1]) :] = float("nan")
+    return x, sizes, offsets.to(DEVICE)
+
+
+def group_rows(offsets: torch.Tensor, sizes: list[int]):
+    start = int(offsets[0])
+    for size in sizes:
+        yield slice(start, start + size)
+        start += size
+
+
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cast_along_the_tokens_of_each_group(rounding, dtype):
-    """Q_T per expert group (blocks of 32 rows from each group's first, zero-padded), from values
-    and from an MX tensor cast along C (dequantized, then cast again). Groups of 5, 0, 70 and 53
-    rows: blocks that start mid-group, a group shorter than a block, a partial last tile. Catches
-    blocks aligned to the tensor instead of the group, padding read from the next group."""
-    x = torch.cat([blocks_of_every_kind(dtype, seed=1), blocks_of_every_kind(dtype, seed=2)])
-    sizes = [5, 0, 70, 53]
-    offsets = torch.tensor([0, *sizes]).cumsum(0).to(torch.int32).to(DEVICE)
+def test_every_cast_of_the_groups_from_one_pass(rounding, dtype):
+    """`mx_group_casts` from values: along C (values and packed bytes) and Q_T per expert group
+    (blocks of 32 rows from each group's first, zero-padded), all from one pass; groups that
+    start mid-tensor, one shorter than a block, an empty one, a partial last tile, NaN rows
+    outside them. Catches blocks aligned to the tensor instead of the group, padding read from
+    the next group or the rows outside the groups, the two casts swapped."""
+    x, sizes, offsets = groups_with_padding(dtype)
     tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
-    codes = mx_quantize(x.to(DEVICE), dim=-1, rounding=rounding)
-    from_values = mx_group_rows_values(x.to(DEVICE), tiles, rounding).cpu()
-    from_codes = mx_group_rows_values(codes, tiles, rounding, dtype).cpu()
-    dequantized = mx.dequantize(codes[0].cpu(), codes[1].cpu(), dim=-1)
-    start = 0
-    for size in sizes:
-        if size:
-            rows = slice(start, start + size)
+    cast = mx_group_casts(x.to(DEVICE), tiles, rounding, values=True, codes=True, token_values=True)
+    along_c = reference_values(x, -1, rounding, dtype)
+    for rows in group_rows(offsets, sizes):
+        if rows.stop > rows.start:
+            assert_same_values(cast.values[rows].cpu(), along_c[rows])
+            assert_same_rows(cast.codes[rows], x[rows], rounding)
             want = quantized_rows(x[rows], rounding).to(dtype)
-            assert_same_values(from_values[rows], want)
-            assert_same_values(
-                from_codes[rows], quantized_rows(dequantized[rows], rounding).to(dtype)
-            )
-        start += size
+            assert_same_values(cast.token_values[rows].cpu(), want)
+    alone = mx_group_casts(x.to(DEVICE), tiles, rounding, token_values=True)
+    assert alone.values is None and alone.codes is None
+    inside = slice(int(offsets[0]), int(offsets[-1]))
+    assert_same_values(alone.token_values[inside].cpu(), cast.token_values[inside].cpu())
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_casts_of_packed_rows(rounding, dtype):
+    """`mx_group_casts` of `MXRows` (x and h as the layer saves them): the values along C are
+    the dequantized bytes, Q_T casts those values again. Catches scales read from the wrong
+    offset of a packed row, a second cast skipped."""
+    x, sizes, offsets = groups_with_padding(dtype)
+    tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
+    packed = mx_quantize_rows(x.to(DEVICE), rounding)
+    cast = mx_group_casts(packed, tiles, rounding, values=True, token_values=True, dtype=dtype)
+    dequantized = mx.dequantize(*mx.quantize(x, dim=-1, rounding=rounding), dim=-1)
+    for rows in group_rows(offsets, sizes):
+        if rows.stop > rows.start:
+            assert_same_values(cast.values[rows].cpu(), dequantized[rows].to(dtype))
+            want = quantized_rows(dequantized[rows], rounding).to(dtype)
+            assert_same_values(cast.token_values[rows].cpu(), want)
+    with pytest.raises(ValueError, match="dtype"):
+        mx_group_casts(packed, tiles, rounding, values=True)

@@ -10,9 +10,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from mx_cases import assert_same_bits
 
+from mok.kernels.mx import MXRows, mx_quantize_rows
 from mok.kernels.rows import copy_rows, pair_gradients, push_rows, reduce_rows
 from mok.kernels.sync import new_status
+from mok.reference import mx
 
 from sum_order_cases import (
     contraction_sensitive_terms,
@@ -323,6 +326,71 @@ def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed, 
         assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)
     want_w = torch.einsum("th,tkh->tk", grad_y.float(), pair_out.float())
     assert torch.allclose(grad_w, want_w, rtol=1e-5, atol=1e-5 * hidden)
+
+
+def uneven_rows(rows: int, hidden: int, generator) -> torch.Tensor:
+    """Random rows whose 32-column blocks span 2^-8 .. 2^8: every block gets its own MX scale."""
+    scale = torch.exp2(torch.randint(-8, 9, (rows, hidden // 32, 1), generator=generator).float())
+    return (torch.randn(rows, hidden // 32, 32, generator=generator) * scale).view(rows, hidden)
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_reduce_rows_saves_the_gathered_rows_as_mx(rounding):
+    """The combine's saved pair outputs in MXFP8: every term's row cast along H (zeros for a
+    skipped term) from the sum's own pass, bit for bit the reference's cast of the bf16 rows the
+    plain gather saves; the sum unchanged. Two column chunks of 64, the second partial (96 =
+    1.5 chunks). Catches scales stored at the wrong offset of a packed row or of the wrong
+    chunk, a cast along the wrong dimension, a skipped term's row left unwritten."""
+    generator = torch.Generator().manual_seed(5)
+    tokens, width, hidden, src_rows = 11, 3, 96, 13
+    src = uneven_rows(src_rows, hidden, generator).to(DEVICE, DTYPE)
+    rows = torch.randint(-2, src_rows + 2, (tokens, width), generator=generator).to(DEVICE)
+    weights = torch.rand(tokens, width, generator=generator).to(DEVICE)
+    plain = torch.empty(tokens, width, hidden, dtype=DTYPE, device=DEVICE)
+    packed = MXRows.empty(tokens * width, hidden, DEVICE)
+    sums = []
+    for gathered in (plain, packed):
+        out = torch.empty(tokens, hidden, dtype=DTYPE, device=DEVICE)
+        reduce_rows(
+            out,
+            src,
+            rows,
+            programs=2,
+            block_rows=4,
+            weight=weights,
+            gathered=gathered,
+            gathered_rounding=rounding,
+            block_h=64,
+        )
+        sums.append(out)
+    assert torch.equal(sums[0], sums[1])
+    data, scales = mx.quantize(plain.view(-1, hidden).float().cpu(), dim=-1, rounding=rounding)
+    assert torch.equal(packed.scales.cpu(), scales)
+    assert_same_bits(packed.codes.cpu().view(torch.uint8), data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("scatter", [False, True])
+def test_pair_gradients_read_mx_pair_outputs(scatter):
+    """The router weights' gradient from pair outputs saved in MXFP8 (`MXRows`): the dot
+    products with the values the bytes hold (blocks of every scale, a partial column chunk:
+    H = 1056 over chunks of 1024); the pair gradients as with bf16 outputs. Catches a scale
+    ignored or read from another block or row."""
+    generator = torch.Generator().manual_seed(2)
+    tokens, top_k, hidden = 9, 3, 1056
+    grad_y = torch.randn(tokens, hidden, generator=generator).to(DEVICE, DTYPE)
+    weights = torch.rand(tokens, top_k, generator=generator).to(DEVICE)
+    packed = mx_quantize_rows(uneven_rows(tokens * top_k, hidden, generator).to(DEVICE, DTYPE))
+    values = mx.dequantize(packed.codes.cpu().contiguous(), packed.scales.cpu().contiguous())
+    dst_row = torch.randperm(tokens * top_k, generator=generator).view(tokens, top_k).to(DEVICE)
+    grad_pairs = torch.zeros(tokens * top_k, hidden, dtype=DTYPE, device=DEVICE)
+    grad_w = pair_gradients(
+        grad_y, weights, packed, grad_pairs, programs=2, dst_row=dst_row if scatter else None
+    )
+    want_w = torch.einsum("th,tkh->tk", grad_y.float().cpu(), values.view(tokens, top_k, hidden))
+    assert torch.allclose(grad_w.cpu(), want_w, rtol=1e-5, atol=1e-5 * hidden)
+    want_pairs = (weights.float()[..., None] * grad_y.float()[:, None]).to(DTYPE)
+    order = dst_row.view(-1) if scatter else torch.arange(tokens * top_k, device=DEVICE)
+    assert torch.equal(grad_pairs[order], want_pairs.view(-1, hidden))
 
 
 def test_reduce_rows_refuses_strided_operands():

@@ -14,8 +14,11 @@ Errors found on the device (an expert id outside [0, E), a receive buffer too sm
 memory out of bounds: bad pairs are dropped (zero weight, zero gradients) and `check()` raises at
 the next host synchronization the caller chooses (`mok.Workspace.check`).
 
-MXFP8 (`precision="mxfp8"`): the routed experts through `mok.kernels.mx_expert_mlp` (the
-reference's quantization points; the shared expert, router, dispatch and combine stay bf16).
+MXFP8 (`precision="mxfp8"`): x is cast along H on its own rank and dispatched as packed e4m3
+bytes and scales (`mok.kernels.mx.MXRows`: 0.52x the bytes of a bf16 row), the routed experts run
+through `mok.kernels.mx_expert_mlp` (the reference's quantization points), and the combine saves
+the pairs' outputs as their MX cast for the router weights' gradient; the shared expert, the
+router, the combine's sum and every gradient that travels stay bf16.
 
 CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
 code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
@@ -44,6 +47,7 @@ from mok.weights import MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
     from mok.kernels import ExpertMLPSaved
+    from mok.kernels.mx import MXRows
     from mok.kernels.mx_expert_mlp import MXExpertSaved
 
 KERNEL_MULTIPLE = 16
@@ -69,7 +73,8 @@ class _Saved:
     valid: torch.Tensor
     experts: ExpertMLPSaved | MXExpertSaved
     shared: ExpertMLPSaved | None
-    pair_out: torch.Tensor | None
+    pair_out: torch.Tensor | MXRows | None
+    """The pairs' outputs, for the router weights' gradient (MXFP8: their cast along H)."""
     dtypes: dict[str, torch.dtype]
     """What each gradient is returned in: "x", "topk_weights" and every weight field."""
 
@@ -94,9 +99,13 @@ class TritonBackend:
         # The kernels' dtype: the config's on GPUs, fp32 on the CPU (the interpreter's bf16 is off).
         self.dtype = config.activation_dtype if device.type == "cuda" else torch.float32
         _, ep = group_rank_and_size(group)
+        self.mxfp8 = config.precision.value == "mxfp8"
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
         elif SymmetricExchange.unavailable_reason(group, device) is None:
+            layout = dict(self.exchange_layout)
+            if self.mxfp8:
+                layout["dispatch_width"] = self._mx_dispatch_width(config.hidden_size)
             shape = default_shape(
                 config.hidden_size,
                 config.top_k,
@@ -107,7 +116,7 @@ class TritonBackend:
                 config.recv_pair_capacity,
                 dtype=self.dtype,
                 pull_dispatch=self._pulls(config),
-                **self.exchange_layout,
+                **layout,
             )
             self.exchange = acquire_exchange(
                 group, shape, device, config.comm_sms, config.peer_timeout_s
@@ -116,13 +125,19 @@ class TritonBackend:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
         self.mx_weights = None
-        if config.precision.value == "mxfp8":
+        if self.mxfp8:
             from mok.kernels.mx_expert_mlp import MXWeightCache
 
             # The routed weights' MX casts, made once per weight update.
             self.mx_weights = MXWeightCache()
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
+
+    def _mx_dispatch_width(self, hidden: int) -> int:
+        """Elements of the kernels' dtype per dispatched MXFP8 row (packed e4m3 and scales)."""
+        from mok.kernels.mx import MXRows
+
+        return MXRows.row_bytes(hidden) // torch.empty((), dtype=self.dtype).element_size()
 
     @classmethod
     def _pulls(cls, config) -> bool:
@@ -191,25 +206,28 @@ class TritonBackend:
         routing = schedule.exchange
         given = weights
         x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
-        grouped = self.exchange.dispatch(routing, x)
-        if config.precision.value == "mxfp8":
+        pair_out_mx = None
+        if self.mxfp8:
+            from mok.kernels.mx import MXRows, mx_quantize_rows
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
 
-            casts = self.mx_weights.get(
-                given.gate, given.up, given.down, config.mx_rounding, self.dtype
-            )
+            # x is cast along H on its own rank and travels as e4m3 bytes and scales.
+            rounding = pair_out_mx = config.mx_rounding
+            packed = mx_quantize_rows(x, rounding).as_rows(self.dtype)
+            grouped = MXRows.from_rows(self.exchange.dispatch(routing, packed), x.shape[1])
+            casts = self.mx_weights.get(given.gate, given.up, given.down, rounding, self.dtype)
             expert_out, experts = mx_expert_mlp_forward(
                 grouped,
                 routing.group_offsets,
                 casts,
                 config.swiglu_limit,
-                config.mx_rounding,
+                rounding,
                 save_for_backward=need_backward,
                 out=self.exchange.expert_output_buffer(),
             )
         else:
             expert_out, experts = expert_mlp_forward(
-                grouped,
+                self.exchange.dispatch(routing, x),
                 routing.group_offsets,
                 weights.gate,
                 weights.up,
@@ -220,7 +238,12 @@ class TritonBackend:
             )
         shared_out, shared = self._shared_forward(x, weights, need_backward)
         y, pair_out = self.exchange.combine(
-            routing, expert_out, router, shared_out, save_pair_out=need_backward
+            routing,
+            expert_out,
+            router,
+            shared_out,
+            save_pair_out=need_backward,
+            pair_out_mx=pair_out_mx,
         )
         y = y.to(dtypes["x"])
         if not need_backward:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mok.comm.placement import RowPlacement, destination_mask, local_counts, placement_from_counts
 from mok.distributed import all_gather_rows, all_to_all, group_rank_and_size
-from mok.reference import combine
+from mok.reference import combine, mx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class CollectiveExchange:
         )
 
     def dispatch(self, routing: Routing, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [T, H] -> this rank's grouped rows [R, H] (one per pair, by local expert)."""
+        """Rows x [T, W] -> this rank's grouped rows [R, W] (one per pair, by local expert)."""
         staging = all_to_all(
             x[routing.send_token_index], routing.recv_tokens, routing.send_tokens, self.group
         )
@@ -123,28 +123,43 @@ class CollectiveExchange:
         topk_weights: torch.Tensor,
         shared_out: torch.Tensor | None = None,
         save_pair_out: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pair_out_mx: mx.ScaleRounding | None = None,
+    ):
         """y [T, H] from the grouped expert outputs [R, H], in the reference's combine order.
         Also returns the gathered pair outputs [T, k, H], which combine_backward needs (None
-        unless save_pair_out)."""
+        unless save_pair_out; with pair_out_mx, their MXFP8 cast along H, `MXRows` [T * k, H])."""
         pair_out = self.gather_outputs(routing, expert_out)
-        return combine(pair_out, topk_weights, shared_out), pair_out if save_pair_out else None
+        y = combine(pair_out, topk_weights, shared_out)
+        if not save_pair_out:
+            return y, None
+        if pair_out_mx is not None:
+            from mok.kernels.mx import mx_quantize_rows  # the triton backend's, like this path
+
+            return y, mx_quantize_rows(pair_out.view(-1, pair_out.shape[2]), pair_out_mx)
+        return y, pair_out
 
     def combine_backward(
         self,
         routing: Routing,
         grad_y: torch.Tensor,
         topk_weights: torch.Tensor,
-        pair_out: torch.Tensor,
+        pair_out,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(grad of the grouped expert outputs [R, H] on this rank, grad of topk_weights [T, k]).
 
-        grad of pair (t, j)'s output = w[t, j] * grad_y[t], rounded to the outputs' dtype;
-        grad of w[t, j] = <grad_y[t], out[t, j]> in fp32. The shared expert's output gradient is
-        grad_y itself."""
+        grad of pair (t, j)'s output = w[t, j] * grad_y[t], rounded to grad_y's dtype;
+        grad of w[t, j] = <grad_y[t], out[t, j]> in fp32 (out: pair_out as `combine` saved it, an
+        `MXRows` read as the values it holds). The shared expert's output gradient is grad_y
+        itself."""
         grad = grad_y.float()
-        grad_w = torch.einsum("th,tkh->tk", grad, pair_out.float()).to(topk_weights.dtype)
-        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(pair_out.dtype)
+        tokens, top_k = topk_weights.shape
+        if isinstance(pair_out, torch.Tensor):
+            out = pair_out.float()
+        else:
+            values = mx.dequantize(pair_out.codes.contiguous(), pair_out.scales.contiguous())
+            out = values.view(tokens, top_k, -1)
+        grad_w = torch.einsum("th,tkh->tk", grad, out).to(topk_weights.dtype)
+        grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(grad_y.dtype)
         flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])[routing.pair_send_order]
         received = all_to_all(flat, routing.recv_pairs, routing.send_pairs, self.group)
         grad_grouped = torch.empty_like(received)

@@ -11,6 +11,8 @@ import torch
 
 if TYPE_CHECKING:
     from mok.kernels.grouped_gemm import RowScatter, RowsReady
+    from mok.kernels.mx import MXRows
+    from mok.reference.mx import ScaleRounding
 
 
 class ExchangeRouting(Protocol):
@@ -25,7 +27,9 @@ class Exchange(Protocol):
         """Where every (token, slot) pair of topk_idx [T, k] (valid global ids) goes."""
 
     def dispatch(self, routing: ExchangeRouting, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> the rows this rank's experts take, grouped by local expert."""
+        """x [T, W] -> the rows this rank's experts take, grouped by local expert. W is the
+        dispatched row's width: H, or the elements holding a packed MXFP8 row (`MXRows.as_rows`),
+        which the exchange moves without reading."""
 
     def expert_output_buffer(self) -> torch.Tensor | None:
         """Where the expert outputs may be written so that combine copies nothing, or None."""
@@ -37,15 +41,17 @@ class Exchange(Protocol):
         topk_weights: torch.Tensor,
         shared_out: torch.Tensor | None = None,
         save_pair_out: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(y [T, H] in the contract's combine order, the pairs' outputs [T, k, H] or None)."""
+        pair_out_mx: ScaleRounding | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
+        """(y [T, H] in the contract's combine order, the pairs' outputs [T, k, H] or None; with
+        pair_out_mx, their MXFP8 cast along H rounded so, `MXRows` [T * k, H])."""
 
     def combine_backward(
         self,
         routing: ExchangeRouting,
         grad_y: torch.Tensor,
         topk_weights: torch.Tensor,
-        pair_out: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients of the grouped expert outputs, gradient of topk_weights [T, k])."""
 

@@ -13,9 +13,11 @@ import torch
 
 from mok.errors import MoKTimeoutError
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
+from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
 from mok.kernels.sync import await_counts, new_status
+from mok.reference.mx import ScaleRounding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +100,7 @@ class LocalExchange:
         return torch.full((1,), rows, dtype=torch.int64, device=self.device)
 
     def dispatch(self, routing: LocalRouting, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> grouped rows [T * k, H] (row pair_row[t, j] holds x[t])."""
+        """x [T, W] -> grouped rows [T * k, W] (row pair_row[t, j] holds x[t])."""
         pairs = routing.pair_row.numel()
         grouped = torch.empty(pairs, x.shape[1], dtype=x.dtype, device=x.device)
         copy_rows(
@@ -212,13 +214,25 @@ class LocalExchange:
         """The expert outputs stay where the kernels write them."""
         return None
 
-    def combine(self, routing, expert_out, topk_weights, shared_out=None, save_pair_out=True):
-        """(y [T, H], the pairs' outputs [T, k, H] or None), in the reference's combine order."""
+    def combine(
+        self,
+        routing: LocalRouting,
+        expert_out: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None = None,
+        save_pair_out: bool = True,
+        pair_out_mx: ScaleRounding | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
+        """(y [T, H], the pairs' outputs [T, k, H] or None), in the reference's combine order;
+        with pair_out_mx the outputs' MXFP8 cast along H, `MXRows` [T * k, H], from the same
+        pass."""
         tokens, top_k = routing.pair_row.shape
         hidden = expert_out.shape[1]
         y = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=self.device)
         pair_out = None
-        if save_pair_out:
+        if save_pair_out and pair_out_mx is not None:
+            pair_out = MXRows.empty(tokens * top_k, hidden, self.device)
+        elif save_pair_out:
             pair_out = torch.empty(
                 tokens, top_k, hidden, dtype=expert_out.dtype, device=self.device
             )
@@ -230,14 +244,16 @@ class LocalExchange:
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
             gathered=pair_out,
+            gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
             **LOCAL_SUM,
         )
         return y, pair_out
 
     def combine_backward(self, routing, grad_y, topk_weights, pair_out):
-        """(grads of the grouped outputs [T * k, H], grad of topk_weights [T, k])."""
+        """(grads of the grouped outputs [T * k, H] in grad_y's dtype, grad of topk_weights
+        [T, k]); pair_out as `combine` saved it."""
         grad_grouped = torch.empty(
-            routing.pair_row.numel(), grad_y.shape[1], dtype=pair_out.dtype, device=self.device
+            routing.pair_row.numel(), grad_y.shape[1], dtype=grad_y.dtype, device=self.device
         )
         grad_w = pair_gradients(
             grad_y.contiguous(),

@@ -55,6 +55,7 @@ from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
+from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels, owner_rows
 from mok.kernels.rows import (
     COPY_ROWS,
@@ -67,6 +68,7 @@ from mok.kernels.rows import (
     reduce_rows,
 )
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT, await_counts, barrier, new_status
+from mok.reference.mx import ScaleRounding
 
 _ALIGN_BYTES = 256
 
@@ -112,10 +114,22 @@ class ExchangeShape:
     pushed into staging and expanded beside the products (pull_dispatch False)."""
     dtype: torch.dtype = torch.bfloat16
     """Token rows and expert outputs (the gradients summed per staging row stay fp32)."""
+    dispatch_width: int | None = None
+    """Elements of `dtype` per dispatched row (None: hidden). The MXFP8 layer dispatches packed
+    e4m3 rows (`MXRows.as_rows`): about half of hidden."""
+
+    def __post_init__(self):
+        if self.overlapped and self.dispatch_width not in (None, self.hidden):
+            raise ValueError("the overlapped layout dispatches rows of the hidden width only")
 
     @property
     def blocks_per_rank(self) -> int:
         return math.ceil(self.max_tokens / self.block_tokens)
+
+    @property
+    def dispatch_columns(self) -> int:
+        """Elements per dispatched row."""
+        return self.hidden if self.dispatch_width is None else self.dispatch_width
 
 
 def default_shape(
@@ -202,7 +216,8 @@ class SymmetricView:
     flags: PeerTensor
     """[ep * blocks_per_rank] int32: readiness of pushed token blocks (epoch-stamped)."""
     staging: PeerTensor | None
-    """[token_capacity, H]: the tokens this rank receives, once per owner (not overlapped)."""
+    """[token_capacity, W]: the tokens this rank receives, once per owner (not overlapped; W the
+    dispatched rows' width, `ExchangeShape.dispatch_columns`)."""
     expert_out: PeerTensor | None
     """[pair_capacity, H]: the expert outputs peers pull back (not overlapped)."""
     grad_pairs: PeerTensor
@@ -212,7 +227,7 @@ class SymmetricView:
     staging_source: PeerTensor | None
     """[token_capacity + 1, 2] int64 with pull dispatch: (rank, row) each staging row comes from."""
     x_copy: PeerTensor | None
-    """[T_max, H] with pull dispatch: this rank's tokens, for the owners to pull."""
+    """[T_max, W] with pull dispatch: this rank's tokens, for the owners to pull."""
     pair_out: PeerTensor | None
     """[T_max * k, H] overlapped: the outputs of this rank's pairs, stored by their owners."""
     combine_counts: PeerTensor | None
@@ -299,14 +314,15 @@ class SymmetricExchange:
         ]
         # The overlapped layout stores the expert outputs straight into the token ranks' pair
         # slots, and pulls straight into the products' rows (staging only for a push).
+        width = s.dispatch_columns
         if not (s.overlapped and s.pull_dispatch):
-            layout.append(("staging", (s.token_capacity, s.hidden), s.dtype))
+            layout.append(("staging", (s.token_capacity, width), s.dtype))
         if not s.overlapped:
             layout.append(("expert_out", (s.pair_capacity, s.hidden), s.dtype))
         if s.pull_dispatch:
             layout += [
                 ("staging_source", (s.token_capacity + 1, 2), torch.int64),
-                ("x_copy", (s.max_tokens, s.hidden), s.dtype),
+                ("x_copy", (s.max_tokens, width), s.dtype),
             ]
         if s.overlapped:
             layout += [
@@ -542,9 +558,15 @@ class SymmetricExchange:
             )
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [T, H] bf16 -> grouped rows [pair_capacity, H] (first recv_pairs valid)."""
+        """Rows x [T, W] -> grouped rows [pair_capacity, W] (first recv_pairs valid); W the
+        shape's dispatch_columns, of its dtype."""
         self._require_plain_layout("dispatch")
         s = self.shape
+        if x.dim() != 2 or x.shape[1] != s.dispatch_columns or x.dtype != s.dtype:
+            raise ValueError(
+                f"SymmetricExchange.dispatch takes rows of {s.dispatch_columns} {s.dtype} "
+                f"elements, got {tuple(x.shape)} {x.dtype}"
+            )
         x = x.contiguous()
         if s.pull_dispatch:
             self.view.x_copy.local[: x.shape[0]].copy_(x)
@@ -584,7 +606,7 @@ class SymmetricExchange:
                 "timeout_s": self.view.timeout_s,
                 "wait_id": _PUSH_WAIT,
             }
-        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+        grouped = torch.empty(s.pair_capacity, s.dispatch_columns, dtype=x.dtype, device=x.device)
         copy_rows(
             grouped,
             self.view.staging.local,
@@ -812,9 +834,11 @@ class SymmetricExchange:
         topk_weights: torch.Tensor,
         shared_out: torch.Tensor | None = None,
         save_pair_out: bool = True,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        pair_out_mx: ScaleRounding | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
         """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
-        order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out."""
+        order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out, or
+        with pair_out_mx their MXFP8 cast along H (`MXRows` [T * k, H], made by the sum's pass)."""
         self._require_plain_layout("combine")
         s = self.shape
         buffer = self.view.expert_out.local
@@ -837,6 +861,9 @@ class SymmetricExchange:
             **COPY_TILE,
         )
         y = torch.empty(tokens, s.hidden, dtype=buffer.dtype, device=self.device)
+        gathered = None
+        if save_pair_out and pair_out_mx is not None:
+            gathered = MXRows.empty(pairs.shape[0], s.hidden, self.device)
         reduce_rows(
             y,
             pairs,
@@ -844,8 +871,12 @@ class SymmetricExchange:
             self.local_sms,
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
+            gathered=gathered,
+            gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
             **LOCAL_SUM,
         )
+        if gathered is not None:
+            return y, gathered
         return y, pair_out if save_pair_out else None
 
     def _row_count(self, rows: int) -> torch.Tensor:
@@ -870,11 +901,11 @@ class SymmetricExchange:
         routing: SymmetricRouting,
         grad_y: torch.Tensor,
         topk_weights: torch.Tensor,
-        pair_out: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(grads of the grouped expert outputs [pair_capacity, H], grad of topk_weights [T, k]):
         the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
-        the summation order of their fp32 dot products)."""
+        the summation order of their fp32 dot products); pair_out as `combine` saved it."""
         s = self.shape
         tokens = grad_y.shape[0]
         grad_w = pair_gradients(
@@ -886,7 +917,7 @@ class SymmetricExchange:
         )
         self._barrier("combine backward: pair gradients written")
         grad_grouped = torch.empty(
-            s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
+            s.pair_capacity, s.hidden, dtype=grad_y.dtype, device=self.device
         )
         copy_rows(
             grad_grouped,

@@ -11,6 +11,8 @@ first to the reference bit for bit, the CPU tests the second.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,76 @@ if interpreting():
 
 HARDWARE_FP8 = tl.constexpr(not interpreting())
 """Decode e4m3 with the GPU's conversion; the interpreter's rounds wrongly, so there integers."""
+
+ROW_ALIGN = 16
+"""Bytes a packed MX row is padded to a multiple of (16-byte vector accesses, any row dtype)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MXRows:
+    """An MXFP8 tensor [N, C] cast along its rows (blocks of 32 columns), one packed row of bytes
+    per row: its C e4m3 bytes, then its C / 32 e8m0 scale bytes, then zero padding to a multiple
+    of 16 bytes. A row is one contiguous run of bytes, so the exchange moves an MX row as it
+    moves a bf16 one (`as_rows`), at (C + C / 32) / 2C = 0.52x the bytes, and a kernel finds a
+    row's scales `cols` bytes into it."""
+
+    packed: torch.Tensor
+    """[N, row_bytes(C)] uint8 with a unit last stride (any row stride)."""
+    cols: int
+    """C, a multiple of 32."""
+
+    def __post_init__(self):
+        if self.cols % BLOCK:
+            raise ValueError(f"MX rows need a multiple of {BLOCK} columns, got {self.cols}")
+        if (
+            self.packed.dtype != torch.uint8
+            or self.packed.dim() != 2
+            or self.packed.shape[1] != self.row_bytes(self.cols)
+            or self.packed.stride(1) != 1
+        ):
+            raise ValueError(
+                f"packed MX rows of {self.cols} columns are [N, {self.row_bytes(self.cols)}] "
+                f"uint8 with a unit last stride, got {tuple(self.packed.shape)} {self.packed.dtype}"
+            )
+
+    @staticmethod
+    def row_bytes(cols: int) -> int:
+        """Bytes of one packed row of `cols` columns."""
+        return -(-(cols + cols // BLOCK) // ROW_ALIGN) * ROW_ALIGN
+
+    @classmethod
+    def empty(cls, rows: int, cols: int, device: torch.device) -> MXRows:
+        return cls(torch.empty(rows, cls.row_bytes(cols), dtype=torch.uint8, device=device), cols)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, cols: int) -> MXRows:
+        """The MX rows whose bytes `rows` holds (what `as_rows` made, e.g. after an exchange)."""
+        return cls(rows.view(torch.uint8), cols)
+
+    def as_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The same bytes as [N, row_bytes / itemsize] elements of `dtype` (a tensor of the
+        exchange's row dtype, to be moved, never computed on)."""
+        return self.packed.view(dtype)
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """[N, C] float8_e4m3fn (a strided view)."""
+        return self.packed[:, : self.cols].view(torch.float8_e4m3fn)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """[N, C / 32] uint8 e8m0 scale bytes (a strided view)."""
+        return self.packed[:, self.cols : self.cols + self.cols // BLOCK]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.cols
+
+    def __getitem__(self, rows: slice) -> MXRows:
+        """A slice of the rows (a view)."""
+        if not isinstance(rows, slice):
+            raise TypeError("MXRows are indexed by a slice of rows")
+        return MXRows(self.packed[rows], self.cols)
 
 
 @triton.jit
@@ -255,12 +327,12 @@ def _load_fp32(pointers, mask, BF16_BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS: tl.constexpr):
+def _store_row_scales(scales_ptr, scales, r, rows, cols, stride_row, BLOCK_COLS: tl.constexpr):
     """Store a tile's scale bytes [len(r), BLOCK_COLS // 32] (blocks along cols) into the
-    contiguous [rows, cols // 32] scales, at the program's column tile."""
+    [rows, cols // 32] scales (rows stride_row bytes apart), at the program's column tile."""
     s = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
     scale_mask = (r < rows)[:, None] & (s < cols // 32)[None, :]
-    scale_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
+    scale_offsets = r.to(tl.int64)[:, None] * stride_row + s[None, :]
     tl.store(scales_ptr + scale_offsets, scales.to(tl.uint8), mask=scale_mask)
 
 
@@ -278,8 +350,8 @@ def _store_values(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
 @triton.jit
 def _mx_quantize_kernel(
     x_ptr,
-    data_ptr,  # uint8, x's layout (STORE_CODES)
-    scales_ptr,  # uint8 [rows, cols // 32], contiguous (STORE_CODES)
+    data_ptr,  # uint8 [rows, cols], rows data_stride_row apart (STORE_CODES)
+    scales_ptr,  # uint8 [rows, cols // 32], rows scales_stride_row apart (STORE_CODES)
     values_ptr,  # [rows, cols] contiguous (STORE_VALUES): the cast's values, fp32 or bf16 bits
     rows,
     cols,
@@ -287,6 +359,7 @@ def _mx_quantize_kernel(
     stride_col,
     data_stride_row,
     data_stride_col,
+    scales_stride_row,
     RCEIL: tl.constexpr,
     BF16_BITS: tl.constexpr,
     STORE_CODES: tl.constexpr,
@@ -308,7 +381,7 @@ def _mx_quantize_kernel(
     if STORE_CODES:
         data_offsets = r.to(tl.int64)[:, None] * data_stride_row + c[None, :] * data_stride_col
         tl.store(data_ptr + data_offsets, data.to(tl.uint8), mask=mask)
-        _store_row_scales(scales_ptr, scales, r, rows, cols, BLOCK_COLS)
+        _store_row_scales(scales_ptr, scales, r, rows, cols, scales_stride_row, BLOCK_COLS)
     if STORE_VALUES:
         values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
         value_offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
@@ -337,8 +410,8 @@ def _values_arg(values: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _launch_row_cast(view, rounding, data=None, scales=None, values=None) -> None:
-    """Cast view [rows, cols] (any strides) along cols into the bytes `data` (view's layout) and
-    `scales` [rows, cols // 32], the contiguous `values`, or both."""
+    """Cast view [rows, cols] (any strides) along cols into the bytes `data` [rows, cols] and
+    `scales` [rows, cols // 32] (any row strides), the contiguous `values`, or both."""
     rows, cols = view.shape
     if not view.numel():
         return
@@ -347,10 +420,11 @@ def _launch_row_cast(view, rounding, data=None, scales=None, values=None) -> Non
     bf16 = view.dtype == torch.bfloat16
     values_arg, values_bits = (scales, False) if values is None else _values_arg(values)
     codes = data if data is not None else values_arg
+    scales = scales if scales is not None else values_arg
     _mx_quantize_kernel[grid](
         view.view(torch.int16) if bf16 else view,
         codes,
-        scales if scales is not None else values_arg,
+        scales,
         values_arg,
         rows,
         cols,
@@ -358,6 +432,7 @@ def _launch_row_cast(view, rounding, data=None, scales=None, values=None) -> Non
         view.stride(1),
         codes.stride(0),
         codes.stride(1),
+        scales.stride(0),
         RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
         BF16_BITS=bf16,
         STORE_CODES=data is not None,
@@ -376,18 +451,29 @@ def mx_quantized_values(
     """The values of x's MXFP8 cast along its last dimension, `mok.reference.mx` quantize then
     dequantize, as a contiguous tensor of x's dtype (exact: every MX value is a bf16 value): the
     operand a bf16 GEMM reads to compute the MX product exactly. x: 2-D bf16 or fp32, the last
-    dimension a multiple of 32. keep_codes: return (values, (data float8_e4m3fn, scales uint8))
-    from the same pass."""
+    dimension a multiple of 32. keep_codes: return (values, the cast's `MXRows`) from the same
+    pass."""
     _check_cast(x, -1)
     rows, cols = x.shape
     values = torch.empty(rows, cols, dtype=x.dtype, device=x.device)
     if not keep_codes:
         _launch_row_cast(x, rounding, values=values)
         return values
-    data = torch.empty(rows, cols, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(rows, cols // BLOCK, dtype=torch.uint8, device=x.device)
-    _launch_row_cast(x, rounding, data, scales, values)
-    return values, (data.view(torch.float8_e4m3fn), scales)
+    codes = MXRows.empty(rows, cols, x.device)
+    _launch_row_cast(x, rounding, codes.codes.view(torch.uint8), codes.scales, values)
+    return values, codes
+
+
+def mx_quantize_rows(
+    x: torch.Tensor, rounding: ScaleRounding | str = ScaleRounding.RCEIL
+) -> MXRows:
+    """x [N, C] (bf16 or fp32, any strides, C a multiple of 32) cast along its rows into packed
+    `MXRows`: the bytes of `mok.reference.mx.quantize(x, dim=-1)` one row at a time (what the
+    MXFP8 layer dispatches and saves). The padding bytes are left as they are."""
+    _check_cast(x, -1)
+    out = MXRows.empty(*x.shape, x.device)
+    _launch_row_cast(x, rounding, out.codes.view(torch.uint8), out.scales)
+    return out
 
 
 def mx_quantize(
@@ -437,7 +523,7 @@ def _mx_quantize_both_kernel(
         _store_values(rowwise_ptr, offsets, values, mask, VALUES_BF16_BITS)
     else:
         tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
-        _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, BLOCK_COLS)
+        _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, cols // 32, BLOCK_COLS)
 
     data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
     if VALUES:
@@ -525,10 +611,14 @@ def mx_quantized_values_both(
 
 
 @triton.jit(do_not_specialize=["capacity"])
-def _mx_group_rows_kernel(
-    a_ptr,  # [M, C] contiguous: values (bf16 bits as int16 when BF16_BITS), or e4m3 bytes (MX_IN)
-    a_scales_ptr,  # MX_IN: [M, C // 32] scale bytes of a, cast along C
-    out_ptr,  # [M, C] contiguous: the values (fp32, or bf16 bits when OUT_BF16_BITS)
+def _mx_group_cast_kernel(
+    a_ptr,  # [M, C], rows a_stride elements apart: values (bf16 bits as int16 when BF16_BITS)
+    #         or, MX_IN, packed MX rows (uint8: C e4m3 bytes, then C // 32 scale bytes)
+    a_stride,
+    values_ptr,  # VALUES: [M, C] contiguous, the values of the cast along C
+    codes_ptr,  # CODES: packed MX rows (uint8) of that cast, rows codes_stride bytes apart
+    codes_stride,
+    tokens_ptr,  # TOKENS: [M, C] contiguous, the values of the cast along the group's rows
     table_ptr,  # RowTiles of BLOCK_ROWS rows
     counts_ptr,
     capacity,
@@ -536,15 +626,21 @@ def _mx_group_rows_kernel(
     RCEIL: tl.constexpr,
     BF16_BITS: tl.constexpr,
     MX_IN: tl.constexpr,
+    VALUES: tl.constexpr,
+    CODES: tl.constexpr,
+    TOKENS: tl.constexpr,
     OUT_BF16_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. Every group's rows cast to MXFP8 along the rows in blocks of 32 from
-    the group's first (a row tile starts there, BLOCK_ROWS a multiple of 32; rows past the group
-    read as zeros), stored as the values they represent. MX_IN: a is itself an MXFP8 tensor cast
-    along C, dequantized first (its values cast again)."""
+    """Grid: NUM_PROGRAMS. Every row tile of the groups (BLOCK_ROWS rows from a group's first or
+    further on by whole tiles, BLOCK_ROWS a multiple of 32; rows past the group read as zeros)
+    and column tile of a, read once: its MXFP8 cast along C as values and/or packed bytes (of an
+    MX_IN a: its values, the cast being exact), and its cast along the rows in blocks of 32 from
+    the group's first (TOKENS; of an MX_IN a, a second cast of its values). Values are stored as
+    fp32, or as bf16 bits when OUT_BF16_BITS (exact either way). Rows outside the groups are
+    never touched."""
     c_tiles = tl.cdiv(cols, BLOCK_COLS)
     num_tasks = tl.load(counts_ptr) * c_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -552,66 +648,127 @@ def _mx_group_rows_kernel(
         row_end = tl.load(table_ptr + 2 * capacity + task // c_tiles)
         r = row + tl.arange(0, BLOCK_ROWS)
         c = task % c_tiles * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        s = task % c_tiles * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+        rows = r.to(tl.int64)[:, None]
         mask = (r < row_end)[:, None] & (c < cols)[None, :]
-        offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
+        s_mask = (r < row_end)[:, None] & (s < cols // 32)[None, :]
         if MX_IN:
-            codes = tl.load(a_ptr + offsets, mask=mask, other=0)
-            s = task % c_tiles * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
-            s_mask = (r < row_end)[:, None] & (s < cols // 32)[None, :]
-            s_offsets = r.to(tl.int64)[:, None] * (cols // 32) + s[None, :]
-            scale_bytes = tl.load(a_scales_ptr + s_offsets, mask=s_mask, other=127)
-            tile = mx_dequantize_tile(codes, scale_bytes.to(tl.int32), BLOCK_ROWS, BLOCK_COLS)
+            data = tl.load(a_ptr + rows * a_stride + c[None, :], mask=mask, other=0).to(tl.int32)
+            scales_at = a_ptr + rows * a_stride + cols + s[None, :]
+            scales = tl.load(scales_at, mask=s_mask, other=127).to(tl.int32)
+            tile = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
         else:
-            tile = _load_fp32(a_ptr + offsets, mask, BF16_BITS)
-        data, scales = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-        values = mx_dequantize_columns(data, scales, BLOCK_ROWS, BLOCK_COLS)
-        _store_values(out_ptr, offsets, values, mask, OUT_BF16_BITS)
+            tile = _load_fp32(a_ptr + rows * a_stride + c[None, :], mask, BF16_BITS)
+            if VALUES or CODES:
+                data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+        dense = rows * cols + c[None, :]
+        if VALUES:
+            if MX_IN:
+                _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
+            else:
+                values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
+                _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
+        if CODES:
+            tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
+            scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
+            tl.store(scales_to, scales.to(tl.uint8), mask=s_mask)
+        if TOKENS:
+            data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+            values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
+            _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
 
 
 GROUP_ROWS = 64
-"""Rows per tile of `mx_group_rows_values` (a multiple of 32): its `RowTiles` block_m."""
+"""Rows per tile of `mx_group_casts` (a multiple of 32): its `RowTiles` block_m."""
+GROUP_CAST_TILE = {"block_cols": 64, "programs_per_sm": 8, "num_warps": 4}
+"""Columns per tile, programs per SM and warps of `mx_group_casts` on GPUs (H200 sweep:
+`benchmarks/mx_casts.py`)."""
 
 
-def mx_group_rows_values(
-    a: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+@dataclasses.dataclass(frozen=True)
+class GroupCasts:
+    """What `mx_group_casts` made (None where not asked for); rows outside the groups unwritten."""
+
+    values: torch.Tensor | None
+    """[M, C] the values of the cast along C: the operand of a GEMM reducing over C."""
+    codes: MXRows | None
+    """[M, C] that cast's bytes (the form the MXFP8 layer saves)."""
+    token_values: torch.Tensor | None
+    """[M, C] the values of the cast along each group's rows (Q_T): the operand of a weight
+    gradient, which reduces over the tokens of one expert."""
+
+
+def mx_group_casts(
+    a: torch.Tensor | MXRows,
     tiles: RowTiles,
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+    *,
+    values: bool = False,
+    codes: bool = False,
+    token_values: bool = False,
     dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Q_T of every expert group's rows of a [M, C]: the values of the MXFP8 cast along the rows
-    in blocks of 32 from each group's first row, the last block padded with zeros
-    (`mok.reference.mx_expert.quantized_rows`): the operand a bf16 weight-gradient GEMM reads.
-    a: contiguous bf16 or fp32 values, or an MXFP8 tensor cast along C (data, scales), whose
-    values are cast (a second cast, in the same pass). Returns a's dtype (`dtype` for an MXFP8
-    a). tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`. Rows outside the groups
-    are left unwritten."""
-    mx_in = isinstance(a, tuple)
-    data, scales = a if mx_in else (a, a)
-    if data.dim() != 2 or not data.is_contiguous():
-        raise ValueError(f"a must be a contiguous [M, C] tensor, got {tuple(data.shape)}")
-    rows, cols = data.shape
-    out = torch.empty(rows, cols, dtype=dtype or data.dtype, device=data.device)
-    if rows:
-        block_cols = 64
-        tasks = tiles.capacity * triton.cdiv(cols, block_cols)
-        cfg = GemmTiles(GROUP_ROWS, block_cols, 32, programs_per_sm=8)
-        programs = num_programs(data.device, tasks, cfg)
-        out_arg, out_bits = _values_arg(out)
-        bf16 = data.dtype == torch.bfloat16
-        _mx_group_rows_kernel[(programs,)](
-            data.view(torch.uint8) if mx_in else data.view(torch.int16) if bf16 else data,
-            scales,
-            out_arg,
+) -> GroupCasts:
+    """The MXFP8 casts of the expert groups' rows of a [M, C] asked for, from one read of a:
+    along C (`values`, `codes`: `mok.reference.mx.quantize` along the last dimension), and along
+    the rows of each group in blocks of 32 from its first row, the last block padded with zeros
+    (`token_values`: `mok.reference.mx_expert.quantized_rows`). a: bf16 or fp32 values with a
+    unit last stride, or `MXRows` (an MX tensor cast along C, whose values are exact: `values`
+    then dequantizes, `token_values` casts them again). Values come in a's dtype (`dtype` for
+    `MXRows`). tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`; only rows inside
+    the groups are read or written. Never synchronizes with the host."""
+    mx_in = isinstance(a, MXRows)
+    if mx_in and (codes or dtype is None):
+        raise ValueError("mx_group_casts of MXRows: no codes (they are a's), and a dtype is due")
+    if tiles.block_m != GROUP_ROWS:
+        raise ValueError(f"mx_group_casts needs row tiles of {GROUP_ROWS} rows")
+    source = a.packed if mx_in else a
+    if source.dim() != 2 or source.stride(1) != 1:
+        raise ValueError(f"a must be a 2-D tensor with a unit last stride, got {tuple(a.shape)}")
+    rows, cols = a.shape
+    if cols % BLOCK:
+        raise ValueError(f"MXFP8 casts need a multiple of {BLOCK} columns, got {cols}")
+    dtype = dtype or a.dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"MX values are stored as float32 or bfloat16, not {dtype}")
+    device = source.device
+    out_values = torch.empty(rows, cols, dtype=dtype, device=device) if values else None
+    out_codes = MXRows.empty(rows, cols, device) if codes else None
+    out_tokens = torch.empty(rows, cols, dtype=dtype, device=device) if token_values else None
+    if rows and (values or codes or token_values):
+        tile = GROUP_CAST_TILE if device.type == "cuda" else {"block_cols": 64, "num_warps": 4}
+        cfg = GemmTiles(
+            GROUP_ROWS,
+            tile["block_cols"],
+            32,
+            num_warps=tile["num_warps"],
+            programs_per_sm=tile.get("programs_per_sm", 1),
+        )
+        programs = num_programs(device, tiles.capacity * triton.cdiv(cols, cfg.block_n), cfg)
+        unused = tiles.table  # pointer arguments of outputs not asked for are never touched
+        values_arg = _values_arg(out_values)[0] if values else unused
+        tokens_arg = _values_arg(out_tokens)[0] if token_values else unused
+        bf16 = source.dtype == torch.bfloat16
+        _mx_group_cast_kernel[(programs,)](
+            source.view(torch.int16) if bf16 else source,
+            source.stride(0),
+            values_arg,
+            out_codes.packed if codes else unused,
+            out_codes.packed.stride(0) if codes else 0,
+            tokens_arg,
             tiles.table,
             tiles.counts,
             tiles.capacity,
             cols,
             RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
-            BF16_BITS=bf16 and not mx_in,
+            BF16_BITS=bf16,
             MX_IN=mx_in,
-            OUT_BF16_BITS=out_bits,
+            VALUES=values,
+            CODES=codes,
+            TOKENS=token_values,
+            OUT_BF16_BITS=dtype == torch.bfloat16,
             BLOCK_ROWS=GROUP_ROWS,
-            BLOCK_COLS=block_cols,
+            BLOCK_COLS=cfg.block_n,
             NUM_PROGRAMS=programs,
+            num_warps=cfg.num_warps,
         )
-    return out
+    return GroupCasts(out_values, out_codes, out_tokens)

@@ -12,10 +12,11 @@ GEMM's reduction dimension, and the bf16 kernels run unchanged:
                -> gate/up dgrad;  Q_T of grad out, Q_I(h), grads, Q_H(rows) -> weight gradients
 
 The weights' casts (both layouts from one pass, `MXWeightValues`) are made once per weight
-update when the caller keeps an `MXWeightCache`. Saved for the backward: x and h as MXFP8 bytes
-and scales (about half their bf16 bytes), the bf16 pre-activations as the bf16 layer saves them.
-Measured against a tl design that dequantizes e4m3 tiles inside the GEMMs' main loops:
-docs/mxfp8.md.
+update when the caller keeps an `MXWeightCache`. The casts of the grouped rows
+(`mx_group_casts`) touch only the rows inside the groups and make every cast of a tensor in one
+pass. Saved for the backward, as MXFP8 bytes and scales (about half their bf16 bytes): x, h and
+the pre-activations (bf16 under a clamp). Measured against a tl design that dequantizes e4m3
+tiles inside the GEMMs' main loops: docs/mxfp8.md.
 """
 
 from __future__ import annotations
@@ -33,16 +34,8 @@ from mok.kernels.expert_mlp import (
     expert_mlp_forward,
     expert_mlp_weight_gradients,
 )
-from mok.kernels.mx import (
-    GROUP_ROWS,
-    mx_group_rows_values,
-    mx_quantized_values,
-    mx_quantized_values_both,
-)
+from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
 from mok.reference.mx import ScaleRounding
-
-MXPair = tuple[torch.Tensor, torch.Tensor]
-"""(e4m3 data, e8m0 scale bytes) of an MXFP8 tensor."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +102,14 @@ class MXWeightCache:
 class MXExpertSaved:
     """What `mx_expert_mlp_backward` needs from a forward call."""
 
-    x: MXPair
-    """The rows cast along H, [M, H] and [M, H / 32]."""
-    h: MXPair
-    """h cast along I, [M, I] and [M, I / 32]."""
-    gate_up: torch.Tensor
-    """[M, 2I] pre-activations, saved as the bf16 layer saves them."""
+    x: MXRows
+    """The rows cast along H, [M, H]."""
+    h: MXRows
+    """h cast along I, [M, I]."""
+    gate_up: MXRows | torch.Tensor
+    """[M, 2I] pre-activations gate | up: without a clamp their cast along I (`MXRows`); under a
+    clamp bf16 as the bf16 layer saves them (an e4m3 block cannot always keep a value on its
+    side of the limit, and the backward's clamp decisions must be the forward's)."""
     group_offsets: torch.Tensor
     row_tiles: dict
     weights: MXWeightValues
@@ -124,7 +119,7 @@ class MXExpertSaved:
 
 
 def mx_expert_mlp_forward(
-    rows: torch.Tensor,
+    rows: torch.Tensor | MXRows,
     group_offsets: torch.Tensor,
     weights: MXWeightValues,
     swiglu_limit: float | None = None,
@@ -132,24 +127,29 @@ def mx_expert_mlp_forward(
     save_for_backward: bool = True,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MXExpertSaved | None]:
-    """out [M, H] of `mok.reference.mx_expert.mx_grouped_expert_mlp` for rows [M, H] (bf16, or
-    fp32 under the interpreter) grouped by `group_offsets` ([E + 1] int32 on the device) through
-    the weights' casts (`MXWeightValues`; H and I multiples of 32). out: as in
-    `expert_mlp_forward`. Returns (out in the rows' dtype, rows outside the groups unwritten;
-    saved or None). Never synchronizes with the host."""
+    """out [M, H] of `mok.reference.mx_expert.mx_grouped_expert_mlp` for rows [M, H] grouped by
+    `group_offsets` ([E + 1] int32 on the device) through the weights' casts (`MXWeightValues`;
+    H and I multiples of 32). rows: bf16 values (fp32 under the interpreter), cast here, or
+    their cast along H already made (`MXRows`, as the layer dispatches them). out: as in
+    `expert_mlp_forward`. Returns (out in the weights' dtype, rows outside the groups unwritten;
+    saved or None). Only rows inside the groups are cast. Never synchronizes with the host."""
     rounding = ScaleRounding(rounding)
-    if save_for_backward:
-        x_values, x_codes = mx_quantized_values(rows, rounding, keep_codes=True)
+    dtype = weights.gate.dtype
+    m = rows.shape[0]
+    tiles: dict = {}
+    cast_tiles = cached_row_tiles(tiles, group_offsets, m, GROUP_ROWS)
+    if isinstance(rows, MXRows):
+        x = mx_group_casts(rows, cast_tiles, rounding, values=True, dtype=dtype)
+        x_values, x_codes = x.values, rows
     else:
-        x_values, x_codes = mx_quantized_values(rows, rounding), None
+        x = mx_group_casts(rows, cast_tiles, rounding, values=True, codes=save_for_backward)
+        x_values, x_codes = x.values, x.codes
     h_codes = []
 
     def down_operand(h: torch.Tensor) -> torch.Tensor:
-        if not save_for_backward:
-            return mx_quantized_values(h, rounding)
-        values, codes = mx_quantized_values(h, rounding, keep_codes=True)
-        h_codes.append(codes)
-        return values
+        cast = mx_group_casts(h, cast_tiles, rounding, values=True, codes=save_for_backward)
+        h_codes.append(cast.codes)
+        return cast.values
 
     out, bf16_saved = expert_mlp_forward(
         x_values,
@@ -164,26 +164,23 @@ def mx_expert_mlp_forward(
     )
     if not save_for_backward:
         return out, None
-    if not h_codes:  # no rows: the products never ran
-        inter = weights.gate.shape[1]
-        h_codes.append(_no_codes(rows, inter))
+    inter = weights.gate.shape[1]
+    h = h_codes[0] if h_codes else MXRows.empty(0, inter, x_values.device)  # no rows: no products
+    gate_up = bf16_saved.gate_up
+    if swiglu_limit is None:
+        gate_up = mx_group_casts(gate_up, cast_tiles, rounding, codes=True).codes
     saved = MXExpertSaved(
         x=x_codes,
-        h=h_codes[0],
-        gate_up=bf16_saved.gate_up,
+        h=h,
+        gate_up=gate_up,
         group_offsets=group_offsets,
-        row_tiles=bf16_saved.row_tiles,
+        row_tiles={**bf16_saved.row_tiles, **tiles},
         weights=weights,
         swiglu_limit=swiglu_limit,
         rounding=rounding,
         config=bf16_saved.config,
     )
     return out, saved
-
-
-def _no_codes(rows: torch.Tensor, cols: int) -> MXPair:
-    data = torch.empty(0, cols, dtype=torch.float8_e4m3fn, device=rows.device)
-    return data, torch.empty(0, cols // 32, dtype=torch.uint8, device=rows.device)
 
 
 def mx_expert_mlp_backward(
@@ -196,40 +193,55 @@ def mx_expert_mlp_backward(
     """(grad rows [M, H], grad W_gate, grad W_up, grad W_down) of `mx_expert_mlp_forward` given
     grad_out [M, H] (bf16 values): the reference's MXFP8 backward. The weight-gradient buffers
     as in `expert_mlp_backward` (added into when given). grad rows is zero outside the groups;
-    an expert without rows gets zero weight gradients."""
+    an expert without rows gets zero weight gradients. Each operand is cast in one pass that
+    makes every cast of it the backward reads (grad_out and the SwiGLU gradients: along their
+    columns for the data gradients, along the tokens for the weight gradients)."""
     rounding, w = saved.rounding, saved.weights
     m = grad_out.shape[0]
     dtype = grad_out.dtype
-    g_values = mx_quantized_values(grad_out, rounding)
+    tiles = cached_row_tiles(saved.row_tiles, saved.group_offsets, m, GROUP_ROWS)
+    g = mx_group_casts(grad_out, tiles, rounding, values=True, token_values=True)
+    gate_up = saved.gate_up
+    if isinstance(gate_up, MXRows):
+        gate_up = mx_group_casts(gate_up, tiles, rounding, values=True, dtype=dtype).values
     through = ExpertMLPSaved(
-        rows=g_values,  # only its shape and dtype are read by the data gradients
+        rows=g.values,  # only its shape and dtype are read by the data gradients
         group_offsets=saved.group_offsets,
         w_gate=w.gate_along_i,
         w_up=w.up_along_i,
         w_down=w.down_along_h,
-        h=g_values,
-        gate_up=saved.gate_up,
+        h=g.values,
+        gate_up=gate_up,
         row_tiles=saved.row_tiles,
         swiglu_limit=saved.swiglu_limit,
         config=saved.config,
     )
-    grad_rows, grads = expert_mlp_data_gradients(
-        g_values,
-        through,
-        gate_up_operand=lambda grads: mx_quantized_values(grads, rounding),
+    grads_along_tokens = []
+
+    def gate_up_operand(grads: torch.Tensor) -> torch.Tensor:
+        cast = mx_group_casts(grads, tiles, rounding, values=True, token_values=True)
+        grads_along_tokens.append(cast.token_values)
+        return cast.values
+
+    grad_rows, grads = expert_mlp_data_gradients(g.values, through, gate_up_operand=gate_up_operand)
+    del gate_up, through
+    x_tokens = mx_group_casts(saved.x, tiles, rounding, token_values=True, dtype=dtype)
+    h_tokens = mx_group_casts(saved.h, tiles, rounding, token_values=True, dtype=dtype)
+    wgrad = ExpertMLPSaved(
+        rows=x_tokens.token_values,
+        group_offsets=saved.group_offsets,
+        w_gate=w.gate,
+        w_up=w.up,
+        w_down=w.down,
+        h=h_tokens.token_values,
+        gate_up=grads,
+        row_tiles=saved.row_tiles,
+        swiglu_limit=saved.swiglu_limit,
+        config=saved.config,
     )
-    del g_values
-    tiles = cached_row_tiles(saved.row_tiles, saved.group_offsets, m, GROUP_ROWS)
-
-    def along_tokens(values: torch.Tensor) -> torch.Tensor:
-        return mx_group_rows_values(values, tiles, rounding)
-
-    x_tokens = mx_group_rows_values(saved.x, tiles, rounding, dtype)
-    h_tokens = mx_group_rows_values(saved.h, tiles, rounding, dtype)
-    wgrad = dataclasses.replace(through, rows=x_tokens, h=h_tokens)
     grad_w_gate, grad_w_up, grad_w_down = expert_mlp_weight_gradients(
-        along_tokens(grad_out.contiguous()),
-        along_tokens(grads),
+        g.token_values,
+        grads_along_tokens[0] if grads_along_tokens else grads,  # none without rows
         wgrad,
         grad_w_gate,
         grad_w_up,

@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.mx import MXRows, mx_dequantize_tile, mx_quantize_tile
 from mok.kernels.sync import signal_ready, timeout_ns, wait_ready
+from mok.reference.mx import ScaleRounding
 
 if interpreting():
     patch_interpreter()
@@ -287,6 +289,7 @@ def reduce_rows_tile(
     row_ptr,
     weight_ptr,
     gathered_ptr,
+    gathered_stride,
     src_capacity,
     hidden,
     WIDTH: tl.constexpr,
@@ -295,6 +298,8 @@ def reduce_rows_tile(
     HAS_TAIL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SAVE_GATHERED: tl.constexpr,
+    GATHER_MX: tl.constexpr,
+    RCEIL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -303,8 +308,10 @@ def reduce_rows_tile(
     the tile's rows t below count, the sum in fp32 over j = 0 .. WIDTH-1 in order, each term
     rounded before it is added (launch with fp fusion off so no multiply-add is contracted).
     Terms with row < 0 or >= src_capacity are skipped. rank(t, j): 0 = local source
-    (RANK_MODE 0), j (1), rank[t, j] (2). SAVE_GATHERED: also gathered[t, j] = the term's row
-    (zeros where skipped)."""
+    (RANK_MODE 0), j (1), rank[t, j] (2). SAVE_GATHERED: also row t * WIDTH + j of gathered
+    (rows gathered_stride elements apart) = the term's row, zeros where skipped; GATHER_MX: as
+    packed MX rows (`MXRows`, blocks of 32 along H, BLOCK_H a multiple of 32) of its MXFP8 cast
+    along H."""
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     live = rows < count
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * hidden
@@ -329,8 +336,17 @@ def reduce_rows_tile(
             offset = tl.multiple_of(offset, ALIGN)
             term = tl.load(src_ptr + offset[:, None] + cols[None, :], mask=valid[:, None] & cols_ok)
             if SAVE_GATHERED:
-                gathered = gathered_ptr + (rows.to(tl.int64) * WIDTH + j)[:, None] * hidden
-                tl.store(gathered + cols[None, :], tl.where(valid[:, None], term, 0.0), mask=here)
+                gathered = gathered_ptr + (rows.to(tl.int64) * WIDTH + j)[:, None] * gathered_stride
+                if GATHER_MX:
+                    kept = tl.where(valid[:, None] & cols_ok, term.to(tl.float32), 0.0)
+                    codes, scales = mx_quantize_tile(kept, BLOCK_ROWS, BLOCK_H, RCEIL)
+                    tl.store(gathered + cols[None, :], codes.to(tl.uint8), mask=here)
+                    s = start // 32 + tl.arange(0, BLOCK_H // 32)
+                    s_here = live[:, None] & (s < hidden // 32)[None, :]
+                    tl.store(gathered + hidden + s[None, :], scales.to(tl.uint8), mask=s_here)
+                else:
+                    kept = tl.where(valid[:, None], term, 0.0)
+                    tl.store(gathered + cols[None, :], kept, mask=here)
             term = term.to(tl.float32)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + rows * WIDTH + j, mask=valid, other=0.0)
@@ -354,6 +370,7 @@ def reduce_rows_kernel(
     row_ptr,
     weight_ptr,
     gathered_ptr,
+    gathered_stride,
     src_capacity,
     hidden,
     WIDTH: tl.constexpr,
@@ -363,6 +380,8 @@ def reduce_rows_kernel(
     HAS_TAIL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SAVE_GATHERED: tl.constexpr,
+    GATHER_MX: tl.constexpr,
+    RCEIL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGN: tl.constexpr,
@@ -386,6 +405,7 @@ def reduce_rows_kernel(
             row_ptr,
             weight_ptr,
             gathered_ptr,
+            gathered_stride,
             src_capacity,
             hidden,
             WIDTH,
@@ -394,6 +414,8 @@ def reduce_rows_kernel(
             HAS_TAIL,
             HAS_WEIGHT,
             SAVE_GATHERED,
+            GATHER_MX,
+            RCEIL,
             BLOCK_ROWS,
             BLOCK_H,
             ALIGN,
@@ -562,7 +584,8 @@ def reduce_rows(
     init: torch.Tensor | None = None,
     tail: torch.Tensor | None = None,
     count: torch.Tensor | None = None,
-    gathered: torch.Tensor | None = None,
+    gathered: torch.Tensor | MXRows | None = None,
+    gathered_rounding: ScaleRounding = ScaleRounding.RCEIL,
     num_warps: int = 4,
     block_h: int = BLOCK_H,
 ) -> None:
@@ -570,12 +593,18 @@ def reduce_rows(
     j ascending (row [N, W] int64; terms with row < 0 or >= src's rows skipped). The source of
     term (t, j): this rank's src (no src_offsets), rank j (rank_is_column) or rank[t, j]. count: a
     device scalar bounding the rows computed (the rest of out is left as it is). gathered [N, W, H]:
-    also store every term's row."""
+    also store every term's row; or, `MXRows` [N * W, H], its MXFP8 cast along H rounded by
+    `gathered_rounding` (H a multiple of 32)."""
     rows, hidden = out.shape
     width = row.shape[1]
     device = out.device
+    gather_mx = isinstance(gathered, MXRows)
+    if gather_mx and (gathered.shape != (rows * width, hidden) or gathered.packed.stride(0) % 16):
+        raise ValueError(f"reduce_rows: MX gathered rows must be [{rows * width}, {hidden}]")
     tensors = {"out": out, "src": src, "row": row, "weight": weight, "init": init, "tail": tail}
-    for name, tensor in {**tensors, "gathered": gathered}.items():
+    if not gather_mx:
+        tensors["gathered"] = gathered
+    for name, tensor in tensors.items():
         if tensor is not None and not tensor.is_contiguous():
             raise ValueError(f"reduce_rows: {name} must be contiguous (rows are addressed densely)")
     if rows == 0:
@@ -598,7 +627,8 @@ def reduce_rows(
         rank if rank is not None else placeholder(device),
         row,
         weight if weight is not None else placeholder(device, torch.float32),
-        gathered if gathered is not None else out,
+        gathered.packed if gather_mx else gathered if gathered is not None else out,
+        gathered.packed.stride(0) if gather_mx else hidden,
         src.shape[0],
         hidden,
         WIDTH=width,
@@ -608,6 +638,8 @@ def reduce_rows(
         HAS_TAIL=tail is not None,
         HAS_WEIGHT=weight is not None,
         SAVE_GATHERED=gathered is not None,
+        GATHER_MX=gather_mx,
+        RCEIL=ScaleRounding(gathered_rounding) is ScaleRounding.RCEIL,
         **_row_options(hidden, block_rows, block_h, programs, num_warps),
         enable_fp_fusion=False,
     )
@@ -624,21 +656,25 @@ def pair_gradients_kernel(
     dst_capacity,
     num_tokens,
     hidden,
+    out_stride,
     TOP_K: tl.constexpr,
     SCATTER: tl.constexpr,
+    MX_OUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
     """For every pair (t, j): grad_pairs[t * TOP_K + j] (SCATTER: grad_pairs[dst_row[t, j]],
     skipped outside [0, dst_capacity)) = round(w[t, j] * grad_y[t]) and grad_weight[t, j] =
-    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out)."""
+    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out; its rows
+    out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`, dequantized exactly)."""
     for tile in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_ROWS), NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = rows < num_tokens
         token_rows = rows.to(tl.int64)[:, None] * hidden
         for j in tl.static_range(TOP_K):
             pair_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * hidden
+            out_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * out_stride
             keep = live
             dst_rows = pair_rows
             if SCATTER:
@@ -653,7 +689,15 @@ def pair_gradients_kernel(
                 here = live[:, None] & cols_ok
                 grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
                 grad = grad.to(tl.float32)
-                out = tl.load(pair_out_ptr + pair_rows + cols[None, :], mask=here, other=0.0)
+                if MX_OUT:
+                    codes = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0)
+                    s = start // 32 + tl.arange(0, BLOCK_H // 32)
+                    s_here = live[:, None] & (s < hidden // 32)[None, :]
+                    at = pair_out_ptr + out_rows + hidden + s[None, :]
+                    scales = tl.load(at, mask=s_here, other=127).to(tl.int32)
+                    out = mx_dequantize_tile(codes.to(tl.int32), scales, BLOCK_ROWS, BLOCK_H)
+                else:
+                    out = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0.0)
                 dot += tl.sum(grad * out.to(tl.float32), axis=1)
                 scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
                 target = grad_pairs_ptr + dst_rows + cols[None, :]
@@ -665,7 +709,7 @@ def pair_gradients_kernel(
 def pair_gradients(
     grad_y: torch.Tensor,
     weights: torch.Tensor,
-    pair_out: torch.Tensor,
+    pair_out: torch.Tensor | MXRows,
     grad_pairs: torch.Tensor,
     programs: int,
     dst_row: torch.Tensor | None = None,
@@ -673,9 +717,14 @@ def pair_gradients(
     """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
     a communication buffer) = w[t, j] * grad_y[t] rounded to grad_pairs' dtype, and the returned
     grad of the router weights [T, k] (weights' dtype) = <grad_y[t], pair_out[t, j]> in fp32.
-    grad_y [T, H], weights [T, k], pair_out [T, k, H]; all contiguous. With dst_row [T, k] int64,
-    pair (t, j) goes to row dst_row[t, j] of grad_pairs [R, H] instead (skipped outside [0, R))."""
-    tokens, top_k, hidden = pair_out.shape
+    grad_y [T, H], weights [T, k], pair_out [T, k, H] (or `MXRows` [T * k, H], read as the values
+    it holds); all contiguous. With dst_row [T, k] int64, pair (t, j) goes to row dst_row[t, j]
+    of grad_pairs [R, H] instead (skipped outside [0, R))."""
+    tokens, top_k = weights.shape
+    hidden = grad_y.shape[1]
+    mx_out = isinstance(pair_out, MXRows)
+    if tuple(pair_out.shape) != ((tokens * top_k, hidden) if mx_out else (tokens, top_k, hidden)):
+        raise ValueError(f"pair_gradients: pair_out of shape {tuple(pair_out.shape)}")
     grad_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=weights.device)
     if tokens == 0:
         return grad_weights
@@ -685,15 +734,17 @@ def pair_gradients(
     pair_gradients_kernel[(programs,)](
         grad_y,
         weights,
-        pair_out,
+        pair_out.packed if mx_out else pair_out,
         grad_pairs,
         grad_weights,
         dst_row if scatter else placeholder(grad_y.device),
         grad_pairs.shape[0],
         tokens,
         hidden,
+        pair_out.packed.stride(0) if mx_out else hidden,
         TOP_K=top_k,
         SCATTER=scatter,
+        MX_OUT=mx_out,
         BLOCK_ROWS=block_rows,
         BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
         NUM_PROGRAMS=programs,

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from mok.distributed import all_to_all
 from mok.reference.expert import accumulation_dtype, expert_mlp, grouped_expert_mlp
-from mok.reference.mx_expert import mx_grouped_expert_mlp
+from mok.reference.mx import ScaleRounding
+from mok.reference.mx_expert import mx_grouped_expert_mlp, quantized
 from mok.reference.routing import ReferenceRouting
 from mok.weights import MoEWeights
 
@@ -41,6 +42,42 @@ def combine(
     return acc.to(expert_out.dtype)
 
 
+class _MXCombine(torch.autograd.Function):
+    """`mok.reference.combine` whose backward reads the expert outputs' MXFP8 cast along H for
+    the router weights' gradient (what the MXFP8 layer saves in their place); the output and the
+    other gradients are the bf16 combine's, rounded at the same points."""
+
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, shared_out, rounding):
+        tokens, top_k, hidden = expert_out.shape
+        saved = quantized(expert_out.reshape(tokens * top_k, hidden), -1, rounding)
+        ctx.save_for_backward(saved.view(tokens, top_k, hidden), topk_weights)
+        ctx.out_dtype = expert_out.dtype
+        ctx.shared_dtype = None if shared_out is None else shared_out.dtype
+        return combine(expert_out, topk_weights, shared_out)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved_out, topk_weights = ctx.saved_tensors
+        acc = accumulation_dtype(ctx.out_dtype)
+        grad = grad_y.to(acc)
+        grad_out = (topk_weights.to(acc)[:, :, None] * grad[:, None, :]).to(ctx.out_dtype)
+        grad_weights = (grad[:, None, :] * saved_out.to(acc)).sum(-1).to(topk_weights.dtype)
+        grad_shared = None if ctx.shared_dtype is None else grad.to(ctx.shared_dtype)
+        return grad_out, grad_weights, grad_shared, None
+
+
+def mx_combine(
+    expert_out: torch.Tensor,
+    topk_weights: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+) -> torch.Tensor:
+    """The MXFP8 layer's combine: `mok.reference.combine` (expert_out [T, k, H], H a multiple of
+    32), differentiable, with the router weights' gradient <grad y[t], Q_H(out[t, j])> in fp32."""
+    return _MXCombine.apply(expert_out, topk_weights, shared_out, ScaleRounding(rounding))
+
+
 def moe_forward(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -60,10 +97,10 @@ def moe_forward(
     E_loc experts (all E without a group). Returns y [T, H] in x's dtype. `routing` may be passed
     when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
     precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, scales rounded by
-    `mx_rounding`); the
-    shared expert and the combine stay bf16. `swiglu_alpha`, `swiglu_up_offset`: the activation
-    of every expert, the shared one included (`mok.reference.expert.swiglu`); the routed experts'
-    biases come with `weights` (gate_bias, up_bias, down_bias).
+    `mx_rounding`); the shared expert and the combine stay bf16, the router weights' gradient
+    reads the expert outputs' MX cast (`mx_combine`). `swiglu_alpha`, `swiglu_up_offset`: the
+    activation of every expert, the shared one included (`mok.reference.expert.swiglu`); the
+    routed experts' biases come with `weights` (gate_bias, up_bias, down_bias).
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
@@ -113,4 +150,6 @@ def moe_forward(
             swiglu_limit,
             **activation,
         )
+    if precision == "mxfp8":
+        return mx_combine(expert_out, topk_weights, shared_out, mx_rounding)
     return combine(expert_out, topk_weights, shared_out)

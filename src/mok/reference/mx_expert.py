@@ -10,7 +10,8 @@ W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
     forward    gate, up = Q_H(r) @ Q_H(W_gate).T, Q_H(r) @ Q_H(W_up).T        (fp32)
                h        = bf16(swiglu(gate, up))                               (the bf16 layer's)
                out      = bf16(Q_I(h) @ Q_I(W_down).T)
-               saved    Q_H(r), Q_I(h), gate and up in bf16 (`expert.saved_preactivations`)
+               saved    Q_H(r), Q_I(h), Q_I(bf16(gate)), Q_I(bf16(up))  (under a clamp L the
+                        pre-activations stay bf16, `expert.saved_preactivations`)
     backward   g        = grad out (bf16)
                grad h   = bf16(Q_H(g) @ Q_H(W_down))
                grad gate, grad up = bf16 of the SwiGLU backward of grad h at the saved gate, up
@@ -19,9 +20,17 @@ W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
                grad W_gate = Q_T(grad gate).T @ Q_T(Q_H(r)); grad W_up alike
 
 Q_T quantizes along the rows (tokens) of one expert's group: blocks of 32 rows from the group's
-first, the last one padded with zeros. The saved activations are the MX casts (x and h: about half
-their bf16 bytes), so the weight gradients cast them a second time, along the tokens. The weights'
-gradients are returned in the weights' dtype.
+first, the last one padded with zeros. The saved activations are MX casts (about half their bf16
+bytes), so the weight gradients cast x and h a second time, along the tokens, and the SwiGLU
+backward reads the pre-activations as e4m3 (that costs about a tenth more error in the
+gradients through them, docs/mxfp8.md). Under a clamp the pre-activations stay bf16: an e4m3
+block cannot always keep a value on its side of L (FLOOR saturates at 448 x its scale), and the
+backward's clamp decisions must be the forward's. The weights' gradients are returned in the
+weights' dtype.
+
+The layer's combine (`mok.reference.moe.mx_combine`) sums the bf16 expert outputs as the bf16
+layer does; the router weights' gradient reads their MX cast along H, which the layer saves in
+their place.
 """
 
 from __future__ import annotations
@@ -61,6 +70,8 @@ class _MXExpert(torch.autograd.Function):
         h_q = quantized(swiglu(gate, up, limit).to(dtype), -1, rounding)
         out = (h_q @ quantized(w_down, -1, rounding).T).to(dtype)
         gate, up = saved_preactivations(gate, up, limit, dtype)
+        if limit is None:
+            gate, up = quantized(gate, -1, rounding), quantized(up, -1, rounding)
         ctx.save_for_backward(x_q, gate, up, h_q, w_gate, w_up, w_down)
         ctx.limit, ctx.rounding, ctx.dtype = limit, rounding, dtype
         return out
