@@ -80,15 +80,12 @@ def group_casts(device) -> None:
         a = mx.mx_quantize_rows(values) if packed else values
         read_bytes = packed_bytes(cols) if packed else 2
         uses.append((name, a, asks, (read_bytes + write_bytes) * m * cols))
-    default = dict(mx.GROUP_CAST_TILE)
-    for block_cols in (64, 128, 256):
+    default = dict(mx.GROUP_CAST_TILES)
+    for block_cols in (64, 256, 512):
         for warps in (4, 8):
-            for per_sm in (2, 4, 8):
-                mx.GROUP_CAST_TILE = {
-                    "block_cols": block_cols,
-                    "num_warps": warps,
-                    "programs_per_sm": per_sm,
-                }
+            for per_sm in (4,):
+                tile = {"block_cols": block_cols, "num_warps": warps, "programs_per_sm": per_sm}
+                mx.GROUP_CAST_TILES = dict.fromkeys(default, tile)
                 for name, a, asks, moved in uses:
                     dtype = torch.bfloat16 if isinstance(a, mx.MXRows) else None
 
@@ -98,7 +95,7 @@ def group_casts(device) -> None:
                     ms = _ms(cast)
                     label = f"64 x {block_cols}, {per_sm}/SM"
                     print(f"| {name} | {label} | {warps} | {moved / ms / 1e6:.0f} |", flush=True)
-    mx.GROUP_CAST_TILE = default
+    mx.GROUP_CAST_TILES = default
 
 
 def main() -> None:

@@ -146,11 +146,28 @@ def test_bench_runs_several_presets_in_one_call(monkeypatch, tmp_path):
     assert [result["spec"]["preset"] for result in results] == ["tiny", "tiny-odd"]
 
 
+def test_bench_times_both_precisions_beside_the_baseline(tmp_path):
+    """`--precision bf16,mxfp8`: one spec per precision, each beside the bf16 baseline; the MX
+    layer checked against the MX reference, the baseline against the bf16 one (against the MX
+    reference its errors would be e4m3's, ~3e-2, and the check would fail)."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--device", "cpu", "--ep", "1", "--tokens", "40", "--iters", "1"]
+    args += ["--warmup", "0", "--precision", "bf16,mxfp8", "--no-progress", "--json", str(out)]
+    assert main(args) == 0
+    results = json.loads(out.read_text())["results"]
+    assert [r["spec"]["precision"] for r in results] == ["bf16", "mxfp8"]
+    assert [r["backend"]["name"] for r in results] == ["reference", "reference mxfp8"]
+    for result in results:
+        assert result["baseline"]["name"] == "baseline"
+        assert max(result["baseline"]["check_errors"].values()) < 2e-2
+
+
 BAD_OPTIONS = [
     (["--preset", "nope"], "--preset: invalid choice: 'nope'"),
     (["--device", "cpu", "--ep", "1,3"], "--ep 3: preset tiny's 8 experts cannot be split evenly"),
     (["--ep", "2,abc"], "--ep: expected integers >= 1 separated by commas, got '2,abc'"),
     (["--backend", "nope"], "--backend: invalid choice: 'nope'"),
+    (["--precision", "bf16,fp4"], "--precision: invalid choice: 'fp4' (choose from bf16, mxfp8)"),
     (["--swiglu-limit", "-1"], "--swiglu-limit: must be a finite number > 0, got -1"),
     (["--tokens", "0"], "--tokens: must be >= 1, got 0"),
     (["--tokens", "abc"], "--tokens: expected an integer, got 'abc'"),
@@ -161,7 +178,10 @@ BAD_OPTIONS = [
 ]
 CPU_ONLY_BAD_OPTIONS = [
     (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
-    (["--backend", "triton"], "--backend triton cannot run tiny here: needs a CUDA device"),
+    (
+        ["--backend", "triton"],
+        "--backend triton cannot run tiny in bf16 here: needs a CUDA device",
+    ),
 ]
 
 

@@ -183,3 +183,16 @@ def test_the_router_weights_gradient_reads_the_outputs_mx_cast():
     want = torch.einsum("th,tkh->tk", grad_y.float(), q(out.view(-1, H), 1).view(out.shape))
     assert torch.allclose(mx_g_w, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(mx_g_w, g_w, rtol=1e-3, atol=1e-3)
+
+
+def test_a_rank_without_tokens():
+    """T = 0 (a rank that gets no tokens): the MX combine and the cast of an empty tensor give
+    empty results instead of failing on a reshape of nothing."""
+    out = torch.zeros(0, 2, H, dtype=torch.bfloat16, requires_grad=True)
+    weights = torch.zeros(0, 2, requires_grad=True)
+    y = mx_combine(out, weights)
+    y.backward(torch.zeros(0, H, dtype=torch.bfloat16))
+    assert y.shape == (0, H) and out.grad.shape == out.shape and weights.grad.shape == (0, 2)
+    for dim in (0, 1):
+        data, scales = mx.quantize(torch.zeros(0, H), dim=dim)
+        assert data.shape == (0, H) and scales.shape == ((0, H) if dim == 0 else (0, H // 32))

@@ -83,6 +83,8 @@ class BenchSpec:
     accumulate_grads: bool = False
     """Keep the weights' gradients between iterations (gradient accumulation over micro-batches:
     every backward but the first adds into existing `.grad`) instead of setting them to None."""
+    precision: str = "bf16"
+    """`MoKConfig.precision` of the backend's layer ("bf16" or "mxfp8"); the baseline is bf16."""
 
     @property
     def tokens_per_rank(self) -> int:
@@ -100,6 +102,7 @@ class BenchSpec:
             max_tokens_per_rank=tokens,
             recv_pair_capacity=pairs,
             validation=self.validation,
+            precision=self.precision,
         )
 
 
@@ -299,6 +302,8 @@ def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurem
     if progress:
         progress.advance(check_task)
     name = BASELINE if is_baseline else layer.workspace(device).backend_name
+    if not is_baseline and config.precision.value != "bf16":
+        name = f"{name} {config.precision.value}"
     clamped = config.swiglu_limit is not None
     failed = {
         error_name: (error, _tolerance(name, error_name, clamped))
@@ -350,7 +355,9 @@ def _bench_spec(spec: BenchSpec, rank, ep, device, group, progress) -> BenchResu
     layer.load_global_weights(global_weights(config, spec.seed, device))
     inputs = _timing_inputs(spec, config, rank, device)
     measure_args = (rank, ep, inputs, group, progress)
-    baseline = _measure(spec, config, BaselineMoE.sharing_weights_of(layer), *measure_args)
+    # The baseline is bf16 whatever the backend's precision: checked against the bf16 reference.
+    baseline_config = config.replace(precision="bf16")
+    baseline = _measure(spec, baseline_config, BaselineMoE.sharing_weights_of(layer), *measure_args)
     backend = _measure(spec, config, layer, *measure_args)
     flops = config.forward_flops(spec.tokens_per_rank)
     return BenchResult(
@@ -575,9 +582,14 @@ def report_figure(header: ReportHeader, results: Sequence[BenchResult]):
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    backend_name = results[0].backend.name
+    backend_names = {r.backend.name for r in results}
+    backend_name = backend_names.pop() if len(backend_names) == 1 else "mok"
     names = {"backend": backend_name, "baseline": results[0].baseline.name}
-    labels = [f"{r.spec.preset}\nep={r.spec.ep}, T={r.spec.tokens_per_rank}" for r in results]
+    labels = [
+        f"{r.spec.preset}\nep={r.spec.ep}, T={r.spec.tokens_per_rank}"
+        + ("" if r.spec.precision == "bf16" else f", {r.spec.precision}")
+        for r in results
+    ]
     count = len(results)
     figure = Figure(figsize=(max(7.0, 2.6 * count), 9.0), layout="constrained")
     FigureCanvasAgg(figure)

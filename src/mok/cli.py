@@ -22,7 +22,7 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend, Validation
+from mok.config import Backend, Precision, Validation
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -74,6 +74,17 @@ def _preset_names(text: str) -> list[str]:
     return names
 
 
+def _precisions(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    known = [p.value for p in Precision]
+    for name in names or [""]:
+        if name not in known:
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {name!r} (choose from {', '.join(known)})"
+            )
+    return names
+
+
 def _positive_ints(text: str) -> list[int]:
     try:
         return [_positive_int(item) for item in text.split(",")]
@@ -117,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         help="tokens per rank (default: each preset's)",
     )
     bench.add_argument("--backend", choices=[b.value for b in Backend], default="auto")
+    bench.add_argument(
+        "--precision",
+        type=_precisions,
+        default=["bf16"],
+        metavar="P[,P...]",
+        help="the layer's precisions, comma-separated: bf16, mxfp8 (each beside the bf16 "
+        "baseline; bf16,mxfp8 times both in one run)",
+    )
     bench.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),
@@ -210,12 +229,16 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
                     f"--ep {ep} needs {ep} GPUs (one per rank); this machine has "
                     f"{torch.cuda.device_count()}"
                 )
-            if args.backend != "auto":
-                config = PRESETS[name].config(swiglu_limit=args.swiglu_limit)
-                backend = BACKENDS[Backend(args.backend)]
-                reason = backend.unavailable_reason(config, torch.device(device), None)
-                if reason is not None:
-                    parser.error(f"--backend {args.backend} cannot run {name} here: {reason}")
+            for precision in args.precision:
+                config = PRESETS[name].config(swiglu_limit=args.swiglu_limit, precision=precision)
+                if args.backend != "auto":
+                    backend = BACKENDS[Backend(args.backend)]
+                    reason = backend.unavailable_reason(config, torch.device(device), None)
+                    if reason is not None:
+                        parser.error(
+                            f"--backend {args.backend} cannot run {name} in {precision} here: "
+                            f"{reason}"
+                        )
     for option, path in (("--out", args.out), ("--json", args.json)):
         if path is not None:
             problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
@@ -245,9 +268,11 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             pair_capacity_factor=args.pair_capacity_factor,
             accumulate_grads=args.accumulate_grads,
             validation=args.validation,
+            precision=precision,
         )
         for preset in args.preset
         for ep in eps
+        for precision in args.precision
     ]
     results = run_bench(specs)
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:

@@ -166,12 +166,20 @@ def e4m3_bytes(values):
 
 
 @triton.jit
+def _block_amax(blocks, axis: tl.constexpr):
+    """(largest magnitude, whether any element is NaN) of fp32 blocks along `axis`, from one
+    integer reduction: |x|'s bits order as |x| does, and every NaN's lie above infinity's."""
+    magnitude_bits = blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = tl.max(magnitude_bits, axis=axis)
+    return amax_bits.to(tl.float32, bitcast=True), amax_bits > 0x7F800000
+
+
+@triton.jit
 def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.constexpr):
     """(e4m3 bytes [ROWS, COLS], scale bytes [ROWS, COLS // 32]) of an fp32 tile, blocks of 32
     along its columns."""
     blocks = tile.reshape(ROWS, COLS // 32, 32)
-    amax = tl.max(tl.abs(blocks), axis=2)
-    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=2) > 0
+    amax, has_nan = _block_amax(blocks, 2)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
     scaled = blocks * factor[:, :, None]
     scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
@@ -183,8 +191,7 @@ def mx_quantize_columns(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.
     """`mx_quantize_tile` for blocks of 32 along the rows: (e4m3 bytes [ROWS, COLS], scale
     bytes [ROWS // 32, COLS]), without a transpose."""
     blocks = tile.reshape(ROWS // 32, 32, COLS)
-    amax = tl.max(tl.abs(blocks), axis=1)
-    has_nan = tl.max((blocks != blocks).to(tl.int32), axis=1) > 0
+    amax, has_nan = _block_amax(blocks, 1)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
     scaled = blocks * factor[:, None, :]
     scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
@@ -662,16 +669,18 @@ def _mx_group_cast_kernel(
             if VALUES or CODES:
                 data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
         dense = rows * cols + c[None, :]
+        # The bytes are stored before the values: the other order miscompiles with Triton 3.6 on
+        # sm_90 (an H200 returned ~64 % of the values wrong; docs/notes/mxfp8-casts.md).
+        if CODES:
+            tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
+            scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
+            tl.store(scales_to, scales.to(tl.uint8), mask=s_mask)
         if VALUES:
             if MX_IN:
                 _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
             else:
                 values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
                 _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
-        if CODES:
-            tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
-            scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
-            tl.store(scales_to, scales.to(tl.uint8), mask=s_mask)
         if TOKENS:
             data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
             values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
@@ -680,9 +689,15 @@ def _mx_group_cast_kernel(
 
 GROUP_ROWS = 64
 """Rows per tile of `mx_group_casts` (a multiple of 32): its `RowTiles` block_m."""
-GROUP_CAST_TILE = {"block_cols": 64, "programs_per_sm": 8, "num_warps": 4}
-"""Columns per tile, programs per SM and warps of `mx_group_casts` on GPUs (H200 sweep:
-`benchmarks/mx_casts.py`)."""
+GROUP_CAST_TILES = {
+    "from values": {"block_cols": 64, "programs_per_sm": 4, "num_warps": 4},
+    "from bytes": {"block_cols": 256, "programs_per_sm": 4, "num_warps": 8},
+    "from bytes, tokens": {"block_cols": 256, "programs_per_sm": 4, "num_warps": 4},
+}
+"""Columns per tile, programs per SM and warps of `mx_group_casts` on GPUs, by what it reads
+(bf16 values, or packed MX bytes whose values it casts along the tokens or not). H200 sweep,
+`benchmarks/mx_casts.py`: 1.8-2.7 TB/s from values, 3.1 from bytes, 1.05 from bytes to tokens
+(that cast's 32-row reductions cross warps)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -735,7 +750,11 @@ def mx_group_casts(
     out_codes = MXRows.empty(rows, cols, device) if codes else None
     out_tokens = torch.empty(rows, cols, dtype=dtype, device=device) if token_values else None
     if rows and (values or codes or token_values):
-        tile = GROUP_CAST_TILE if device.type == "cuda" else {"block_cols": 64, "num_warps": 4}
+        tile = GROUP_CAST_TILES["from values"]
+        if mx_in:
+            tile = GROUP_CAST_TILES["from bytes, tokens" if token_values else "from bytes"]
+        if device.type != "cuda":
+            tile = {"block_cols": 64, "num_warps": 4}
         cfg = GemmTiles(
             GROUP_ROWS,
             tile["block_cols"],

@@ -110,7 +110,7 @@ def quantize(
         divisor = (byte << 23).view(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)
         scaled = blocks / divisor
     data = scaled.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    data = data.reshape(*data.shape[:-2], -1).movedim(-1, dim)
+    data = data.reshape(*data.shape[:-2], data.shape[-2] * BLOCK).movedim(-1, dim)
     scales = byte.squeeze(-1).to(torch.uint8).movedim(-1, dim)
     return data, scales
 
