@@ -224,27 +224,19 @@ def mx_expert_mlp_backward(
         return cast.values
 
     grad_rows, grads = expert_mlp_data_gradients(g.values, through, gate_up_operand=gate_up_operand)
-    del gate_up, through
+    # Without rows no operand was cast (and the weight gradients read none).
+    grads_tokens = grads_along_tokens[0] if grads_along_tokens else grads
+    grad_out_tokens = g.token_values
     x_tokens = mx_group_casts(saved.x, tiles, rounding, token_values=True, dtype=dtype)
     h_tokens = mx_group_casts(saved.h, tiles, rounding, token_values=True, dtype=dtype)
-    wgrad = ExpertMLPSaved(
-        rows=x_tokens.token_values,
-        group_offsets=saved.group_offsets,
-        w_gate=w.gate,
-        w_up=w.up,
-        w_down=w.down,
-        h=h_tokens.token_values,
-        gate_up=grads,
-        row_tiles=saved.row_tiles,
-        swiglu_limit=saved.swiglu_limit,
-        config=saved.config,
+    # The weight gradients read the operands' casts along the tokens (the weights' shapes only);
+    # the data gradients' operands go first.
+    wgrad = dataclasses.replace(
+        through, rows=x_tokens.token_values, h=h_tokens.token_values, gate_up=grads_tokens
     )
+    del g, grads, gate_up, through
+    grads_along_tokens.clear()
     grad_w_gate, grad_w_up, grad_w_down = expert_mlp_weight_gradients(
-        g.token_values,
-        grads_along_tokens[0] if grads_along_tokens else grads,  # none without rows
-        wgrad,
-        grad_w_gate,
-        grad_w_up,
-        grad_w_down,
+        grad_out_tokens, grads_tokens, wgrad, grad_w_gate, grad_w_up, grad_w_down
     )
     return grad_rows, grad_w_gate, grad_w_up, grad_w_down
