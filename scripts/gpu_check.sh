@@ -14,8 +14,9 @@
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
-# mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py) and the
-# cast kernels by tile (benchmarks/mx_casts.py), one GPU.
+# mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
+# GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
+# GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
 # comm_sms 8, 16, 24) at EP = the GPU count, and a profiler trace of one fused forward + backward.
 set -uo pipefail
@@ -84,6 +85,10 @@ for step in $steps; do
         tests/test_triton_backend_mx.py tests/test_mx_expert.py
       run mxfp8-bench env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         python3 benchmarks/mxfp8.py --profile --out "$OUT/mxfp8.md"
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      run mxfp8-layer-bench python3 -m mok bench --no-progress \
+        --preset deepseek-v3,qwen3-235b-a22b --ep "$ngpu" --precision bf16,mxfp8 \
+        --iters 10 --warmup 3 --json "$OUT/bench-mxfp8.json"
       run mx-casts python3 benchmarks/mx_casts.py ;;
     gluon)
       run gluon-tests python3 -m pytest -q -rs -p no:cacheprovider tests/kernels/test_warp_specialized.py
