@@ -133,7 +133,8 @@ class CollectiveExchange:
         if not save_pair_out:
             return y, None
         if pair_out_mx is not None:
-            from mok.kernels.mx import mx_quantize_rows  # the triton backend's, like this path
+            # Triton is optional: imported where an MXFP8 layer (the triton backend's) runs.
+            from mok.kernels.mx import mx_quantize_rows
 
             return y, mx_quantize_rows(pair_out.view(-1, pair_out.shape[2]), pair_out_mx)
         return y, pair_out
