@@ -207,3 +207,27 @@ def test_placement_kernels_match_the_layout_oracle(case):
             [rows.grouped_to_staging, rows.return_rank, rows.return_row, rows.flag_index]
         )
         assert torch.equal(got.cpu(), want["owner_rows"])
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 700, 1500])
+def test_checked_ids_replace_ids_out_of_range_and_say_so(tokens):
+    """Catches a bound off by one (id E kept, or id E - 1 dropped), negative ids kept, a flag
+    that a later block overwrites with False, or a tail past the last full block left unwritten."""
+    generator = torch.Generator().manual_seed(tokens)
+    experts = 6
+    topk_idx = torch.randint(-2, experts + 2, (tokens, 3), generator=generator, dtype=torch.int32)
+    if tokens > 1:
+        topk_idx[-1] = torch.tensor([experts - 1, 0, experts - 1])
+    topk_idx = topk_idx.to(DEVICE)
+    inside = (topk_idx >= 0) & (topk_idx < experts)
+    for ids, expect_bad in (
+        (topk_idx, bool((~inside).any())),
+        (topk_idx.clamp(0, experts - 1), False),
+    ):
+        bad = torch.zeros(1, dtype=torch.bool, device=DEVICE)
+        safe, valid = placement_kernels.checked_ids(ids, experts, bad)
+        ok = (ids >= 0) & (ids < experts)
+        assert torch.equal(valid, ok)
+        assert safe.dtype == torch.int64
+        assert torch.equal(safe, torch.where(ok, ids, 0).long())
+        assert bool(bad.item()) == expect_bad

@@ -43,6 +43,7 @@ from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.kernels._triton_compat import interpreting
+from mok.kernels.constants import DeviceConstants
 from mok.weights import MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
@@ -124,6 +125,7 @@ class TritonBackend:
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
+        self._constants = DeviceConstants()
         self.mx_weights = None
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import MXWeightCache
@@ -193,10 +195,9 @@ class TritonBackend:
         return None
 
     def route(self, topk_idx: torch.Tensor) -> TritonRouting:
-        experts = self.workspace.config.num_experts
-        valid = (topk_idx >= 0) & (topk_idx < experts)
-        self.bad_ids |= ~valid.all()
-        safe = torch.where(valid, topk_idx, 0).to(torch.int64)
+        from mok.kernels.placement import checked_ids
+
+        safe, valid = checked_ids(topk_idx, self.workspace.config.num_experts, self.bad_ids)
         return TritonRouting(self.exchange.route(safe), valid)
 
     def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
@@ -370,5 +371,8 @@ class TritonBackend:
             self.exchange.release()
 
     def _all_tokens(self, tokens: int) -> torch.Tensor:
-        """[2] int32 offsets of one group holding all `tokens` rows, made on the device."""
-        return torch.arange(2, dtype=torch.int32, device=self.workspace.device) * tokens
+        """[2] int32 offsets of one group holding all `tokens` rows, on the device."""
+        device = self.workspace.device
+        return self._constants.get(
+            tokens, lambda: torch.arange(2, dtype=torch.int32, device=device) * tokens
+        )

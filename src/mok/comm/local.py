@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from mok.errors import MoKTimeoutError
+from mok.kernels.constants import DeviceConstants
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
 from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels
@@ -51,6 +52,7 @@ class LocalExchange:
             torch.cuda.get_device_properties(self.device).multi_processor_count if on_gpu else 4
         )
         self._placement_kernels: dict[int, PlacementKernels] = {}
+        self._constants = DeviceConstants()
         self._counts = torch.zeros(1, num_experts + 1, dtype=torch.int64, device=self.device)
         self._no_offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
         # Nothing overflows in one process; the placement kernels still want somewhere to say so.
@@ -93,11 +95,17 @@ class LocalExchange:
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:
         """[T * k]: the token of each pair (t * k + j -> t)."""
-        count = routing.pair_row.numel()
-        return torch.arange(count, device=self.device) // routing.top_k
+        count, top_k = routing.pair_row.numel(), routing.top_k
+        return self._constants.get(
+            ("token of pair", count, top_k),
+            lambda: torch.arange(count, device=self.device) // top_k,
+        )
 
     def _count(self, rows: int) -> torch.Tensor:
-        return torch.full((1,), rows, dtype=torch.int64, device=self.device)
+        """A [1] int64 device tensor holding `rows`."""
+        return self._constants.get(
+            ("count", rows), lambda: torch.full((1,), rows, dtype=torch.int64, device=self.device)
+        )
 
     def dispatch(self, routing: LocalRouting, x: torch.Tensor) -> torch.Tensor:
         """x [T, W] -> grouped rows [T * k, W] (row pair_row[t, j] holds x[t])."""
@@ -198,7 +206,10 @@ class LocalExchange:
         await_counts(target.counts, expected, self.status, timeout_s, 0)
         pair_out = target.out.view(tokens, top_k, target.out.shape[1])
         y = torch.empty(tokens, pair_out.shape[2], dtype=pair_out.dtype, device=self.device)
-        own_rows = torch.arange(tokens * top_k, device=self.device).view(tokens, top_k)
+        own_rows = self._constants.get(
+            ("own rows", tokens, top_k),
+            lambda: torch.arange(tokens * top_k, device=self.device).view(tokens, top_k),
+        )
         reduce_rows(
             y,
             target.out,

@@ -54,6 +54,7 @@ import triton
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
+from mok.kernels.constants import DeviceConstants
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
 from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels, owner_rows
@@ -298,6 +299,7 @@ class SymmetricExchange:
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
         self.shape, self.device, self.programs = shape, device, programs
+        self._constants = DeviceConstants()
         on_gpu = device.type == "cuda"
         self.local_sms = (
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
@@ -881,20 +883,32 @@ class SymmetricExchange:
 
     def _row_count(self, rows: int) -> torch.Tensor:
         """A [1] device tensor holding `rows` (the copy kernels read their row count there)."""
-        return torch.full((1,), rows, dtype=torch.int64, device=self.device)
+        return self._constants.get(
+            ("count", rows), lambda: torch.full((1,), rows, dtype=torch.int64, device=self.device)
+        )
 
     def _owner_of_part(self, tokens: int) -> torch.Tensor:
         """[tokens * ep]: rank d for row t * ep + d."""
-        return torch.arange(self.ep_size, device=self.device).repeat(tokens)
+        return self._constants.get(
+            ("owner of part", tokens),
+            lambda: torch.arange(self.ep_size, device=self.device).repeat(tokens),
+        )
 
     def _part_rows(self, tokens: int) -> torch.Tensor:
         """[tokens, ep]: row t * ep + d of a [tokens * ep, H] matrix holds owner d's part."""
-        return torch.arange(tokens * self.ep_size, device=self.device).view(tokens, self.ep_size)
+        ep = self.ep_size
+        return self._constants.get(
+            ("part rows", tokens),
+            lambda: torch.arange(tokens * ep, device=self.device).view(tokens, ep),
+        )
 
     def _pair_rows(self, tokens: int) -> torch.Tensor:
         """[tokens, k]: row t * k + j of a [tokens * k, H] matrix holds pair (t, j)."""
-        pairs = torch.arange(tokens * self.shape.top_k, device=self.device)
-        return pairs.view(tokens, self.shape.top_k)
+        top_k = self.shape.top_k
+        return self._constants.get(
+            ("pair rows", tokens),
+            lambda: torch.arange(tokens * top_k, device=self.device).view(tokens, top_k),
+        )
 
     def combine_backward(
         self,

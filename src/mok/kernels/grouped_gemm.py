@@ -45,6 +45,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.launch import fast_launch
 from mok.kernels.sync import async_proxy_fence, timeout_ns, wait_ready
 from mok.reference.expert import limit_edges
 
@@ -196,6 +197,7 @@ class RowsReady:
         return triton.next_power_of_2(triton.cdiv(block_m, self.block_rows) + 1)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_rows", "capacity"])
 def _row_tile_map_kernel(
     offsets_ptr,  # [E + 1] int32, non-decreasing
@@ -594,6 +596,7 @@ def store_weight_tile(
 # --------------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["capacity", "num_rows", "ready_timeout_ns", "ready_wait_id"])
 def _gate_up_swiglu_kernel(
     x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K] (GATHER: unused)
@@ -692,6 +695,7 @@ def _gate_up_swiglu_kernel(
             )
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["capacity", "num_rows", "rank"])
 def _down_kernel(
     h_desc,  # [M, I], block [BLOCK_M, BLOCK_K] (GATHER: unused)
@@ -767,6 +771,7 @@ def _down_kernel(
             )
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["capacity", "ready_timeout_ns", "ready_wait_id"])
 def _down_dgrad_swiglu_kernel(
     grad_out_desc,  # [M, H], block [BLOCK_M, BLOCK_K]
@@ -855,6 +860,7 @@ def _down_dgrad_swiglu_kernel(
         )
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["capacity"])
 def _gate_up_dgrad_kernel(
     grad_gate_desc,  # [M, I] (row stride 2I), block [BLOCK_M, BLOCK_K]
@@ -908,6 +914,7 @@ def _gate_up_dgrad_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def _down_wgrad_kernel(
     grad_out_ptr,  # [M, H]
@@ -966,6 +973,7 @@ def _down_wgrad_kernel(
             )
 
 
+@fast_launch
 @triton.jit
 def _gate_up_wgrad_kernel(
     grad_gate_up_ptr,  # [M, 2I]: gradients of gate | up

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
+from mok.kernels.launch import fast_launch
 from mok.reference.mx import BLOCK, ScaleRounding
 
 if interpreting():
@@ -256,6 +257,7 @@ def _cast_tile(
     return gpu if device.type == "cuda" else interpreted
 
 
+@fast_launch
 @triton.jit
 def _mx_dequantize_kernel(
     data_ptr,  # uint8 [rows, cols], contiguous
@@ -354,6 +356,7 @@ def _store_values(ptr, offsets, values, mask, BF16_BITS: tl.constexpr):
         tl.store(ptr + offsets, values, mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _mx_quantize_kernel(
     x_ptr,
@@ -497,6 +500,7 @@ def mx_quantize(
     return data.view(torch.float8_e4m3fn), scales if dim == 1 else scales.T
 
 
+@fast_launch
 @triton.jit
 def _mx_quantize_both_kernel(
     x_ptr,  # [rows, cols] contiguous (bf16 bit patterns as int16 when BF16_BITS)
@@ -617,6 +621,7 @@ def mx_quantized_values_both(
     return rowwise, colwise
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["capacity"])
 def _mx_group_cast_kernel(
     a_ptr,  # [M, C], rows a_stride elements apart: values (bf16 bits as int16 when BF16_BITS)

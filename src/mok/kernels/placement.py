@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.launch import fast_launch
 from mok.kernels.rows import placeholder
 
 if interpreting():
@@ -58,6 +59,7 @@ def _load_block(idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD):
     return token, slot, experts, valid
 
 
+@fast_launch
 @triton.jit
 def count_blocks_kernel(
     idx_ptr,
@@ -111,6 +113,7 @@ def count_blocks_kernel(
         tl.atomic_xchg(done_ptr, 0)
 
 
+@fast_launch
 @triton.jit
 def placement_bases_kernel(
     table_ptr,
@@ -206,6 +209,7 @@ def _slot_experts(idx_ptr, token, tokens, num_experts, j, TOP_K):
     return experts, (token < tokens) & (experts >= 0) & (experts < num_experts)
 
 
+@fast_launch
 @triton.jit
 def place_pairs_kernel(
     idx_ptr,
@@ -292,6 +296,42 @@ def place_pairs_kernel(
             tl.store(target + 1, back, mask=in_capacity)
 
 
+@fast_launch
+@triton.jit
+def checked_ids_kernel(
+    idx_ptr, safe_ptr, valid_ptr, bad_ptr, numel, num_experts, BLOCK: tl.constexpr
+):
+    """safe = the id where it is in [0, num_experts), else 0; valid says which; bad[0] set to
+    True if any id is out of range (every program that finds one stores the same value)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = offsets < numel
+    experts = tl.load(idx_ptr + offsets, mask=live, other=0)
+    valid = (experts >= 0) & (experts < num_experts)
+    tl.store(safe_ptr + offsets, tl.where(valid, experts, 0).to(tl.int64), mask=live)
+    tl.store(valid_ptr + offsets, valid, mask=live)
+    if tl.max((live & ~valid).to(tl.int32), axis=0) > 0:
+        tl.store(bad_ptr, True)
+
+
+def checked_ids(
+    topk_idx: torch.Tensor, num_experts: int, bad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(safe [T, k] int64: the ids with every one outside [0, num_experts) replaced by 0, valid
+    [T, k] bool: the ids that were inside), with bad ([1] bool) set on the device if any was
+    outside (never cleared here). One launch where PyTorch takes eight."""
+    topk_idx = topk_idx.contiguous()
+    safe = torch.empty(topk_idx.shape, dtype=torch.int64, device=topk_idx.device)
+    valid = torch.empty(topk_idx.shape, dtype=torch.bool, device=topk_idx.device)
+    numel = topk_idx.numel()
+    if numel:
+        block = 1024
+        checked_ids_kernel[(triton.cdiv(numel, block),)](
+            topk_idx, safe, valid, bad, numel, num_experts, BLOCK=block
+        )
+    return safe, valid
+
+
+@fast_launch
 @triton.jit
 def owner_rows_kernel(
     meta_ptr,

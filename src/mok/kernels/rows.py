@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.launch import fast_launch
 from mok.kernels.mx import MXRows, mx_dequantize_tile, mx_quantize_tile
 from mok.kernels.sync import signal_ready, timeout_ns, wait_ready
 from mok.reference.mx import ScaleRounding
@@ -84,6 +85,7 @@ def push_rows_tile(
             )
 
 
+@fast_launch
 @triton.jit
 def push_rows_kernel(
     src_ptr,
@@ -207,6 +209,7 @@ def copy_rows_tile(
         )
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["timeout_ns", "wait_id"])
 def copy_rows_kernel(
     dst_ptr,
@@ -357,6 +360,7 @@ def reduce_rows_tile(
         tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=here)
 
 
+@fast_launch
 @triton.jit
 def reduce_rows_kernel(
     out_ptr,
@@ -645,6 +649,7 @@ def reduce_rows(
     )
 
 
+@fast_launch
 @triton.jit
 def pair_gradients_kernel(
     grad_y_ptr,

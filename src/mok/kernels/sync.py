@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.launch import fast_launch
 
 INTERPRETER_SLOWDOWN = 100
 """How many times slower the interpreter's clock runs than the host's (see the docstring)."""
@@ -172,6 +173,7 @@ def wait_counts(
     tl.debug_barrier()
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["timeout_ns", "wait_id"])
 def _wait_counts_kernel(
     counts_ptr, expected_ptr, num_counts, status_ptr, timeout_ns, wait_id, BLOCK: tl.constexpr
@@ -216,6 +218,7 @@ def await_counts(
     )
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["rank", "ep", "timeout_ns", "wait_id"])
 def barrier_kernel(
     signals_ptr,  # [ep] int64, this rank's: slot r holds the last barrier rank r signalled here

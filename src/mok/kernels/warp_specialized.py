@@ -49,6 +49,7 @@ without a GPU (registers, spills, shared memory).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import triton
@@ -76,6 +77,7 @@ from mok.kernels.grouped_gemm import (
     scatter_args,
     use_scratch_allocator,
 )
+from mok.kernels.launch import fast_launch
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 from mok.reference.expert import limit_edges
 
@@ -675,6 +677,7 @@ def _second_consumer(
     _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 1)
 
 
+@fast_launch
 @gluon.jit(do_not_specialize=["capacity", "num_rows", "rank", "ready_timeout_ns", "ready_wait_id"])
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
@@ -842,16 +845,28 @@ def _rows_wt_kernel(
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_LAYOUT_DTYPES = {**_GLUON_DTYPES, torch.float32: gl.float32}
+
+
+@functools.cache
+def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA block: one object per block and dtype (Triton builds
+    it slowly, and `mok.kernels.launch` keys launches by the layout's identity)."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), _LAYOUT_DTYPES[dtype])
 
 
 def _descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, _GLUON_DTYPES[tensor.dtype])
-    return TensorDescriptor.from_tensor(tensor, block, layout)
+    return TensorDescriptor.from_tensor(tensor, block, _shared_layout(tuple(block), tensor.dtype))
+
+
+@functools.cache
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9
 
 
 def available(device: torch.device) -> bool:
     """Whether the warp-specialized kernels can run on `device` (a Hopper GPU)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return device.type == "cuda" and _is_hopper(device)
 
 
 def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -1452,6 +1467,7 @@ def _wgrad_loader(
     _wgrad_load_partition(operands, problem)
 
 
+@fast_launch
 @gluon.jit
 def _group_at_b_kernel(
     a_ptr,  # [M, HALVES * P], row stride a_stride
@@ -1582,9 +1598,8 @@ def _group_at_b(
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
     programs = num_programs(a.device, tasks, cfg)
-    dtype = _GLUON_DTYPES[a.dtype]
-    out_dtype = gl.float32 if grads[0].dtype == torch.float32 else dtype
-    out_layout = gl.NVMMASharedLayout.get_default_for([wg_m, bn], out_dtype)
+    out_dtype = torch.float32 if grads[0].dtype == torch.float32 else a.dtype
+    out_layout = _shared_layout((wg_m, bn), out_dtype)
     descs = [
         TensorDescriptor.from_tensor(g.view(num_experts * p, q), [wg_m, bn], out_layout)
         for g in grads
@@ -1604,8 +1619,8 @@ def _group_at_b(
         ACCUMULATE_SECOND=accumulate[-1],
         HALVES=halves,
         SPLIT=split,
-        A_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, wg_m], dtype),
-        B_LAYOUT=gl.NVMMASharedLayout.get_default_for([bk, bn], dtype),
+        A_LAYOUT=_shared_layout((bk, wg_m), a.dtype),
+        B_LAYOUT=_shared_layout((bk, bn), a.dtype),
         BLOCK_K=bk,
         GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs,

@@ -1,0 +1,171 @@
+"""Kernel launches with a fraction of the host work of `kernel[grid](...)`.
+
+Triton's launch binds every argument to the kernel's signature, specializes each one in C++,
+builds a string key from the specialization and the options, looks the compiled kernel up, checks
+the globals it captured and asks for launch metadata: ~20-110 us per launch on the GPU machine's
+host CPU, most of a small layer's time (`benchmarks/host_cost.py`). `fast_launch(kernel)` keeps a
+table of compiled kernels keyed by what Triton specializes on, computed directly from the
+arguments:
+
+- a tensor: its dtype and whether its address is 16-byte aligned;
+- an int: whether it is 1, whether it is a multiple of 16, and its integer type (i32, i64, u64);
+- a bool, a float, None: the type alone (None: the value);
+- a tensor descriptor: its dtype, block shape and shared-memory layout;
+- the keyword arguments (constexprs, num_warps, ...): their values;
+
+so two calls with the same key run the same compiled kernel that Triton itself would pick. The
+first call of a key goes through Triton's own launch (compiling if needed) and records the
+argument list for the direct launch, where the positional arguments are replaced by each call's.
+
+Triton's standard path is kept where this one cannot be sure: under the interpreter, with a
+launch hook set (profilers), for a keyword argument that is not a constexpr or a launch option,
+for an argument of another kind, and when Triton's internals are not the ones this was written
+for (checked on the first launch). `MOK_TRITON_LAUNCH=standard` turns the fast path off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+from mok.kernels._triton_compat import interpreting
+
+MAX_KEYS = 256
+"""Compiled kernels remembered per kernel; beyond it the table starts over (new shapes of ints
+or alignments each make a key)."""
+
+_I32 = range(-(2**31), 2**31)
+_I64 = range(-(2**63), 2**63)
+
+
+def enabled() -> bool:
+    """Whether launches take the direct path (off under the interpreter, or when
+    MOK_TRITON_LAUNCH=standard)."""
+    return not interpreting() and os.environ.get("MOK_TRITON_LAUNCH", "fast") != "standard"
+
+
+def _arg_key(arg: Any):
+    """What Triton's specialization of `arg` depends on (see the module docstring), or raises
+    TypeError for a kind of argument this does not know."""
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return bool
+    if isinstance(arg, int):
+        kind = "i32" if arg in _I32 else "i64" if arg in _I64 else "u64"
+        return (kind, arg == 1, arg % 16 == 0)
+    if isinstance(arg, float):
+        return float
+    if arg is None:
+        return None
+    block_shape = getattr(arg, "block_shape", None)
+    if block_shape is not None and isinstance(getattr(arg, "base", None), torch.Tensor):
+        # A descriptor's layout is keyed by identity (`warp_specialized` makes one object per
+        # layout): a fresh but equal layout only misses.
+        layout = getattr(arg, "layout", None)
+        return (arg.base.dtype, tuple(block_shape), id(layout), arg.padding)
+    raise TypeError(f"no launch key for a {type(arg).__name__}")
+
+
+class _Direct:
+    """One compiled kernel and the argument list its direct launch fills in."""
+
+    __slots__ = ("compiled", "template", "positional", "layout")
+
+    def __init__(self, compiled, template: list, positional: int, layout: Any):
+        self.compiled = compiled
+        self.template = template
+        self.positional = positional
+        self.layout = layout  # keeps the descriptors' layouts (keyed by id) alive
+
+
+class FastLaunch:
+    """A Triton kernel launched as `kernel[grid](*args, **kwargs)`, directly where it can (see
+    the module docstring). Every other attribute is the wrapped kernel's."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._direct: dict[tuple, _Direct | None] = {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def __getitem__(self, grid) -> Callable[..., Any]:
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        """Run the kernel on `grid` (a tuple of 1-3 ints) with these arguments."""
+        if not enabled() or _hooked():
+            return self.kernel[grid](*args, **kwargs)
+        active = driver.active
+        device = active.get_current_device()
+        try:
+            key = (device, *map(_arg_key, args), *kwargs.items())
+            direct = self._direct.get(key, False)
+        except TypeError:  # an argument of another kind, or an unhashable keyword value
+            return self.kernel[grid](*args, **kwargs)
+        if direct is False:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if len(self._direct) >= MAX_KEYS:
+                self._direct.clear()
+            self._direct[key] = self._record(compiled, device, args, kwargs)
+            return compiled
+        if direct is None:
+            return self.kernel[grid](*args, **kwargs)
+        values = direct.template.copy()
+        values[: direct.positional] = args
+        compiled = direct.compiled
+        stream = active.get_current_stream(device)
+        grid = (*grid, 1, 1)
+        compiled.run(
+            grid[0],
+            grid[1],
+            grid[2],
+            stream,
+            compiled.function,
+            compiled.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
+        return compiled
+
+    def _record(self, compiled, device: int, args: tuple, kwargs: dict) -> _Direct | None:
+        """The direct launch of the kernel Triton just ran, or None where this path cannot
+        reproduce Triton's (then every call of this key takes the standard path)."""
+        kernel = self.kernel
+        try:
+            binder = kernel.device_caches[device][4]
+            bound, _, _ = binder(*args, **kwargs)
+            params = kernel.params
+            if hasattr(compiled, "result"):
+                compiled = compiled.result()
+            compiled.run, compiled.function, compiled.packed_metadata  # noqa: B018
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            return None
+        names = list(bound)
+        if names != [p.name for p in params] or len(args) > len(names):
+            return None
+        # A keyword argument that is a run-time parameter would be frozen by the template.
+        if any(not p.is_constexpr for p in params if p.name in kwargs):
+            return None
+        layouts = [getattr(a, "layout", None) for a in args]
+        return _Direct(compiled, list(bound.values()), len(args), layouts)
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is set (a profiler's): Triton's own path calls it."""
+    hook = knobs.runtime.launch_enter_hook
+    # None, or (Triton >= 3.5) a chain of hooks that is empty unless one was added.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def fast_launch(kernel) -> FastLaunch:
+    """`kernel` (a `triton.jit` or `gluon.jit` function) launched through `FastLaunch`."""
+    return FastLaunch(kernel)

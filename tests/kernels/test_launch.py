@@ -1,0 +1,167 @@
+"""`mok.kernels.launch`: the direct launch runs the kernel Triton would pick, with the call's
+arguments.
+
+Bugs these catch: a launch key that misses something Triton specializes on (an unaligned pointer
+run by a kernel compiled for aligned ones, an int of 1 that Triton folds into the code as a
+constant, an i64 value passed to an i32 parameter, another dtype), an argument list whose
+positions are shifted (the template's constexprs or defaults out of place), the first call's
+arguments replayed instead of the current ones, keyword arguments that are not constexprs frozen
+into the template.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels import launch
+from mok.kernels.launch import FastLaunch, fast_launch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@fast_launch
+@triton.jit
+def _scale_shift_kernel(x, y, n, scale, shift, BLOCK: tl.constexpr, SQUARE: tl.constexpr = False):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    value = tl.load(x + offsets, mask=mask).to(tl.float32) * scale + shift
+    if SQUARE:
+        value = value * value
+    tl.store(y + offsets, value.to(y.dtype.element_ty), mask=mask)
+
+
+def _scale_shift(x: torch.Tensor, n: int, scale: float, shift: int, block: int, **kwargs):
+    y = torch.full_like(x, -7)
+    _scale_shift_kernel[(triton.cdiv(n, block),)](x, y, n, scale, shift, BLOCK=block, **kwargs)
+    return y
+
+
+def _expected(x, n, scale, shift, square=False):
+    y = torch.full_like(x, -7)
+    value = x[:n].float() * scale + shift
+    y[:n] = (value * value if square else value).to(x.dtype)
+    return y
+
+
+def test_keys_separate_what_triton_specializes_on():
+    base = torch.zeros(64)
+    aligned, unaligned = base[4:], base[1:]  # 16 and 4 bytes past a 16-byte aligned start
+    assert launch._arg_key(aligned) == launch._arg_key(base)
+    assert launch._arg_key(unaligned) != launch._arg_key(aligned)
+    assert launch._arg_key(base.double()) != launch._arg_key(base)
+    ints = [1, 2, 16, 32, 17, 2**31, 2**31 + 5, 2**63, -16]
+    keys = [launch._arg_key(v) for v in ints]
+    assert keys[2] == keys[3] and keys[1] == keys[4]  # multiples of 16 alike, others alike
+    assert len({keys[0], keys[1], keys[2], keys[5], keys[6], keys[7]}) == 6
+    assert keys[8] == keys[2]
+    assert launch._arg_key(True) != launch._arg_key(1)
+    assert launch._arg_key(1.0) != launch._arg_key(1)
+    with pytest.raises(TypeError):
+        launch._arg_key([1, 2])
+
+
+def test_under_the_interpreter_or_when_turned_off_launches_take_tritons_path(monkeypatch):
+    monkeypatch.setenv("MOK_TRITON_LAUNCH", "standard")
+    assert not launch.enabled()
+    x = torch.randn(100, device=DEVICE)
+    assert torch.equal(_scale_shift(x, 100, 2.0, 3, 32), _expected(x, 100, 2.0, 3))
+
+
+@pytest.mark.gpu
+def test_direct_launches_equal_tritons_for_every_specialization():
+    """Calls that alternate between keys after each was recorded: each must run its own
+    specialization with its own arguments."""
+    kernel = FastLaunch(_scale_shift_kernel.kernel)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    base = torch.randn(4096, device=DEVICE, generator=generator)
+    halves = base.half()
+    cases = [
+        (base, 4000, 2.0, 3, 128, {}),
+        (base[1:], 4000, 0.5, 1, 128, {}),  # unaligned pointer; shift == 1 (a constant)
+        (base[4:], 3001, -1.0, 16, 128, {}),  # aligned again, n not a multiple of 16
+        (halves, 4096, 1.5, 2**31 + 5, 64, {}),  # another dtype; an i64 shift
+        (base, 4000, 2.0, 3, 128, {"SQUARE": True}),  # a constexpr keyword
+        (base, 4000, 2.0, 3, 128, {"num_warps": 2}),  # a launch option
+    ]
+    for repeat in range(3):
+        for x, n, scale, shift, block, kwargs in cases:
+            x = x + repeat  # new values, new addresses
+            y = torch.full_like(x, -7)
+            kernel[(triton.cdiv(n, block),)](x, y, n, scale, shift, BLOCK=block, **kwargs)
+            expected = _expected(x, n, scale, shift, kwargs.get("SQUARE", False))
+            assert torch.equal(y, expected), (repeat, n, shift, kwargs)
+    recorded = [direct for direct in kernel._direct.values() if direct is not None]
+    assert len(recorded) == len(cases)  # one key per case, every one launched directly
+
+
+@pytest.mark.gpu
+def test_a_runtime_keyword_argument_keeps_tritons_path():
+    """`n` given by keyword would be frozen into the template: such keys never go direct."""
+    kernel = FastLaunch(_scale_shift_kernel.kernel)
+    x = torch.randn(512, device=DEVICE)
+    for n in (500, 300, 100):
+        y = torch.full_like(x, -7)
+        kernel[(4,)](x, y, scale=1.0, shift=2, BLOCK=128, n=n)
+        assert torch.equal(y, _expected(x, n, 1.0, 2))
+    assert all(direct is None for direct in kernel._direct.values())
+
+
+@pytest.mark.gpu
+def test_a_launch_hook_keeps_tritons_path():
+    """A profiler's launch hook must see every launch: none goes direct while one is set."""
+    from triton import knobs
+
+    kernel = FastLaunch(_scale_shift_kernel.kernel)
+    x = torch.randn(512, device=DEVICE)
+    seen = []
+    knobs.runtime.launch_enter_hook.add(seen.append)
+    try:
+        for _ in range(3):
+            y = torch.full_like(x, -7)
+            kernel[(4,)](x, y, 500, 1.0, 2, BLOCK=128)
+            assert torch.equal(y, _expected(x, 500, 1.0, 2))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(seen.append)
+    assert len(seen) == 3 and not kernel._direct
+
+
+@pytest.mark.gpu
+def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
+    """Every kernel of the expert MLP, Gluon ones included (their descriptors and layout
+    constexprs must make keys that repeat from call to call), takes the direct path from its
+    second call on, and forward and backward equal those of Triton's own launches bit for bit."""
+    from mok.kernels import expert_mlp
+    from mok.kernels import warp_specialized as ws
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    experts, hidden, inter, rows = 4, 256, 128, 700
+
+    def randn(*shape):
+        return (torch.randn(*shape, generator=generator, device=DEVICE) / 8).bfloat16()
+
+    x, grad = randn(rows, hidden), randn(rows, hidden)
+    w_gate, w_up = randn(experts, inter, hidden), randn(experts, inter, hidden)
+    w_down = randn(experts, hidden, inter)
+    offsets = torch.tensor([0, 100, 100, 450, 690], dtype=torch.int32, device=DEVICE)
+
+    def run():
+        out, saved = expert_mlp.expert_mlp_forward(x, offsets, w_gate, w_up, w_down)
+        return [out[:690], *expert_mlp.expert_mlp_backward(grad, saved)]
+
+    gluon_kernels = (ws._rows_wt_kernel, ws._group_at_b_kernel)
+    for kernel in gluon_kernels:
+        kernel._direct.clear()  # other tests of this process launched other shapes
+    monkeypatch.setenv("MOK_TRITON_LAUNCH", "standard")
+    expected = run()
+    monkeypatch.setenv("MOK_TRITON_LAUNCH", "fast")
+    for _ in range(3):
+        for got, want in zip(run(), expected, strict=True):
+            assert torch.equal(got, want)
+    if ws.available(torch.device(DEVICE)):
+        for kernel in gluon_kernels:
+            assert kernel._direct and all(d is not None for d in kernel._direct.values())
+            # One key per product (four modes of _rows_wt, two of _group_at_b): keys repeat.
+            assert len(kernel._direct) <= 4
