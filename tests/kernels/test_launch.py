@@ -165,3 +165,19 @@ def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
             assert kernel._direct and all(d is not None for d in kernel._direct.values())
             # One key per product (four modes of _rows_wt, two of _group_at_b): keys repeat.
             assert len(kernel._direct) <= 4
+
+
+@pytest.mark.gpu
+def test_the_table_keeps_no_tensor_of_a_launch_alive():
+    """A launch's tensors must be freed with their last reference: the table holding them kept
+    gigabytes alive across calls and an autograd graph alive into a later CUDA graph capture."""
+    import weakref
+
+    kernel = FastLaunch(_scale_shift_kernel.kernel)
+    x = torch.randn(512, device=DEVICE)
+    y = torch.empty_like(x)
+    for _ in range(2):
+        kernel[(4,)](x, y, 500, 1.0, 2, BLOCK=128)
+    alive = weakref.ref(x), weakref.ref(y)
+    del x, y
+    assert [ref() for ref in alive] == [None, None]

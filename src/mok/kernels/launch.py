@@ -81,7 +81,7 @@ class _Direct:
         self.compiled = compiled
         self.template = template
         self.positional = positional
-        self.layout = layout  # keeps the descriptors' layouts (keyed by id) alive
+        self.layout = layout  # keeps the descriptors' layouts (keyed by id) alive; no tensors
 
 
 class FastLaunch:
@@ -156,7 +156,11 @@ class FastLaunch:
         if any(not p.is_constexpr for p in params if p.name in kwargs):
             return None
         layouts = [getattr(a, "layout", None) for a in args]
-        return _Direct(compiled, list(bound.values()), len(args), layouts)
+        # The call's own arguments are not kept: every launch puts its own in these places, and
+        # holding this call's tensors would keep their memory, and any autograd graph behind
+        # them, alive for as long as the kernel's table.
+        template = [None] * len(args) + list(bound.values())[len(args) :]
+        return _Direct(compiled, template, len(args), layouts)
 
 
 def _hooked() -> bool:
