@@ -1,0 +1,115 @@
+"""Host time of one layer call, forward and backward, beside the device time and the baseline's:
+where a small layer's time goes when the GPU waits for the host.
+
+    PYTHONPATH=src python3 benchmarks/host_time.py [--preset tiny] [--tokens 8192] [--iters 20]
+                                                   [--kernels] [--profile 40]
+
+EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend, the
+`mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the
+host time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle
+before each call) and the device time of both (CUDA events; equal to the host time when the
+GPU waits for the host). --kernels lists the kernels one call launches (torch.profiler);
+--profile prints cProfile's top functions of the triton backend by their own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import mok
+from mok.baseline import BaselineMoE
+from mok.testing import global_weights
+
+
+def one_call(layer, x, idx, weights, grad):
+    """(host ms forward, host ms backward, device ms forward, device ms forward+backward)."""
+    torch.cuda.synchronize()
+    start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    t0 = time.perf_counter()
+    start.record()
+    y = layer(x, idx, weights)
+    t1 = time.perf_counter()
+    middle.record()
+    y.backward(grad)
+    t2 = time.perf_counter()
+    end.record()
+    end.synchronize()
+    layer.zero_grad(set_to_none=True)
+    x.grad = weights.grad = None
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, start.elapsed_time(middle), start.elapsed_time(end)
+
+
+def kernel_counts(layer, x, idx, weights, grad) -> collections.Counter:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        layer(x, idx, weights).backward(grad)
+        torch.cuda.synchronize()
+    layer.zero_grad(set_to_none=True)
+    x.grad = weights.grad = None
+    gpu = torch.autograd.DeviceType.CUDA
+    return collections.Counter(e.name[:70] for e in prof.events() if e.device_type == gpu)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--kernels", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="N")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    config = mok.get_preset(args.preset).config(backend="triton", max_tokens_per_rank=args.tokens)
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(global_weights(config, 0, device))
+    baseline = BaselineMoE.sharing_weights_of(layer)
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.tokens, config.hidden_size, device=device, generator=generator)
+    x = x.bfloat16().requires_grad_(True)
+    logits = torch.randn(args.tokens, config.num_experts, device=device, generator=generator)
+    weights, idx = logits.softmax(-1).topk(config.top_k, -1)
+    weights = weights.detach().requires_grad_(True)
+    grad = torch.randn_like(x)
+    print(f"{args.preset}, {args.tokens} tokens, EP 1, {torch.cuda.get_device_name(device)}")
+    print("| implementation | host ms fwd | host ms bwd | device ms fwd | device ms fwd+bwd |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, impl in (("triton", layer), ("baseline", baseline)):
+        for _ in range(args.warmup):
+            one_call(impl, x, idx, weights, grad)
+        runs = [one_call(impl, x, idx, weights, grad) for _ in range(args.iters)]
+        medians = [statistics.median(column) for column in zip(*runs, strict=True)]
+        print(f"| {name} | " + " | ".join(f"{m:.3f}" for m in medians) + " |")
+    if args.kernels:
+        for name, impl in (("triton", layer), ("baseline", baseline)):
+            counts = kernel_counts(impl, x, idx, weights, grad)
+            print(f"\n{name}: {sum(counts.values())} kernels and copies per forward+backward")
+            for kernel, count in counts.most_common():
+                print(f"  {count:3d} {kernel}")
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.iters):
+            layer(x, idx, weights).backward(grad)
+            layer.zero_grad(set_to_none=True)
+            x.grad = weights.grad = None
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
+        print(text.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
