@@ -29,21 +29,24 @@ def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
     - else `weight.grad` when it is such a tensor (otherwise autograd adds, as it would anyway)."""
     if weight is None or not weight.requires_grad or not weight.is_leaf:
         return None
+    main_grad = getattr(weight, "main_grad", None)
+    buffer = main_grad if main_grad is not None else weight.grad
+    if main_grad is None and (
+        buffer is None
+        or buffer.shape != weight.shape
+        or not buffer.is_contiguous()
+        or buffer.dtype not in GRADIENT_BUFFER_DTYPES
+    ):
+        return None
+    # Asked only where there is a buffer to add into (the query costs ~10 us of host time).
     try:
         accumulates = torch._C._will_engine_execute_node(
             torch.autograd.graph.get_gradient_edge(weight).node
         )
     except RuntimeError:  # torch.autograd.grad(..., inputs=[weight]): it never touches .grad
         accumulates = False
-    if not accumulates:
-        return None
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
-        return main_grad  # checked by functional.backward, which raises on every rank
-    buffer = weight.grad
-    if buffer is None or buffer.shape != weight.shape or not buffer.is_contiguous():
-        return None
-    return buffer if buffer.dtype in GRADIENT_BUFFER_DTYPES else None
+    # A main_grad is checked by functional.backward, which raises on every rank.
+    return buffer if accumulates else None
 
 
 class _MoEFunction(torch.autograd.Function):

@@ -79,6 +79,11 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
+        if not config.plain_swiglu:
+            return (
+                "its kernels compute SwiGLU experts without biases so far (swiglu_alpha=1, "
+                "swiglu_up_offset=0, expert_bias=False); the triton backend computes the others"
+            )
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)

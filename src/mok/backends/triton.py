@@ -165,11 +165,6 @@ class TritonBackend:
                     return f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks)"
         elif config.precision.value != "bf16":
             return f"computes bf16 and MXFP8 only, not {config.precision.value}"
-        if not config.plain_swiglu:
-            return (
-                "its kernels compute SwiGLU experts without biases so far (swiglu_alpha=1, "
-                "swiglu_up_offset=0, expert_bias=False)"
-            )
         sizes = {
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
@@ -227,6 +222,9 @@ class TritonBackend:
                 out=self.exchange.expert_output_buffer(),
             )
         else:
+            biases = None
+            if weights.gate_bias is not None:
+                biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
             expert_out, experts = expert_mlp_forward(
                 self.exchange.dispatch(routing, x),
                 routing.group_offsets,
@@ -236,6 +234,8 @@ class TritonBackend:
                 config.swiglu_limit,
                 save_for_backward=need_backward,
                 out=self.exchange.expert_output_buffer(),
+                activation=self._activation(),
+                biases=biases,
             )
         shared_out, shared = self._shared_forward(x, weights, need_backward)
         y, pair_out = self.exchange.combine(
@@ -263,6 +263,13 @@ class TritonBackend:
             topk_weights = topk_weights.float()
         return x, weights, torch.where(schedule.valid, topk_weights, 0), dtypes
 
+    def _activation(self):
+        """The experts' activation (`grouped_gemm.Activation`) of the config."""
+        from mok.kernels import Activation
+
+        config = self.workspace.config
+        return Activation(config.swiglu_alpha, config.swiglu_up_offset)
+
     def _shared_forward(self, x, weights: MoEWeights, need_backward: bool, sms: int | None = None):
         """(the shared expert's output, its saved state), or (None, None) without one; sms: the
         grids of all its products, forward and backward, held to that many SMs."""
@@ -284,6 +291,7 @@ class TritonBackend:
             config.swiglu_limit,
             save_for_backward=need_backward,
             config=kernel_cfg,
+            activation=self._activation(),
         )
 
     def backward(
@@ -291,7 +299,12 @@ class TritonBackend:
     ) -> MoEGradients:
         """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
         that buffer by the weight-gradient kernels themselves (no extra pass)."""
-        from mok.kernels import expert_mlp_backward
+        from mok.kernels import (
+            expert_bias_gradients,
+            expert_mlp_backward,
+            expert_mlp_data_gradients,
+            expert_mlp_weight_gradients,
+        )
         from mok.kernels.mx_expert_mlp import MXExpertSaved, mx_expert_mlp_backward
 
         into = accumulate_into
@@ -301,9 +314,24 @@ class TritonBackend:
         )
         grad_router = torch.where(saved.valid, grad_router, 0)
         buffers = (into.get("gate"), into.get("up"), into.get("down"))
+        bias_grads = {}
         if isinstance(saved.experts, MXExpertSaved):
             grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
                 grad_out, saved.experts, *buffers
+            )
+        elif saved.experts.biases is not None:
+            grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved.experts)
+            grad_gate, grad_up, grad_down = expert_mlp_weight_gradients(
+                grad_out, grad_gate_up, saved.experts, *buffers
+            )
+            names = ("gate_bias", "up_bias", "down_bias")
+            bias_buffers = [into.get(name) for name in names]
+            bias_grads = dict(
+                zip(
+                    names,
+                    expert_bias_gradients(grad_out, grad_gate_up, saved.experts, *bias_buffers),
+                    strict=True,
+                )
             )
         else:
             grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
@@ -311,7 +339,7 @@ class TritonBackend:
             )
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
-        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
+        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **bias_grads, **shared_grads}
         return self._gradients(saved, grad_x, grad_router, grads, into)
 
     @staticmethod

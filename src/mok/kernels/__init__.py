@@ -1,7 +1,8 @@
 """Triton kernels of MoK (Hopper GPUs; the CPU interpreter runs them for tests).
 
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert (the
-backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_weight_gradients`).
+backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_weight_gradients`;
+`expert_bias_gradients` for experts with biases), SwiGLU or gpt-oss's `Activation`.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
@@ -14,18 +15,22 @@ from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
     default_config,
+    expert_bias_gradients,
     expert_mlp_backward,
     expert_mlp_data_gradients,
     expert_mlp_forward,
     expert_mlp_weight_gradients,
 )
-from mok.kernels.grouped_gemm import GemmTiles
+from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles
 
 __all__ = [
+    "SWIGLU",
+    "Activation",
     "ExpertKernelConfig",
     "ExpertMLPSaved",
     "GemmTiles",
     "default_config",
+    "expert_bias_gradients",
     "expert_mlp_backward",
     "expert_mlp_data_gradients",
     "expert_mlp_forward",

@@ -32,7 +32,7 @@ import torch
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
 from mok.kernels._triton_compat import interpreting
-from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowsReady, RowTiles
+from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles, RowScatter, RowsReady, RowTiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,9 @@ class ExpertMLPSaved:
     """Row-tile lists by block_m, reused by backward."""
     swiglu_limit: float | None
     config: ExpertKernelConfig
+    activation: Activation = SWIGLU
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The experts' biases (gate, up [E, I]; down [E, H]), or None."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -257,6 +260,8 @@ def expert_mlp_forward(
     rows_ready: RowsReady | None = None,
     combine: RowScatter | None = None,
     down_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
@@ -279,13 +284,26 @@ def expert_mlp_forward(
       `down_tiles(config, ...)`); `out` must be None and None is returned in its place.
     down_operand: maps h [M, I] to what the down product reads instead (a tensor of h's shape,
       dtype and layout; the MXFP8 layer's cast of h); `saved.h` stays h.
+    activation: gate * sigmoid(alpha * gate) * (up + up_offset) after the clamp (SwiGLU by
+      default; gpt-oss's otherwise). biases: (gate, up [E, I], down [E, H]) of the rows' dtype,
+      added in fp32 to the pre-activations and the outputs; None: no biases. Other than SwiGLU
+      without biases, the products run the tl kernels (the warp-specialized ones compute
+      SwiGLU without biases only), and `combine` is not taken.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
     """
     if combine is not None and out is not None:
         raise ValueError("expert_mlp_forward: pass out or combine, not both")
+    plain = activation.plain and biases is None
+    if combine is not None and not plain:
+        raise ValueError("expert_mlp_forward: combine computes SwiGLU experts without biases")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
+    if biases is not None:
+        experts, inter, hidden = w_gate.shape
+        shapes = ((experts, inter), (experts, inter), (experts, hidden))
+        for name, bias, shape in zip(("gate", "up", "down"), biases, shapes, strict=True):
+            _check(f"{name} bias", bias, shape, (rows.dtype,), rows.device)
     m, hidden = rows.shape
     if out is not None:
         _check("out", out[:m], (m, hidden), (rows.dtype,), rows.device)
@@ -298,30 +316,53 @@ def expert_mlp_forward(
         h = torch.empty(0, inter, dtype=rows.dtype, device=rows.device)
         gate_up = torch.empty(0, 2 * inter, dtype=rows.dtype, device=rows.device)
         saved = ExpertMLPSaved(
-            rows, group_offsets, w_gate, w_up, w_down, h, gate_up, {}, swiglu_limit, cfg
+            rows,
+            group_offsets,
+            w_gate,
+            w_up,
+            w_down,
+            h,
+            gate_up,
+            {},
+            swiglu_limit,
+            cfg,
+            activation,
+            biases,
         )
         return None if combine else out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
     ws_gate_up = cfg.warp_specialized_gate_up
-    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
-        gate_up_cfg, gate_up_swiglu = ws_gate_up, ws.gate_up_swiglu
+    if plain and ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
+        h, gate_up = ws.gate_up_swiglu(
+            rows,
+            w_gate,
+            w_up,
+            cached_row_tiles(tiles, group_offsets, m, ws_gate_up.block_m),
+            swiglu_limit,
+            save_for_backward,
+            ws_gate_up,
+            ready=rows_ready,
+        )
     else:
-        gate_up_cfg, gate_up_swiglu = cfg.gate_up, gg.gate_up_swiglu
-    h, gate_up = gate_up_swiglu(
-        rows,
-        w_gate,
-        w_up,
-        cached_row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
-        swiglu_limit,
-        save_for_backward,
-        gate_up_cfg,
-        ready=rows_ready,
-    )
+        h, gate_up = gg.gate_up_swiglu(
+            rows,
+            w_gate,
+            w_up,
+            cached_row_tiles(tiles, group_offsets, m, cfg.gate_up.block_m),
+            swiglu_limit,
+            save_for_backward,
+            cfg.gate_up,
+            ready=rows_ready,
+            activation=activation,
+            biases=None if biases is None else biases[:2],
+        )
     h_in = h if down_operand is None else down_operand(h)
-    down_cfg = down_tiles(cfg, h_in, w_down)
+    down_cfg = down_tiles(cfg, h_in, w_down) if biases is None else cfg.down
     row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
     warp_specialized = down_cfg is cfg.warp_specialized_down
-    if combine is not None:
+    if biases is not None:
+        out = gg.down(h_in, w_down, row_tiles, down_cfg, out, bias=biases[2])
+    elif combine is not None:
         if warp_specialized:
             ws.rows_wt_scatter(h_in, w_down, row_tiles, combine, down_cfg)
         else:
@@ -345,6 +386,8 @@ def expert_mlp_forward(
         row_tiles=tiles,
         swiglu_limit=swiglu_limit,
         config=cfg,
+        activation=activation,
+        biases=biases,
     )
     return out, saved
 
@@ -415,19 +458,30 @@ def expert_mlp_data_gradients(
     if dgrad_sms is not None:
         cfg = _with_down_dgrad_sms(cfg, dgrad_sms)
     ws_dgrad = cfg.warp_specialized_dgrad
-    if ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
-        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
+    plain = saved.activation.plain
+    if plain and ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
+        down_cfg = ws_dgrad.down
+        grad_gate_up = ws.down_dgrad_swiglu(
+            grad_out,
+            saved.w_down,
+            saved.gate_up,
+            cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
+            saved.swiglu_limit,
+            down_cfg,
+            ready=rows_ready,
+        )
     else:
-        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu
-    grad_gate_up = down_dgrad(
-        grad_out,
-        saved.w_down,
-        saved.gate_up,
-        cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
-        saved.swiglu_limit,
-        down_cfg,
-        ready=rows_ready,
-    )
+        down_cfg = cfg.down_dgrad
+        grad_gate_up = gg.down_dgrad_swiglu(
+            grad_out,
+            saved.w_down,
+            saved.gate_up,
+            cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
+            saved.swiglu_limit,
+            down_cfg,
+            ready=rows_ready,
+            activation=saved.activation,
+        )
     if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
         gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
     else:
@@ -493,3 +547,31 @@ def expert_mlp_weight_gradients(
             grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
         )
     return grad_w_gate, grad_w_up, grad_w_down
+
+
+def expert_bias_gradients(
+    grad_out: torch.Tensor,
+    grad_gate_up: torch.Tensor,
+    saved: ExpertMLPSaved,
+    grad_gate_bias: torch.Tensor | None = None,
+    grad_up_bias: torch.Tensor | None = None,
+    grad_down_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the experts' biases of a forward with `biases`: per expert, the sums over
+    its rows of the gate and up pre-activations' gradients (grad_gate_up [M, 2I], from
+    `expert_mlp_data_gradients`) and of grad_out [M, H] (`gg.group_column_sums`: fp32, a fixed
+    order). A given buffer (fp32 or bf16, the bias's shape) has the gradient added into it in
+    place and is returned; otherwise a tensor of the bias's dtype. Zero for experts without
+    rows."""
+    if saved.biases is None:
+        raise ValueError("expert_bias_gradients: the forward ran without biases")
+    inter = saved.w_gate.shape[1]
+    values = (grad_gate_up[:, :inter], grad_gate_up[:, inter:], grad_out)
+    names = ("grad_gate_bias", "grad_up_bias", "grad_down_bias")
+    results = []
+    for name, bias, value, buffer in zip(
+        names, saved.biases, values, (grad_gate_bias, grad_up_bias, grad_down_bias), strict=True
+    ):
+        out, accumulate = _grad_buffer(name, buffer, bias)
+        results.append(gg.group_column_sums(value, saved.group_offsets, out, accumulate))
+    return tuple(results)

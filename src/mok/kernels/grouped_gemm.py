@@ -497,6 +497,50 @@ def swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def glu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr):
+    """The experts' activation in fp32: `swiglu_tile` when PLAIN, else gate * sigmoid(alpha *
+    gate) * (up + up_offset) after the same clamp (gpt-oss: alpha 1.702, offset 1)."""
+    if PLAIN:
+        return swiglu_tile(gate, up, limit, HAS_LIMIT)
+    if HAS_LIMIT:
+        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gate * tl.sigmoid(alpha * gate) * (up + up_offset)
+
+
+@triton.jit
+def glu_backward_tile(
+    grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr
+):
+    """Gradients of `glu_tile` with respect to gate and up (pre-clamp), in fp32, as
+    `swiglu_backward_tile` (which PLAIN runs): zero where the clamp is active."""
+    if PLAIN:
+        return swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT)
+    g = gate
+    u = up
+    if HAS_LIMIT:
+        g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
+        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
+    sig = tl.sigmoid(alpha * g)
+    grad_up = grad_h * (g * sig)
+    grad_gate = grad_h * (u + up_offset) * (sig * (1.0 + alpha * g * (1.0 - sig)))
+    if HAS_LIMIT:
+        grad_gate = tl.where(gate <= limit, grad_gate, 0.0)
+        grad_up = tl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
+    return grad_gate, grad_up
+
+
+@triton.jit
+def add_expert_bias(acc, bias_ptr, expert, n_off, columns, BLOCK_N: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] fp32 + the expert's bias (bias [E, columns]) over its columns."""
+    cols = n_off + tl.arange(0, BLOCK_N)
+    bias = tl.load(bias_ptr + expert * columns + cols, mask=cols < columns, other=0.0)
+    return acc + bias.to(tl.float32)[None, :]
+
+
+@triton.jit
 def store_row_tile(
     desc,  # [M, N] output, block [BLOCK_M, BLOCK_N]
     ptr,  # the same matrix's first element
@@ -624,7 +668,13 @@ def _gate_up_swiglu_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
+    gate_bias_ptr,  # HAS_BIAS: [E, I] added to gate, and up_bias_ptr to up, before the activation
+    up_bias_ptr,
+    alpha,  # float, the activation's (`glu_tile`) unless PLAIN
+    up_offset,
     HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PLAIN: tl.constexpr,
     SAVE_PREACT: tl.constexpr,
     GATHER: tl.constexpr,
     WAIT_ROWS: tl.constexpr,
@@ -665,7 +715,10 @@ def _gate_up_swiglu_kernel(
             BLOCK_N,
             BLOCK_K,
         )
-        h = swiglu_tile(gate, up, limit, HAS_LIMIT)
+        if HAS_BIAS:
+            gate = add_expert_bias(gate, gate_bias_ptr, expert, n_off, inter, BLOCK_N)
+            up = add_expert_bias(up, up_bias_ptr, expert, n_off, inter, BLOCK_N)
+        h = glu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
         store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
         if SAVE_PREACT:
             gate, up = saved_preactivations(gate, up, limit, limit_below, limit_above, HAS_LIMIT)
@@ -718,8 +771,10 @@ def _down_kernel(
     capacity,
     hidden,
     inter,
+    down_bias_ptr,  # HAS_BIAS: [E, H] added to the outputs
     GATHER: tl.constexpr,
     SCATTER: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     EP_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -763,6 +818,8 @@ def _down_kernel(
             BLOCK_N,
             BLOCK_K,
         )
+        if HAS_BIAS:
+            acc = add_expert_bias(acc, down_bias_ptr, expert, n_off, hidden, BLOCK_N)
         if SCATTER:
             scatter_row_tile(acc, target, row, row_end, n_off, hidden, EP_BLOCK, BLOCK_M, BLOCK_N)
         else:
@@ -792,7 +849,10 @@ def _down_dgrad_swiglu_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
+    alpha,  # float, the activation's (`glu_tile`) unless PLAIN
+    up_offset,
     HAS_LIMIT: tl.constexpr,
+    PLAIN: tl.constexpr,
     WAIT_ROWS: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
     FLAGS: tl.constexpr,
@@ -833,7 +893,9 @@ def _down_dgrad_swiglu_kernel(
         # Rows past row_end hold other groups' values: they only reach output rows never stored.
         gate = gate_desc.load([row, n_off]).to(tl.float32)
         up = up_desc.load([row, n_off]).to(tl.float32)
-        grad_gate, grad_up = swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT)
+        grad_gate, grad_up = glu_backward_tile(
+            grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN
+        )
         store_row_tile(
             grad_gate_desc,
             grad_gate_up_ptr,
@@ -1049,6 +1111,70 @@ def _gate_up_wgrad_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
+@fast_launch
+@triton.jit
+def _group_column_sums_kernel(
+    values_ptr,  # [M, N], unit column stride
+    row_stride,
+    offsets_ptr,  # [E + 1] int32 group offsets
+    out_ptr,  # [E, N] contiguous
+    columns,
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Grid (E, cdiv(N, BLOCK_N)): out[e] = (out[e] +) the sum of group e's rows of values, in
+    fp32 and a fixed order (each column of BLOCK_M-row chunks summed in row order, then the
+    chunk's rows by `tl.sum`), rounded once to out's dtype."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = cols < columns
+    start = tl.load(offsets_ptr + expert)
+    end = tl.load(offsets_ptr + expert + 1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in tl.range(start, end, BLOCK_M):
+        rows = first + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & live[None, :]
+        offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+        acc += tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    target = out_ptr + expert * columns + cols
+    if ACCUMULATE:
+        total += tl.load(target, mask=live, other=0.0).to(tl.float32)
+    tl.store(target, total.to(out_ptr.dtype.element_ty), mask=live)
+
+
+def group_column_sums(
+    values: torch.Tensor,
+    group_offsets: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """out [E, N] (contiguous): row e is the sum over group e's rows of values [M, N] (rows
+    group_offsets[e]..group_offsets[e + 1], unit column stride), in fp32, rounded once to out's
+    dtype; with `accumulate`, out's old value is added in that fp32 sum. What an expert bias's
+    gradient is. Deterministic (a fixed order); empty groups give zeros (or leave out as it is)."""
+    num_experts, columns = out.shape
+    if values.shape[1] != columns or values.stride(1) != 1 or not out.is_contiguous():
+        raise ValueError(
+            f"group_column_sums: values [M, {columns}] with unit column stride and a contiguous "
+            f"out, got {tuple(values.shape)} strides {values.stride()} into {tuple(out.shape)}"
+        )
+    if num_experts and columns:
+        block_m, block_n = (8, 32) if interpreting() else (32, 128)
+        _group_column_sums_kernel[(num_experts, triton.cdiv(columns, block_n))](
+            values,
+            values.stride(0),
+            group_offsets,
+            out,
+            columns,
+            ACCUMULATE=accumulate,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+        )
+    return out
+
+
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -1084,6 +1210,28 @@ def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
     """Columns a weight-gradient tile is stored in at once: halves of fp32 tiles wider than 128
     (whose staging buffer would not fit next to the pipeline's)."""
     return block_n // 2 if block_n > 128 and grad.element_size() == 4 else block_n
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+    """The experts' activation gate * sigmoid(alpha * gate) * (up + up_offset), after the clamp
+    (`mok.reference.expert.swiglu`); alpha 1 and offset 0 is SwiGLU, silu(gate) * up, computed by
+    the plain formula. gpt-oss: alpha 1.702, offset 1."""
+
+    alpha: float = 1.0
+    up_offset: float = 0.0
+
+    @property
+    def plain(self) -> bool:
+        return self.alpha == 1.0 and self.up_offset == 0.0
+
+
+SWIGLU = Activation()
+
+
+def _bias_arg(bias: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """An expert bias [E, N] (contiguous), or a placeholder the kernel never reads."""
+    return fallback if bias is None else bias.contiguous()
 
 
 def _limit(swiglu_limit: float | None) -> float:
@@ -1135,11 +1283,14 @@ def gate_up_swiglu(
     cfg: GemmTiles,
     source_rows: torch.Tensor | None = None,
     ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """h [M, I] and, when `save_preact`, the pre-activations gate | up [M, 2I], both of the rows'
     dtype; rows outside the groups are left unwritten. With `source_rows`, grouped row r is
     rows[source_rows[r]] (`gathered_rows`). With `ready`, a tile reads its rows only once their
-    flags say they landed (`RowsReady`)."""
+    flags say they landed (`RowsReady`). `biases` (gate, up: [E, I]) are added to the fp32
+    pre-activations (the saved ones included) before `activation`."""
     m = gathered_rows(rows, source_rows)
     if ready is not None:
         ready.check(m)
@@ -1172,7 +1323,12 @@ def gate_up_swiglu(
         _limit(swiglu_limit),
         *limit_edges(swiglu_limit, gate_up.dtype),
         *ready_args(ready, tiles),
+        *(_bias_arg(b, tiles.table) for b in (biases or (None, None))),
+        float(activation.alpha),
+        float(activation.up_offset),
         HAS_LIMIT=swiglu_limit is not None,
+        HAS_BIAS=biases is not None,
+        PLAIN=activation.plain,
         SAVE_PREACT=save_preact,
         GATHER=source_rows is not None,
         WAIT_ROWS=ready is not None,
@@ -1197,7 +1353,9 @@ def scatter_args(scatter: RowScatter | None, out: torch.Tensor, tiles: RowTiles)
     return (out, tiles.counts, tiles.table, tiles.table, tiles.table, tiles.counts, 0)
 
 
-def _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter: RowScatter | None) -> None:
+def _launch_down(
+    h, w_down, tiles, cfg, out, source_rows, scatter: RowScatter | None, bias=None
+) -> None:
     m = gathered_rows(h, source_rows)
     inter = h.shape[1]
     hidden = w_down.shape[1]
@@ -1221,8 +1379,10 @@ def _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter: RowScatter | 
         tiles.capacity,
         hidden,
         inter,
+        _bias_arg(bias, tiles.table),
         GATHER=source_rows is not None,
         SCATTER=scatter is not None,
+        HAS_BIAS=bias is not None,
         EP_BLOCK=scatter.ep_block if scatter else 2,
         **_launch_options(cfg, programs),
     )
@@ -1235,15 +1395,17 @@ def down(
     cfg: GemmTiles,
     out: torch.Tensor | None = None,
     source_rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [M, H] = h @ W_down[e].T per group; rows outside the groups are left unwritten.
-    `out` (contiguous, at least M rows): where to write (only its first M rows are used). With
-    `source_rows`, grouped row r is h[source_rows[r]] (`gathered_rows`)."""
+    """out [M, H] = h @ W_down[e].T (+ bias[e], bias [E, H], added in fp32) per group; rows
+    outside the groups are left unwritten. `out` (contiguous, at least M rows): where to write
+    (only its first M rows are used). With `source_rows`, grouped row r is h[source_rows[r]]
+    (`gathered_rows`)."""
     m = gathered_rows(h, source_rows)
     if out is None:
         out = torch.empty(m, w_down.shape[1], dtype=h.dtype, device=h.device)
     out = out[:m]
-    _launch_down(h, w_down, tiles, cfg, out, source_rows, None)
+    _launch_down(h, w_down, tiles, cfg, out, source_rows, None, bias)
     return out
 
 
@@ -1270,9 +1432,11 @@ def down_dgrad_swiglu(
     swiglu_limit: float | None,
     cfg: GemmTiles,
     ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
 ) -> torch.Tensor:
-    """Gradients of the pre-activations, gate | up [M, 2I]; rows outside the groups unwritten.
-    With `ready`, a tile reads its grad_out rows only once their flags say they landed."""
+    """Gradients of the pre-activations, gate | up [M, 2I], through `activation`; rows outside
+    the groups unwritten. With `ready`, a tile reads its grad_out rows only once their flags say
+    they landed."""
     m, hidden = grad_out.shape
     if ready is not None:
         ready.check(m)
@@ -1296,7 +1460,10 @@ def down_dgrad_swiglu(
         inter,
         _limit(swiglu_limit),
         *ready_args(ready, tiles),
+        float(activation.alpha),
+        float(activation.up_offset),
         HAS_LIMIT=swiglu_limit is not None,
+        PLAIN=activation.plain,
         WAIT_ROWS=ready is not None,
         FLAG_ROWS=ready.block_rows if ready else 1,
         FLAGS=ready.flags_per_tile(bm) if ready else 1,
