@@ -53,6 +53,7 @@ class _HopperStandIn:
 def compile_only(compiled: list):
     """Within: kernel launches compile and record (name, CompiledKernel) instead of running, with
     the persistent grid of an H200 (one program per SM)."""
+    from mok.kernels import grouped_gemm as gg
     from mok.kernels import warp_specialized as ws
 
     def warmup(self, grid):
@@ -68,6 +69,8 @@ def compile_only(compiled: list):
         with (
             mock.patch.object(JITFunction, "__getitem__", warmup),
             mock.patch.object(ws, "num_programs", lambda device, tasks, cfg: H200_SMS),
+            mock.patch.object(gg, "num_programs", lambda device, tasks, cfg: H200_SMS),
+            mock.patch.object(gg, "use_scratch_allocator", lambda device: None),
         ):
             yield
     finally:
@@ -189,12 +192,59 @@ def cases():
             )
 
 
+def tl_cases():
+    """(label, callable) for the tl kernels that only the triton backend's non-SwiGLU experts
+    (gpt-oss: its activation, expert biases, bias gradients) run on Hopper."""
+    from mok.kernels import grouped_gemm as gg
+    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowTiles
+
+    m, experts, hidden, inter = 1024, 4, 512, 256
+    bf16 = torch.bfloat16
+    x, h = torch.zeros(m, hidden, dtype=bf16), torch.zeros(m, inter, dtype=bf16)
+    w_gate = torch.zeros(experts, inter, hidden, dtype=bf16)
+    w_down = torch.zeros(experts, hidden, inter, dtype=bf16)
+    gate_up = torch.zeros(m, 2 * inter, dtype=bf16)
+    bias_i, bias_h = (
+        torch.zeros(experts, inter, dtype=bf16),
+        torch.zeros(experts, hidden, dtype=bf16),
+    )
+    gpt_oss = Activation(1.702, 1.0)
+
+    def tiles(cfg):
+        capacity = triton.cdiv(m, cfg.block_m) + experts + 2
+        table = torch.zeros(3, capacity, dtype=torch.int32)
+        counts = torch.zeros(2, dtype=torch.int32)
+        return RowTiles(table=table, counts=counts, capacity=capacity, block_m=cfg.block_m)
+
+    # The tl tiles of `expert_mlp.default_config` for groups of >= 192 rows.
+    up_cfg, down_cfg = GemmTiles(128, 128, 64, 8, 3), GemmTiles(128, 256, 64, 8, 3)
+    dgrad_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=4)
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    yield "tl gate_up gpt-oss", lambda: gg.gate_up_swiglu(
+        x, w_gate, w_gate, tiles(up_cfg), 7.0, True, up_cfg, activation=gpt_oss,
+        biases=(bias_i, bias_i),
+    )  # fmt: skip
+    yield "tl down bias", lambda: gg.down(h, w_down, tiles(down_cfg), down_cfg, bias=bias_h)
+    yield (
+        "tl down_dgrad gpt-oss",
+        lambda: gg.down_dgrad_swiglu(
+            x, w_down, gate_up, tiles(dgrad_cfg), 7.0, dgrad_cfg, activation=gpt_oss
+        ),
+    )
+    yield (
+        "tl group_column_sums",
+        lambda: gg.group_column_sums(
+            gate_up[:, inter:], offsets, torch.zeros(experts, inter, dtype=bf16), True
+        ),
+    )
+
+
 def main() -> int:
     failed = False
     print(f"triton {triton.__version__}, sm_90a")
     print("| kernel | registers | spill bytes | shared bytes |")
     print("| --- | --- | --- | --- |")
-    for label, launch in cases():
+    for label, launch in [*cases(), *tl_cases()]:
         compiled = []
         try:
             with compile_only(compiled):
