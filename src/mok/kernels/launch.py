@@ -3,7 +3,7 @@
 Triton's launch binds every argument to the kernel's signature, specializes each one in C++,
 builds a string key from the specialization and the options, looks the compiled kernel up, checks
 the globals it captured and asks for launch metadata: ~20-110 us per launch on the GPU machine's
-host CPU, most of a small layer's time (`benchmarks/host_cost.py`). `fast_launch(kernel)` keeps a
+host CPU, most of a small layer's time (`benchmarks/host_time.py`). `fast_launch(kernel)` keeps a
 table of compiled kernels keyed by what Triton specializes on, computed directly from the
 arguments:
 
@@ -18,9 +18,10 @@ first call of a key goes through Triton's own launch (compiling if needed) and r
 argument list for the direct launch, where the positional arguments are replaced by each call's.
 
 Triton's standard path is kept where this one cannot be sure: under the interpreter, with a
-launch hook set (profilers), for a keyword argument that is not a constexpr or a launch option,
-for an argument of another kind, and when Triton's internals are not the ones this was written
-for (checked on the first launch). `MOK_TRITON_LAUNCH=standard` turns the fast path off.
+launch hook set (profilers), for a grid given as a function, for a keyword argument that is not
+a constexpr or a launch option, for an argument of another kind, and when Triton's internals are
+not the ones this was written for (checked on the first launch). The table keeps no tensor of any
+call. `MOK_TRITON_LAUNCH=standard` turns the fast path off.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class FastLaunch:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         """Run the kernel on `grid` (a tuple of 1-3 ints) with these arguments."""
-        if not enabled() or _hooked():
+        if not enabled() or _hooked() or callable(grid):
             return self.kernel[grid](*args, **kwargs)
         active = driver.active
         device = active.get_current_device()
