@@ -13,7 +13,8 @@
 # clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
-# host: host time per layer call against the GPU's in a 24-layer stack, by validation mode.
+# host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
+# against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny`.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
@@ -75,8 +76,11 @@ for step in $steps; do
     host)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       for preset in tiny qwen3-30b-a3b; do
+        run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels
         run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu"
       done
+      run host-bench-tiny python3 -m mok bench --no-progress --preset tiny --ep 1 \
+        --json "$OUT/bench-tiny.json"
       run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
         --tokens 4096 --iters 10 --warmup 3 --validation local --json "$OUT/bench-local.json" ;;
     mxfp8)
