@@ -50,27 +50,53 @@ def enabled() -> bool:
     return not interpreting() and os.environ.get("MOK_TRITON_LAUNCH", "fast") != "standard"
 
 
+def _tensor_key(arg: torch.Tensor):
+    return (arg.dtype, arg.data_ptr() % 16 == 0)
+
+
+def _int_key(arg: int):
+    kind = "i32" if arg in _I32 else "i64" if arg in _I64 else "u64"
+    return (kind, arg == 1, arg % 16 == 0)
+
+
+def _descriptor_key(arg):
+    # A descriptor's layout is keyed by identity (`warp_specialized` makes one object per
+    # layout): a fresh but equal layout only misses.
+    return (arg.base.dtype, tuple(arg.block_shape), id(getattr(arg, "layout", None)), arg.padding)
+
+
+_KEYS_BY_TYPE: dict[type, Callable[[Any], Any]] = {
+    torch.Tensor: _tensor_key,
+    bool: lambda arg: bool,
+    int: _int_key,
+    float: lambda arg: float,
+    type(None): lambda arg: None,
+}
+"""How to key an argument, by its exact type (`_arg_key` adds the subclasses it meets)."""
+
+
 def _arg_key(arg: Any):
     """What Triton's specialization of `arg` depends on (see the module docstring), or raises
     TypeError for a kind of argument this does not know."""
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool):
-        return bool
-    if isinstance(arg, int):
-        kind = "i32" if arg in _I32 else "i64" if arg in _I64 else "u64"
-        return (kind, arg == 1, arg % 16 == 0)
-    if isinstance(arg, float):
-        return float
-    if arg is None:
-        return None
-    block_shape = getattr(arg, "block_shape", None)
-    if block_shape is not None and isinstance(getattr(arg, "base", None), torch.Tensor):
-        # A descriptor's layout is keyed by identity (`warp_specialized` makes one object per
-        # layout): a fresh but equal layout only misses.
-        layout = getattr(arg, "layout", None)
-        return (arg.base.dtype, tuple(block_shape), id(layout), arg.padding)
-    raise TypeError(f"no launch key for a {type(arg).__name__}")
+    key = _KEYS_BY_TYPE.get(type(arg))
+    if key is not None:
+        return key(arg)
+    if isinstance(arg, torch.Tensor):  # a subclass: nn.Parameter, ...
+        key = _tensor_key
+    elif isinstance(arg, bool):
+        key = _KEYS_BY_TYPE[bool]
+    elif isinstance(arg, int):
+        key = _int_key
+    elif isinstance(arg, float):
+        key = _KEYS_BY_TYPE[float]
+    elif getattr(arg, "block_shape", None) is not None and isinstance(
+        getattr(arg, "base", None), torch.Tensor
+    ):
+        key = _descriptor_key
+    else:
+        raise TypeError(f"no launch key for a {type(arg).__name__}")
+    _KEYS_BY_TYPE[type(arg)] = key
+    return key(arg)
 
 
 class _Direct:
