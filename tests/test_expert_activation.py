@@ -145,6 +145,10 @@ def test_backends_that_cannot_compute_it_say_so():
     # gpt-oss's experts; the fused backend does not yet.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert TritonBackend.unavailable_reason(GPT_OSS, device, None) is None
+    # Until its kernels have run on a GPU, `auto` keeps the reference backend there (selection
+    # only: no GPU is touched).
+    auto = GPT_OSS.replace(backend="auto")
+    assert mok.backends.select_backend(auto, torch.device("cuda"), None) is not TritonBackend
     reason = FusedBackend.unavailable_reason(GPT_OSS, device, None)
     assert reason is not None and "without biases" in reason
     baseline = BaselineMoE(GPT_OSS)
