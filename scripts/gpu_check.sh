@@ -3,7 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused] [mxfp8]
+#                        [fused] [mxfp8] [e2e]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -13,6 +13,8 @@
 # clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
+# e2e: end-to-end training steps, mok against the native transformers experts (EP 1) and against
+# mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny`.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
@@ -83,6 +85,18 @@ for step in $steps; do
         --json "$OUT/bench-tiny.json"
       run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
         --tokens 4096 --iters 10 --warmup 3 --validation local --json "$OUT/bench-local.json" ;;
+    e2e)
+      # Issue 15's end-to-end comparison: the default small model, then qwen3-30b-a3b's layer
+      # shape (H 2048, 128 experts of I 768, top 8), where the experts' work dominates a step.
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      run e2e-small python3 benchmarks/train_e2e.py --steps 30 --warmup 5 --out "$OUT/e2e-small"
+      run e2e-qwen3-30b python3 benchmarks/train_e2e.py --steps 30 --warmup 5 --layers 4 \
+        --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 \
+        --out "$OUT/e2e-qwen3-30b"
+      if [ "$ngpu" -gt 1 ]; then
+        run e2e-ep python3 benchmarks/train_e2e.py --ep "$ngpu" --steps 30 --warmup 5 \
+          --out "$OUT/e2e-ep$ngpu"
+      fi ;;
     mxfp8)
       run mxfp8-tests python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
         tests/kernels/test_mx_kernels.py tests/kernels/test_mx_expert_mlp.py \
