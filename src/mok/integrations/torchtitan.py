@@ -14,7 +14,10 @@ TorchTitan's:
 
 With a group, the experts' parameters must hold this rank's E / ep experts (as TorchTitan's
 expert-parallel sharding leaves them; DTensors are read through `to_local()`), and every call may
-pass at most `max_tokens_per_rank` tokens a rank.
+pass at most `max_tokens_per_rank` tokens a rank. Under TorchTitan's own expert parallelism, call
+`use_mok(model, group=parallel_dims.get_optional_mesh("ep"))` before `model.parallelize(
+parallel_dims)`: parallelize wraps each module's forward (redistribution and `local_map`), and
+wraps MoK's that way; after it, `use_mok` raises (it could not take the forward over).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
+from mok.errors import MoKInputError
 from mok.integrations._workspaces import MIN_TOKENS, workspace_for
 from mok.module import moe
 from mok.weights import MoEWeights
@@ -84,6 +88,13 @@ def use_mok(
     switched = 0
     for module in model.modules():
         if isinstance(module, RoutedExperts):
+            if "forward" in vars(module) or getattr(module, "_parallelized", False):
+                # parallelize() wrapped the bound forward of the original class in an instance
+                # attribute: a class swap now would leave TorchTitan's path running, silently.
+                raise MoKInputError(
+                    "mok_torchtitan.use_mok must run before TorchTitan's parallelize(): "
+                    f"{type(module).__name__} already has its forward wrapped"
+                )
             module.__class__ = type("MoKRoutedExperts", (_MoKRoutedExperts, type(module)), {})
             module._mok = (group, backend, None if group is None else max_tokens_per_rank)
             switched += 1
