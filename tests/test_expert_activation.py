@@ -109,7 +109,7 @@ def test_the_layer_matches_the_formula_with_gradients(backend):
     assert layer.gate_bias.grad.abs().sum() > 0
 
 
-def _ep_worker(rank, world, backend="reference"):
+def _ep_worker(rank, world, backend="reference", tokens=(11, 12)):
     import torch.distributed as dist
 
     config = GPT_OSS.replace(backend=backend)
@@ -119,10 +119,12 @@ def _ep_worker(rank, world, backend="reference"):
     everyone = []
     for r in range(world):
         gen = torch.Generator().manual_seed(5 + r)
-        x = torch.randn(11 + r, 32, generator=gen).bfloat16()
-        idx = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(11 + r)])
-        w = torch.rand(11 + r, 2, generator=gen)
-        everyone.append(RankInputs(x, idx, w, torch.randn(11 + r, 32, generator=gen).bfloat16()))
+        count = tokens[r]
+        x = torch.randn(count, 32, generator=gen).bfloat16()
+        rows = [torch.randperm(4, generator=gen)[:2] for _ in range(count)]
+        idx = torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.long)
+        w = torch.rand(count, 2, generator=gen)
+        everyone.append(RankInputs(x, idx, w, torch.randn(count, 32, generator=gen).bfloat16()))
     # The triton backend's CPU test mode computes in fp32: the reference at its rounding points.
     dtype = torch.float32 if backend == "triton" else None
     return compare_with_reference(layer, full, everyone, rank, dtype=dtype)
@@ -130,12 +132,13 @@ def _ep_worker(rank, world, backend="reference"):
 
 # The reference backend repeats the reference's math; the triton backend returns its fp32
 # gradients rounded to the parameters' bf16 (~2e-3 normwise), where a lost term is O(1).
+@pytest.mark.parametrize("tokens", [(11, 12), (0, 13)], ids=["both-ranks", "a-rank-without-tokens"])
 @pytest.mark.parametrize(
     "backend, tolerance",
     [("reference", 1e-4), pytest.param("triton", 5e-3, marks=pytest.mark.interpreter)],
 )
-def test_expert_parallel_layer_splits_the_biases_with_the_experts(backend, tolerance):
-    for errors in run_ranks(_ep_worker, 2, args=(backend,)):
+def test_expert_parallel_layer_splits_the_biases_with_the_experts(backend, tolerance, tokens):
+    for errors in run_ranks(_ep_worker, 2, args=(backend, tokens)):
         assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
         assert max(errors.values()) < tolerance, errors
 
