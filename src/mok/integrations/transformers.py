@@ -26,9 +26,9 @@ on the same weights, to compare with.
 
 Supported, in bf16: SwiGLU experts with concatenated [gate; up] weights and no biases, and
 gpt-oss's experts (transposed, interleaved gate/up weights, per-expert biases, its activation
-(up + 1) * gate * sigmoid(1.702 gate) with its clamp), the latter on the reference backend under
-`auto` (the triton backend's tl kernels compute them when asked for by name). `unsupported_reason`
-names what others need.
+(up + 1) * gate * sigmoid(1.702 gate) with its clamp), the latter on the reference backend (the
+triton kernels read weights with a unit last stride, which gpt-oss's transposed, interleaved
+views are not). `unsupported_reason` names what others need.
 """
 
 from __future__ import annotations
