@@ -147,6 +147,9 @@ def _workspace(
     _, ep = group_rank_and_size(group)
     activation = {}
     if _is_gpt_oss(experts):
+        if backend == "auto":
+            # The triton kernels read K-contiguous weights; gpt-oss's views are transposed.
+            backend = "reference"
         activation = dict(
             swiglu_limit=float(experts.limit),
             swiglu_alpha=float(experts.alpha),
