@@ -28,13 +28,14 @@ from mok.testing import relative_error  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def build_layer() -> torch.nn.Module:
-    config = MoE.Config(
+def layer_config(dispatcher=LocalTokenDispatcher) -> MoE.Config:
+    """TorchTitan's MoE config of the tests' layer: 8 experts (dim 64, hidden 32), top 2."""
+    return MoE.Config(
         num_experts=8,
         load_balance_coeff=None,
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=64, hidden_dim=32, num_experts=8),
-            token_dispatcher=LocalTokenDispatcher.Config(num_experts=8, top_k=2),
+            token_dispatcher=dispatcher.Config(num_experts=8, top_k=2),
         ),
         router=TokenChoiceTopKRouter.Config(
             num_experts=8,
@@ -43,8 +44,12 @@ def build_layer() -> torch.nn.Module:
             score_func="softmax",
         ),
     )
+
+
+def build_layer(config: MoE.Config | None = None) -> torch.nn.Module:
+    """The layer of `config` (default `layer_config()`) with seeded weights of std 0.2."""
     torch.manual_seed(0)
-    layer = config.build()
+    layer = (config or layer_config()).build()
     with torch.no_grad():
         for param in layer.parameters():
             param.normal_(0.0, 0.2)
@@ -94,28 +99,10 @@ def _expert_parallel_layers(rank: int, world: int):
 
     titan_distributed._spmd_backend = "partial_dtensor"
     parallel_dims_module.device_type = "cpu"
-    config = MoE.Config(
-        num_experts=8,
-        load_balance_coeff=None,
-        routed_experts=RoutedExperts.Config(
-            inner_experts=GroupedExperts.Config(dim=64, hidden_dim=32, num_experts=8),
-            token_dispatcher=AllToAllTokenDispatcher.Config(num_experts=8, top_k=2),
-        ),
-        router=TokenChoiceTopKRouter.Config(
-            num_experts=8,
-            top_k=2,
-            gate=Linear.Config(in_features=64, out_features=8, bias=False),
-            score_func="softmax",
-        ),
-    )
+    config = layer_config(AllToAllTokenDispatcher)
     layout = {"w1_EFD": Shard(1), "w2_EDF": Shard(2), "w3_EFD": Shard(1)}
     set_moe_sharding_config(config, enable_ep=True, enable_sp=False, expert_param_layout=layout)
-    torch.manual_seed(0)
-    base = config.build()
-    with torch.no_grad():
-        for param in base.parameters():
-            param.normal_(0.0, 0.2)
-    base = base.bfloat16()
+    base = build_layer(config).cpu().bfloat16()
     dims = ParallelDims(
         dp_replicate=1,
         dp_shard=world,

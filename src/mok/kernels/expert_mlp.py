@@ -24,6 +24,7 @@ reduced by one program in a fixed order, so results are bitwise reproducible.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -333,29 +334,24 @@ def expert_mlp_forward(
     tiles: dict[int, RowTiles] = {}
     ws_gate_up = cfg.warp_specialized_gate_up
     if plain and ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
-        h, gate_up = ws.gate_up_swiglu(
-            rows,
-            w_gate,
-            w_up,
-            cached_row_tiles(tiles, group_offsets, m, ws_gate_up.block_m),
-            swiglu_limit,
-            save_for_backward,
-            ws_gate_up,
-            ready=rows_ready,
-        )
+        gate_up_cfg, gate_up_swiglu = ws_gate_up, ws.gate_up_swiglu
     else:
-        h, gate_up = gg.gate_up_swiglu(
-            rows,
-            w_gate,
-            w_up,
-            cached_row_tiles(tiles, group_offsets, m, cfg.gate_up.block_m),
-            swiglu_limit,
-            save_for_backward,
-            cfg.gate_up,
-            ready=rows_ready,
+        gate_up_cfg = cfg.gate_up
+        gate_up_swiglu = functools.partial(
+            gg.gate_up_swiglu,
             activation=activation,
             biases=None if biases is None else biases[:2],
         )
+    h, gate_up = gate_up_swiglu(
+        rows,
+        w_gate,
+        w_up,
+        cached_row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
+        swiglu_limit,
+        save_for_backward,
+        gate_up_cfg,
+        ready=rows_ready,
+    )
     h_in = h if down_operand is None else down_operand(h)
     down_cfg = down_tiles(cfg, h_in, w_down) if biases is None else cfg.down
     row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
@@ -460,28 +456,19 @@ def expert_mlp_data_gradients(
     ws_dgrad = cfg.warp_specialized_dgrad
     plain = saved.activation.plain
     if plain and ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
-        down_cfg = ws_dgrad.down
-        grad_gate_up = ws.down_dgrad_swiglu(
-            grad_out,
-            saved.w_down,
-            saved.gate_up,
-            cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
-            saved.swiglu_limit,
-            down_cfg,
-            ready=rows_ready,
-        )
+        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
     else:
         down_cfg = cfg.down_dgrad
-        grad_gate_up = gg.down_dgrad_swiglu(
-            grad_out,
-            saved.w_down,
-            saved.gate_up,
-            cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
-            saved.swiglu_limit,
-            down_cfg,
-            ready=rows_ready,
-            activation=saved.activation,
-        )
+        down_dgrad = functools.partial(gg.down_dgrad_swiglu, activation=saved.activation)
+    grad_gate_up = down_dgrad(
+        grad_out,
+        saved.w_down,
+        saved.gate_up,
+        cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
+        saved.swiglu_limit,
+        down_cfg,
+        ready=rows_ready,
+    )
     if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
         gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
     else:

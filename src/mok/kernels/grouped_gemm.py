@@ -445,13 +445,17 @@ def group_at_b_tile(
 
 
 @triton.jit
-def swiglu_tile(gate, up, limit, HAS_LIMIT: tl.constexpr):
-    """silu(gate) * up in fp32; with a limit L, first gate <= L and -L <= up <= L. NaN stays NaN."""
+def swiglu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr):
+    """The experts' activation in fp32: silu(gate) * up when PLAIN, else gate * sigmoid(alpha *
+    gate) * (up + up_offset) (gpt-oss: alpha 1.702, offset 1); with a limit L, first gate <= L
+    and -L <= up <= L. NaN stays NaN."""
     if HAS_LIMIT:
         gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
-    return gate * tl.sigmoid(gate) * up
+    if PLAIN:
+        return gate * tl.sigmoid(gate) * up
+    return gate * tl.sigmoid(alpha * gate) * (up + up_offset)
 
 
 @triton.jit
@@ -477,7 +481,9 @@ def saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: tl.constexpr)
 
 
 @triton.jit
-def swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
+def swiglu_backward_tile(
+    grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr
+):
     """Gradients of swiglu_tile with respect to gate and up (pre-clamp), in fp32. Where the clamp
     is active (gate > L, |up| > L) the gradient is zero, as torch.clamp's. The clamp decisions are
     those of the forward when gate and up were saved through `saved_preactivations`."""
@@ -487,45 +493,14 @@ def swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT: tl.constexpr):
         g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         u = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
         u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    sig = tl.sigmoid(g)
-    grad_up = grad_h * (g * sig)
-    grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
-    if HAS_LIMIT:
-        grad_gate = tl.where(gate <= limit, grad_gate, 0.0)
-        grad_up = tl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
-    return grad_gate, grad_up
-
-
-@triton.jit
-def glu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr):
-    """The experts' activation in fp32: `swiglu_tile` when PLAIN, else gate * sigmoid(alpha *
-    gate) * (up + up_offset) after the same clamp (gpt-oss: alpha 1.702, offset 1)."""
     if PLAIN:
-        return swiglu_tile(gate, up, limit, HAS_LIMIT)
-    if HAS_LIMIT:
-        gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
-    return gate * tl.sigmoid(alpha * gate) * (up + up_offset)
-
-
-@triton.jit
-def glu_backward_tile(
-    grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT: tl.constexpr, PLAIN: tl.constexpr
-):
-    """Gradients of `glu_tile` with respect to gate and up (pre-clamp), in fp32, as
-    `swiglu_backward_tile` (which PLAIN runs): zero where the clamp is active."""
-    if PLAIN:
-        return swiglu_backward_tile(grad_h, gate, up, limit, HAS_LIMIT)
-    g = gate
-    u = up
-    if HAS_LIMIT:
-        g = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
-        u = tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    sig = tl.sigmoid(alpha * g)
-    grad_up = grad_h * (g * sig)
-    grad_gate = grad_h * (u + up_offset) * (sig * (1.0 + alpha * g * (1.0 - sig)))
+        sig = tl.sigmoid(g)
+        grad_up = grad_h * (g * sig)
+        grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
+    else:
+        sig = tl.sigmoid(alpha * g)
+        grad_up = grad_h * (g * sig)
+        grad_gate = grad_h * (u + up_offset) * (sig * (1.0 + alpha * g * (1.0 - sig)))
     if HAS_LIMIT:
         grad_gate = tl.where(gate <= limit, grad_gate, 0.0)
         grad_up = tl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
@@ -670,7 +645,7 @@ def _gate_up_swiglu_kernel(
     ready_wait_id,
     gate_bias_ptr,  # HAS_BIAS: [E, I] added to gate, and up_bias_ptr to up, before the activation
     up_bias_ptr,
-    alpha,  # float, the activation's (`glu_tile`) unless PLAIN
+    alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
     up_offset,
     HAS_LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -718,7 +693,7 @@ def _gate_up_swiglu_kernel(
         if HAS_BIAS:
             gate = add_expert_bias(gate, gate_bias_ptr, expert, n_off, inter, BLOCK_N)
             up = add_expert_bias(up, up_bias_ptr, expert, n_off, inter, BLOCK_N)
-        h = glu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
+        h = swiglu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
         store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
         if SAVE_PREACT:
             gate, up = saved_preactivations(gate, up, limit, limit_below, limit_above, HAS_LIMIT)
@@ -849,7 +824,7 @@ def _down_dgrad_swiglu_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
-    alpha,  # float, the activation's (`glu_tile`) unless PLAIN
+    alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
     up_offset,
     HAS_LIMIT: tl.constexpr,
     PLAIN: tl.constexpr,
@@ -893,7 +868,7 @@ def _down_dgrad_swiglu_kernel(
         # Rows past row_end hold other groups' values: they only reach output rows never stored.
         gate = gate_desc.load([row, n_off]).to(tl.float32)
         up = up_desc.load([row, n_off]).to(tl.float32)
-        grad_gate, grad_up = glu_backward_tile(
+        grad_gate, grad_up = swiglu_backward_tile(
             grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN
         )
         store_row_tile(

@@ -157,7 +157,7 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
-    """`grouped_gemm.swiglu_tile`, operation for operation (the twins agree bit for bit)."""
+    """`grouped_gemm.swiglu_tile` (PLAIN), operation for operation (the twins agree bit for bit)."""
     if HAS_LIMIT:
         gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
@@ -440,7 +440,7 @@ def _scatter_staged(buf, target, row, row_end, n_off, N, RANKS: gl.constexpr):
 
 @gluon.jit
 def _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT: gl.constexpr):
-    """`grouped_gemm.swiglu_backward_tile`, operation for operation (bitwise the same)."""
+    """`grouped_gemm.swiglu_backward_tile` (PLAIN), operation for operation (bitwise the same)."""
     g = gate
     u = up
     if HAS_LIMIT:
