@@ -9,7 +9,8 @@ EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` back
 host time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle
 before each call) and the device time of both (CUDA events; equal to the host time when the
 GPU waits for the host). --kernels lists the kernels one call launches (torch.profiler);
---profile prints cProfile's top functions of the triton backend by their own time.
+--profile prints cProfile's top functions of the triton backend by their own time, then by
+their cumulative time.
 """
 
 from __future__ import annotations
@@ -105,9 +106,10 @@ def main(argv=None) -> int:
             x.grad = weights.grad = None
         profiler.disable()
         torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.profile)
-        print(text.getvalue())
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(args.profile)
+            print(text.getvalue())
     return 0
 
 

@@ -139,6 +139,8 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
             dist.all_reduce(loss, group=group)
             loss /= world
         losses.append(loss.item())
+    if args.profile and rank == 0 and device.type == "cuda":
+        print_step_profile(model, optimizer, tokens, args.profile)
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
@@ -150,6 +152,34 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
         "tokens_per_s": world * args.batch * args.seq / statistics.median(timed) * 1e3,
         "peak_gib": peak,
     }
+
+
+def print_step_profile(model, optimizer, tokens, top: int) -> None:
+    """One more training step under torch.profiler (no collectives: rank 0's share alone): its
+    wall time, the sum of its kernels' time (the GPU busy; far below the wall time: the host
+    bounds the step) and its `top` costliest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), tokens[:, 1:].flatten()
+        )
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    print(f"profiled step: {wall:.2f} ms wall, {busy:.2f} ms of kernels, {len(kernels)} kernels")
+    print(
+        prof.key_averages().table(
+            sort_by="device_time_total", row_limit=top, max_name_column_width=60
+        )
+    )
 
 
 def train_rank(rank: int, world: int, args) -> dict:
@@ -268,6 +298,14 @@ def main(argv=None) -> int:
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok)",
     )
     parser.add_argument("--out", help="write train-e2e.md, .json and .png here")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training on GPUs, profile one more step per implementation (rank 0) and "
+        "print its wall and GPU-busy time and its N costliest kernels",
+    )
     args = parser.parse_args(argv)
     if args.implementations is None:
         native = "grouped_mm" if args.device == "cuda" else "eager"

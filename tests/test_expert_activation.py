@@ -87,7 +87,8 @@ def test_the_layer_matches_the_formula_with_gradients(backend):
     layer(x, idx.to(device), w).backward(grad_y.to(device))
 
     exact = {n: t.double().requires_grad_(True) for n, t in full.tensors().items() if t is not None}
-    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    w64 = w.detach().cpu().double().requires_grad_(True)
     y64 = torch.zeros(tokens, 32, dtype=torch.float64)
     for t in range(tokens):
         for j in range(2):
