@@ -21,7 +21,13 @@ from mok.baseline import BaselineMoE
 from mok.errors import MoKInputError
 from mok.launch import run_ranks
 from mok.reference.expert import expert_mlp
-from mok.testing import RankInputs, compare_with_reference, global_weights, relative_error
+from mok.testing import (
+    RankInputs,
+    compare_with_reference,
+    global_weights,
+    relative_error,
+    weights_of_preactivation_std,
+)
 
 GPT_OSS = mok.MoKConfig(
     hidden_size=32,
@@ -110,6 +116,38 @@ def test_the_layer_matches_the_formula_with_gradients(backend):
     assert layer.gate_bias.grad.abs().sum() > 0
 
 
+@pytest.mark.gpu
+def test_gpt_oss_shape_on_a_gpu_matches_the_reference_backend():
+    """gpt-oss-20b's expert shape (H = I = 2880: partial tiles of every kernel) in bf16 on a GPU,
+    the triton backend against the reference backend at the same rounding points: pre-activations
+    of std 4 (the clamp at 7 changes ~8 % of them), biases of std ~0.4 (a lost bias moves the
+    outputs by ~10 %), four experts without tokens (their bias gradients must stay zero)."""
+    config = GPT_OSS.replace(
+        hidden_size=2880, intermediate_size=2880, num_experts=32, top_k=4, backend="triton"
+    )
+    device = torch.device("cuda")
+    full = weights_of_preactivation_std(config, 4.0, device)
+    full = mok.MoEWeights(
+        **{
+            name: (t.float() * 20).bfloat16() if name.endswith("_bias") else t
+            for name, t in full.tensors().items()
+        }
+    )
+    layer = mok.MoE(config, device=device)
+    layer.load_global_weights(full)
+    gen = torch.Generator(device=device).manual_seed(3)
+    tokens = 300
+    x = torch.randn(tokens, 2880, device=device, generator=gen).bfloat16()
+    idx = torch.rand(tokens, 28, device=device, generator=gen).argsort(-1)[:, :4]
+    w = torch.rand(tokens, 4, device=device, generator=gen)
+    grad_y = torch.randn(tokens, 2880, device=device, generator=gen).bfloat16()
+    errors = compare_with_reference(layer, full, [RankInputs(x, idx, w, grad_y)], 0)
+    assert max(errors.values()) < 2e-2, errors
+    assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
+    layer(x, idx, w).backward(grad_y)
+    assert not layer.gate_bias.grad[28:].any() and not layer.down_bias.grad[28:].any()
+
+
 def _ep_worker(rank, world, backend="reference", tokens=(11, 12)):
     import torch.distributed as dist
 
@@ -149,10 +187,9 @@ def test_backends_that_cannot_compute_it_say_so():
     # gpt-oss's experts; the fused backend does not yet.
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert TritonBackend.unavailable_reason(GPT_OSS, device, None) is None
-    # Until its kernels have run on a GPU, `auto` keeps the reference backend there (selection
-    # only: no GPU is touched).
+    # `auto` picks it on GPUs (selection only: no GPU is touched).
     auto = GPT_OSS.replace(backend="auto")
-    assert mok.backends.select_backend(auto, torch.device("cuda"), None) is not TritonBackend
+    assert mok.backends.select_backend(auto, torch.device("cuda"), None) is TritonBackend
     reason = FusedBackend.unavailable_reason(GPT_OSS, device, None)
     assert reason is not None and "without biases" in reason
     baseline = BaselineMoE(GPT_OSS)

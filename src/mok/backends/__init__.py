@@ -20,13 +20,6 @@ BACKENDS = {
 def _auto_reason(backend, config: MoKConfig, device, group) -> str | None:
     """Why `auto` does not pick `backend` here (None: it may)."""
     reason = backend.unavailable_reason(config, device, group)
-    if reason is None and backend is TritonBackend and not config.plain_swiglu:
-        if getattr(device, "type", device) == "cuda":
-            # Tested on the CPU (interpreter) and compiled for sm_90a, not yet run on a GPU.
-            return (
-                "auto does not pick it for gpt-oss's experts (activation, biases) until their "
-                "kernels have run on a GPU; ask for backend='triton' by name"
-            )
     return reason if reason is not None else backend.auto_skip_reason(device)
 
 
