@@ -3,6 +3,7 @@ the host?
 
     PYTHONPATH=src python3 benchmarks/host_cost.py [--preset tiny] [--layers 24] [--tokens 4096]
                                                    [--ep 2] [--validations collective,local]
+                                                   [--compiled]
 
 A stack of --layers blocks, each x + MoE(proj(x)) with a softmax-over-top-k router (the shape of an
 MoE transformer without attention), runs forward+backward steps on one rank per GPU (or gloo ranks
@@ -10,7 +11,10 @@ on the CPU with --ep). Per validation mode: the host time to enqueue a step's fo
 (perf_counter around the Python calls) divided by the layers, and the step's time on the device
 (CUDA events; wall time on the CPU). When the host time per step is close to the device time, the
 step is bound by the host's launches and checks; when it is far below, the host runs ahead and the
-GPU never waits for it. Median over --steps after --warmup.
+GPU never waits for it. Median over --steps after --warmup. --compiled adds, per validation mode,
+the same stack under `torch.compile(mode="reduce-overhead")` (GPUs): the step replays CUDA graphs,
+so the host's work per layer is what stays outside them (the layer's checks run while the graphs
+are recorded, not in a replay).
 """
 
 from __future__ import annotations
@@ -59,38 +63,53 @@ def measure(rank: int, world: int, args) -> dict:
             block.moe.load_global_weights(global_weights(config, 0, device))
         x = torch.randn(args.tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
         grad = torch.randn_like(x)
-        host, step = [], []
-        for it in range(args.warmup + args.steps):
-            if group is not None:
-                dist.barrier(group)
-            if cuda:
-                torch.cuda.synchronize(device)
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-            wall = time.perf_counter()
-            y = blocks(x.requires_grad_(True))
-            y.backward(grad)
-            enqueued = time.perf_counter()
-            if cuda:
-                end.record()
-                end.synchronize()
-                device_ms = start.elapsed_time(end)
-            else:
-                device_ms = (time.perf_counter() - wall) * 1e3
-            blocks.zero_grad(set_to_none=True)
-            x.grad = None
-            if it >= args.warmup:
-                host.append((enqueued - wall) * 1e3)
-                step.append(device_ms)
-        results[validation] = {
-            "host ms per layer": statistics.median(host) / args.layers,
-            "host ms per step": statistics.median(host),
-            "device ms per step": statistics.median(step),
-        }
+        results[validation] = steps(blocks, x, grad, args, cuda, group, device)
+        if args.compiled and cuda:
+            # The eager steps above made every layer's workspace, which compiling needs.
+            compiled = torch.compile(blocks, mode="reduce-overhead", dynamic=False)
+            warmed = argparse.Namespace(**{**vars(args), "warmup": max(args.warmup, 3)})
+            results[f"{validation}, compiled"] = steps(
+                compiled, x, grad, warmed, cuda, group, device, mark_steps=True
+            )
     return results
+
+
+def steps(blocks, x, grad, args, cuda, group, device, mark_steps=False) -> dict:
+    """Host and device time of --warmup + --steps forward+backward steps of `blocks`.
+    mark_steps: tell CUDA-graph trees where each step begins (compiled stacks)."""
+    host, step = [], []
+    for it in range(args.warmup + args.steps):
+        if mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        if group is not None:
+            dist.barrier(group)
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
+            start.record()
+        wall = time.perf_counter()
+        y = blocks(x.requires_grad_(True))
+        y.backward(grad)
+        enqueued = time.perf_counter()
+        if cuda:
+            end.record()
+            end.synchronize()
+            device_ms = start.elapsed_time(end)
+        else:
+            device_ms = (time.perf_counter() - wall) * 1e3
+        blocks.zero_grad(set_to_none=True)
+        x.grad = None
+        if it >= args.warmup:
+            host.append((enqueued - wall) * 1e3)
+            step.append(device_ms)
+    return {
+        "host ms per layer": statistics.median(host) / args.layers,
+        "host ms per step": statistics.median(host),
+        "device ms per step": statistics.median(step),
+    }
 
 
 def main(argv=None) -> int:
@@ -104,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--validations", default="collective,local")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--compiled", action="store_true")
     args = parser.parse_args(argv)
     if args.ep > 1:
         backend = "nccl" if args.device == "cuda" else "gloo"

@@ -132,7 +132,10 @@ def test_a_launch_hook_keeps_tritons_path():
 def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
     """Every kernel of the expert MLP, Gluon ones included (their descriptors and layout
     constexprs must make keys that repeat from call to call), takes the direct path from its
-    second call on, and forward and backward equal those of Triton's own launches bit for bit."""
+    second call on, Gluon's with their TMA descriptors' encodings kept, and forward and backward
+    equal those of Triton's own launches bit for bit, for inputs that change values and
+    addresses from call to call (the earlier ones kept alive: an encoding of an earlier call's
+    tensor would read its values instead)."""
     from mok.kernels import expert_mlp
     from mok.kernels import warp_specialized as ws
 
@@ -142,29 +145,34 @@ def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
     def randn(*shape):
         return (torch.randn(*shape, generator=generator, device=DEVICE) / 8).bfloat16()
 
-    x, grad = randn(rows, hidden), randn(rows, hidden)
     w_gate, w_up = randn(experts, inter, hidden), randn(experts, inter, hidden)
     w_down = randn(experts, hidden, inter)
     offsets = torch.tensor([0, 100, 100, 450, 690], dtype=torch.int32, device=DEVICE)
 
-    def run():
+    def run(x, grad):
         out, saved = expert_mlp.expert_mlp_forward(x, offsets, w_gate, w_up, w_down)
         return [out[:690], *expert_mlp.expert_mlp_backward(grad, saved)]
 
     gluon_kernels = (ws._rows_wt_kernel, ws._group_at_b_kernel)
     for kernel in gluon_kernels:
         kernel._direct.clear()  # other tests of this process launched other shapes
-    monkeypatch.setenv("MOK_TRITON_LAUNCH", "standard")
-    expected = run()
-    monkeypatch.setenv("MOK_TRITON_LAUNCH", "fast")
-    for _ in range(3):
-        for got, want in zip(run(), expected, strict=True):
+    kept = []
+    for _ in range(4):
+        x, grad = randn(rows, hidden), randn(rows, hidden)
+        kept.append((x, grad))
+        monkeypatch.setenv("MOK_TRITON_LAUNCH", "standard")
+        expected = run(x, grad)
+        monkeypatch.setenv("MOK_TRITON_LAUNCH", "fast")
+        for got, want in zip(run(x, grad), expected, strict=True):
             assert torch.equal(got, want)
     if ws.available(torch.device(DEVICE)):
         for kernel in gluon_kernels:
             assert kernel._direct and all(d is not None for d in kernel._direct.values())
             # One key per product (four modes of _rows_wt, two of _group_at_b): keys repeat.
             assert len(kernel._direct) <= 4
+            # Triton 3.6's launcher: the descriptors' encodings kept, one per distinct tensor.
+            assert all(d.encoded is not None for d in kernel._direct.values())
+            assert any(d.encoded.encodings for d in kernel._direct.values())
 
 
 @pytest.mark.gpu

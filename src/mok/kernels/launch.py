@@ -10,12 +10,20 @@ arguments:
 - a tensor: its dtype and whether its address is 16-byte aligned;
 - an int: whether it is 1, whether it is a multiple of 16, and its integer type (i32, i64, u64);
 - a bool, a float, None: the type alone (None: the value);
-- a tensor descriptor: its dtype, block shape and shared-memory layout;
+- a tensor descriptor (or a `DeferredDescriptor`): its dtype, block shape and shared-memory
+  layout;
 - the keyword arguments (constexprs, num_warps, ...): their values;
 
 so two calls with the same key run the same compiled kernel that Triton itself would pick. The
 first call of a key goes through Triton's own launch (compiling if needed) and records the
 argument list for the direct launch, where the positional arguments are replaced by each call's.
+
+A kernel with TMA descriptors (Gluon's) has each descriptor encoded into a CUtensorMap on the
+host at every launch by Triton's launcher (~10 us each, up to nine per launch). The direct launch
+calls the compiled launcher beneath that step and keeps the encodings, keyed by what they encode
+(address, shape, strides; the block, swizzle and dtype are the compiled kernel's): a tensor at
+the same address with the same shape has the same encoding, whichever tensor it is, and the
+encoding holds no reference to it.
 
 Triton's standard path is kept where this one cannot be sure: under the interpreter, with a
 launch hook set (profilers), for a grid given as a function, for a keyword argument that is not
@@ -26,6 +34,7 @@ call. `MOK_TRITON_LAUNCH=standard` turns the fast path off.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from typing import Any
@@ -36,9 +45,16 @@ from triton.runtime import driver
 
 from mok.kernels._triton_compat import interpreting
 
+try:
+    from triton.backends.nvidia.driver import make_tensordesc_arg as _make_tensordesc_arg
+except ImportError:  # another Triton, or no NVIDIA backend: descriptors go through Triton's step
+    _make_tensordesc_arg = None
+
 MAX_KEYS = 256
 """Compiled kernels remembered per kernel; beyond it the table starts over (new shapes of ints
 or alignments each make a key)."""
+MAX_ENCODINGS = 1024
+"""TMA descriptor encodings remembered per compiled kernel; beyond it the table starts over."""
 
 _I32 = range(-(2**31), 2**31)
 _I64 = range(-(2**63), 2**63)
@@ -99,16 +115,80 @@ def _arg_key(arg: Any):
     return key(arg)
 
 
+class DeferredDescriptor:
+    """A TMA descriptor's fields, as a Triton descriptor class (`kind`, e.g. Gluon's
+    `TensorDescriptor`) takes them, without building that object and its checks (~10 us each):
+    `make()` builds it where Triton's own launch needs one and where the direct launch encodes a
+    tensor it has not met (a tensor it met has passed the checks with these fields)."""
+
+    __slots__ = ("kind", "base", "shape", "strides", "block_shape", "layout", "padding")
+
+    def __init__(self, kind, base: torch.Tensor, block_shape: list[int], layout, padding="zero"):
+        self.kind = kind
+        self.base = base
+        self.shape = base.shape
+        self.strides = base.stride()
+        self.block_shape = block_shape
+        self.layout = layout
+        self.padding = padding
+
+    def make(self):
+        """The Triton descriptor (raises as it does for fields it does not take)."""
+        return self.kind(
+            self.base, self.shape, self.strides, self.block_shape, self.layout, self.padding
+        )
+
+
+def _made(args) -> tuple:
+    """`args` with every `DeferredDescriptor` made."""
+    return tuple(a.make() if type(a) is DeferredDescriptor else a for a in args)
+
+
+class _Encoded:
+    """The launcher beneath Triton's TMA-descriptor step and the encodings it was given."""
+
+    __slots__ = ("launcher", "descriptors", "encodings")
+
+    def __init__(self, launcher, descriptors: dict[int, Any]):
+        self.launcher = launcher  # called as the compiled kernel's `run`
+        self.descriptors = descriptors  # argument position -> its encoding's metadata
+        self.encodings: dict[tuple, list] = {}
+
+    def arguments(self, values: list) -> list:
+        """The kernel's arguments as the launcher takes them: each descriptor as its encoding
+        (a CUtensorMap, the shape and the strides)."""
+        final = []
+        descriptors, encodings = self.descriptors, self.encodings
+        for position, value in enumerate(values):
+            meta = descriptors.get(position)
+            if meta is None:
+                final.append(value)
+                continue
+            key = (position, value.base.data_ptr(), tuple(value.shape), tuple(value.strides))
+            encoded = encodings.get(key)
+            if encoded is None:
+                if type(value) is DeferredDescriptor:
+                    value = value.make()
+                if len(encodings) >= MAX_ENCODINGS:
+                    encodings.clear()
+                encoded = encodings[key] = _make_tensordesc_arg(value, meta)
+            final.extend(encoded)
+        return final
+
+
 class _Direct:
     """One compiled kernel and the argument list its direct launch fills in."""
 
-    __slots__ = ("compiled", "template", "positional", "layout")
+    __slots__ = ("compiled", "template", "positional", "layout", "encoded")
 
-    def __init__(self, compiled, template: list, positional: int, layout: Any):
+    def __init__(
+        self, compiled, template: list, positional: int, layout: Any, encoded: _Encoded | None
+    ):
         self.compiled = compiled
         self.template = template
         self.positional = positional
         self.layout = layout  # keeps the descriptors' layouts (keyed by id) alive; no tensors
+        self.encoded = encoded
 
 
 class FastLaunch:
@@ -128,28 +208,35 @@ class FastLaunch:
     def launch(self, grid, args: tuple, kwargs: dict):
         """Run the kernel on `grid` (a tuple of 1-3 ints) with these arguments."""
         if not enabled() or _hooked() or callable(grid):
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*_made(args), **kwargs)
         active = driver.active
         device = active.get_current_device()
         try:
             key = (device, *map(_arg_key, args), *kwargs.items())
             direct = self._direct.get(key, False)
         except TypeError:  # an argument of another kind, or an unhashable keyword value
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*_made(args), **kwargs)
         if direct is False:
+            args = _made(args)
             compiled = self.kernel[grid](*args, **kwargs)
             if len(self._direct) >= MAX_KEYS:
                 self._direct.clear()
             self._direct[key] = self._record(compiled, device, args, kwargs)
             return compiled
         if direct is None:
-            return self.kernel[grid](*args, **kwargs)
+            return self.kernel[grid](*_made(args), **kwargs)
         values = direct.template.copy()
         values[: direct.positional] = args
         compiled = direct.compiled
         stream = active.get_current_stream(device)
         grid = (*grid, 1, 1)
-        compiled.run(
+        encoded = direct.encoded
+        run = compiled.run
+        if encoded is not None:
+            run, values = encoded.launcher, encoded.arguments(values)
+        else:
+            values = _made(values)
+        run(
             grid[0],
             grid[1],
             grid[2],
@@ -187,7 +274,35 @@ class FastLaunch:
         # holding this call's tensors would keep their memory, and any autograd graph behind
         # them, alive for as long as the kernel's table.
         template = [None] * len(args) + list(bound.values())[len(args) :]
-        return _Direct(compiled, template, len(args), layouts)
+        return _Direct(compiled, template, len(args), layouts, _encoded_launch(compiled))
+
+
+def _encoded_launch(compiled) -> _Encoded | None:
+    """Triton's launcher of `compiled` with the step that encodes its TMA descriptors taken out,
+    where its descriptors are encoded (Gluon's, with their metadata); None otherwise (the launch
+    then goes through Triton's launcher whole)."""
+    run = compiled.run
+    try:
+        step = run.launch
+        cells = dict(
+            zip(
+                step.__code__.co_freevars,
+                (c.cell_contents for c in step.__closure__ or ()),
+                strict=True,
+            )
+        )
+        raw, indices, metas = (
+            cells["launcher"],
+            cells["tensordesc_indices"],
+            cells["tensordesc_meta"],
+        )
+        launcher = copy.copy(run)  # its scratch allocation and launch options, run's own
+        launcher.launch = raw
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    if _make_tensordesc_arg is None or not metas or any(m is None for m in metas):
+        return None
+    return _Encoded(launcher, dict(zip(sorted(indices), metas, strict=True)))
 
 
 def _hooked() -> bool:

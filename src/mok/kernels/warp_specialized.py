@@ -77,7 +77,7 @@ from mok.kernels.grouped_gemm import (
     scatter_args,
     use_scratch_allocator,
 )
-from mok.kernels.launch import fast_launch
+from mok.kernels.launch import DeferredDescriptor, fast_launch
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 from mok.reference.expert import limit_edges
 
@@ -855,8 +855,12 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
     return gl.NVMMASharedLayout.get_default_for(list(block), _LAYOUT_DTYPES[dtype])
 
 
-def _descriptor(tensor: torch.Tensor, block: list[int]) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(tensor, block, _shared_layout(tuple(block), tensor.dtype))
+def _descriptor(tensor: torch.Tensor, block: list[int], layout=None) -> DeferredDescriptor:
+    """The TMA descriptor of `tensor` by blocks of `block` (layout: `_shared_layout`'s), made
+    by `mok.kernels.launch` where a launch needs Gluon's object."""
+    if layout is None:
+        layout = _shared_layout(tuple(block), tensor.dtype)
+    return DeferredDescriptor(TensorDescriptor, tensor, block, layout)
 
 
 @functools.cache
@@ -1600,10 +1604,7 @@ def _group_at_b(
     programs = num_programs(a.device, tasks, cfg)
     out_dtype = torch.float32 if grads[0].dtype == torch.float32 else a.dtype
     out_layout = _shared_layout((wg_m, bn), out_dtype)
-    descs = [
-        TensorDescriptor.from_tensor(g.view(num_experts * p, q), [wg_m, bn], out_layout)
-        for g in grads
-    ]
+    descs = [_descriptor(g.view(num_experts * p, q), [wg_m, bn], out_layout) for g in grads]
     use_scratch_allocator(a.device)
     _group_at_b_kernel[(programs,)](
         a,
