@@ -156,8 +156,8 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
 
 def print_step_profile(model, optimizer, tokens, top: int) -> None:
     """One more training step under torch.profiler (no collectives: rank 0's share alone): its
-    wall time, the sum of its kernels' time (the GPU busy; far below the wall time: the host
-    bounds the step) and its `top` costliest kernels."""
+    wall time, the time the GPU ran kernels or copies (the union of their intervals; far below
+    the wall time: the host bounds the step) and the `top` costliest operations and kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -172,9 +172,20 @@ def print_step_profile(model, optimizer, tokens, top: int) -> None:
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) * 1e3
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy = sum(e.device_time for e in kernels) / 1e3
-    print(f"profiled step: {wall:.2f} ms wall, {busy:.2f} ms of kernels, {len(kernels)} kernels")
+    gpu = torch.autograd.DeviceType.CUDA
+    kernels = [
+        e
+        for e in prof.events()
+        if e.device_type == gpu and not getattr(e, "is_user_annotation", False)
+    ]
+    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals, us
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    print(
+        f"profiled step: {wall:.2f} ms wall, GPU busy {busy / 1e3:.2f} ms, "
+        f"{len(kernels)} kernels and copies"
+    )
     print(
         prof.key_averages().table(
             sort_by="device_time_total", row_limit=top, max_name_column_width=60
