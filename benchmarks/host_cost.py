@@ -3,7 +3,7 @@ the host?
 
     PYTHONPATH=src python3 benchmarks/host_cost.py [--preset tiny] [--layers 24] [--tokens 4096]
                                                    [--ep 2] [--validations collective,local]
-                                                   [--compiled]
+                                                   [--compiled] [--graphed]
 
 A stack of --layers blocks, each x + MoE(proj(x)) with a softmax-over-top-k router (the shape of an
 MoE transformer without attention), runs forward+backward steps on one rank per GPU (or gloo ranks
@@ -12,9 +12,10 @@ on the CPU with --ep). Per validation mode: the host time to enqueue a step's fo
 (CUDA events; wall time on the CPU). When the host time per step is close to the device time, the
 step is bound by the host's launches and checks; when it is far below, the host runs ahead and the
 GPU never waits for it. Median over --steps after --warmup. --compiled adds, per validation mode,
-the same stack under `torch.compile(mode="reduce-overhead")` (GPUs): the step replays CUDA graphs,
-so the host's work per layer is what stays outside them (the layer's checks run while the graphs
-are recorded, not in a replay).
+the same stack under `torch.compile(mode="reduce-overhead")` (GPUs): CUDA graphs replay the
+blocks' other operations and the layer's ops run between them (their host time stays; the
+others' goes). --graphed adds the whole eager step captured in one CUDA graph (GPUs): a replay
+is all the host does (the layer's checks ran at capture, not in a replay).
 """
 
 from __future__ import annotations
@@ -71,7 +72,45 @@ def measure(rank: int, world: int, args) -> dict:
             results[f"{validation}, compiled"] = steps(
                 compiled, x, grad, warmed, cuda, group, device, mark_steps=True
             )
+        if args.graphed and cuda:
+            results[f"{validation}, one graph"] = graphed_steps(blocks, x, grad, args)
     return results
+
+
+def graphed_steps(blocks, x, grad, args) -> dict:
+    """`steps`'s figures for the step captured in one CUDA graph: host time = one replay's."""
+    from mok.testing import capture_in_graph
+
+    for param in blocks.parameters():
+        param.grad = torch.zeros_like(param)
+    x = x.detach().clone().requires_grad_(True)
+
+    def step():
+        for param in blocks.parameters():
+            param.grad.zero_()
+        x.grad = None
+        blocks(x).backward(grad)
+
+    graph, _ = capture_in_graph(step)
+    host, device = [], []
+    for it in range(args.warmup + args.steps):
+        torch.cuda.synchronize()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        start.record()
+        wall = time.perf_counter()
+        graph.replay()
+        enqueued = time.perf_counter()
+        end.record()
+        end.synchronize()
+        if it >= args.warmup:
+            host.append((enqueued - wall) * 1e3)
+            device.append(start.elapsed_time(end))
+    blocks.zero_grad(set_to_none=True)
+    return {
+        "host ms per layer": statistics.median(host) / args.layers,
+        "host ms per step": statistics.median(host),
+        "device ms per step": statistics.median(device),
+    }
 
 
 def steps(blocks, x, grad, args, cuda, group, device, mark_steps=False) -> dict:
@@ -124,6 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--validations", default="collective,local")
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--graphed", action="store_true")
     args = parser.parse_args(argv)
     if args.ep > 1:
         backend = "nccl" if args.device == "cuda" else "gloo"

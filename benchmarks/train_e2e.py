@@ -89,7 +89,7 @@ def batches(args, device, rank: int = 0, world: int = 1):
     generator = torch.Generator().manual_seed(args.seed)
     successor = torch.randperm(VOCAB, generator=generator)
     rows = args.batch * world
-    for _ in range(args.steps):
+    for _ in range(args.steps * args.accumulate):
         tokens = torch.empty(rows, args.seq + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, VOCAB, (rows,), generator=generator)
         for t in range(1, args.seq + 1):
@@ -118,15 +118,20 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
     losses, times = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for tokens in batches(args, device, rank, world):
+    micro_batches = batches(args, device, rank, world)
+    for _ in range(args.steps):
+        step = [next(micro_batches) for _ in range(args.accumulate)]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
-        logits = model(tokens[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), tokens[:, 1:].flatten()
-        )
-        loss.backward()
+        total = torch.zeros((), device=device)
+        for tokens in step:
+            logits = model(tokens[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), tokens[:, 1:].flatten()
+            )
+            (loss / args.accumulate).backward()
+            total += loss.detach() / args.accumulate
         if group is not None:
             average_gradients(model, group, world)
         optimizer.step()
@@ -134,11 +139,10 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
-        loss = loss.detach()
         if group is not None:
-            dist.all_reduce(loss, group=group)
-            loss /= world
-        losses.append(loss.item())
+            dist.all_reduce(total, group=group)
+            total /= world
+        losses.append(total.item())
     if args.profile and rank == 0 and device.type == "cuda":
         print_step_profile(model, optimizer, tokens, args.profile)
     timed = times[args.warmup :] or times
@@ -149,7 +153,12 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
         "median_ms": statistics.median(timed),
         "min_ms": min(timed),
         "max_ms": max(timed),
-        "tokens_per_s": world * args.batch * args.seq / statistics.median(timed) * 1e3,
+        "tokens_per_s": world
+        * args.accumulate
+        * args.batch
+        * args.seq
+        / statistics.median(timed)
+        * 1e3,
         "peak_gib": peak,
     }
 
@@ -241,7 +250,7 @@ def markdown(args, results, header) -> str:
         f"- command: `{header['command']}`",
         f"- {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top {args.top_k}, "
         f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
-        f"{args.seq} tokens a rank; "
+        f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
         f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; bf16 weights",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
@@ -293,6 +302,12 @@ def main(argv=None) -> int:
     parser.add_argument("--top-k", type=int, default=8 if cuda else 2)
     parser.add_argument("--moe-intermediate", type=int, default=512 if cuda else 32)
     parser.add_argument("--batch", type=int, default=8 if cuda else 2)
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches of --batch sequences per optimizer step (gradient accumulation)",
+    )
     parser.add_argument("--seq", type=int, default=1024 if cuda else 16)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)

@@ -79,7 +79,8 @@ for step in $steps; do
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       for preset in tiny qwen3-30b-a3b; do
         run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels
-        run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu"
+        run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu" \
+          --compiled --graphed
       done
       run host-bench-tiny python3 -m mok bench --no-progress --preset tiny --ep 1 \
         --json "$OUT/bench-tiny.json"

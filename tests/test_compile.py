@@ -145,3 +145,41 @@ def test_compiled_training_step_replays_in_a_cuda_graph(compiler):
             assert torch.equal(replayed[name], value), name
     block.moe.workspace(torch.device(DEVICE)).check()
     assert not ops._saved
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_steps_match_the_block_compiled_without_graphs():
+    """`torch.compile(mode="reduce-overhead")`: CUDA-graph trees replay the block's other
+    operations, the layer's ops run between the graphs (they are tagged cudagraph_unsafe). Over
+    steps on new inputs the results must be those of the same block compiled without graphs.
+    Catches the layer's ops recorded into a graph (a replay would not run the host code that
+    keeps the forward's state for backward, and the trees would hand that state's memory to the
+    next graph: gradients from overwritten activations, O(1) off, or the trees' error on reading
+    an overwritten output); bf16 tolerance only for Inductor's own choices between the modes."""
+    assert torch._C.Tag.cudagraph_unsafe in torch.ops.mok.moe_forward.default.tags
+
+    def steps(mode: str) -> list[dict]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = Block(TRITON, device=DEVICE)
+        block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
+        block.moe.workspace(torch.device(DEVICE))
+        compiled = torch.compile(block, mode=mode, fullgraph=True)
+        generator = torch.Generator(device=DEVICE).manual_seed(7)
+        results = []
+        for _ in range(5):  # warm-up, recording, then replays
+            torch.compiler.cudagraph_mark_step_begin()
+            x = torch.randn(40, 32, generator=generator, device=DEVICE).bfloat16()
+            x.requires_grad_(True)
+            y = compiled(x)
+            y.backward(torch.randn(40, 32, generator=generator, device=DEVICE).bfloat16())
+            grads = {name: p.grad.clone() for name, p in block.named_parameters()}
+            results.append({"y": y.detach().clone(), "grad x": x.grad.clone(), **grads})
+            block.zero_grad(set_to_none=True)
+        return results
+
+    graphed, plain = steps("reduce-overhead"), steps("default")
+    for step, (got, want) in enumerate(zip(graphed, plain, strict=True)):
+        for name, value in want.items():
+            assert relative_error(got[name], value) < 2e-2, (step, name)
+    assert not ops._saved

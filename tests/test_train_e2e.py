@@ -55,3 +55,21 @@ def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
     assert list(results) == ["mok-baseline", "mok"]
     for result in results.values():
         assert max(abs(a - b) for a, b in zip(result["losses"], reference, strict=True)) < 0.05
+
+
+def test_gradient_accumulation_steps(script, tmp_path):
+    """--accumulate 2: two micro-batches a step, their mean loss reported, both sets of
+    implementations training alike. Catches the loss summed instead of averaged (the first loss
+    would be ~2 ln 512 instead of ~ln 512 = 6.24) and tokens/s that leave the micro-batches out
+    (the layer's accumulation of gradients over micro-batches: tests/test_grad_accumulation.py)."""
+    args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "8", "--warmup", "1"]
+    args += ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "2", "--seq", "32", "--lr", "3e-3"]
+    assert script.main([*args, "--accumulate", "2", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "train-e2e.json").read_text())["results"]
+    native, ours = results["eager"], results["mok"]
+    assert native["losses"][0] == pytest.approx(6.24, abs=0.3)
+    assert ours["losses"][-1] < ours["losses"][0] - 0.1
+    assert ours["max_loss_difference"] < 0.05
+    median_s = ours["median_ms"] / 1e3
+    assert ours["tokens_per_s"] == pytest.approx(2 * 2 * 32 / median_s)

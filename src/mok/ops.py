@@ -14,6 +14,10 @@ tensors) stays on the host, in a table keyed by the ticket, a CPU tensor (readin
 device synchronization). The entry lives as long as the ticket: autograd holds the ticket until
 backward runs or the graph is freed, and the entry goes with it (`weakref.finalize`).
 
+Both ops carry the `cudagraph_unsafe` tag: under `torch.compile(mode="reduce-overhead")` Inductor
+runs them between its CUDA graphs (the host table above cannot live inside a graph replay); a whole
+step captured by hand in one CUDA graph (`torch.cuda.graph`) replays them too.
+
 Workspaces are named by an integer id (`register_workspace`): a Python object cannot be an
 argument of a custom op. `mok.MoE` calls these ops while `torch.compile` traces it and its
 autograd.Function (`mok.moe`) otherwise; both give the same results, and the compiled path hands
@@ -34,6 +38,12 @@ from mok.weights import MoEWeights
 _workspaces: weakref.WeakValueDictionary[int, functional.Workspace] = weakref.WeakValueDictionary()
 _saved: dict[int, tuple[functional.Schedule, functional.SavedForward]] = {}
 _ids = itertools.count(1)
+# CUDA-graph trees (`torch.compile(mode="reduce-overhead")`) must run both ops outside their
+# graphs: a graph replay would not run the host code that fills and reads `_saved`, and the
+# tensors held there are invisible to the trees' liveness tracking, which would hand their
+# memory to the next graph while backward still needs them. Inductor partitions its graphs
+# around ops with this tag; the rest of a model still replays from graphs.
+_TAGS = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
 
 
 def register_workspace(workspace: functional.Workspace) -> int:
@@ -47,7 +57,7 @@ def _weights(names: str, weights: list[torch.Tensor]) -> MoEWeights:
     return MoEWeights(**dict(zip(names.split(","), weights, strict=True)))
 
 
-@torch.library.custom_op("mok::moe_forward", mutates_args=())
+@torch.library.custom_op("mok::moe_forward", mutates_args=(), tags=_TAGS)
 def moe_forward(
     workspace_id: int,
     need_backward: bool,
@@ -76,7 +86,7 @@ def _(workspace_id, need_backward, topk_idx, x, topk_weights, names, weights):
     return torch.empty_like(x), torch.empty(1, dtype=torch.int64)
 
 
-@torch.library.custom_op("mok::moe_backward", mutates_args=())
+@torch.library.custom_op("mok::moe_backward", mutates_args=(), tags=_TAGS)
 def moe_backward(
     workspace_id: int,
     ticket: torch.Tensor,
