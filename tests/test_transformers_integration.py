@@ -142,6 +142,30 @@ def test_mok_experts_match_float64_math_to_bf16_rounding(name):
     """One MoE layer's experts on the same hidden states and routing: MoK's output and gradients
     (of the hidden states, gate_up_proj, down_proj) against the float64 eager experts. The model
     test above cannot be this tight: bf16 flips of the next layer's routing add noise there."""
+    check_experts_against_float64(name)
+
+
+def test_gpt_oss_experts_run_the_triton_kernels_on_their_own_parameters():
+    """gpt-oss's experts through the triton backend (under the interpreter on CPUs): on the first
+    call its gate_up_proj and down_proj are stored again K-contiguous in place (the same
+    Parameter objects and values), and the results match float64 to bf16 rounding. Catches the
+    kernels misreading the interleaved gate/up views (O(1)), values changed by the re-layout,
+    gradients that miss the re-laid parameters, the backend falling back to the reference."""
+    mok_transformers.register(backend="triton")
+    try:
+        ours = check_experts_against_float64("gpt-oss")
+    finally:
+        mok_transformers.register()
+    experts = ours.model.layers[0].mlp.experts
+    assert type(cached(experts).backend).__name__ == "TritonBackend"
+    assert experts.gate_up_proj.stride()[1] == 1 and experts.down_proj.stride()[1] == 1
+    _, native = build("gpt-oss", "eager")  # the same initial values, never re-laid
+    for name, value in native.model.layers[0].mlp.experts.named_parameters():
+        assert torch.equal(getattr(experts, name), value), name
+
+
+def check_experts_against_float64(name):
+    """The body of the float64 comparison above; returns the MoK model."""
     oracle, native = build(name, "eager")
     _, ours = build(name, mok_transformers.IMPLEMENTATION)
     layer = next(i for i, layer in enumerate(oracle.model.layers) if hasattr(layer.mlp, "experts"))
@@ -168,6 +192,7 @@ def test_mok_experts_match_float64_math_to_bf16_rounding(name):
         error = relative_error(ours_, want)
         assert error < 8e-3, (label, error)
         assert error <= 1.5 * relative_error(theirs, want) + 1e-3, label
+    return ours
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

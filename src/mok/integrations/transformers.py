@@ -26,9 +26,13 @@ on the same weights, to compare with.
 
 Supported, in bf16: SwiGLU experts with concatenated [gate; up] weights and no biases, and
 gpt-oss's experts (transposed, interleaved gate/up weights, per-expert biases, its activation
-(up + 1) * gate * sigmoid(1.702 gate) with its clamp), the latter on the reference backend (the
-triton kernels read weights with a unit last stride, which gpt-oss's transposed, interleaved
-views are not). `unsupported_reason` names what others need.
+(up + 1) * gate * sigmoid(1.702 gate) with its clamp). The triton kernels read weights with a unit
+last stride, which gpt-oss's transposed views are not: on its first MoK call a gpt-oss experts
+module has its `gate_up_proj` and `down_proj` stored again in place (same Parameter objects,
+shapes, names and values; strides (2IH, 1, H) and (IH, 1, I), the memory of [E, 2I, H] and
+[E, H, I] tensors), after which MoK's views of them are K-contiguous. Tensors that viewed the old
+storage no longer share it; checkpoints and optimizers are unaffected. `unsupported_reason`
+names what other experts modules need.
 """
 
 from __future__ import annotations
@@ -146,10 +150,9 @@ def _workspace(
     group = None if sharding is None else sharding[0]
     _, ep = group_rank_and_size(group)
     activation = {}
+    if backend == "auto" and any(w.stride(-1) != 1 for w in (weights.gate, weights.down)):
+        backend = "reference"  # the triton kernels read K-contiguous weights only
     if _is_gpt_oss(experts):
-        if backend == "auto":
-            # The triton kernels read K-contiguous weights; gpt-oss's views are transposed.
-            backend = "reference"
         activation = dict(
             swiglu_limit=float(experts.limit),
             swiglu_alpha=float(experts.alpha),
@@ -190,9 +193,20 @@ def _forward(backend: str):
     return experts_forward
 
 
+def _store_k_contiguous(experts: nn.Module) -> None:
+    """gpt-oss's gate_up_proj [E, H, 2I] and down_proj [E, I, H] stored again in place with H,
+    then I, as their unit-stride dimension (see the module docstring); no-op once done."""
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            param = getattr(experts, name)
+            if param.stride(1) != 1:
+                param.data = param.data.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _weights(experts: nn.Module) -> MoEWeights:
     """The module's parameters as MoK's weights, views that share their storage."""
     if _is_gpt_oss(experts):
+        _store_k_contiguous(experts)
         gate_up, bias = experts.gate_up_proj, experts.gate_up_proj_bias
         return MoEWeights(
             gate=gate_up[..., ::2].transpose(1, 2),
