@@ -5,7 +5,9 @@ trained for N steps with different experts implementations, on one process or ex
                                                    [--out DIR]
 
 The model is built from a config in code (no downloads): --arch picks Qwen3-MoE, Mixtral or
-DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediate. Every
+DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediate. With
+--framework torchtitan the model is TorchTitan's Qwen3-MoE (--titan-flavor, cut to --layers and to
+the task's vocabulary) against itself with MoK behind its routed experts (EP 1). Every
 implementation starts from the same weights and sees the same batches of a synthetic next-token
 task (a fixed random successor table, followed 90 % of the time: the loss falls, so curves have
 something to agree on). AdamW, bf16 weights. Implementations (--implementations): at EP 1 the
@@ -126,7 +128,7 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for tokens in step:
-            logits = model(tokens[:, :-1]).logits
+            logits = logits_of(model, tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), tokens[:, 1:].flatten()
             )
@@ -172,7 +174,7 @@ def print_step_profile(model, optimizer, tokens, top: int) -> None:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        logits = model(tokens[:, :-1]).logits
+        logits = logits_of(model, tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(
             logits.float().flatten(0, 1), tokens[:, 1:].flatten()
         )
@@ -202,6 +204,97 @@ def print_step_profile(model, optimizer, tokens, top: int) -> None:
     )
 
 
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    """[B, L, vocab] logits of a transformers model or of a TorchTitan one (`TitanLM`)."""
+    out = model(ids)
+    return out.logits if hasattr(out, "logits") else out
+
+
+class EagerCausalAttention(torch.nn.Module):
+    """TorchTitan's inner-attention call, (q, k, v [B, L, N, H], masks) -> [B, L, N, H], as
+    eager causal SDPA: its flex attention has no backward on the CPU (every implementation of a
+    run gets the same)."""
+
+    def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **_):
+        del attention_masks  # one causal document a sequence: the masks say no more
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        return out.transpose(1, 2)
+
+
+class TitanLM(torch.nn.Module):
+    """A TorchTitan decoder called as model(ids) -> logits: positions 0..L-1 and its attention
+    masks for them (made once per length)."""
+
+    def __init__(self, decoder: torch.nn.Module):
+        super().__init__()
+        self.decoder = decoder
+        self._masks: dict[tuple, object] = {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        key = tuple(ids.shape)
+        if key not in self._masks:
+            self._masks[key] = self.decoder.get_attention_masks(positions)
+        return self.decoder(ids, positions, self._masks[key])
+
+
+def titan_model(args) -> torch.nn.Module:
+    """TorchTitan's Qwen3-MoE of flavor --titan-flavor cut to its first --layers layers and to
+    the task's vocabulary, its own initialisation, bf16; on the CPU with `EagerCausalAttention`.
+    Writes the MoE shape into args (hidden, experts, top_k, moe_intermediate) for the report."""
+    import dataclasses
+
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    config = qwen3_configs[args.titan_flavor](attn_backend="flex")
+    config = dataclasses.replace(
+        config,
+        layers=config.layers[: args.layers],
+        vocab_size=VOCAB,  # the synthetic task's, as for the transformers models
+        tok_embeddings=dataclasses.replace(config.tok_embeddings, num_embeddings=VOCAB),
+        lm_head=dataclasses.replace(config.lm_head, out_features=VOCAB),
+    )
+    decoder = config.build()
+    decoder.init_states()
+    for block in decoder.layers.values():
+        if args.device == "cpu":
+            block.attention.inner_attention = EagerCausalAttention()
+        if getattr(block, "moe", None) is not None:
+            experts, inter, hidden = block.moe.routed_experts.inner_experts.w1_EFD.shape
+            args.experts, args.moe_intermediate = experts, inter
+            args.hidden, args.top_k = hidden, block.moe.router.top_k
+    return TitanLM(decoder).to(torch.bfloat16)
+
+
+def train_titan(args) -> dict:
+    """`train_rank` for --framework torchtitan (one process): TorchTitan's own routed experts
+    ("torchtitan") and MoK behind them (`mok.integrations.torchtitan.use_mok`, "mok")."""
+    from mok.integrations import torchtitan as mok_torchtitan
+
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    initial = titan_model(args)
+    results = {}
+    for implementation in args.implementations.split(","):
+        model = copy.deepcopy(initial)
+        if implementation == "mok":
+            mok_torchtitan.use_mok(model)
+        elif implementation != "torchtitan":
+            raise SystemExit(
+                f"--framework torchtitan runs torchtitan and mok, not {implementation}"
+            )
+        results[implementation] = train(model.to(device), args, device)
+        del model
+    return results
+
+
 def train_rank(rank: int, world: int, args) -> dict:
     """Every implementation on this rank, from the same initial model (EP: this rank's experts)."""
     import transformers
@@ -228,7 +321,11 @@ def train_rank(rank: int, world: int, args) -> dict:
 
 
 def run(args) -> dict:
-    if args.ep > 1:
+    if args.framework == "torchtitan":
+        if args.ep > 1:
+            raise SystemExit("--framework torchtitan runs at EP 1 here (one process)")
+        results = train_titan(args)
+    elif args.ep > 1:
         collectives = "nccl" if args.device == "cuda" else "gloo"
         results = run_ranks(train_rank, args.ep, args=(args,), backend=collectives)[0]
     else:
@@ -242,9 +339,15 @@ def run(args) -> dict:
     return results
 
 
+def model_label(args) -> str:
+    if args.framework == "torchtitan":
+        return f"TorchTitan qwen3 {args.titan_flavor}"
+    return args.arch
+
+
 def markdown(args, results, header) -> str:
     lines = [
-        f"# End-to-end training, {args.arch} ({header['date']})",
+        f"# End-to-end training, {model_label(args)} ({header['date']})",
         "",
         f"- commit `{header['commit']}`; {header['machine']}; torch {torch.__version__}",
         f"- command: `{header['command']}`",
@@ -294,7 +397,19 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
+        "--framework",
+        choices=("transformers", "torchtitan"),
+        default="transformers",
+        help="whose model: transformers' (--arch, sized by the options below) or TorchTitan's "
+        "Qwen3-MoE (--titan-flavor, cut to --layers)",
+    )
+    parser.add_argument(
         "--arch", choices=("qwen3-moe", "mixtral", "deepseek-v3"), default="qwen3-moe"
+    )
+    parser.add_argument(
+        "--titan-flavor",
+        default="30B-A3B" if cuda else "debugmodel_moe",
+        help="TorchTitan's Qwen3 flavor (its qwen3_configs key)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024 if cuda else 64)
@@ -333,7 +448,9 @@ def main(argv=None) -> int:
         "print its wall and GPU-busy time and its N costliest kernels",
     )
     args = parser.parse_args(argv)
-    if args.implementations is None:
+    if args.implementations is None and args.framework == "torchtitan":
+        args.implementations = "torchtitan,mok"
+    elif args.implementations is None:
         native = "grouped_mm" if args.device == "cuda" else "eager"
         args.implementations = ("mok-baseline" if args.ep > 1 else native) + ",mok"
     results = run(args)
@@ -353,7 +470,7 @@ def main(argv=None) -> int:
         (out / "train-e2e.json").write_text(
             json.dumps({**header, "args": vars(args), "results": results}, indent=2)
         )
-        title = f"{args.arch}: {header['commit']}, {machine}"
+        title = f"{model_label(args)}: {header['commit']}, {machine}"
         plot(results, out / "train-e2e.png", title, args.warmup)
     return 0
 

@@ -100,6 +100,18 @@ for step in $steps; do
       run e2e-qwen3-30b-accumulate python3 benchmarks/train_e2e.py --steps 10 --warmup 3 \
         --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 32 \
         --seq 1024 --accumulate 2 --out "$OUT/e2e-qwen3-30b-accumulate"
+      # TorchTitan's own Qwen3-MoE (qwen3-30b-a3b's layers, cut to 4) against itself with MoK
+      # behind its routed experts. The GPU machine has no package index: carry .wheels/ (made
+      # here by `pip download torchtitan==0.3.0 tyro docstring_parser spmd_types shtab
+      # typeguard --no-deps -d .wheels`), installed beside the machine's own packages.
+      if [ -d .wheels ] && ! python3 -c 'import torchtitan' 2>/dev/null; then
+        python3 -m pip install -q --no-deps --target /tmp/mok-wheels .wheels/*.whl
+        export PYTHONPATH="$PYTHONPATH:/tmp/mok-wheels"
+      fi
+      if python3 -c 'import torchtitan' 2>/dev/null; then
+        run e2e-torchtitan python3 benchmarks/train_e2e.py --framework torchtitan --layers 4 \
+          --steps 20 --warmup 5 --batch 8 --seq 1024 --out "$OUT/e2e-torchtitan"
+      fi
       if [ "$ngpu" -gt 1 ]; then
         run e2e-ep python3 benchmarks/train_e2e.py --ep "$ngpu" --steps 30 --warmup 5 \
           --out "$OUT/e2e-ep$ngpu"
