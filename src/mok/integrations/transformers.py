@@ -195,7 +195,10 @@ def _forward(backend: str):
 
 def _store_k_contiguous(experts: nn.Module) -> None:
     """gpt-oss's gate_up_proj [E, H, 2I] and down_proj [E, I, H] stored again in place with H,
-    then I, as their unit-stride dimension (see the module docstring); no-op once done."""
+    then I, as their unit-stride dimension (see the module docstring); no-op once done, and
+    while torch.compile traces (a compiled first call keeps the views it finds)."""
+    if torch.compiler.is_compiling():
+        return
     with torch.no_grad():
         for name in ("gate_up_proj", "down_proj"):
             param = getattr(experts, name)
