@@ -11,13 +11,16 @@ into the template.
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from mok.kernels import launch
-from mok.kernels.launch import FastLaunch, fast_launch
+from mok.kernels.launch import DeferredDescriptor, FastLaunch, fast_launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,6 +71,87 @@ def test_under_the_interpreter_or_when_turned_off_launches_take_tritons_path(mon
     assert not launch.enabled()
     x = torch.randn(100, device=DEVICE)
     assert torch.equal(_scale_shift(x, 100, 2.0, 3, 32), _expected(x, 100, 2.0, 3))
+
+
+@dataclasses.dataclass
+class _Descriptor:
+    """A stand-in for Triton's descriptor class (the fields DeferredDescriptor hands it)."""
+
+    base: torch.Tensor
+    shape: tuple
+    strides: tuple
+    block_shape: list
+    layout: object
+    padding: str
+
+
+def test_encoded_launch_hands_the_launcher_what_tritons_descriptor_step_would(monkeypatch):
+    """Against a launcher built as Triton 3.6 builds one (a wrapper closing over the raw
+    launcher, the descriptors' positions and their metadata, that encodes each descriptor at
+    every launch): the direct launch hands the raw launcher the same arguments, encodes each
+    (address, shape, strides) once, and encodes a tensor at a new address anew. Catches
+    metadata paired with the wrong descriptor, encodings put at the wrong positions, one
+    tensor's encoding reused for another (it would read the first tensor's memory)."""
+    encoded = []
+
+    def encode(descriptor, meta):
+        encoded.append(descriptor.base.data_ptr())
+        address = descriptor.base.data_ptr()
+        return [("tensor map", address, meta["swizzle"]), *descriptor.shape, *descriptor.strides]
+
+    monkeypatch.setattr(launch, "_make_tensordesc_arg", encode)
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):  # Triton 3.6's, in substance
+        def inner(*args):
+            final, k = list(args[:13]), 0
+            for i, arg in enumerate(args[13:]):
+                if i in tensordesc_indices:
+                    final.extend(encode(arg, tensordesc_meta[k]))
+                    k += 1
+                else:
+                    final.append(arg)
+            return launcher(*final)
+
+        return inner
+
+    class Run:  # Triton's CudaLauncher: its launch options, then `self.launch`
+        def __init__(self, step):
+            self.launch = step
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            self.launch(gx, gy, gz, stream, function, False, False, None, None, *args)
+
+    received = []
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    compiled = types.SimpleNamespace(
+        run=Run(wrap(lambda *a: received.append(a), {3, 0}, metas)),
+        function="function",
+        packed_metadata="metadata",
+    )
+    direct = launch._encoded_launch(compiled)
+    assert direct is not None and direct.descriptors == {0: metas[0], 3: metas[1]}
+    base = ("grid", 1, 1, "stream", "function", "metadata", None, None, None)
+    a, b = torch.zeros(8, 32), torch.zeros(16, 32)
+    for x in (a, a, b):
+        values = [
+            DeferredDescriptor(_Descriptor, x, [8, 32], None),
+            "pointer",
+            5,
+            DeferredDescriptor(_Descriptor, x[:4], [4, 32], None),
+            3,
+        ]
+        compiled.run(*base, *launch._made(values))
+        direct.launcher(*base, *direct.arguments(values))
+        assert received[-1] == received[-2]
+    # Triton's step encoded at every launch (6 times); the direct one each distinct tensor once.
+    assert len(encoded) == 6 + 2 * 2
+
+
+def test_launchers_of_other_shapes_keep_tritons_descriptor_step():
+    """A launcher whose wrapper does not close over what Triton 3.6's does (another Triton):
+    no direct encoding, so the launch goes through Triton's launcher whole."""
+    compiled = types.SimpleNamespace(run=types.SimpleNamespace(launch=lambda *args: None))
+    assert launch._encoded_launch(compiled) is None
 
 
 @pytest.mark.gpu
