@@ -272,3 +272,32 @@ def test_sharded_experts_give_the_one_process_model(name):
         assert count >= 1 and same_keys
         assert local and all(local.values()), local
         assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_a_model_with_mok_experts_compiles_whole(name):
+    """torch.compile(fullgraph=True) of the whole model with MoK experts on the triton backend
+    (the interpreter on CPUs): after one eager call, which makes each experts module's
+    workspace, the compiled model runs the experts as `mok.ops`' custom ops and gives eager's
+    logits and gradients bit for bit (aot_eager keeps every other operation). Before that call
+    it says what to do. Catches a graph break in the adapter (fullgraph raises), a compiled call
+    on another module's workspace, gradients lost between the ops and the views of
+    gate_up_proj."""
+    mok_transformers.register(backend="triton")
+    try:
+        _, ours = build(name, mok_transformers.IMPLEMENTATION)
+        ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="run the model once eagerly"):
+            torch.compile(copy.deepcopy(ours), fullgraph=True, backend="aot_eager")(ids)
+        eager_logits, eager_grads = logits_and_grads(ours, ids)
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+        logits, grads = logits_and_grads(compiled, ids)
+    finally:
+        mok_transformers.register()
+    assert torch.equal(logits, eager_logits)
+    grads = {key.removeprefix("_orig_mod."): value for key, value in grads.items()}
+    assert grads.keys() == eager_grads.keys()
+    for key, value in eager_grads.items():
+        assert torch.equal(grads[key], value), key

@@ -8,7 +8,9 @@ import weakref
 import torch
 from torch import nn
 
+from mok import ops
 from mok.config import MoKConfig
+from mok.errors import MoKInputError
 from mok.functional import Workspace, create_workspace
 
 MIN_TOKENS = 8192
@@ -16,6 +18,7 @@ MIN_TOKENS = 8192
 larger one."""
 
 _workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
+_ids: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def workspace_for(
@@ -42,9 +45,28 @@ def workspace_for(
         workspace.release()
     workspace = create_workspace(config, group, device)
     _workspaces[owner] = workspace
+    _ids[owner] = ops.register_workspace(workspace)
     return workspace
 
 
 def cached(owner: nn.Module) -> Workspace | None:
     """`owner`'s current workspace, if any."""
     return _workspaces.get(owner)
+
+
+def compiled_call(owner: nn.Module, x, topk_idx, topk_weights, weights) -> torch.Tensor:
+    """y [T, H] of `owner`'s layer through the custom ops of `mok.ops`, what torch.compile
+    traces: on the workspace an eager call made (making one is a collective, outside a trace)."""
+    workspace_id = _ids.get(owner)
+    if workspace_id is None:
+        raise MoKInputError(
+            f"torch.compile of {type(owner).__name__} with MoK needs its workspace made first: "
+            "run the model once eagerly before compiling"
+        )
+    if _workspaces[owner].backend_name == "reference":
+        raise MoKInputError(
+            f"torch.compile of {type(owner).__name__} with MoK needs the triton backend: the "
+            "reference backend records an autograd graph inside the layer, which a custom op "
+            "cannot"
+        )
+    return ops.moe(x, topk_idx, topk_weights, weights, workspace_id)

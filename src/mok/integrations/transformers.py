@@ -45,7 +45,7 @@ from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.functional import Workspace
-from mok.integrations._workspaces import MIN_TOKENS, workspace_for
+from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import moe
 from mok.weights import MoEWeights
 
@@ -186,6 +186,8 @@ def _forward(backend: str):
                 "mok.integrations.transformers.shard_experts for MoK's"
             )
         weights = _weights(self)
+        if torch.compiler.is_compiling():
+            return compiled_call(self, hidden_states, top_k_index, top_k_weights, weights)
         workspace = _workspace(self, weights, hidden_states, top_k_index.shape[-1], backend)
         # Autograd adds the gradients of the two views into gate_up_proj's: no fused accumulation.
         return moe(hidden_states, top_k_index, top_k_weights, weights, workspace, False)
