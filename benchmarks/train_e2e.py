@@ -121,14 +121,20 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     micro_batches = batches(args, device, rank, world)
-    for _ in range(args.steps):
+    forward = model
+    for index in range(args.steps):
+        if index == 1 and args.compile != "none":
+            # After one eager step: MoK's experts make their workspaces there (a collective,
+            # outside any trace). The compiling steps fall in the warm-up.
+            torch._dynamo.reset()
+            forward = torch.compile(model, backend=args.compile)
         step = [next(micro_batches) for _ in range(args.accumulate)]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for tokens in step:
-            logits = logits_of(model, tokens[:, :-1])
+            logits = logits_of(forward, tokens[:, :-1])
             loss = torch.nn.functional.cross_entropy(
                 logits.float().flatten(0, 1), tokens[:, 1:].flatten()
             )
@@ -354,7 +360,8 @@ def markdown(args, results, header) -> str:
         f"- {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top {args.top_k}, "
         f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
-        f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; bf16 weights",
+        f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; bf16 weights; "
+        f"torch.compile: {args.compile}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
         "| speedup | peak GiB |",
@@ -437,6 +444,13 @@ def main(argv=None) -> int:
         default=None,
         help="experts implementations, the first the reference of the ratios (default: the "
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok)",
+    )
+    parser.add_argument(
+        "--compile",
+        default="none",
+        metavar="BACKEND",
+        help="torch.compile the model with this backend (inductor, aot_eager, ...) from the "
+        "second step on, every implementation alike (default none: eager)",
     )
     parser.add_argument("--out", help="write train-e2e.md, .json and .png here")
     parser.add_argument(

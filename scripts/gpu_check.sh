@@ -94,6 +94,11 @@ for step in $steps; do
       run e2e-qwen3-30b python3 benchmarks/train_e2e.py --steps 30 --warmup 5 --layers 4 \
         --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 \
         --out "$OUT/e2e-qwen3-30b"
+      # The same compiled by Inductor (both implementations; MoK's experts as its custom ops):
+      # the models' eager Python, which bounds the one-batch step above, mostly gone.
+      run e2e-qwen3-30b-compiled python3 benchmarks/train_e2e.py --steps 20 --warmup 8 \
+        --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 \
+        --seq 1024 --compile inductor --out "$OUT/e2e-qwen3-30b-compiled"
       # 32k tokens a micro-batch, 2 a step: enough GPU work per launch that the host (the model's
       # eager Python, the optimizer's launches) no longer bounds the step, and the optimizer
       # (~30 ms, a third of a one-batch step above) amortized as with large global batches.

@@ -121,6 +121,26 @@ def _expert_parallel_layers(rank: int, world: int):
     return native, ours
 
 
+def test_the_layer_with_mok_compiles_whole():
+    """torch.compile(fullgraph=True) of TorchTitan's MoE with MoK behind its routed experts (the
+    triton backend: the interpreter on CPUs), after one eager call that makes the workspace: the
+    experts run as `mok.ops`' custom ops, and output and gradients equal eager's bit for bit
+    under aot_eager. Catches a graph break in the adapter (fullgraph raises) and gradients lost
+    between the ops and TorchTitan's parameters."""
+    layer = build_layer().bfloat16()
+    mok_torchtitan.use_mok(layer, backend="triton")
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 64, generator=generator).bfloat16().to(DEVICE)
+    grad = torch.randn(2, 9, 64, generator=generator).bfloat16().to(DEVICE)
+    eager = results(layer, x, grad)
+    torch._dynamo.reset()
+    compiled = results(torch.compile(layer, fullgraph=True, backend="aot_eager"), x, grad)
+    compiled = {key.removeprefix("_orig_mod."): value for key, value in compiled.items()}
+    assert compiled.keys() == eager.keys()
+    for key, value in eager.items():
+        assert torch.equal(compiled[key], value), key
+
+
 def _under_titans_expert_parallelism(rank: int, world: int) -> dict:
     """Relative differences between MoK and TorchTitan's own path under TorchTitan's expert
     parallelism (y, grad x, this rank's expert and router gradients), and the error of use_mok

@@ -95,3 +95,23 @@ def test_torchtitan_model_trains_alike_with_mok_behind_its_experts(script, tmp_p
     assert ours["max_loss_difference"] < 0.05
     assert ours["losses"] != native["losses"]  # two implementations, not one twice
     assert report["args"]["experts"] == 64 and report["args"]["top_k"] == 8
+
+
+def test_compiled_training_follows_the_eager_run(script, tmp_path):
+    """--compile aot_eager: every implementation compiled from the second step on (MoK's
+    experts need the first, eager, to make their workspaces). aot_eager keeps every operation,
+    so the native run's losses must equal the eager run's exactly, and MoK's follow them.
+    Catches the compiled model not being the one trained (its losses would stay at the first
+    step's), a compile before the workspaces exist (the run would raise)."""
+    args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "6", "--warmup", "1"]
+    args += ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "2", "--seq", "16", "--lr", "3e-3"]
+    assert script.main([*args, "--out", str(tmp_path / "eager")]) == 0
+    assert script.main([*args, "--compile", "aot_eager", "--out", str(tmp_path / "compiled")]) == 0
+    eager, compiled = (
+        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]
+        for run in ("eager", "compiled")
+    )
+    assert compiled["eager"]["losses"] == eager["eager"]["losses"]
+    assert compiled["mok"]["max_loss_difference"] < 0.05
+    assert compiled["mok"]["losses"][-1] < compiled["mok"]["losses"][0]

@@ -28,7 +28,7 @@ from torch import nn
 from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
-from mok.integrations._workspaces import MIN_TOKENS, workspace_for
+from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import moe
 from mok.weights import MoEWeights
 
@@ -50,28 +50,30 @@ class _MoKRoutedExperts(nn.Module):
         weights = MoEWeights(
             gate=_local(experts.w1_EFD), up=_local(experts.w3_EFD), down=_local(experts.w2_EDF)
         )
+        x = x_BLD.reshape(-1, dim).to(weights.gate.dtype)
+        ids = topk_expert_ids_BLK.reshape(-1, top_k)
+        scores = topk_scores_BLK.reshape(-1, top_k)
+        if torch.compiler.is_compiling():
+            y = compiled_call(self, x, ids, scores, weights)
+        else:
+            workspace = self._workspace(weights, x.shape[0], top_k, x.device)
+            y = moe(x, ids, scores, weights, workspace, False)
+        return y.to(x_BLD.dtype).view(batch, length, dim)
+
+    def _workspace(self, weights: MoEWeights, tokens: int, top_k: int, device: torch.device):
+        """The module's workspace for its weights' shape and a call of `tokens` tokens."""
         group, backend, max_tokens = self._mok
         _, ep = group_rank_and_size(group)
-        local_experts, hidden_dim, _ = weights.gate.shape
+        local_experts, hidden_dim, dim = weights.gate.shape
         config = MoKConfig(
             hidden_size=dim,
             intermediate_size=hidden_dim,
             num_experts=local_experts * ep,
             top_k=top_k,
             backend=backend,
-            max_tokens_per_rank=max_tokens or batch * length,
+            max_tokens_per_rank=max_tokens or tokens,
         )
-        workspace = workspace_for(self, config, group, x_BLD.device, max_tokens is not None)
-        x = x_BLD.reshape(-1, dim)
-        y = moe(
-            x.to(weights.gate.dtype),
-            topk_expert_ids_BLK.reshape(-1, top_k),
-            topk_scores_BLK.reshape(-1, top_k),
-            weights,
-            workspace,
-            False,
-        )
-        return y.to(x_BLD.dtype).view(batch, length, dim)
+        return workspace_for(self, config, group, device, max_tokens is not None)
 
 
 def use_mok(
