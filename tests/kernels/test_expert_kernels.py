@@ -4,7 +4,8 @@ The interpreter computes bf16 wrongly (a limitation of Triton's), so these tests
 which are dtype-generic, in fp32: the interpreter does fp32 math exactly, so a wrong index, mask,
 offset or tile bound shows as an error far above fp32 rounding (~1e-7) against the float64
 reference. Shapes are tiny and tiles are 16 x 32 x 32, so every case has ragged row tails, partial
-column and reduction tiles, and several tasks per persistent program.
+column and reduction tiles, and several tasks per persistent program. The cases and the fuzz run
+SwiGLU and gpt-oss's activation with biases (their gradients as per-expert column sums).
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mok.kernels import (
+    SWIGLU,
+    Activation,
     ExpertKernelConfig,
     GemmTiles,
     default_config,
+    expert_bias_gradients,
     expert_mlp_backward,
+    expert_mlp_data_gradients,
     expert_mlp_forward,
+    expert_mlp_weight_gradients,
 )
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.expert import grouped_expert_mlp
@@ -52,6 +58,20 @@ class Case:
     """Capacity padding after the last group (group_offsets[E] < M)."""
     limit: float | None = None
     seed: int = 0
+    gpt_oss: bool = False
+    """gpt-oss's activation (alpha 1.702, up offset 1) and biases on every projection."""
+
+    @property
+    def activation(self) -> Activation:
+        return Activation(1.702, 1.0) if self.gpt_oss else SWIGLU
+
+    def biases(self, num_experts: int) -> tuple[torch.Tensor, ...] | None:
+        """gate, up [E, I] and down [E, H] of std 0.5 (the pre-activations' scale), or None."""
+        if not self.gpt_oss:
+            return None
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        shapes = ((num_experts, self.inter), (num_experts, self.inter), (num_experts, self.hidden))
+        return tuple(torch.randn(*shape, generator=gen) * 0.5 for shape in shapes)
 
     def make(self):
         gen = torch.Generator().manual_seed(self.seed)
@@ -79,32 +99,59 @@ class Case:
         return slice(self.before, self.before + sum(self.sizes))
 
 
-def reference(case: Case, rows, w_gate, w_up, w_down, grad_out):
-    """Output and gradients of the valid rows in float64, through autograd."""
+def reference(case: Case, rows, w_gate, w_up, w_down, grad_out, biases=None):
+    """Output and gradients of the valid rows in float64, through autograd: out, grad x, the
+    weights' gradients, then the biases' (with `biases`)."""
     x = rows[case.valid].double().requires_grad_(True)
     weights = [w.double().requires_grad_(True) for w in (w_gate, w_up, w_down)]
-    out = grouped_expert_mlp(x, case.sizes, *weights, swiglu_limit=case.limit)
+    exact_biases = None if biases is None else [b.double().requires_grad_(True) for b in biases]
+    activation = case.activation
+    out = grouped_expert_mlp(
+        x,
+        case.sizes,
+        *weights,
+        swiglu_limit=case.limit,
+        biases=exact_biases,
+        alpha=activation.alpha,
+        up_offset=activation.up_offset,
+    )
     out.backward(grad_out[case.valid].double())
     # Without any rows the reference's graph never reaches the weights: their gradient is zero.
-    grads = [torch.zeros_like(w) if w.grad is None else w.grad for w in weights]
+    params = weights + (exact_biases or [])
+    grads = [torch.zeros_like(w) if w.grad is None else w.grad for w in params]
     return out.detach(), x.grad, *grads
 
 
 def run_and_check(case: Case, config: ExpertKernelConfig | None = None, buffers=None) -> None:
     rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    biases = case.biases(len(case.sizes))
     out, saved = expert_mlp_forward(
-        rows, offsets, w_gate, w_up, w_down, swiglu_limit=case.limit, config=config
+        rows,
+        offsets,
+        w_gate,
+        w_up,
+        w_down,
+        swiglu_limit=case.limit,
+        config=config,
+        activation=case.activation,
+        biases=biases,
     )
-    grads = expert_mlp_backward(grad_out, saved, *(buffers or ()))
-    ref_out, *ref_grads = reference(case, rows, w_gate, w_up, w_down, grad_out)
+    grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved)
+    grad_weights = list(
+        expert_mlp_weight_gradients(grad_out, grad_gate_up, saved, *(buffers or ()))
+    )
+    if biases is not None:
+        grad_weights += expert_bias_gradients(grad_out, grad_gate_up, saved)
+    ref_out, *ref_grads = reference(case, rows, w_gate, w_up, w_down, grad_out, biases)
 
     assert out.dtype == rows.dtype and out.shape == rows.shape
     assert relative_error(out[case.valid], ref_out) < FP32_TOL
-    grad_rows, *grad_weights = grads
     assert relative_error(grad_rows[case.valid], ref_grads[0]) < FP32_TOL
-    for name, got, want in zip(("gate", "up", "down"), grad_weights, ref_grads[1:], strict=True):
+    names = ("gate", "up", "down", "gate bias", "up bias", "down bias")
+    for name, got, want in zip(names, grad_weights, ref_grads[1:], strict=False):
         assert got.shape == want.shape and got.dtype == torch.float32, name
         assert relative_error(got, want) < FP32_TOL, name
+    assert len(grad_weights) == len(ref_grads) - 1
     # Rows outside the groups get a zero gradient; empty experts a zero weight gradient.
     assert torch.equal(grad_rows[: case.before], torch.zeros_like(grad_rows[: case.before]))
     assert torch.equal(grad_rows[case.valid.stop :], torch.zeros_like(grad_rows[case.valid.stop :]))
@@ -132,6 +179,11 @@ def run_and_check(case: Case, config: ExpertKernelConfig | None = None, buffers=
         pytest.param(Case([15], 48, 16, after=16, seed=7), id="tile-minus-one"),
         # No rows at all in the groups.
         pytest.param(Case([0, 0, 0], 16, 16, after=6, seed=4), id="all-empty"),
+        # gpt-oss's activation and biases: ragged groups, empty experts, padding, its clamp.
+        pytest.param(
+            Case([0, 13, 0, 30], 48, 80, before=3, after=5, limit=0.9, seed=9, gpt_oss=True),
+            id="gpt-oss",
+        ),
     ],
 )
 def test_matches_reference(case):
@@ -147,9 +199,10 @@ def test_matches_reference(case):
     after=st.integers(0, 9),
     limit=st.sampled_from([None, 0.7]),
     seed=st.integers(0, 2**16),
+    gpt_oss=st.booleans(),
 )
-def test_fuzz_group_sizes(sizes, hidden, inter, before, after, limit, seed):
-    run_and_check(Case(sizes, hidden, inter, before, after, limit, seed))
+def test_fuzz_group_sizes(sizes, hidden, inter, before, after, limit, seed, gpt_oss):
+    run_and_check(Case(sizes, hidden, inter, before, after, limit, seed, gpt_oss))
 
 
 @pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
