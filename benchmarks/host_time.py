@@ -2,13 +2,15 @@
 where a small layer's time goes when the GPU waits for the host.
 
     PYTHONPATH=src python3 benchmarks/host_time.py [--preset tiny] [--tokens 8192] [--iters 20]
-                                                   [--kernels] [--profile 40]
+                                                   [--kernels] [--profile 40] [--graphed]
 
 EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend, the
 `mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the
 host time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle
 before each call) and the device time of both (CUDA events; equal to the host time when the
-GPU waits for the host). --kernels lists the kernels one call launches (torch.profiler);
+GPU waits for the host). --graphed adds the triton layer wrapped by
+`torch.cuda.make_graphed_callables` (forward and backward each one CUDA graph: the host launches
+a graph and copies the inputs in). --kernels lists the kernels one call launches (torch.profiler);
 --profile prints cProfile's top functions of the triton backend by their own time, then by
 their cumulative time.
 """
@@ -69,6 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--graphed", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     config = mok.get_preset(args.preset).config(backend="triton", max_tokens_per_rank=args.tokens)
@@ -85,7 +88,19 @@ def main(argv=None) -> int:
     print(f"{args.preset}, {args.tokens} tokens, EP 1, {torch.cuda.get_device_name(device)}")
     print("| implementation | host ms fwd | host ms bwd | device ms fwd | device ms fwd+bwd |")
     print("| --- | --- | --- | --- | --- |")
-    for name, impl in (("triton", layer), ("baseline", baseline)):
+    implementations = [("triton", layer), ("baseline", baseline)]
+    if args.graphed:
+        twin = mok.MoE(config, device=device)
+        twin.load_global_weights(global_weights(config, 0, device))
+        twin.fuse_grad_accumulation = False  # the graphed backward hands gradients to autograd
+        sample = (
+            x.detach().clone().requires_grad_(True),
+            idx.clone(),
+            weights.detach().clone().requires_grad_(True),
+        )
+        graphed = torch.cuda.make_graphed_callables(twin, sample)
+        implementations.append(("triton, graphed", graphed))
+    for name, impl in implementations:
         for _ in range(args.warmup):
             one_call(impl, x, idx, weights, grad)
         runs = [one_call(impl, x, idx, weights, grad) for _ in range(args.iters)]

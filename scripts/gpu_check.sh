@@ -78,7 +78,8 @@ for step in $steps; do
     host)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       for preset in tiny qwen3-30b-a3b; do
-        run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels
+        run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels \
+          --graphed
         run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu" \
           --compiled --graphed
       done

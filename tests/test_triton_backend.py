@@ -230,6 +230,39 @@ def test_layer_forward_and_backward_replay_in_a_cuda_graph():
     assert graph_replays(0, 1) == [True] * 4
 
 
+@pytest.mark.gpu
+def test_make_graphed_callables_replays_the_layer():
+    """`torch.cuda.make_graphed_callables` (PyTorch's per-module CUDA graphs, as Megatron and
+    Transformer Engine use them) over mok.MoE: forward and backward each replay from one graph,
+    a call costing the host one graph launch, and on new tokens and routings y and every
+    gradient equal the eager layer's bit for bit. Catches host state that the captures bake in
+    (a token count, the forward's state kept for backward), a kernel that allocates or
+    synchronizes while captured, one replay's state read by the next."""
+    config = mok.get_preset("deepseek-v3").config(
+        num_experts=16, backend="triton", max_tokens_per_rank=128
+    )
+    device = torch.device("cuda")
+    eager, graphed = (mok.MoE(config, device=device) for _ in range(2))
+    for layer in (eager, graphed):
+        layer.load_global_weights(global_weights(config, 0, device))
+        # The graphed backward hands its gradients to autograd, which accumulates them.
+        layer.fuse_grad_accumulation = False
+    routings = ["uniform", "zipf", "one-expert", "half-empty"]
+    cases = [rank_inputs(config, 96, kind, i, device) for i, kind in enumerate(routings)]
+    sample = (
+        cases[0].x.clone().requires_grad_(True),
+        cases[0].topk_idx.clone(),
+        cases[0].topk_weights.clone().requires_grad_(True),
+    )
+    callable_ = torch.cuda.make_graphed_callables(graphed, sample)
+    for case in cases:
+        want = one_call_results(eager, case)
+        got = one_call_results(callable_, case)
+        for key, value in want.items():
+            assert torch.equal(got[key], value), key
+    graphed.workspace(device).check()
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_layer_replays_in_a_cuda_graph_over_nvlink():
