@@ -95,6 +95,16 @@ def test_the_reference_backend_is_refused_under_compile():
     assert isinstance(error.value, MoKInputError) or "MoKInputError" in str(error.value)
 
 
+def compiled_block(**options):
+    """(a fresh seeded block with its workspace made, torch.compile of it with `options`)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = Block(TRITON, device=DEVICE)
+    block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
+    block.moe.workspace(torch.device(DEVICE))
+    return block, torch.compile(block, fullgraph=True, **options)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_compiled_training_step_replays_in_a_cuda_graph(compiler):
@@ -105,12 +115,7 @@ def test_compiled_training_step_replays_in_a_cuda_graph(compiler):
     kernel that allocates or synchronizes during capture, state of one replay read by the next."""
     from mok.testing import capture_in_graph
 
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    block = Block(TRITON, device=DEVICE)
-    block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
-    block.moe.workspace(torch.device(DEVICE))
-    compiled = torch.compile(block, fullgraph=True, backend=compiler)
+    block, compiled = compiled_block(backend=compiler)
     x = torch.zeros(40, 32, dtype=torch.bfloat16, device=DEVICE, requires_grad=True)
     grad_y = torch.zeros(40, 32, dtype=torch.bfloat16, device=DEVICE)
     for param in block.parameters():
@@ -159,12 +164,7 @@ def test_reduce_overhead_steps_match_the_block_compiled_without_graphs():
     assert torch._C.Tag.cudagraph_unsafe in torch.ops.mok.moe_forward.default.tags
 
     def steps(mode: str) -> list[dict]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        block = Block(TRITON, device=DEVICE)
-        block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
-        block.moe.workspace(torch.device(DEVICE))
-        compiled = torch.compile(block, mode=mode, fullgraph=True)
+        block, compiled = compiled_block(mode=mode)
         generator = torch.Generator(device=DEVICE).manual_seed(7)
         results = []
         for _ in range(5):  # warm-up, recording, then replays
