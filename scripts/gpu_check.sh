@@ -3,7 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused] [mxfp8] [e2e]
+#                        [fused] [mxfp8] [e2e] [e2e-compiled]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -14,7 +14,8 @@
 # fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # e2e: end-to-end training steps, mok against the native transformers experts (EP 1) and against
-# mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots.
+# mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots;
+# e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny`.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
@@ -95,17 +96,24 @@ for step in $steps; do
       run e2e-qwen3-30b python3 benchmarks/train_e2e.py --steps 30 --warmup 5 --layers 4 \
         --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 \
         --out "$OUT/e2e-qwen3-30b"
-      # The same compiled by Inductor (both implementations; MoK's experts as its custom ops):
-      # the models' eager Python, which bounds the one-batch step above, mostly gone.
-      run e2e-qwen3-30b-compiled python3 benchmarks/train_e2e.py --steps 20 --warmup 8 \
-        --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 \
-        --seq 1024 --compile inductor --out "$OUT/e2e-qwen3-30b-compiled"
       # 32k tokens a micro-batch, 2 a step: enough GPU work per launch that the host (the model's
       # eager Python, the optimizer's launches) no longer bounds the step, and the optimizer
       # (~30 ms, a third of a one-batch step above) amortized as with large global batches.
       run e2e-qwen3-30b-accumulate python3 benchmarks/train_e2e.py --steps 10 --warmup 3 \
         --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 32 \
         --seq 1024 --accumulate 2 --out "$OUT/e2e-qwen3-30b-accumulate"
+      if [ "$ngpu" -gt 1 ]; then
+        run e2e-ep python3 benchmarks/train_e2e.py --ep "$ngpu" --steps 30 --warmup 5 \
+          --out "$OUT/e2e-ep$ngpu"
+      fi ;;
+    e2e-compiled)
+      # Issue 15's end-to-end comparison compiled, and TorchTitan's model (a step of its own:
+      # each compiles for minutes). qwen3-30b-a3b's layer shape compiled by Inductor (both
+      # implementations; MoK's experts as its custom ops): the models' eager Python, which
+      # bounds the one-batch step of `e2e`, mostly gone.
+      run e2e-qwen3-30b-compiled python3 benchmarks/train_e2e.py --steps 20 --warmup 8 \
+        --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 \
+        --seq 1024 --compile inductor --out "$OUT/e2e-qwen3-30b-compiled"
       # TorchTitan's own Qwen3-MoE (qwen3-30b-a3b's layers, cut to 4) against itself with MoK
       # behind its routed experts. The GPU machine has no package index: carry .wheels/ (made
       # here by `pip download torchtitan==0.3.0 tyro docstring_parser spmd_types shtab
@@ -117,10 +125,6 @@ for step in $steps; do
       if python3 -c 'import torchtitan' 2>/dev/null; then
         run e2e-torchtitan python3 benchmarks/train_e2e.py --framework torchtitan --layers 4 \
           --steps 20 --warmup 5 --batch 8 --seq 1024 --out "$OUT/e2e-torchtitan"
-      fi
-      if [ "$ngpu" -gt 1 ]; then
-        run e2e-ep python3 benchmarks/train_e2e.py --ep "$ngpu" --steps 30 --warmup 5 \
-          --out "$OUT/e2e-ep$ngpu"
       fi ;;
     mxfp8)
       run mxfp8-tests python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
