@@ -3,6 +3,7 @@ trained for N steps with different experts implementations, on one process or ex
 
     PYTHONPATH=src python3 benchmarks/train_e2e.py [--arch qwen3-moe] [--steps 50] [--ep 2]
                                                    [--out DIR]
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/train_e2e.py --ep 2 [...]
 
 The model is built from a config in code (no downloads): --arch picks Qwen3-MoE, Mixtral or
 DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediate. With
@@ -14,11 +15,11 @@ something to agree on). AdamW, bf16 weights. Implementations (--implementations)
 native transformers experts (`grouped_mm` on GPUs, `eager` on the CPU) and `mok`; at EP > 1
 (one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps each rank's experts, the other
 parameters are replicated and their gradients averaged over the ranks) the standard expert-
-parallel path `mok-baseline` and `mok`. Reported per implementation: the loss at every step (the
-mean over the ranks) and the largest difference from the first implementation's, rank 0's median
-step time (after --warmup steps) with its min-max, tokens/s of all ranks and its ratio to the
-first implementation, and peak memory on GPUs. With --out: train-e2e.md, .json and .png (loss and
-step time per step).
+parallel path `mok-baseline` and `mok`; the script spawns its ranks, or joins a torchrun job.
+Reported per implementation: the loss at every step (the mean over the ranks) and the largest
+difference from the first implementation's, rank 0's median step time (after --warmup steps)
+with its min-max, tokens/s of all ranks and its ratio to the first implementation, and peak
+memory on GPUs. With --out: train-e2e.md, .json and .png (loss and step time per step).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import copy
 import datetime
 import json
+import os
 import statistics
 import sys
 import time
@@ -37,7 +39,7 @@ import torch.distributed as dist
 
 import mok.integrations.transformers as mok_transformers
 from mok.bench import git_commit
-from mok.launch import run_ranks
+from mok.launch import init_from_env, run_ranks
 
 VOCAB = 512
 
@@ -306,7 +308,7 @@ def train_rank(rank: int, world: int, args) -> dict:
     import transformers
 
     if args.device == "cuda":
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     else:
         device = torch.device("cpu")
     group = dist.group.WORLD if world > 1 else None
@@ -331,6 +333,12 @@ def run(args) -> dict:
         if args.ep > 1:
             raise SystemExit("--framework torchtitan runs at EP 1 here (one process)")
         results = train_titan(args)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its job
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.ep:
+            raise SystemExit(f"torchrun started {world} ranks but --ep is {args.ep}")
+        init_from_env("nccl" if args.device == "cuda" else "gloo")
+        results = train_rank(dist.get_rank(), world, args)
     elif args.ep > 1:
         collectives = "nccl" if args.device == "cuda" else "gloo"
         results = run_ranks(train_rank, args.ep, args=(args,), backend=collectives)[0]
@@ -475,6 +483,8 @@ def main(argv=None) -> int:
         "machine": machine,
         "command": " ".join(["benchmarks/train_e2e.py", *(argv or sys.argv[1:])]),
     }
+    if dist.is_initialized() and dist.get_rank() != 0:  # under torchrun: rank 0 reports
+        return 0
     report = markdown(args, results, header)
     print(report)
     if args.out:

@@ -115,3 +115,31 @@ def test_compiled_training_follows_the_eager_run(script, tmp_path):
     assert compiled["eager"]["losses"] == eager["eager"]["losses"]
     assert compiled["mok"]["max_loss_difference"] < 0.05
     assert compiled["mok"]["losses"][-1] < compiled["mok"]["losses"][0]
+
+
+def test_under_torchrun_the_ranks_join_its_job(script, tmp_path):
+    """`torchrun --nproc-per-node 2 benchmarks/train_e2e.py --ep 2`: the script joins torchrun's
+    job instead of spawning ranks, rank 0 alone writes the report, and the losses are the
+    spawned run's. Catches a second set of ranks spawned inside the job (it would hang or
+    fail), every rank writing the same files, ranks that train on the same batch."""
+    import os
+    import subprocess
+    import sys
+
+    args = ["--device", "cpu", "--ep", "2", "--layers", "2", "--hidden", "64", "--experts", "8"]
+    args += ["--top-k", "2", "--moe-intermediate", "32", "--steps", "5", "--warmup", "1"]
+    args += ["--batch", "2", "--seq", "16", "--lr", "3e-3"]
+    assert script.main([*args, "--out", str(tmp_path / "spawned")]) == 0
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    command += [str(SCRIPT), *args, "--out", str(tmp_path / "torchrun")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("| mok |") == 1  # one report, rank 0's
+    spawned, joined = (
+        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]
+        for run in ("spawned", "torchrun")
+    )
+    for name in ("mok-baseline", "mok"):
+        pairs = zip(joined[name]["losses"], spawned[name]["losses"], strict=True)
+        assert max(abs(a - b) for a, b in pairs) < 1e-3, name
