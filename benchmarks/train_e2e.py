@@ -117,6 +117,12 @@ def average_gradients(model, group, world: int) -> None:
             param.grad.div_(world)
 
 
+def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of predicting tokens [B, L + 1] from their first L (fp32)."""
+    logits = logits_of(model, tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+
+
 def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, times = [], []
@@ -136,10 +142,7 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for tokens in step:
-            logits = logits_of(forward, tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), tokens[:, 1:].flatten()
-            )
+            loss = next_token_loss(forward, tokens)
             (loss / args.accumulate).backward()
             total += loss.detach() / args.accumulate
         if group is not None:
@@ -182,11 +185,7 @@ def print_step_profile(model, optimizer, tokens, top: int) -> None:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        logits = logits_of(model, tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), tokens[:, 1:].flatten()
-        )
-        loss.backward()
+        next_token_loss(model, tokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

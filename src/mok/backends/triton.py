@@ -139,7 +139,7 @@ class TritonBackend:
         """Elements of the kernels' dtype per dispatched MXFP8 row (packed e4m3 and scales)."""
         from mok.kernels.mx import MXRows
 
-        return MXRows.row_bytes(hidden) // torch.empty((), dtype=self.dtype).element_size()
+        return MXRows.row_bytes(hidden) // self.dtype.itemsize
 
     @classmethod
     def _pulls(cls, config) -> bool:
@@ -301,7 +301,6 @@ class TritonBackend:
         that buffer by the weight-gradient kernels themselves (no extra pass)."""
         from mok.kernels import (
             expert_bias_gradients,
-            expert_mlp_backward,
             expert_mlp_data_gradients,
             expert_mlp_weight_gradients,
         )
@@ -319,24 +318,18 @@ class TritonBackend:
             grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
                 grad_out, saved.experts, *buffers
             )
-        elif saved.experts.biases is not None:
+        else:
             grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved.experts)
             grad_gate, grad_up, grad_down = expert_mlp_weight_gradients(
                 grad_out, grad_gate_up, saved.experts, *buffers
             )
-            names = ("gate_bias", "up_bias", "down_bias")
-            bias_buffers = [into.get(name) for name in names]
-            bias_grads = dict(
-                zip(
-                    names,
-                    expert_bias_gradients(grad_out, grad_gate_up, saved.experts, *bias_buffers),
-                    strict=True,
+            if saved.experts.biases is not None:
+                names = ("gate_bias", "up_bias", "down_bias")
+                bias_buffers = [into.get(name) for name in names]
+                gradients = expert_bias_gradients(
+                    grad_out, grad_gate_up, saved.experts, *bias_buffers
                 )
-            )
-        else:
-            grad_rows, grad_gate, grad_up, grad_down = expert_mlp_backward(
-                grad_out, saved.experts, *buffers
-            )
+                bias_grads = dict(zip(names, gradients, strict=True))
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
         grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **bias_grads, **shared_grads}

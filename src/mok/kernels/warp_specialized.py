@@ -855,11 +855,10 @@ def _shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMAShared
     return gl.NVMMASharedLayout.get_default_for(list(block), _LAYOUT_DTYPES[dtype])
 
 
-def _descriptor(tensor: torch.Tensor, block: list[int], layout=None) -> DeferredDescriptor:
+def _descriptor(tensor: torch.Tensor, block: list[int]) -> DeferredDescriptor:
     """The TMA descriptor of `tensor` by blocks of `block` (layout: `_shared_layout`'s), made
     by `mok.kernels.launch` where a launch needs Gluon's object."""
-    if layout is None:
-        layout = _shared_layout(tuple(block), tensor.dtype)
+    layout = _shared_layout(tuple(block), tensor.dtype)
     return DeferredDescriptor(TensorDescriptor, tensor, block, layout)
 
 
@@ -1602,9 +1601,8 @@ def _group_at_b(
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
     programs = num_programs(a.device, tasks, cfg)
-    out_dtype = torch.float32 if grads[0].dtype == torch.float32 else a.dtype
-    out_layout = _shared_layout((wg_m, bn), out_dtype)
-    descs = [_descriptor(g.view(num_experts * p, q), [wg_m, bn], out_layout) for g in grads]
+    # The gradients' own dtype (fp32, or A's: `wgrad_supported`) sets their tiles' layout.
+    descs = [_descriptor(g.view(num_experts * p, q), [wg_m, bn]) for g in grads]
     use_scratch_allocator(a.device)
     _group_at_b_kernel[(programs,)](
         a,
