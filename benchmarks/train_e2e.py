@@ -331,6 +331,13 @@ def run(args) -> dict:
     if args.framework == "torchtitan":
         if args.ep > 1:
             raise SystemExit("--framework torchtitan runs at EP 1 here (one process)")
+        from mok.integrations.torchtitan import missing_torch_features
+
+        if missing := missing_torch_features():
+            raise SystemExit(
+                f"TorchTitan's model code needs a newer PyTorch than {torch.__version__} "
+                f"(it lacks {', '.join(missing)})"
+            )
         results = train_titan(args)
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun: join its job
         world = int(os.environ["WORLD_SIZE"])

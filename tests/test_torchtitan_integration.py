@@ -166,11 +166,23 @@ def _under_titans_expert_parallelism(rank: int, world: int) -> dict:
     return errors
 
 
+def test_missing_torch_features_names_what_this_pytorch_lacks(monkeypatch):
+    """The check that skips TorchTitan's own model code on an older PyTorch. Catches a check of the
+    wrong module or name (it would report nothing, and TorchTitan fail mid-run instead)."""
+    present = mok_torchtitan.missing_torch_features()
+    monkeypatch.delattr(torch.compiler, "_is_non_strict_tracing", raising=False)
+    assert mok_torchtitan.missing_torch_features() == sorted(
+        {*present, "torch.compiler._is_non_strict_tracing"}
+    )
+
+
 def test_under_torchtitans_own_expert_parallelism_mok_matches_its_path():
     """Two gloo ranks, TorchTitan's parallelize with EP 2 (experts sharded by its DTensor
     placements, its all-to-all dispatcher in the native layer). Catches the adapter reading the
     global instead of the local experts, an exchange that loses or doubles tokens, use_mok
     applied after parallelize silently leaving TorchTitan's path running."""
+    if missing := mok_torchtitan.missing_torch_features():
+        pytest.skip(f"TorchTitan's parallelism needs {', '.join(missing)} (a newer PyTorch)")
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.distributed.utils as titan_distributed
 

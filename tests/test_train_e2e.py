@@ -83,6 +83,10 @@ def test_torchtitan_model_trains_alike_with_mok_behind_its_experts(script, tmp_p
     gradients not reaching the optimizer (the curves would part), the report's MoE shape
     taken from the wrong module."""
     pytest.importorskip("torchtitan")
+    from mok.integrations.torchtitan import missing_torch_features
+
+    if missing := missing_torch_features():
+        pytest.skip(f"TorchTitan's models need {', '.join(missing)} (a newer PyTorch)")
     args = ["--device", "cpu", "--framework", "torchtitan", "--titan-flavor", "debugmodel_moe"]
     args += ["--layers", "2", "--steps", "16", "--warmup", "1", "--batch", "4", "--seq", "32"]
     args += ["--lr", "1e-3", "--out", str(tmp_path)]

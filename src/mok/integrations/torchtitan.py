@@ -18,6 +18,10 @@ pass at most `max_tokens_per_rank` tokens a rank. Under TorchTitan's own expert 
 `use_mok(model, group=parallel_dims.get_optional_mesh("ep"))` before `model.parallelize(
 parallel_dims)`: parallelize wraps each module's forward (redistribution and `local_map`), and
 wraps MoK's that way; after it, `use_mok` raises (it could not take the forward over).
+
+TorchTitan 0.3.0 is built against PyTorch nightlies: its MoE layer runs on PyTorch 2.11, but its
+model builders, FSDP wrapping and all-to-all dispatcher read newer PyTorch APIs (`missing_torch_
+features` names them for the PyTorch at hand). The adapter itself needs none of them.
 """
 
 from __future__ import annotations
@@ -74,6 +78,25 @@ class _MoKRoutedExperts(nn.Module):
             max_tokens_per_rank=max_tokens or tokens,
         )
         return workspace_for(self, config, group, device, max_tokens is not None)
+
+
+# What TorchTitan 0.3.0's model code reads from PyTorch beyond PyTorch 2.11, as (module, name).
+_TITAN_TORCH_FEATURES = (
+    ("torch.distributed.fsdp", "DataParallelMeshDims"),  # models/*/parallelize.py
+    ("torch.compiler", "_is_non_strict_tracing"),  # its AllToAllTokenDispatcher
+)
+
+
+def missing_torch_features() -> list[str]:
+    """The PyTorch APIs TorchTitan 0.3.0's models, parallelism and token dispatcher use that this
+    PyTorch lacks, as dotted names (empty where TorchTitan's own code runs)."""
+    import importlib
+
+    return [
+        f"{module}.{name}"
+        for module, name in _TITAN_TORCH_FEATURES
+        if not hasattr(importlib.import_module(module), name)
+    ]
 
 
 def use_mok(
