@@ -81,6 +81,9 @@ def init_from_env(backend: str, timeout_s: float = 600.0) -> None:
 def _rank_main(rank, world_size, backend, port, timeout_s, fn, args, results):
     try:
         init_rank(rank, world_size, backend, port, timeout_s)
+        # Gloo's mesh connects pair by pair: a rank whose pairs are up could finish a short `fn`
+        # and close its sockets while another still handshakes ("Connection closed by peer").
+        dist.barrier()
         # Plain pickle serializes tensors by value; torch's queue pickler would pass shared-memory
         # handles that die with this process.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
