@@ -157,7 +157,7 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
             total /= world
         losses.append(total.item())
     if args.profile and rank == 0 and device.type == "cuda":
-        print_step_profile(model, optimizer, tokens, args.profile)
+        print_step_profile(forward, optimizer, tokens, args.profile)
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
