@@ -295,3 +295,22 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
     (result,) = json.loads(out.read_text())["results"]
     assert result["spec"]["validation"] == "local"
     assert BenchSpec(validation="local").config().validation is mok.Validation.LOCAL
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"), [("", "abc1234"), (" M src/mok/bench.py", "abc1234+modified")]
+)
+def test_results_name_a_modified_tree_as_such(monkeypatch, status, expected):
+    """A tree copied over an older history (as on a remote GPU machine without MOK_COMMIT) must
+    not pass for the older commit. Catches the modification check dropped or reading the wrong
+    git output."""
+    from mok import bench
+
+    outputs = {"rev-parse": "abc1234\n", "status": status}
+
+    def fake_run(command, **kwargs):
+        return subprocess.CompletedProcess(command, 0, stdout=outputs[command[1]], stderr="")
+
+    monkeypatch.delenv("MOK_COMMIT", raising=False)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    assert bench.git_commit() == expected

@@ -469,20 +469,28 @@ def report_header(device: str, dense_tflops: float | None, command: str) -> Repo
 def git_commit() -> str:
     """The commit results are recorded under: $MOK_COMMIT when set (a copy of the tree without its
     git history, e.g. on a remote GPU machine), else `git rev-parse --short HEAD` of the checkout
-    mok runs from, else "unknown"."""
+    mok runs from with "+modified" where tracked files differ from it (a copied tree over a stale
+    history would otherwise pass for that older commit), else "unknown"."""
     if os.environ.get("MOK_COMMIT"):
         return os.environ["MOK_COMMIT"]
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", *args],
+                cwd=Path(__file__).resolve().parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
         return "unknown"
-    return done.stdout.strip() if done.returncode == 0 else "unknown"
+    return commit + ("+modified" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _machine(device: str) -> str:
