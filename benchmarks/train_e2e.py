@@ -123,7 +123,9 @@ def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
-def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dict:
+def train(
+    model, args, device, rank: int = 0, world: int = 1, group=None, label: str = "model"
+) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses, times = [], []
     if device.type == "cuda":
@@ -157,7 +159,8 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
             total /= world
         losses.append(total.item())
     if args.profile and rank == 0 and device.type == "cuda":
-        print_step_profile(forward, optimizer, tokens, args.profile)
+        trace = Path(args.trace) / f"trace-{label}.json" if args.trace else None
+        print_step_profile(forward, optimizer, tokens, args.profile, trace)
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return {
@@ -176,10 +179,11 @@ def train(model, args, device, rank: int = 0, world: int = 1, group=None) -> dic
     }
 
 
-def print_step_profile(model, optimizer, tokens, top: int) -> None:
+def print_step_profile(model, optimizer, tokens, top: int, trace: Path | None = None) -> None:
     """One more training step under torch.profiler (no collectives: rank 0's share alone): its
-    wall time, the time the GPU ran kernels or copies (the union of their intervals; far below
-    the wall time: the host bounds the step) and the `top` costliest operations and kernels."""
+    wall time, the time the GPU ran kernels or copies (the union of their intervals; below the
+    wall time where the host bounds the step) and the `top` operations and kernels by their own
+    GPU time. With `trace`: the step's Chrome trace written there."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -206,9 +210,12 @@ def print_step_profile(model, optimizer, tokens, top: int) -> None:
     )
     print(
         prof.key_averages().table(
-            sort_by="device_time_total", row_limit=top, max_name_column_width=60
+            sort_by="self_device_time_total", row_limit=top, max_name_column_width=60
         )
     )
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -297,7 +304,7 @@ def train_titan(args) -> dict:
             raise SystemExit(
                 f"--framework torchtitan runs torchtitan and mok, not {implementation}"
             )
-        results[implementation] = train(model.to(device), args, device)
+        results[implementation] = train(model.to(device), args, device, label=implementation)
         del model
     return results
 
@@ -322,7 +329,7 @@ def train_rank(rank: int, world: int, args) -> dict:
         if group is not None:
             mok_transformers.shard_experts(model, group, args.batch * args.seq)
         model.to(device).set_experts_implementation(implementation)
-        results[implementation] = train(model, args, device, rank, world, group)
+        results[implementation] = train(model, args, device, rank, world, group, implementation)
         del model
     return results
 
@@ -474,6 +481,11 @@ def main(argv=None) -> int:
         metavar="N",
         help="after training on GPUs, profile one more step per implementation (rank 0) and "
         "print its wall and GPU-busy time and its N costliest kernels",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="with --profile: write each profiled step's Chrome trace to DIR/trace-NAME.json",
     )
     args = parser.parse_args(argv)
     if args.implementations is None and args.framework == "torchtitan":
