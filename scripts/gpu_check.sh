@@ -86,6 +86,8 @@ for step in $steps; do
       done
       run host-bench-tiny python3 -m mok bench --no-progress --preset tiny --ep 1 \
         --json "$OUT/bench-tiny.json"
+      run host-bench-tiny-graph python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
+        --tokens 4096 --ep 1 --cuda-graph --json "$OUT/bench-graph.json"
       run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
         --tokens 4096 --iters 10 --warmup 3 --validation local --json "$OUT/bench-local.json" ;;
     e2e)

@@ -178,6 +178,7 @@ BAD_OPTIONS = [
 ]
 CPU_ONLY_BAD_OPTIONS = [
     (["--device", "cuda"], "--device cuda: this machine has no CUDA GPU"),
+    (["--cuda-graph"], "--cuda-graph: CUDA graphs need a CUDA GPU"),
     (
         ["--backend", "triton"],
         "--backend triton cannot run tiny in bf16 here: needs a CUDA device",
@@ -314,3 +315,53 @@ def test_results_name_a_modified_tree_as_such(monkeypatch, status, expected):
     monkeypatch.delenv("MOK_COMMIT", raising=False)
     monkeypatch.setattr(bench.subprocess, "run", fake_run)
     assert bench.git_commit() == expected
+
+
+@pytest.mark.gpu
+def test_bench_times_the_layer_replayed_from_a_cuda_graph(tmp_path):
+    """`--cuda-graph`: the backend's passes replayed from CUDA graphs, checked bit for bit against
+    the eager pass before timing, beside the eager baseline. Catches the flag not reaching the
+    backend's timing (its name would not say so), the baseline captured too (it synchronizes
+    with the host: the capture would fail), and a replay that redoes nothing (its times would
+    sit far below the GPU work of the pass, which the compute floor bounds from below)."""
+    out = tmp_path / "bench.json"
+    args = ["bench", "--no-progress", "--preset", "qwen3-30b-a3b", "--ep", "1", "--tokens", "2048"]
+    main([*args, "--iters", "3", "--warmup", "1", "--cuda-graph", "--json", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["backend"]["name"].endswith(", CUDA graph")
+    assert result["baseline"]["name"] == "baseline"
+    for timing in ("forward", "forward_backward"):
+        assert result["backend"][timing]["floor_ratio"] >= 1.0
+
+
+@pytest.mark.parametrize("replay_differs", [False, True])
+def test_a_graphed_pass_is_checked_against_the_eager_pass(monkeypatch, replay_differs):
+    """The check `--cuda-graph` runs before timing, with the capture faked on the CPU (a
+    "graph" whose replay redoes the pass, or leaves one gradient off by one ulp). Catches a
+    check that compares the eager pass with itself, or skips the input gradients."""
+    from mok import bench
+
+    class FakeGraph:
+        def __init__(self, call):
+            self.call = call
+
+        def replay(self):
+            self.call()
+            if replay_differs:
+                weights = inputs[2]
+                weights.grad.copy_(torch.nextafter(weights.grad, weights.grad + 1))
+
+    def fake_capture(call):
+        return FakeGraph(call), call()
+
+    monkeypatch.setattr(bench, "capture_in_graph", fake_capture)
+    spec = BenchSpec(preset="tiny", ep=1, tokens=64, device="cpu")
+    config = spec.config()
+    layer = mok.MoE(config, device="cpu")
+    layer.load_global_weights(bench.global_weights(config, 0, torch.device("cpu")))
+    inputs = bench._timing_inputs(spec, config, 0, torch.device("cpu"))
+    if replay_differs:
+        with pytest.raises(AssertionError, match=r"differs from the eager pass in \['grad topk"):
+            bench._graphed_pass(spec, layer, inputs, True, "reference")
+    else:
+        bench._graphed_pass(spec, layer, inputs, True, "reference")()

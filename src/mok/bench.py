@@ -38,7 +38,13 @@ from mok.distributed import all_gather_int64
 from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
 from mok.routing import make_routing
-from mok.testing import RankInputs, global_weights, one_call_results, relative_error
+from mok.testing import (
+    RankInputs,
+    capture_in_graph,
+    global_weights,
+    one_call_results,
+    relative_error,
+)
 
 BASELINE = "baseline"
 # Relative Frobenius error allowed against the reference backend. The reference computes in
@@ -85,6 +91,10 @@ class BenchSpec:
     every backward but the first adds into existing `.grad`) instead of setting them to None."""
     precision: str = "bf16"
     """`MoKConfig.precision` of the backend's layer ("bf16" or "mxfp8"); the baseline is bf16."""
+    cuda_graph: bool = False
+    """Time the backend's layer replayed from one CUDA graph per pass, captured on the timed
+    inputs (it never synchronizes with the host, so it can be captured); the baseline, which
+    reads its split sizes on the host, stays eager."""
 
     @property
     def tokens_per_rank(self) -> int:
@@ -264,25 +274,62 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process RSS"
 
 
-def _time_pass(spec, layer, inputs, with_backward, group, progress, label):
+def _graphed_pass(spec, layer, inputs, with_backward, name):
+    """`replay` of a CUDA graph that runs one pass of `layer` on `inputs` (what is captured reads
+    and writes the same tensors at every replay), after checking that a replay gives the eager
+    pass's output and input gradients bit for bit (raises AssertionError otherwise)."""
+    x, idx, weights, grad_y = inputs
+
+    def one_pass():
+        if not spec.accumulate_grads:
+            layer.zero_grad(set_to_none=True)
+        x.grad = weights.grad = None
+        y = layer(x, idx, weights)
+        if with_backward:
+            y.backward(grad_y)
+        return y
+
+    def results(y):
+        found = {"y": y}
+        if with_backward:
+            found.update({"grad x": x.grad, "grad topk_weights": weights.grad})
+        return {key: value.detach().clone() for key, value in found.items()}
+
+    eager = results(one_pass())
+    graph, y = capture_in_graph(one_pass)
+    graph.replay()
+    replayed = results(y)
+    differ = [key for key, value in eager.items() if not torch.equal(replayed[key], value)]
+    if differ:
+        raise AssertionError(f"{name}: a CUDA-graph replay differs from the eager pass in {differ}")
+    return graph.replay
+
+
+def _time_pass(spec, layer, inputs, with_backward, group, progress, label, graphed=False):
     """(median, min and max over iterations of the slowest rank's ms, peak memory GiB of the
-    largest rank)."""
+    largest rank). `graphed`: each iteration replays a CUDA graph of the pass."""
     x, idx, weights, grad_y = inputs
     task = progress.add_task(label, total=spec.warmup + spec.iters) if progress else None
     _reset_peak_memory(x.device)
+    replay = _graphed_pass(spec, layer, inputs, with_backward, label) if graphed else None
     times = []
     for it in range(spec.warmup + spec.iters):
         if group is not None:
             dist.barrier(group)
-        with _Timer(x.device) as timer:
-            y = layer(x, idx, weights)
-            if with_backward:
-                y.backward(grad_y)
-        elapsed = timer.ms()
-        del y  # so that the next forward's peak does not hold this one's graph
-        if not spec.accumulate_grads:
-            layer.zero_grad(set_to_none=True)
-        x.grad = weights.grad = None
+        if replay is not None:
+            with _Timer(x.device) as timer:
+                replay()
+            elapsed = timer.ms()
+        else:
+            with _Timer(x.device) as timer:
+                y = layer(x, idx, weights)
+                if with_backward:
+                    y.backward(grad_y)
+            elapsed = timer.ms()
+            del y  # so that the next forward's peak does not hold this one's graph
+            if not spec.accumulate_grads:
+                layer.zero_grad(set_to_none=True)
+            x.grad = weights.grad = None
         if it >= spec.warmup:
             times.append(elapsed)
         if progress:
@@ -315,11 +362,14 @@ def _measure(spec, config, layer, rank, ep, inputs, group, progress) -> Measurem
             f"rank {rank}: {name} differs from the reference backend beyond tolerance "
             f"(relative error, tolerance): {failed}"
         )
+    graphed = spec.cuda_graph and not is_baseline
+    if graphed:
+        name = f"{name}, CUDA graph"
     flops = config.forward_flops(spec.tokens_per_rank)
     timings = {}
     for pass_name, with_backward in PASSES.items():
         ms, ms_min, ms_max, peak = _time_pass(
-            spec, layer, inputs, with_backward, group, progress, f"{name} {pass_name}"
+            spec, layer, inputs, with_backward, group, progress, f"{name} {pass_name}", graphed
         )
         pass_flops = 3 * flops if with_backward else flops
         floor_ms = _floor_ms(pass_flops, spec.dense_tflops)

@@ -175,6 +175,14 @@ def _parser() -> argparse.ArgumentParser:
         help="how the ranks check each call's inputs: agreeing on them (one host round trip a "
         "call) or each its own (local)",
     )
+    bench.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
+        "timed inputs after checking that a replay equals the eager pass bit for bit (the layer "
+        "never synchronizes with the host, so it can be captured; the baseline reads its split "
+        "sizes on the host and stays eager)",
+    )
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
         "--dense-tflops",
@@ -211,6 +219,8 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA GPU")
+    if args.cuda_graph and device != "cuda":
+        parser.error("--cuda-graph: CUDA graphs need a CUDA GPU (the layer runs on the CPU here)")
     if args.preset is None:
         args.preset = [GPU_DEFAULT_PRESET if device == "cuda" else "tiny"]
     eps = args.ep
@@ -269,6 +279,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             accumulate_grads=args.accumulate_grads,
             validation=args.validation,
             precision=precision,
+            cuda_graph=args.cuda_graph,
         )
         for preset in args.preset
         for ep in eps
