@@ -163,6 +163,7 @@ def train(
         print_step_profile(forward, optimizer, tokens, args.profile, trace)
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    load = expert_load(model, tokens, args.experts)
     return {
         "losses": losses,
         "step_ms": times,
@@ -176,6 +177,7 @@ def train(
         / statistics.median(timed)
         * 1e3,
         "peak_gib": peak,
+        "expert_load": load,
     }
 
 
@@ -216,6 +218,33 @@ def print_step_profile(model, optimizer, tokens, top: int, trace: Path | None = 
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
+
+
+def expert_load(model, tokens: torch.Tensor, experts: int) -> list[float]:
+    """Per MoE layer of a transformers model, the routing's skew on `tokens` [B, L + 1] (an eager
+    forward without gradients): the most (token, slot) pairs any expert takes over the mean, 1.0
+    for an even split. Empty where the experts modules take no `top_k_index` (TorchTitan)."""
+    import inspect
+
+    loads = []
+
+    def record(module, args, kwargs):
+        top_k_index = kwargs.get("top_k_index", args[1] if len(args) > 1 else None)
+        counts = torch.bincount(top_k_index.flatten(), minlength=experts).float()
+        loads.append((counts.max() / counts.mean()).item())
+
+    hooks = [
+        module.register_forward_pre_hook(record, with_kwargs=True)
+        for module in model.modules()
+        if "top_k_index" in inspect.signature(module.forward).parameters
+    ]
+    try:
+        with torch.no_grad():
+            logits_of(model, tokens[:, :-1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return loads
 
 
 def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
@@ -385,15 +414,16 @@ def markdown(args, results, header) -> str:
         f"torch.compile: {args.compile}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
-        "| speedup | peak GiB |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| speedup | peak GiB | expert load max / mean, per layer (last batch) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in results.items():
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+        load = ", ".join(f"{value:.2f}" for value in r["expert_load"]) or "n/a"
         lines.append(
             f"| {name} | {r['losses'][-1]:.4f} | {r['max_loss_difference']:.4f} | "
             f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
-            f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} |"
+            f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} | {load} |"
         )
     return "\n".join(lines) + "\n"
 

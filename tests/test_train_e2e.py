@@ -36,6 +36,11 @@ def test_native_and_mok_experts_train_alike(script, tmp_path):
     assert ours["max_loss_difference"] < 0.05
     assert (tmp_path / "train-e2e.md").read_text().count("| mok |") == 1
     assert (tmp_path / "train-e2e.png").read_bytes().startswith(b"\x89PNG")
+    # The routing's skew per layer (max / mean pairs an expert takes: >= 1, and at most 8, all
+    # pairs on one of the 8 experts), recorded whichever experts implementation runs.
+    for run in (native, ours):
+        assert len(run["expert_load"]) == 4
+        assert all(1.0 <= load <= 8.0 for load in run["expert_load"])
 
 
 def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
