@@ -10,9 +10,16 @@ wrong backward (two micro-batches in flight), state left behind in the ops' tabl
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from test_checkpointing import CONFIG, Block
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import mok
 from mok import ops
@@ -23,14 +30,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = CONFIG.replace(backend="triton")
 
 
-def run_block(compiler: str | None, fuse: bool, micro_batches: int = 2) -> dict:
+def run_block(compiler: str | None, fuse: bool, micro_batches: int = 2, wrap=None) -> dict:
     """y, grad x of each micro-batch (forwards first, then backwards, so two saved states are in
-    flight) and every parameter's accumulated gradient."""
+    flight) and every parameter's accumulated gradient; `wrap(block)`: the module run instead."""
     torch.manual_seed(0)
     block = Block(TRITON, device=DEVICE)
     block.moe.fuse_grad_accumulation = fuse
     block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
     block.moe.workspace(torch.device(DEVICE))
+    if wrap is not None:
+        block = wrap(block)
     run = block if compiler is None else torch.compile(block, fullgraph=True, backend=compiler)
     generator = torch.Generator().manual_seed(3)
     inputs, outputs = [], []
@@ -182,4 +191,66 @@ def test_reduce_overhead_steps_match_the_block_compiled_without_graphs():
     for step, (got, want) in enumerate(zip(graphed, plain, strict=True)):
         for name, value in want.items():
             assert relative_error(got[name], value) < 2e-2, (step, name)
+    assert not ops._saved
+
+
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_the_layer(ctx, op, *args, **kwargs):
+    """Selective checkpointing as MoE models use it: the expensive layer's outputs kept, the
+    cheap operations around it recomputed."""
+    if op is torch.ops.mok.moe_forward.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class CheckpointedBlock(torch.nn.Module):
+    """`Block` under non-reentrant activation checkpointing, with a selective policy or not."""
+
+    def __init__(self, block: Block, policy):
+        super().__init__()
+        self.block, self.policy = block, policy
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.policy is None:
+            return checkpoint(self.block, x, use_reentrant=False)
+        contexts = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        return checkpoint(self.block, x, use_reentrant=False, context_fn=contexts)
+
+
+@pytest.mark.parametrize(
+    ("policy", "forwards_per_step"),
+    [(None, 2), (_recompute_everything, 2), (_save_the_layer, 1)],
+    ids=["full", "selective-recompute-all", "selective-save-moe"],
+)
+def test_compiled_checkpointed_block_equals_the_plain_block_bitwise(
+    policy, forwards_per_step, monkeypatch
+):
+    """torch.compile(fullgraph=True) of a checkpointed block, whole or selective (a user-reported
+    failure around other MoE dispatchers): the gradients of the plain eager block bit for bit
+    (aot_eager keeps eager's operations). Catches the layer's op recomputed in backward with a
+    new forward state while backward reads the first one's (or the reverse), the forward's state
+    dropped when the policy saves the op's outputs, two forwards' states left in the table, a
+    compiled graph that drops the checkpoint (the layer would run once a step)."""
+    eager = run_block(None, fuse=False)
+    torch._dynamo.reset()
+    forwards = []
+    layer_forward = ops.functional.schedule_and_forward
+
+    def counted(*args, **kwargs):
+        forwards.append(1)
+        return layer_forward(*args, **kwargs)
+
+    monkeypatch.setattr(ops.functional, "schedule_and_forward", counted)
+    checkpointed = run_block(
+        "aot_eager", fuse=False, wrap=lambda block: CheckpointedBlock(block, policy)
+    )
+    # The policy took effect: the layer ran again in backward unless its outputs were saved.
+    assert len(forwards) == forwards_per_step * 2
+    checkpointed = {name.removeprefix("block."): value for name, value in checkpointed.items()}
+    assert checkpointed.keys() == eager.keys()
+    for name, value in eager.items():
+        assert torch.equal(checkpointed[name], value), name
     assert not ops._saved
