@@ -18,14 +18,13 @@ import torch
 import mok
 from mok.backends import BACKENDS
 from mok.baseline import BaselineMoE
-from mok.config import Backend
 from mok.routing import make_routing
 from mok.testing import RankInputs, global_weights, one_call_results
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CONFIG = mok.MoKConfig(
     hidden_size=32,
-    intermediate_size=16,
+    intermediate_size=32,  # MXFP8's scale blocks need multiples of 32
     num_experts=8,
     top_k=2,
     shared_intermediate_size=16,
@@ -47,8 +46,7 @@ def results_in_mode(implementation: str, deterministic: bool, cases) -> list[dic
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(deterministic)
     try:
-        backend = "triton" if implementation == "baseline" else implementation
-        config = CONFIG.replace(backend=backend)
+        config = config_of(implementation)
         layer = mok.MoE(config, device=DEVICE)
         layer.load_global_weights(global_weights(config, 0, DEVICE))
         if implementation == "baseline":
@@ -58,14 +56,21 @@ def results_in_mode(implementation: str, deterministic: bool, cases) -> list[dic
         torch.use_deterministic_algorithms(previous)
 
 
-def available(backend: str) -> bool:
-    if backend == "baseline":
-        return True
-    reason = BACKENDS[Backend(backend)].unavailable_reason(CONFIG, DEVICE, None)
+def config_of(implementation: str) -> mok.MoKConfig:
+    """ "reference", "triton", "fused", "<backend> mxfp8"; "baseline" shares a triton layer's."""
+    backend, _, precision = implementation.replace("baseline", "triton").partition(" ")
+    return CONFIG.replace(backend=backend, precision=precision or "bf16")
+
+
+def available(implementation: str) -> bool:
+    config = config_of(implementation)
+    reason = BACKENDS[config.backend].unavailable_reason(config, DEVICE, None)
     return reason is None
 
 
-@pytest.mark.parametrize("implementation", ["reference", "baseline", "triton", "fused"])
+@pytest.mark.parametrize(
+    "implementation", ["reference", "baseline", "triton", "fused", "triton mxfp8"]
+)
 def test_deterministic_mode_changes_nothing_but_the_uninitialized_memory(
     implementation, monkeypatch
 ):
