@@ -194,9 +194,11 @@ def cases():
 
 def tl_cases():
     """(label, callable) for the tl kernels that only the triton backend's non-SwiGLU experts
-    (gpt-oss: its activation, expert biases, bias gradients) run on Hopper."""
+    (gpt-oss: its activation, expert biases, bias gradients) run on Hopper, and the combine's
+    backward on the token side."""
     from mok.kernels import grouped_gemm as gg
     from mok.kernels.grouped_gemm import Activation, GemmTiles, RowTiles
+    from mok.kernels.rows import pair_gradients
 
     m, experts, hidden, inter = 1024, 4, 512, 256
     bf16 = torch.bfloat16
@@ -235,6 +237,20 @@ def tl_cases():
         "tl group_column_sums",
         lambda: gg.group_column_sums(
             gate_up[:, inter:], offsets, torch.zeros(experts, inter, dtype=bf16), True
+        ),
+    )
+    # The combine's backward on the token side, at a real model's top_k and H (all pairs'
+    # loads of a column chunk in flight at once: registers and spills to watch).
+    tokens, top_k, wide = 64, 8, 4096
+    yield (
+        "tl pair_gradients k=8 H=4096",
+        lambda: pair_gradients(
+            torch.zeros(tokens, wide, dtype=bf16),
+            torch.zeros(tokens, top_k),
+            torch.zeros(tokens, top_k, wide, dtype=bf16),
+            torch.zeros(tokens * top_k, wide, dtype=bf16),
+            H200_SMS,
+            dst_row=torch.zeros(tokens, top_k, dtype=torch.int64),
         ),
     )
 

@@ -61,7 +61,8 @@ for step in $steps; do
     kernels)
       if [ -f benchmarks/expert_kernels.py ]; then
         run kernels python3 benchmarks/expert_kernels.py --check --bench --out "$OUT/expert-kernels.md"
-      fi ;;
+      fi
+      run pair-gradients python3 benchmarks/pair_gradients.py --out "$OUT/pair-gradients.md" ;;
     exchange)
       run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
         tests/kernels/test_rows_kernels.py tests/kernels/test_placement_kernels.py tests/test_comm_placement.py \

@@ -663,6 +663,7 @@ def pair_gradients_kernel(
     hidden,
     out_stride,
     TOP_K: tl.constexpr,
+    K_SLOTS: tl.constexpr,
     SCATTER: tl.constexpr,
     MX_OUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -671,29 +672,25 @@ def pair_gradients_kernel(
 ):
     """For every pair (t, j): grad_pairs[t * TOP_K + j] (SCATTER: grad_pairs[dst_row[t, j]],
     skipped outside [0, dst_capacity)) = round(w[t, j] * grad_y[t]) and grad_weight[t, j] =
-    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32 (one pass over pair_out; its rows
-    out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`, dequantized exactly)."""
+    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32, summed chunk by chunk of BLOCK_H columns in
+    column order (one pass over pair_out, each chunk of grad_y read once for all TOP_K pairs;
+    pair_out's rows out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`, dequantized
+    exactly). K_SLOTS: TOP_K rounded up to a power of two."""
+    slots = tl.arange(0, K_SLOTS)
     for tile in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_ROWS), NUM_PROGRAMS):
         rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = rows < num_tokens
         token_rows = rows.to(tl.int64)[:, None] * hidden
-        for j in tl.static_range(TOP_K):
-            pair_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * hidden
-            out_rows = (rows.to(tl.int64) * TOP_K + j)[:, None] * out_stride
-            keep = live
-            dst_rows = pair_rows
-            if SCATTER:
-                dst = tl.load(dst_row_ptr + rows * TOP_K + j, mask=live, other=-1)
-                keep = live & (dst >= 0) & (dst < dst_capacity)
-                dst_rows = dst.to(tl.int64)[:, None] * hidden
-            weight = tl.load(weight_ptr + rows * TOP_K + j, mask=live, other=0.0).to(tl.float32)
-            dot = tl.zeros((BLOCK_ROWS,), dtype=tl.float32)
-            for start in range(0, hidden, BLOCK_H):
-                cols = start + tl.arange(0, BLOCK_H)
-                cols_ok = (cols < hidden)[None, :]
-                here = live[:, None] & cols_ok
-                grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
-                grad = grad.to(tl.float32)
+        dots = tl.zeros((BLOCK_ROWS, K_SLOTS), dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            cols_ok = (cols < hidden)[None, :]
+            here = live[:, None] & cols_ok
+            grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
+            grad = grad.to(tl.float32)
+            for j in tl.static_range(TOP_K):
+                pair = rows.to(tl.int64) * TOP_K + j
+                out_rows = pair[:, None] * out_stride
                 if MX_OUT:
                     codes = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0)
                     s = start // 32 + tl.arange(0, BLOCK_H // 32)
@@ -703,12 +700,22 @@ def pair_gradients_kernel(
                     out = mx_dequantize_tile(codes.to(tl.int32), scales, BLOCK_ROWS, BLOCK_H)
                 else:
                     out = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0.0)
-                dot += tl.sum(grad * out.to(tl.float32), axis=1)
+                partial = tl.sum(grad * out.to(tl.float32), axis=1)
+                # Only column j changes (adding +0.0 leaves the others' sums as they are).
+                dots += tl.where(slots[None, :] == j, partial[:, None], 0.0)
+                keep = live
+                dst_rows = pair[:, None] * hidden
+                if SCATTER:
+                    dst = tl.load(dst_row_ptr + pair, mask=live, other=-1)
+                    keep = live & (dst >= 0) & (dst < dst_capacity)
+                    dst_rows = dst.to(tl.int64)[:, None] * hidden
+                weight = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
                 scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
                 target = grad_pairs_ptr + dst_rows + cols[None, :]
                 tl.store(target, scaled, mask=keep[:, None] & cols_ok)
-            out_weight = dot.to(grad_weight_ptr.dtype.element_ty)
-            tl.store(grad_weight_ptr + rows * TOP_K + j, out_weight, mask=live)
+        at = grad_weight_ptr + rows[:, None] * TOP_K + slots[None, :]
+        out_weight = dots.to(grad_weight_ptr.dtype.element_ty)
+        tl.store(at, out_weight, mask=live[:, None] & (slots < TOP_K)[None, :])
 
 
 def pair_gradients(
@@ -718,13 +725,16 @@ def pair_gradients(
     grad_pairs: torch.Tensor,
     programs: int,
     dst_row: torch.Tensor | None = None,
+    block_rows: int = 4,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
     a communication buffer) = w[t, j] * grad_y[t] rounded to grad_pairs' dtype, and the returned
     grad of the router weights [T, k] (weights' dtype) = <grad_y[t], pair_out[t, j]> in fp32.
     grad_y [T, H], weights [T, k], pair_out [T, k, H] (or `MXRows` [T * k, H], read as the values
     it holds); all contiguous. With dst_row [T, k] int64, pair (t, j) goes to row dst_row[t, j]
-    of grad_pairs [R, H] instead (skipped outside [0, R))."""
+    of grad_pairs [R, H] instead (skipped outside [0, R)). `programs` persistent programs of
+    `num_warps` warps take `block_rows` tokens at a time (results do not depend on them)."""
     tokens, top_k = weights.shape
     hidden = grad_y.shape[1]
     mx_out = isinstance(pair_out, MXRows)
@@ -733,6 +743,30 @@ def pair_gradients(
     grad_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=weights.device)
     if tokens == 0:
         return grad_weights
+    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
+    scatter = dst_row is not None
+    pair_gradients_kernel[(programs,)](
+        grad_y,
+        weights,
+        pair_out.packed if mx_out else pair_out,
+        grad_pairs,
+        grad_weights,
+        dst_row if scatter else placeholder(grad_y.device),
+        grad_pairs.shape[0],
+        tokens,
+        hidden,
+        pair_out.packed.stride(0) if mx_out else hidden,
+        TOP_K=top_k,
+        K_SLOTS=triton.next_power_of_2(top_k),
+        SCATTER=scatter,
+        MX_OUT=mx_out,
+        BLOCK_ROWS=block_rows,
+        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        NUM_PROGRAMS=programs,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
+    return grad_weights
     block_rows = 4
     programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
     scatter = dst_row is not None
