@@ -589,6 +589,12 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             else "; weight gradients set to None between iterations"
         )
         + f"; the backend's input validation {first.validation} (`--validation`)"
+        + (
+            "; the backend's passes replayed from CUDA graphs captured on the timed inputs "
+            "(`--cuda-graph`; the baseline eager)"
+            if first.cuda_graph
+            else ""
+        )
         + ". Both checked against the reference backend (same group and weights) first.",
         "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
         "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
