@@ -241,6 +241,41 @@ def test_module_accepts_leading_dimensions():
     assert torch.equal(batched.view(12, -1), flat)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fp32_parameters_under_autocast_compute_as_the_bf16_layer(backend):
+    """Mixed precision with fp32 parameters and activations (autocast to bf16, as a trainer's
+    bf16 mode runs): y is the bf16 layer's on the same (bf16-rounded) values bit for bit, in bf16,
+    and every gradient reaches the fp32 parameters and input in fp32, the bf16 layer's gradient
+    exactly. Catches the cast skipped (the layer would refuse fp32), a gradient stopped at the
+    cast, gradients left in bf16 on fp32 parameters, the shared expert's weights not cast."""
+    config = TINY.replace(backend=backend)
+    bf16_layer = layer_for(config)
+    fp32_layer = layer_for(config).float()
+    x, idx, w = inputs(config, 20)
+    grad_y = torch.randn(20, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    x16, x32 = (x.clone().requires_grad_(True), x.float().requires_grad_(True))
+    want = bf16_layer(x16, idx, w)
+    want.backward(grad_y.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fp32_layer(x32, idx, w)
+    got.backward(grad_y.bfloat16())
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert x32.grad.dtype == torch.float32 and torch.equal(x32.grad, x16.grad.float())
+    for name, param in fp32_layer.named_parameters():
+        expected = getattr(bf16_layer, name).grad
+        assert param.grad.dtype == torch.float32, name
+        assert torch.equal(param.grad, expected.float()), name
+
+
+def test_fp32_input_without_autocast_says_what_to_do():
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 4)
+    with pytest.raises(mok.MoKInputError, match=r"float32, expected bfloat16 .*torch\.autocast"):
+        layer(x.float(), idx, w)
+    with pytest.raises(mok.MoKInputError, match=r"weights.gate has dtype float32.*autocast"):
+        layer.float()(x, idx, w)
+
+
 def test_layer_without_shared_expert_has_no_shared_parameters():
     config = TINY.replace(shared_intermediate_size=0)
     layer = mok.MoE(config)

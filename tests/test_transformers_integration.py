@@ -128,6 +128,33 @@ def test_mok_experts_are_as_close_to_float32_as_the_native_bf16_model(name):
         assert ours_error <= 2 * native_error + floor, (param_name, ours_error, native_error)
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_a_float32_model_under_autocast_runs_mok_experts(name):
+    """A trainer's bf16 mixed precision: float32 parameters, the step under torch.autocast. The
+    MoK model's logits and gradients are as close to the float32 model's as the native experts'
+    under the same autocast, and the experts' gradients reach their float32 parameters in float32.
+    Catches MoK refusing float32 experts under autocast (it casts them per call), gradients
+    stopped at that cast, or left in bf16."""
+    oracle, _ = build(name, "eager")
+    native, ours = copy.deepcopy(oracle), copy.deepcopy(oracle)
+    ours.set_experts_implementation(mok_transformers.IMPLEMENTATION)
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    exact_logits, exact_grads = logits_and_grads(oracle, ids)
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        native_logits, native_grads = logits_and_grads(native, ids)
+        our_logits, our_grads = logits_and_grads(ours, ids)
+    assert our_grads.keys() == native_grads.keys() == exact_grads.keys()
+    floor = 2e-2
+    native_error = relative_error(native_logits, exact_logits)
+    assert relative_error(our_logits, exact_logits) <= 2 * native_error + floor
+    for param_name, exact in exact_grads.items():
+        param = ours.get_parameter(param_name)
+        assert param.dtype == param.grad.dtype == torch.float32, param_name
+        native_error = relative_error(native_grads[param_name], exact)
+        ours_error = relative_error(our_grads[param_name], exact)
+        assert ours_error <= 2 * native_error + floor, (param_name, ours_error, native_error)
+
+
 def experts_results(experts, hidden, idx, weights, grad):
     hidden = hidden.detach().clone().requires_grad_(True)
     experts.zero_grad(set_to_none=True)

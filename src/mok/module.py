@@ -49,6 +49,28 @@ def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
     return buffer if accumulates else None
 
 
+def cast_for_autocast(
+    x: torch.Tensor, weights: MoEWeights, dtype: torch.dtype
+) -> tuple[torch.Tensor, MoEWeights]:
+    """(x, weights) with every floating-point tensor of another dtype cast to `dtype` where
+    autocast is on for x's device with `dtype` (as autocast casts a matmul's operands), else as
+    given. Mixed precision with fp32 parameters: the layer computes in `dtype`, and autograd
+    returns each gradient through the cast in its parameter's or input's dtype."""
+    if not isinstance(x, torch.Tensor):
+        return x, weights
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type) or torch.get_autocast_dtype(device_type) != dtype:
+        return x, weights
+
+    def cast(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+            return tensor.to(dtype)
+        return tensor
+
+    fields = {name: cast(getattr(weights, name)) for name in _WEIGHT_FIELDS}
+    return cast(x), MoEWeights(**fields)
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, workspace, fuse_accumulation, topk_idx, x, topk_weights, *weight_tensors):
@@ -71,7 +93,8 @@ class _MoEFunction(torch.autograd.Function):
                 buffer = accumulation_target(weight)
                 if buffer is not None:
                     into[name] = buffer
-        grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
+        with torch.autocast(grad_y.device.type, enabled=False):
+            grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
         # A weight whose gradient went into its buffer gets none from autograd (no extra pass).
         weight_grads = [
             None if name in into else getattr(grads.weights, name) for name in _WEIGHT_FIELDS
@@ -101,9 +124,12 @@ def moe(
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
     tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
-    return _MoEFunction.apply(
-        workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
-    )
+    # The layer's precision is its config's, whatever autocast would make of its operations
+    # (the reference backend's matmuls included): autocast's casting stops at its inputs.
+    with torch.autocast(workspace.device.type, enabled=False):
+        return _MoEFunction.apply(
+            workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
+        )
 
 
 class MoE(nn.Module):
@@ -212,13 +238,14 @@ class MoE(nn.Module):
         hidden, top_k = self.config.hidden_size, self.config.top_k
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        operand, weights = cast_for_autocast(x, self.weights, self.config.activation_dtype)
         # Inputs of a wrong shape go on unflattened: the collective checks downstream name the
         # problem on every rank, where raising here would leave the other ranks waiting.
         inputs = (
-            _flatten_leading(x, hidden),
+            _flatten_leading(operand, hidden),
             _flatten_leading(topk_idx, top_k),
             _flatten_leading(topk_weights, top_k),
-            self.weights,
+            weights,
         )
         if torch.compiler.is_compiling():
             # The custom ops, which the compiler keeps as nodes of its graph. The workspace is
@@ -237,7 +264,7 @@ class MoE(nn.Module):
         else:
             y = moe(*inputs, self.workspace(x.device), self.fuse_grad_accumulation)
         # No view for [T, H] inputs: FSDP2 hooks the module's output, which an in-place op on a
-        # view would bypass.
+        # view would bypass. Under autocast y stays in the layer's dtype, as a matmul's would.
         return y if y.shape == x.shape else y.view(x.shape)
 
     def extra_repr(self) -> str:

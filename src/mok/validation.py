@@ -10,6 +10,7 @@ from mok.config import MoKConfig
 from mok.weights import MoEWeights
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+_AUTOCAST_HINT = "torch.autocast(device_type, dtype=torch.bfloat16), which casts them per call"
 
 
 def _check_tensor(
@@ -66,9 +67,12 @@ def check_tokens(
         return (
             f"x has {x.shape[0]} tokens but the schedule was built from topk_idx with {num_tokens}"
         )
-    return _check_tensor(
+    problem = _check_tensor(
         "x", x, (num_tokens, config.hidden_size), device, dtypes=(config.activation_dtype,)
-    ) or _check_tensor(
+    )
+    if problem and " has dtype float32," in problem:
+        return f"{problem} (fp32 activations: cast them, or run under {_AUTOCAST_HINT})"
+    return problem or _check_tensor(
         "topk_weights", topk_weights, (num_tokens, config.top_k), device, floating=True
     )
 
@@ -114,6 +118,8 @@ def check_weights(
         problem = _check_tensor(
             f"weights.{name}", value, shape, device, dtypes=(config.activation_dtype,)
         )
+        if problem and " has dtype float32," in problem:
+            return f"{problem} (fp32 parameters: run the layer under {_AUTOCAST_HINT})"
         if problem:
             return problem
     return None

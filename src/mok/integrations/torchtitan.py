@@ -33,7 +33,7 @@ from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
-from mok.module import moe
+from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
 
 
@@ -54,7 +54,8 @@ class _MoKRoutedExperts(nn.Module):
         weights = MoEWeights(
             gate=_local(experts.w1_EFD), up=_local(experts.w3_EFD), down=_local(experts.w2_EDF)
         )
-        x = x_BLD.reshape(-1, dim).to(weights.gate.dtype)
+        x, weights = cast_for_autocast(x_BLD.reshape(-1, dim), weights, torch.bfloat16)
+        x = x.to(weights.gate.dtype)
         ids = topk_expert_ids_BLK.reshape(-1, top_k)
         scores = topk_scores_BLK.reshape(-1, top_k)
         if torch.compiler.is_compiling():

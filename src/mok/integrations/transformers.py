@@ -24,7 +24,8 @@ module is sliced to this rank's experts. Every rank must then run the model's Mo
 `register()` also adds "mok-baseline": the standard expert-parallel PyTorch path (`mok.baseline`)
 on the same weights, to compare with.
 
-Supported, in bf16: SwiGLU experts with concatenated [gate; up] weights and no biases, and
+Supported, in bf16 (also fp32 parameters under `torch.autocast(dtype=torch.bfloat16)`, which
+the layer casts per call as autocast casts a matmul's): SwiGLU experts with concatenated [gate; up] weights and no biases, and
 gpt-oss's experts (transposed, interleaved gate/up weights, per-expert biases, its activation
 (up + 1) * gate * sigmoid(1.702 gate) with its clamp). The triton kernels read weights with a unit
 last stride, which gpt-oss's transposed views are not: on its first MoK call a gpt-oss experts
@@ -46,7 +47,7 @@ from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.functional import Workspace
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
-from mok.module import moe
+from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
 
 IMPLEMENTATION = "mok"
@@ -186,6 +187,8 @@ def _forward(backend: str):
                 "mok.integrations.transformers.shard_experts for MoK's"
             )
         weights = _weights(self)
+        # Mixed precision with fp32 parameters: the layer computes in bf16, as autocast would.
+        hidden_states, weights = cast_for_autocast(hidden_states, weights, torch.bfloat16)
         if torch.compiler.is_compiling():
             return compiled_call(self, hidden_states, top_k_index, top_k_weights, weights)
         workspace = _workspace(self, weights, hidden_states, top_k_index.shape[-1], backend)
