@@ -25,11 +25,12 @@ module is sliced to this rank's experts. Every rank must then run the model's Mo
 on the same weights, to compare with.
 
 Supported, in bf16 (also fp32 parameters under `torch.autocast(dtype=torch.bfloat16)`, which
-the layer casts per call as autocast casts a matmul's): SwiGLU experts with concatenated [gate; up] weights and no biases, and
-gpt-oss's experts (transposed, interleaved gate/up weights, per-expert biases, its activation
-(up + 1) * gate * sigmoid(1.702 gate) with its clamp). The triton kernels read weights with a unit
-last stride, which gpt-oss's transposed views are not: on its first MoK call a gpt-oss experts
-module has its `gate_up_proj` and `down_proj` stored again in place (same Parameter objects,
+the layer casts per call as autocast casts a matmul's): SwiGLU experts with concatenated
+[gate; up] weights and no biases, and gpt-oss's experts (transposed, interleaved gate/up
+weights, per-expert biases, its activation (up + 1) * gate * sigmoid(1.702 gate) with its
+clamp). The triton kernels read weights with a unit last stride, which gpt-oss's transposed
+views are not: on its first MoK call a gpt-oss experts module has its `gate_up_proj` and
+`down_proj` stored again in place (same Parameter objects,
 shapes, names and values; strides (2IH, 1, H) and (IH, 1, I), the memory of [E, 2I, H] and
 [E, H, I] tensors), after which MoK's views of them are K-contiguous. Tensors that viewed the old
 storage no longer share it; checkpoints and optimizers are unaffected. `unsupported_reason`
