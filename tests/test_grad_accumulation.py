@@ -197,3 +197,42 @@ def test_an_unusable_main_grad_raises(make, message):
     with pytest.raises(mok.MoKInputError, match=message):
         layer(x, idx, w).backward(grad_y)
     assert layer.up.grad is None
+
+
+def _ddp_gradients(rank: int, world: int, backend: str) -> dict[str, torch.Tensor]:
+    """Rank worker: the layer (all experts on every rank) under DistributedDataParallel, two
+    micro-batches of this rank's, the first under `no_sync()` as gradient accumulation runs."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    layer = DistributedDataParallel(layer_of(backend, torch.device("cpu")))
+    for micro in range(2):
+        x, idx, w, grad_y = micro_batch(10 * rank + micro, torch.device("cpu"))
+        if micro == 0:
+            with layer.no_sync():
+                layer(x, idx, w).backward(grad_y)
+        else:
+            layer(x, idx, w).backward(grad_y)
+    return {name: param.grad for name, param in layer.module.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_ddp_with_accumulation_averages_the_fused_gradients(backend):
+    """DDP over 2 gloo ranks with gradient accumulation: after the synchronizing micro-batch every
+    rank holds the same gradients, the mean over the ranks of all four micro-batches' sums (to
+    bf16 rounding). Catches the fused accumulation (the second micro-batch's gradient added by
+    the layer, none handed to autograd) bypassing DDP's reducer: the ranks would keep their own
+    sums, or DDP would wait for gradients that never come."""
+    from mok.launch import run_ranks
+
+    if backend == "triton" and DEVICE.type == "cpu" and not _interpreting():
+        pytest.skip("the triton backend needs a GPU or the interpreter")
+    if DEVICE.type == "cuda":
+        pytest.skip("a CPU test (gloo)")
+    ranks = run_ranks(_ddp_gradients, 2, args=(backend,))
+    one_process = layer_of(backend, torch.device("cpu"), fuse=False)
+    for rank in range(2):
+        for micro in range(2):
+            step(one_process, 10 * rank + micro, torch.device("cpu"))
+    for name, param in one_process.named_parameters():
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+        assert relative_error(ranks[0][name], param.grad.float() / 2) < 2e-2, name
