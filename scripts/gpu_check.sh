@@ -3,7 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused] [mxfp8] [e2e] [e2e-compiled]
+#                        [fused] [mxfp8] [e2e] [e2e-compiled] [e2e-profile]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -15,7 +15,8 @@
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # e2e: end-to-end training steps, mok against the native transformers experts (EP 1) and against
 # mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots;
-# e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK.
+# e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
+# e2e-profile: one compiled step of each profiled, with Chrome traces.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny`.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
@@ -134,6 +135,13 @@ print(*m())' 2>&1)
         run e2e-torchtitan python3 benchmarks/train_e2e.py --framework torchtitan --layers 4 \
           --steps 20 --warmup 5 --batch 8 --seq 1024 --out "$OUT/e2e-torchtitan"
       fi ;;
+    e2e-profile)
+      # Where a compiled step goes, native experts against MoK's (the 1.11x of 2026-12-02):
+      # each implementation's step profiled (kernels by own GPU time) with its Chrome trace, and
+      # the routing's skew per layer in the report.
+      run e2e-compiled-profile python3 benchmarks/train_e2e.py --steps 12 --warmup 8 --layers 4 \
+        --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 \
+        --compile inductor --profile 25 --trace "$OUT/traces" --out "$OUT/e2e-compiled-profile" ;;
     mxfp8)
       run mxfp8-tests python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} \
         tests/kernels/test_mx_kernels.py tests/kernels/test_mx_expert_mlp.py \
