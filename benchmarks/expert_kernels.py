@@ -5,7 +5,8 @@
 --check   every preset at reduced token counts (near-uniform and Zipf routing, empty experts,
           capacity padding poisoned with NaN, outputs on NaN-poisoned memory) against the
           reference (`mok.reference.expert`), forward and backward.
---bench   every preset at 8192 and 16384 tokens per rank (x top_k rows, near-uniform routing):
+--bench   every preset at 8192 and 16384 tokens per rank (x top_k rows, near-uniform routing,
+          or Zipf-skewed with --routing zipf):
           ours vs the baseline (one fused gate|up torch._grouped_mm, SwiGLU in PyTorch,
           torch._grouped_mm down; backward through autograd), each checked against the other
           on the same inputs before timing, and the cuBLAS dense bf16 rate measured in the same run.
@@ -222,12 +223,20 @@ def chunked_relative_error(actual, expected, chunk=2**26) -> float:
     return (error / scale) ** 0.5 if scale > 0 else error**0.5
 
 
-def bench_preset(name, tokens, dense_rate, gen, log):
+def bench_sizes(routing: str, tokens: int, top_k: int, num_experts: int, gen) -> list[int]:
+    """Group sizes of a timed problem: near-uniform, or Zipf-skewed (every expert kept; the
+    skew a young router in training can have, `benchmarks/train_e2e.py` reports its own)."""
+    if routing == "zipf":
+        return zipf_sizes(tokens * top_k, num_experts, gen, empty=0)
+    return near_uniform_sizes(tokens, top_k, num_experts, gen)
+
+
+def bench_preset(name, tokens, dense_rate, gen, log, routing="uniform"):
     preset = mok.get_preset(name)
     hidden, inter, num_experts = preset.hidden_size, preset.intermediate_size, preset.num_experts
     w_gate_up, w_gate, w_up, w_down = make_weights(num_experts, hidden, inter, gen)
     problems = [
-        make_problem(near_uniform_sizes(tokens, preset.top_k, num_experts, gen), hidden, gen)
+        make_problem(bench_sizes(routing, tokens, preset.top_k, num_experts, gen), hidden, gen)
         for _ in range(2)
     ]
     m = problems[0].rows.shape[0]
@@ -274,7 +283,7 @@ def bench_preset(name, tokens, dense_rate, gen, log):
         return scale * flops / ms / 1e9
 
     row = dict(
-        preset=name,
+        preset=name if routing == "uniform" else f"{name} ({routing})",
         tokens=tokens,
         rows=m,
         agree=agree,
@@ -433,6 +442,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tune", action="store_true")
     parser.add_argument("--presets", nargs="*", default=[n for n in mok.PRESETS if n != "tiny"])
     parser.add_argument("--tokens", nargs="*", type=int, default=[8192, 16384])
+    parser.add_argument(
+        "--routing",
+        choices=("uniform", "zipf"),
+        default="uniform",
+        help="the timed problems' group sizes (--bench): near-uniform or Zipf-skewed",
+    )
     parser.add_argument("--out", help="write the markdown table here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -464,7 +479,7 @@ def main(argv=None) -> int:
                 m, preset.hidden_size, 3 * preset.intermediate_size, gen
             )
             for tokens in args.tokens:
-                rows.append(bench_preset(name, tokens, dense_rate, gen, log))
+                rows.append(bench_preset(name, tokens, dense_rate, gen, log, args.routing))
         text = table(rows, dense_rate, dense_equiv)
         ok &= all(r["agree"] for r in rows)
         print(text)

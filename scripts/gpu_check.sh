@@ -63,6 +63,8 @@ for step in $steps; do
       if [ -f benchmarks/expert_kernels.py ]; then
         run kernels python3 benchmarks/expert_kernels.py --check --bench --out "$OUT/expert-kernels.md"
       fi
+      run kernels-zipf python3 benchmarks/expert_kernels.py --bench --routing zipf \
+        --presets qwen3-30b-a3b qwen3-235b-a22b --tokens 8192 --out "$OUT/expert-kernels-zipf.md"
       run pair-gradients python3 benchmarks/pair_gradients.py --out "$OUT/pair-gradients.md" ;;
     exchange)
       run exchange-tests python3 -m pytest -q -rs -p no:cacheprovider \
