@@ -328,3 +328,36 @@ def test_a_model_with_mok_experts_compiles_whole(name):
     assert grads.keys() == eager_grads.keys()
     for key, value in eager_grads.items():
         assert torch.equal(grads[key], value), key
+
+
+def test_a_compiled_model_outlives_other_models_workspaces():
+    """Another MoK model, made before this one, freed (its experts modules' workspaces with it)
+    while this one compiles, between Dynamo's trace and its guards: the compiled model runs on
+    its own workspaces and gives eager's logits. Catches compiled code that finds a module's
+    workspace through a shared table whose entries move when another module's go (its guards,
+    built on an entry's position, then fail: an IndexError while compiling)."""
+    import gc
+
+    from torch._dynamo.backends.debugging import aot_eager
+
+    mok_transformers.register(backend="triton")
+    try:
+        ids = torch.randint(0, 97, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        others = [build("qwen3-moe", mok_transformers.IMPLEMENTATION)[1]]
+        _, ours = build("qwen3-moe", mok_transformers.IMPLEMENTATION)
+        with torch.no_grad():
+            others[0](ids)
+            eager = ours(ids).logits
+
+        def free_the_other_model_then_compile(graph_module, example_inputs):
+            others.clear()
+            gc.collect()
+            return aot_eager(graph_module, example_inputs)
+
+        torch._dynamo.reset()
+        compiled = torch.compile(ours, fullgraph=True, backend=free_the_other_model_then_compile)
+        with torch.no_grad():
+            logits = compiled(ids).logits
+    finally:
+        mok_transformers.register()
+    assert torch.equal(logits, eager)

@@ -3,7 +3,7 @@ must not copy a workspace, whose buffers and group belong to the original)."""
 
 from __future__ import annotations
 
-import weakref
+import dataclasses
 
 import torch
 from torch import nn
@@ -16,9 +16,28 @@ from mok.functional import Workspace, create_workspace
 MIN_TOKENS = 8192
 """Tokens per call a workspace is first sized for, without a fixed size; a larger call makes a
 larger one."""
+_SLOT = "_mok_workspace"
 
-_workspaces: weakref.WeakKeyDictionary[nn.Module, Workspace] = weakref.WeakKeyDictionary()
-_ids: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+@dataclasses.dataclass
+class _WorkspaceSlot:
+    """A module's workspace and the id the custom ops know it by, kept in the module's __dict__.
+    A deep copy of the module gets an empty slot. (A module-level weak table would do as well
+    for eager calls, but torch.compile guards on such a table's entries by position, and those
+    move when any other module's entry is collected while a graph compiles.)"""
+
+    workspace: Workspace | None = None
+    workspace_id: int = 0
+
+    def __deepcopy__(self, memo) -> _WorkspaceSlot:
+        return _WorkspaceSlot()
+
+
+def _slot(owner: nn.Module) -> _WorkspaceSlot:
+    slot = owner.__dict__.get(_SLOT)
+    if slot is None:
+        slot = owner.__dict__[_SLOT] = _WorkspaceSlot()
+    return slot
 
 
 def workspace_for(
@@ -33,7 +52,8 @@ def workspace_for(
         config = config.replace(
             max_tokens_per_rank=max(MIN_TOKENS, 1 << max(tokens - 1, 0).bit_length())
         )
-    workspace = _workspaces.get(owner)
+    slot = _slot(owner)
+    workspace = slot.workspace
     if workspace is not None:
         if (
             workspace.device == device
@@ -43,30 +63,30 @@ def workspace_for(
         ):
             return workspace
         workspace.release()
-    workspace = create_workspace(config, group, device)
-    _workspaces[owner] = workspace
-    _ids[owner] = ops.register_workspace(workspace)
-    return workspace
+    slot.workspace = create_workspace(config, group, device)
+    slot.workspace_id = ops.register_workspace(slot.workspace)
+    return slot.workspace
 
 
 def cached(owner: nn.Module) -> Workspace | None:
     """`owner`'s current workspace, if any."""
-    return _workspaces.get(owner)
+    slot = owner.__dict__.get(_SLOT)
+    return None if slot is None else slot.workspace
 
 
 def compiled_call(owner: nn.Module, x, topk_idx, topk_weights, weights) -> torch.Tensor:
     """y [T, H] of `owner`'s layer through the custom ops of `mok.ops`, what torch.compile
     traces: on the workspace an eager call made (making one is a collective, outside a trace)."""
-    workspace_id = _ids.get(owner)
-    if workspace_id is None:
+    slot = getattr(owner, _SLOT, None)
+    if slot is None or slot.workspace is None:
         raise MoKInputError(
             f"torch.compile of {type(owner).__name__} with MoK needs its workspace made first: "
             "run the model once eagerly before compiling"
         )
-    if _workspaces[owner].backend_name == "reference":
+    if slot.workspace.backend_name == "reference":
         raise MoKInputError(
             f"torch.compile of {type(owner).__name__} with MoK needs the triton backend: the "
             "reference backend records an autograd graph inside the layer, which a custom op "
             "cannot"
         )
-    return ops.moe(x, topk_idx, topk_weights, weights, workspace_id)
+    return ops.moe(x, topk_idx, topk_weights, weights, slot.workspace_id)
