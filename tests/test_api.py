@@ -276,6 +276,25 @@ def test_fp32_input_without_autocast_says_what_to_do():
         layer.float()(x, idx, w)
 
 
+def test_a_deep_copy_makes_a_workspace_of_its_own():
+    """copy.deepcopy of a layer that ran (as model copies for EMA or evaluation are made): the copy
+    starts without a workspace and makes its own on its first call, with the same results; the
+    original keeps its own. Catches a copy that shares the original's workspace (two layers
+    writing one set of buffers) or that duplicates it (a copied process group, or symmetric
+    memory that the copy's ranks never allocated together)."""
+    import copy
+
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 12)
+    want = layer(x, idx, w)
+    original = layer.workspace(torch.device("cpu"))
+    twin = copy.deepcopy(layer)
+    assert twin._slot.workspace is None
+    assert torch.equal(twin(x, idx, w), want)
+    assert twin.workspace(torch.device("cpu")) is not original
+    assert layer.workspace(torch.device("cpu")) is original
+
+
 def test_layer_without_shared_expert_has_no_shared_parameters():
     config = TINY.replace(shared_intermediate_size=0)
     layer = mok.MoE(config)

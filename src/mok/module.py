@@ -169,8 +169,7 @@ class MoE(nn.Module):
                 self.register_parameter(name, nn.Parameter(param))
             else:
                 self.register_parameter(name, None)
-        self._workspace: functional.Workspace | None = None
-        self._workspace_id = 0
+        self._slot = ops.WorkspaceSlot()
         self.reset_parameters()
 
     @property
@@ -223,13 +222,12 @@ class MoE(nn.Module):
 
     def workspace(self, device: torch.device) -> functional.Workspace:
         """The workspace for `device`, created on first use (a collective over the group)."""
-        ws = self._workspace
+        ws = self._slot.workspace
         if ws is None or ws.device != functional.resolve_device(device):
             if ws is not None:
                 ws.release()
-            self._workspace = functional.create_workspace(self.config, self.group, device)
-            self._workspace_id = ops.register_workspace(self._workspace)
-        return self._workspace
+            ws = self._slot.hold(functional.create_workspace(self.config, self.group, device))
+        return ws
 
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
@@ -250,17 +248,17 @@ class MoE(nn.Module):
         if torch.compiler.is_compiling():
             # The custom ops, which the compiler keeps as nodes of its graph. The workspace is
             # made outside the trace (a collective): by an eager call or `layer.workspace(device)`.
-            if self._workspace is None:
+            if self._slot.workspace is None:
                 raise MoKInputError(
                     "torch.compile of mok.MoE needs its workspace made first: call the layer once "
                     "eagerly, or layer.workspace(device), before compiling"
                 )
-            if self._workspace.backend_name == "reference":
+            if self._slot.workspace.backend_name == "reference":
                 raise MoKInputError(
                     "torch.compile of mok.MoE needs the triton backend: the reference backend "
                     "records an autograd graph inside the layer, which a custom op cannot"
                 )
-            y = ops.moe(*inputs, self._workspace_id)
+            y = ops.moe(*inputs, self._slot.workspace_id)
         else:
             y = moe(*inputs, self.workspace(x.device), self.fuse_grad_accumulation)
         # No view for [T, H] inputs: FSDP2 hooks the module's output, which an in-place op on a

@@ -26,6 +26,7 @@ weight gradients to autograd (no fused accumulation into existing `.grad`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import weakref
 
@@ -51,6 +52,24 @@ def register_workspace(workspace: functional.Workspace) -> int:
     key = next(_ids)
     _workspaces[key] = workspace
     return key
+
+
+@dataclasses.dataclass
+class WorkspaceSlot:
+    """A module's workspace and the id the ops know it by, held in the module's own attributes
+    (what torch.compile reads and guards on). A deep copy of the module gets an empty slot: a
+    workspace's buffers and group belong to the module it was made for."""
+
+    workspace: functional.Workspace | None = None
+    workspace_id: int = 0
+
+    def hold(self, workspace: functional.Workspace) -> functional.Workspace:
+        """Keep `workspace` here under a new id; returns it."""
+        self.workspace, self.workspace_id = workspace, register_workspace(workspace)
+        return workspace
+
+    def __deepcopy__(self, memo) -> WorkspaceSlot:
+        return WorkspaceSlot()
 
 
 def _weights(names: str, weights: list[torch.Tensor]) -> MoEWeights:

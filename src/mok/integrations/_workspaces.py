@@ -3,8 +3,6 @@ must not copy a workspace, whose buffers and group belong to the original)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -19,24 +17,13 @@ larger one."""
 _SLOT = "_mok_workspace"
 
 
-@dataclasses.dataclass
-class _WorkspaceSlot:
-    """A module's workspace and the id the custom ops know it by, kept in the module's __dict__.
-    A deep copy of the module gets an empty slot. (A module-level weak table would do as well
-    for eager calls, but torch.compile guards on such a table's entries by position, and those
-    move when any other module's entry is collected while a graph compiles.)"""
-
-    workspace: Workspace | None = None
-    workspace_id: int = 0
-
-    def __deepcopy__(self, memo) -> _WorkspaceSlot:
-        return _WorkspaceSlot()
-
-
-def _slot(owner: nn.Module) -> _WorkspaceSlot:
-    slot = owner.__dict__.get(_SLOT)
+def _slot(owner: nn.Module) -> ops.WorkspaceSlot:
+    slot = getattr(owner, _SLOT, None)
     if slot is None:
-        slot = owner.__dict__[_SLOT] = _WorkspaceSlot()
+        slot = ops.WorkspaceSlot()
+        # In the module's own attributes, not a module-level weak table: torch.compile guards on
+        # such a table's entries by position, which move when another module's entry goes.
+        setattr(owner, _SLOT, slot)
     return slot
 
 
@@ -63,14 +50,12 @@ def workspace_for(
         ):
             return workspace
         workspace.release()
-    slot.workspace = create_workspace(config, group, device)
-    slot.workspace_id = ops.register_workspace(slot.workspace)
-    return slot.workspace
+    return slot.hold(create_workspace(config, group, device))
 
 
 def cached(owner: nn.Module) -> Workspace | None:
     """`owner`'s current workspace, if any."""
-    slot = owner.__dict__.get(_SLOT)
+    slot = getattr(owner, _SLOT, None)
     return None if slot is None else slot.workspace
 
 
