@@ -277,12 +277,14 @@ def test_fp32_input_without_autocast_says_what_to_do():
 
 
 def test_a_deep_copy_makes_a_workspace_of_its_own():
-    """copy.deepcopy of a layer that ran (as model copies for EMA or evaluation are made): the copy
+    """copy.deepcopy (model copies for EMA or evaluation) and torch.save / torch.load of a whole
+    layer that ran: the copy
     starts without a workspace and makes its own on its first call, with the same results; the
     original keeps its own. Catches a copy that shares the original's workspace (two layers
     writing one set of buffers) or that duplicates it (a copied process group, or symmetric
     memory that the copy's ranks never allocated together)."""
     import copy
+    import io
 
     layer = layer_for(TINY)
     x, idx, w = inputs(TINY, 12)
@@ -293,6 +295,12 @@ def test_a_deep_copy_makes_a_workspace_of_its_own():
     assert torch.equal(twin(x, idx, w), want)
     assert twin.workspace(torch.device("cpu")) is not original
     assert layer.workspace(torch.device("cpu")) is original
+    saved = io.BytesIO()
+    torch.save(layer, saved)  # a whole model saved: its workspace stays behind
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert loaded._slot.workspace is None
+    assert torch.equal(loaded(x, idx, w), want)
 
 
 def test_layer_without_shared_expert_has_no_shared_parameters():

@@ -57,8 +57,8 @@ def register_workspace(workspace: functional.Workspace) -> int:
 @dataclasses.dataclass
 class WorkspaceSlot:
     """A module's workspace and the id the ops know it by, held in the module's own attributes
-    (what torch.compile reads and guards on). A deep copy of the module gets an empty slot: a
-    workspace's buffers and group belong to the module it was made for."""
+    (what torch.compile reads and guards on). A deep copy or a pickle of the module gets an empty
+    slot: a workspace's buffers and group belong to the module it was made for."""
 
     workspace: functional.Workspace | None = None
     workspace_id: int = 0
@@ -70,6 +70,12 @@ class WorkspaceSlot:
 
     def __deepcopy__(self, memo) -> WorkspaceSlot:
         return WorkspaceSlot()
+
+    def __getstate__(self) -> dict:
+        return {}  # pickled (torch.save of a whole model) empty, as deep-copied
+
+    def __setstate__(self, state: dict) -> None:
+        self.workspace, self.workspace_id = None, 0
 
 
 def _weights(names: str, weights: list[torch.Tensor]) -> MoEWeights:
