@@ -82,6 +82,9 @@ for step in $steps; do
         --out "$OUT/bench" ;;
     host)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      # The tl kernels in place of the Gluon ones: their launches cost the host less.
+      run host-time-tiny-tl env MOK_WARP_SPECIALIZED=0 python3 benchmarks/host_time.py \
+        --preset tiny
       for preset in tiny qwen3-30b-a3b; do
         run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels \
           --graphed

@@ -279,9 +279,9 @@ def test_fp32_input_without_autocast_says_what_to_do():
 def test_a_deep_copy_makes_a_workspace_of_its_own():
     """copy.deepcopy (model copies for EMA or evaluation) and torch.save / torch.load of a whole
     layer that ran: the copy starts without a workspace and makes its own on its first call, with
-    the same results; the original keeps its own. Catches a copy that shares the original's workspace (two layers
-    writing one set of buffers) or that duplicates it (a copied process group, or symmetric
-    memory that the copy's ranks never allocated together)."""
+    the same results; the original keeps its own. Catches a copy that shares the original's
+    workspace (two layers writing one set of buffers) or that duplicates it (a copied process
+    group, or symmetric memory that the copy's ranks never allocated together)."""
     import copy
     import io
 

@@ -567,3 +567,33 @@ def test_the_wgrad_kernel_refuses_gradients_off_its_tiles():
     with pytest.raises(ValueError, match="wgrad_supported"):
         ws.down_wgrad(a, b, offsets, grad, False, ws.WGRAD_TILES.single)
     assert not grad.any()
+
+
+def test_the_environment_can_keep_the_tl_kernels(monkeypatch):
+    """MOK_WARP_SPECIALIZED=0: the default config has no Gluon tiles (every product on the tl
+    kernels) and the whole layer gives the Gluon path's output bit for bit (the forward kernels
+    are twins) and its gradients to bf16 rounding (the backward ones tile differently). Catches
+    the switch ignored (the comparison it exists for would time Gluon twice) or a product that
+    calls a Gluon kernel whatever its config."""
+    import mok
+    from mok.kernels import default_config
+    from mok.routing import make_routing
+    from mok.testing import RankInputs, global_weights, one_call_results
+
+    config = mok.get_preset("qwen3-30b-a3b").config(max_tokens_per_rank=512, backend="triton")
+    generator = torch.Generator().manual_seed(0)
+    idx, weights = make_routing("uniform", 300, config.num_experts, config.top_k, generator)
+    x = torch.randn(300, config.hidden_size, generator=generator).bfloat16()
+    grad_y = torch.randn(300, config.hidden_size, generator=generator).bfloat16()
+    case = RankInputs(x.cuda(), idx.cuda(), weights.cuda(), grad_y.cuda())
+    results = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("MOK_WARP_SPECIALIZED", switch)
+        cfg = default_config(torch.device("cuda"), config.hidden_size, config.intermediate_size)
+        assert (cfg.warp_specialized_down is None) == (switch == "0")
+        layer = mok.MoE(config, device="cuda")
+        layer.load_global_weights(global_weights(config, 0, "cuda"))
+        results[switch] = one_call_results(layer, case)
+    assert torch.equal(results["0"].pop("y"), results["1"].pop("y"))
+    for name, value in results["1"].items():
+        assert relative_error(results["0"][name], value) < 1e-2, name

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 import triton
@@ -868,8 +869,14 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the warp-specialized kernels can run on `device` (a Hopper GPU)."""
-    return device.type == "cuda" and _is_hopper(device)
+    """Whether the warp-specialized kernels run on `device`: a Hopper GPU, unless the environment
+    sets MOK_WARP_SPECIALIZED=0 (then the tl kernels run everywhere: to compare the two, or as a
+    fallback)."""
+    return (
+        device.type == "cuda"
+        and _is_hopper(device)
+        and os.environ.get("MOK_WARP_SPECIALIZED", "1") != "0"
+    )
 
 
 def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
