@@ -51,6 +51,10 @@ def test_bench_checks_then_times_on_spawned_gloo_ranks(tmp_path):
     assert "forward+backward" in done.stdout and "baseline" in done.stdout
     report = json.loads(out.read_text())
     assert report["dense_tflops"] is None  # no compute floor on the CPU unless asked for
+    # The settings that chose the kernels are stamped on the report (the interpreter's here).
+    assert report["settings"] == {
+        name: os.environ[name] for name in ("TRITON_INTERPRET",) if name in os.environ
+    }
     (result,) = report["results"]
     assert result["spec"]["ep"] == 2 and result["spec"]["tokens"] == 300
     backend, baseline = result["backend"], result["baseline"]
@@ -206,13 +210,18 @@ def test_bench_refuses_bad_options_in_one_line_before_running(
     )
 
 
-def test_env_reports_backends_as_json():
+def test_env_reports_backends_as_json(monkeypatch):
+    monkeypatch.setenv("MOK_WARP_SPECIALIZED", "0")
+    monkeypatch.delenv("MOK_TRITON_LAUNCH", raising=False)
     done = run_mok("env", "--json")
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["backends"]["reference"] == "ok"
     assert info["distributed"]["gloo"] is True
     assert "torch" in info and "symmetric_memory" in info
+    # The settings in effect, so that a report says which kernels ran.
+    assert info["settings"]["MOK_WARP_SPECIALIZED"] == "0"
+    assert info["settings"]["MOK_TRITON_LAUNCH"] is None
 
 
 def test_pair_capacity_factor_sizes_the_expert_buffers():

@@ -501,9 +501,13 @@ class ReportHeader:
     device: str
     dense_tflops: float | None
     command: str
+    settings: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The environment variables of `mok.env.SETTINGS` that were set (which kernels ran)."""
 
 
 def report_header(device: str, dense_tflops: float | None, command: str) -> ReportHeader:
+    from mok.env import SETTINGS
+
     now = datetime.datetime.now(datetime.timezone.utc)
     return ReportHeader(
         date=now.strftime("%Y-%m-%d %H:%M UTC"),
@@ -513,6 +517,7 @@ def report_header(device: str, dense_tflops: float | None, command: str) -> Repo
         device=device,
         dense_tflops=dense_tflops,
         command=command,
+        settings={name: os.environ[name] for name in SETTINGS if name in os.environ},
     )
 
 
@@ -571,7 +576,8 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         "",
         f"- Date: {header.date}; commit `{header.commit}`; machine: {header.machine}; "
         f"torch {header.torch}",
-        f"- Command: `{header.command}`",
+        f"- Command: `{header.command}`"
+        + "".join(f"; {name}={value}" for name, value in header.settings.items()),
         f"- Method: {first.routing} routing; median over {first.iters} iterations (after "
         f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
         "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 
 import torch
@@ -57,6 +58,14 @@ def _cuda_devices() -> list[dict[str, object]]:
     return devices
 
 
+SETTINGS = {
+    "MOK_TRITON_LAUNCH": "fast (kernels launched beneath Triton's per-call work) or standard",
+    "MOK_WARP_SPECIALIZED": "1 (Gluon kernels on Hopper) or 0 (the tl kernels everywhere)",
+    "TRITON_INTERPRET": "1: Triton kernels on CPU tensors under the interpreter (a test mode)",
+}
+"""The environment variables that change what MoK runs, with what their values mean."""
+
+
 def collect_env() -> dict[str, object]:
     """A JSON-friendly description of the machine and of the backends that can run on it."""
     cuda = torch.cuda.is_available()
@@ -80,6 +89,7 @@ def collect_env() -> dict[str, object]:
         "backends": {
             name: reason or "ok" for name, reason in backend_report(config, device).items()
         },
+        "settings": {name: os.environ.get(name) for name in SETTINGS},
     }
 
 
@@ -117,3 +127,9 @@ def print_env(info: dict[str, object]) -> None:
     for name, status in info["backends"].items():
         backends.add_row(name, status)
     console.print(backends)
+    settings = Table(title="Settings (environment)")
+    for column in ("variable", "value", "values"):
+        settings.add_column(column)
+    for name, value in info["settings"].items():
+        settings.add_row(name, "unset" if value is None else value, SETTINGS[name])
+    console.print(settings)
