@@ -106,26 +106,32 @@ def logits_and_grads(model, ids):
     return logits.detach().float(), grads
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_mok_experts_are_as_close_to_float32_as_the_native_bf16_model(name):
-    oracle, native = build(name, "eager")
-    _, ours = build(name, mok_transformers.IMPLEMENTATION)
-    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    exact_logits, exact_grads = logits_and_grads(oracle, ids)
-    native_logits, native_grads = logits_and_grads(native, ids)
-    our_logits, our_grads = logits_and_grads(ours, ids)
+def assert_as_close_as_native(exact, native, ours) -> None:
+    """(logits, grads) of the MoK model (`ours`) within bf16 noise of the float32 model's
+    (`exact`): each within twice the native model's distance from float32, plus a floor of a few
+    bf16 roundings (both are ~1e-2 here; a swapped gate/up or a lost gradient is O(1))."""
+    (exact_logits, exact_grads), (native_logits, native_grads) = exact, native
+    our_logits, our_grads = ours
     assert our_grads.keys() == native_grads.keys() == exact_grads.keys()
-    # bf16 noise: each within twice the native model's distance from float32, plus a floor of a
-    # few bf16 roundings (both are ~1e-2 here; a swapped gate/up or a lost gradient is O(1)).
     floor = 2e-2
     native_error = relative_error(native_logits, exact_logits)
     assert relative_error(our_logits, exact_logits) <= 2 * native_error + floor
     experts = [n for n in exact_grads if "experts.gate_up_proj" in n or "experts.down_proj" in n]
     assert experts  # the routed experts' weights do get gradients
-    for param_name, exact in exact_grads.items():
-        native_error = relative_error(native_grads[param_name], exact)
-        ours_error = relative_error(our_grads[param_name], exact)
+    for param_name, exact_grad in exact_grads.items():
+        native_error = relative_error(native_grads[param_name], exact_grad)
+        ours_error = relative_error(our_grads[param_name], exact_grad)
         assert ours_error <= 2 * native_error + floor, (param_name, ours_error, native_error)
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_mok_experts_are_as_close_to_float32_as_the_native_bf16_model(name):
+    oracle, native = build(name, "eager")
+    _, ours = build(name, mok_transformers.IMPLEMENTATION)
+    ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    assert_as_close_as_native(
+        logits_and_grads(oracle, ids), logits_and_grads(native, ids), logits_and_grads(ours, ids)
+    )
 
 
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
@@ -139,20 +145,13 @@ def test_a_float32_model_under_autocast_runs_mok_experts(name):
     native, ours = copy.deepcopy(oracle), copy.deepcopy(oracle)
     ours.set_experts_implementation(mok_transformers.IMPLEMENTATION)
     ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    exact_logits, exact_grads = logits_and_grads(oracle, ids)
+    exact = logits_and_grads(oracle, ids)
     with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
-        native_logits, native_grads = logits_and_grads(native, ids)
-        our_logits, our_grads = logits_and_grads(ours, ids)
-    assert our_grads.keys() == native_grads.keys() == exact_grads.keys()
-    floor = 2e-2
-    native_error = relative_error(native_logits, exact_logits)
-    assert relative_error(our_logits, exact_logits) <= 2 * native_error + floor
-    for param_name, exact in exact_grads.items():
-        param = ours.get_parameter(param_name)
-        assert param.dtype == param.grad.dtype == torch.float32, param_name
-        native_error = relative_error(native_grads[param_name], exact)
-        ours_error = relative_error(our_grads[param_name], exact)
-        assert ours_error <= 2 * native_error + floor, (param_name, ours_error, native_error)
+        results = logits_and_grads(native, ids), logits_and_grads(ours, ids)
+    assert_as_close_as_native(exact, *results)
+    for param in ours.parameters():
+        assert param.dtype == torch.float32
+        assert param.grad is None or param.grad.dtype == torch.float32
 
 
 def experts_results(experts, hidden, idx, weights, grad):

@@ -767,27 +767,3 @@ def pair_gradients(
         enable_fp_fusion=False,
     )
     return grad_weights
-    block_rows = 4
-    programs = max(1, min(programs, triton.cdiv(tokens, block_rows)))
-    scatter = dst_row is not None
-    pair_gradients_kernel[(programs,)](
-        grad_y,
-        weights,
-        pair_out.packed if mx_out else pair_out,
-        grad_pairs,
-        grad_weights,
-        dst_row if scatter else placeholder(grad_y.device),
-        grad_pairs.shape[0],
-        tokens,
-        hidden,
-        pair_out.packed.stride(0) if mx_out else hidden,
-        TOP_K=top_k,
-        SCATTER=scatter,
-        MX_OUT=mx_out,
-        BLOCK_ROWS=block_rows,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
-        NUM_PROGRAMS=programs,
-        num_warps=8,
-        enable_fp_fusion=False,
-    )
-    return grad_weights
