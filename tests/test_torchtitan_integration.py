@@ -85,6 +85,29 @@ def test_routed_experts_through_mok_match_float64_to_bf16_rounding():
         assert error <= 2 * relative_error(theirs[name], want) + 5e-3, name
 
 
+def test_a_float32_layer_under_autocast_runs_through_mok():
+    """Mixed precision with fp32 parameters (TorchTitan without FSDP's bf16 parameters, under
+    torch.autocast): MoK behind the fp32 layer's experts computes in bf16 and is within bf16
+    rounding of float64, as close as TorchTitan's own path in bf16 (CPU autocast leaves that path
+    in fp32, so its bf16 copy is the yardstick), and the experts' gradients come back in fp32.
+    Catches MoK refusing fp32 experts (it casts them per call) or a gradient lost at that cast."""
+    base = build_layer()
+    ours = copy.deepcopy(base)
+    assert mok_torchtitan.use_mok(ours) == 1
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    grad = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    exact = results(copy.deepcopy(base).double(), x.double(), grad.double())
+    theirs = results(copy.deepcopy(base).bfloat16(), x.bfloat16(), grad.bfloat16())
+    with torch.autocast(torch.device(DEVICE).type, dtype=torch.bfloat16):
+        mine = results(ours, x, grad)
+    assert ours.routed_experts.inner_experts.w1_EFD.grad.dtype == torch.float32
+    for name, want in exact.items():
+        error = relative_error(mine[name], want)
+        assert error < 1.5e-2, (name, error)
+        assert error <= 2 * relative_error(theirs[name], want) + 5e-3, name
+
+
 def _expert_parallel_layers(rank: int, world: int):
     """(TorchTitan's own expert-parallel layer, the same through MoK, both parallelized over an
     `ep` mesh of the gloo world; bf16). TorchTitan builds meshes for CUDA and defaults to its
