@@ -11,11 +11,13 @@ DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediat
 the task's vocabulary) against itself with MoK behind its routed experts (EP 1). Every
 implementation starts from the same weights and sees the same batches of a synthetic next-token
 task (a fixed random successor table, followed 90 % of the time: the loss falls, so curves have
-something to agree on). AdamW, bf16 weights. Implementations (--implementations): at EP 1 the
-native transformers experts (`grouped_mm` on GPUs, `eager` on the CPU) and `mok`; at EP > 1
-(one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps each rank's experts, the other
-parameters are replicated and their gradients averaged over the ranks) the standard expert-
-parallel path `mok-baseline` and `mok`; the script spawns its ranks, or joins a torchrun job.
+something to agree on). AdamW, bf16 weights (--weights fp32-autocast: fp32 weights, each step
+under torch.autocast to bf16, as a trainer's bf16 mixed precision runs). Implementations
+(--implementations): at EP 1 the native transformers experts (`grouped_mm` on GPUs, `eager` on
+the CPU) and `mok`; at EP > 1 (one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps
+each rank's experts, the other parameters are replicated and their gradients averaged over the
+ranks) the standard expert-parallel path `mok-baseline` and `mok`; the script spawns its ranks,
+or joins a torchrun job.
 Reported per implementation: the loss at every step (the mean over the ranks) and the largest
 difference from the first implementation's, rank 0's median step time (after --warmup steps)
 with its min-max, tokens/s of all ranks and its ratio to the first implementation, and peak
@@ -117,6 +119,11 @@ def average_gradients(model, group, world: int) -> None:
             param.grad.div_(world)
 
 
+def mixed_precision(args, device: torch.device):
+    """The context each forward runs in: autocast to bf16 with --weights fp32-autocast."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=args.weights != "bf16")
+
+
 def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy of predicting tokens [B, L + 1] from their first L (fp32)."""
     logits = logits_of(model, tokens[:, :-1])
@@ -144,7 +151,8 @@ def train(
         start = time.perf_counter()
         total = torch.zeros((), device=device)
         for tokens in step:
-            loss = next_token_loss(forward, tokens)
+            with mixed_precision(args, device):
+                loss = next_token_loss(forward, tokens)
             (loss / args.accumulate).backward()
             total += loss.detach() / args.accumulate
         if group is not None:
@@ -160,10 +168,12 @@ def train(
         losses.append(total.item())
     if args.profile and rank == 0 and device.type == "cuda":
         trace = Path(args.trace) / f"trace-{label}.json" if args.trace else None
-        print_step_profile(forward, optimizer, tokens, args.profile, trace)
+        with mixed_precision(args, device):
+            print_step_profile(forward, optimizer, tokens, args.profile, trace)
     timed = times[args.warmup :] or times
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    load = expert_load(model, tokens, args.experts)
+    with mixed_precision(args, device):
+        load = expert_load(model, tokens, args.experts)
     return {
         "losses": losses,
         "step_ms": times,
@@ -313,7 +323,7 @@ def titan_model(args) -> torch.nn.Module:
             experts, inter, hidden = block.moe.routed_experts.inner_experts.w1_EFD.shape
             args.experts, args.moe_intermediate = experts, inter
             args.hidden, args.top_k = hidden, block.moe.router.top_k
-    return TitanLM(decoder).to(torch.bfloat16)
+    return TitanLM(decoder).to(torch.bfloat16 if args.weights == "bf16" else torch.float32)
 
 
 def train_titan(args) -> dict:
@@ -349,9 +359,8 @@ def train_rank(rank: int, world: int, args) -> dict:
     group = dist.group.WORLD if world > 1 else None
     mok_transformers.register()
     torch.manual_seed(args.seed)
-    initial = transformers.AutoModelForCausalLM.from_config(
-        model_config(args), dtype=torch.bfloat16
-    )
+    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    initial = transformers.AutoModelForCausalLM.from_config(model_config(args), dtype=dtype)
     results = {}
     for implementation in args.implementations.split(","):
         model = copy.deepcopy(initial)
@@ -410,7 +419,8 @@ def markdown(args, results, header) -> str:
         f"- {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top {args.top_k}, "
         f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
-        f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; bf16 weights; "
+        f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; {args.weights} "
+        "weights; "
         f"torch.compile: {args.compile}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
@@ -480,6 +490,12 @@ def main(argv=None) -> int:
         type=int,
         default=1,
         help="micro-batches of --batch sequences per optimizer step (gradient accumulation)",
+    )
+    parser.add_argument(
+        "--weights",
+        choices=("bf16", "fp32-autocast"),
+        default="bf16",
+        help="bf16 weights, or fp32 weights with every step under torch.autocast to bf16",
     )
     parser.add_argument("--seq", type=int, default=1024 if cuda else 16)
     parser.add_argument("--steps", type=int, default=50)

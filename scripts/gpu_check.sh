@@ -111,6 +111,10 @@ for step in $steps; do
       run e2e-qwen3-30b-accumulate python3 benchmarks/train_e2e.py --steps 10 --warmup 3 \
         --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 32 \
         --seq 1024 --accumulate 2 --out "$OUT/e2e-qwen3-30b-accumulate"
+      # A trainer's bf16 mixed precision: fp32 weights, each step under autocast.
+      run e2e-qwen3-30b-autocast python3 benchmarks/train_e2e.py --steps 20 --warmup 5 \
+        --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --batch 8 \
+        --seq 1024 --weights fp32-autocast --out "$OUT/e2e-qwen3-30b-autocast"
       if [ "$ngpu" -gt 1 ]; then
         run e2e-ep python3 benchmarks/train_e2e.py --ep "$ngpu" --steps 30 --warmup 5 \
           --out "$OUT/e2e-ep$ngpu"

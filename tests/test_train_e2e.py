@@ -80,6 +80,22 @@ def test_gradient_accumulation_steps(script, tmp_path):
     assert ours["tokens_per_s"] == pytest.approx(2 * 2 * 32 / median_s)
 
 
+def test_mixed_precision_with_fp32_weights(script, tmp_path):
+    """--weights fp32-autocast: fp32 weights, every step under autocast to bf16 (a trainer's bf16
+    mode), MoK against the native experts alike. Catches the option not reaching the model
+    (the report would say bf16 weights were trained) or MoK failing on fp32 experts."""
+    args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "8", "--warmup", "1"]
+    args += ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "2", "--seq", "32", "--lr", "3e-3"]
+    assert script.main([*args, "--weights", "fp32-autocast", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "train-e2e.json").read_text())
+    assert report["args"]["weights"] == "fp32-autocast"
+    assert "fp32-autocast weights" in (tmp_path / "train-e2e.md").read_text()
+    ours = report["results"]["mok"]
+    assert ours["losses"][-1] < ours["losses"][0] - 0.1
+    assert ours["max_loss_difference"] < 0.05
+
+
 def test_torchtitan_model_trains_alike_with_mok_behind_its_experts(script, tmp_path):
     """--framework torchtitan: TorchTitan's own Qwen3-MoE (its debug flavor cut to two layers;
     eager causal attention on the CPU) against itself with MoK behind its routed experts.
