@@ -374,3 +374,34 @@ def test_a_graphed_pass_is_checked_against_the_eager_pass(monkeypatch, replay_di
             bench._graphed_pass(spec, layer, inputs, True, "reference")
     else:
         bench._graphed_pass(spec, layer, inputs, True, "reference")()
+
+
+def test_symmetric_buffer_sizes_follow_the_layout_arithmetic():
+    """deepseek-v3 at EP 2, 8192 tokens a rank (H 7168, k 8), sized by hand in the design notes:
+    staging rows for every token of every rank (16384 x H bf16), expert outputs for k pairs each
+    (131072 x H bf16), pair gradients (T k x H bf16), staging gradients (16384 x H fp32); the
+    overlapped layout without staging and expert outputs, with a copy of x and the pair slots;
+    --pair-capacity-factor 1.25 trims the expert outputs to 81920 rows. Catches a region sized
+    by the wrong capacity or dtype (the estimate and the allocation share this layout)."""
+    config = mok.get_preset("deepseek-v3").config(max_tokens_per_rank=8192)
+    row = 7168 * 2
+    triton = mok.symmetric_buffer_bytes(config, 2)
+    assert triton["staging"] == 16384 * row and triton["expert_out"] == 131072 * row
+    assert triton["grad_pairs"] == 8192 * 8 * row and triton["grad_staging"] == 16384 * 2 * row
+    trimmed = mok.symmetric_buffer_bytes(config.replace(recv_pair_capacity=81920), 2)
+    assert trimmed["expert_out"] == 81920 * row
+    fused = mok.symmetric_buffer_bytes(config.replace(backend="fused"), 2)
+    assert "staging" not in fused and "expert_out" not in fused
+    assert fused["x_copy"] == 8192 * row and fused["pair_out"] == 8192 * 8 * row
+    assert mok.symmetric_buffer_bytes(config, 1) == {}
+    assert mok.symmetric_buffer_bytes(config.replace(backend="reference"), 2) == {}
+
+
+def test_memory_prints_the_buffer_per_preset_and_ep(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich's table width: no cell cut short
+    assert main(["memory", "--preset", "deepseek-v3", "--ep", "1,2"]) == 0
+    out = capsys.readouterr().out
+    assert "3.283" in out  # EP 2: 0.219 + 1.75 + 0.875 + 0.438 GiB and the small regions
+    with pytest.raises(SystemExit):
+        main(["memory", "--preset", "deepseek-v3", "--ep", "3"])
+    assert "256 experts cannot be split evenly over 3 ranks" in capsys.readouterr().err

@@ -5,6 +5,7 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 `mok.MoE`) -> `mok bench` and the command line.
 """
 
+from mok.backends import symmetric_buffer_bytes
 from mok.config import Backend, Dispatch, MoKConfig, Precision, Validation
 from mok.errors import (
     BackendUnavailableError,
@@ -54,4 +55,5 @@ __all__ = [
     "get_preset",
     "moe",
     "schedule_and_forward",
+    "symmetric_buffer_bytes",
 ]

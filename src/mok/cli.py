@@ -206,6 +206,26 @@ def _parser() -> argparse.ArgumentParser:
 
     env = commands.add_parser("env", help="what this machine offers and which backends can run")
     env.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+    memory = commands.add_parser(
+        "memory",
+        help="the symmetric buffer each rank allocates for a layer shape, without allocating it",
+        description="Bytes per region of the NVLink exchange's symmetric buffer that each rank "
+        "allocates on GPUs for layers of a preset's shape (one buffer shared by all layers of "
+        "that shape), for each EP size: what --pair-capacity-factor and the backend change.",
+    )
+    memory.add_argument("--preset", type=_preset_names, default=["deepseek-v3"], metavar="P[,P]")
+    memory.add_argument("--ep", type=_positive_ints, default=[2, 8], metavar="N[,N...]")
+    memory.add_argument("--tokens", type=_positive_int, default=None, help="tokens per rank")
+    memory.add_argument("--backend", choices=("triton", "fused"), default="triton")
+    memory.add_argument(
+        "--pair-capacity-factor",
+        type=_positive_float,
+        default=None,
+        metavar="C",
+        help="expert rows per rank for C x the mean pairs (T x k) instead of the worst case",
+    )
+    memory.set_defaults(command_parser=memory)
     return parser
 
 
@@ -348,12 +368,50 @@ def _env(args) -> int:
     return 0
 
 
+def _memory(args, parser: argparse.ArgumentParser) -> int:
+    """`mok memory`: the symmetric buffer's regions per preset and EP size, in GiB."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import mok
+
+    table = Table(title=f"symmetric buffer per rank, GiB ({args.backend} backend)")
+    rows = []
+    for name in args.preset:
+        for ep in args.ep:
+            if PRESETS[name].num_experts % ep:
+                parser.error(
+                    f"--ep {ep}: preset {name}'s {PRESETS[name].num_experts} experts cannot be "
+                    f"split evenly over {ep} ranks"
+                )
+            spec = BenchSpec(
+                preset=name,
+                ep=ep,
+                tokens=args.tokens,
+                backend=args.backend,
+                pair_capacity_factor=args.pair_capacity_factor,
+            )
+            regions = mok.symmetric_buffer_bytes(spec.config(), ep)
+            rows.append((name, ep, spec.tokens_per_rank, regions))
+    columns = list(dict.fromkeys(region for *_, regions in rows for region in regions))
+    for column in ("preset", "ep", "tokens/rank", *columns, "total"):
+        table.add_column(column, justify="left" if column == "preset" else "right")
+    for name, ep, tokens, regions in rows:
+        sizes = [f"{regions[c] / 2**30:.3f}" if c in regions else "-" for c in columns]
+        total = f"{sum(regions.values()) / 2**30:.3f}"
+        table.add_row(name, str(ep), str(tokens), *sizes, total)
+    Console().print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "bench":
         return _bench(args, args.command_parser, shlex.join(["mok", *argv]))
+    if args.command == "memory":
+        return _memory(args, args.command_parser)
     return _env(args)
 
 

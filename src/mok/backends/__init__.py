@@ -47,3 +47,14 @@ def backend_report(config: MoKConfig, device, group=None) -> dict[str, str | Non
         name.value: _auto_reason(backend, config, device, group)
         for name, backend in BACKENDS.items()
     }
+
+
+def symmetric_buffer_bytes(config: MoKConfig, ep_size: int) -> dict[str, int]:
+    """Bytes per region of the symmetric buffer each rank allocates on GPUs for layers of
+    `config` at `ep_size` (the triton backend's layout for `auto`, as `auto` picks it on GPUs),
+    without allocating it. Layers of one config share one buffer. Empty at EP 1 and for the
+    reference backend, which allocate none (the reference's collectives use NCCL's buffers)."""
+    backend = TritonBackend if config.backend is Backend.AUTO else BACKENDS[config.backend]
+    if not issubclass(backend, TritonBackend):
+        return {}
+    return backend.symmetric_buffer_bytes(config, ep_size)

@@ -47,6 +47,7 @@ from mok.kernels.constants import DeviceConstants
 from mok.weights import MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
+    from mok.comm.symmetric import ExchangeShape
     from mok.kernels import ExpertMLPSaved
     from mok.kernels.mx import MXRows
     from mok.kernels.mx_expert_mlp import MXExpertSaved
@@ -92,7 +93,7 @@ class TritonBackend:
         # Imported here: Triton is an optional dependency of the package.
         from mok.comm.collective import CollectiveExchange
         from mok.comm.local import LocalExchange
-        from mok.comm.symmetric import SymmetricExchange, acquire_exchange, default_shape
+        from mok.comm.symmetric import SymmetricExchange, acquire_exchange
 
         self.workspace = workspace
         self.exchange: Exchange
@@ -104,21 +105,7 @@ class TritonBackend:
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
         elif SymmetricExchange.unavailable_reason(group, device) is None:
-            layout = dict(self.exchange_layout)
-            if self.mxfp8:
-                layout["dispatch_width"] = self._mx_dispatch_width(config.hidden_size)
-            shape = default_shape(
-                config.hidden_size,
-                config.top_k,
-                workspace.local_experts,
-                ep,
-                config.max_tokens_per_rank,
-                config.recv_capacity,
-                config.recv_pair_capacity,
-                dtype=self.dtype,
-                pull_dispatch=self._pulls(config),
-                **layout,
-            )
+            shape = self.exchange_shape(config, ep, self.dtype)
             self.exchange = acquire_exchange(
                 group, shape, device, config.comm_sms, config.peer_timeout_s
             )
@@ -135,11 +122,41 @@ class TritonBackend:
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
 
-    def _mx_dispatch_width(self, hidden: int) -> int:
-        """Elements of the kernels' dtype per dispatched MXFP8 row (packed e4m3 and scales)."""
-        from mok.kernels.mx import MXRows
+    @classmethod
+    def exchange_shape(cls, config, ep_size: int, dtype: torch.dtype) -> ExchangeShape:
+        """The sizes of the NVLink exchange's symmetric buffers for `config` at `ep_size`, rows
+        in `dtype` (the kernels' dtype)."""
+        from mok.comm.symmetric import default_shape
 
-        return MXRows.row_bytes(hidden) // self.dtype.itemsize
+        layout = dict(cls.exchange_layout)
+        if config.precision.value == "mxfp8":
+            from mok.kernels.mx import MXRows
+
+            # Elements of dtype per dispatched MXFP8 row (packed e4m3 and scales).
+            layout["dispatch_width"] = MXRows.row_bytes(config.hidden_size) // dtype.itemsize
+        return default_shape(
+            config.hidden_size,
+            config.top_k,
+            config.local_experts(ep_size),
+            ep_size,
+            config.max_tokens_per_rank,
+            config.recv_capacity,
+            config.recv_pair_capacity,
+            dtype=dtype,
+            pull_dispatch=cls._pulls(config),
+            **layout,
+        )
+
+    @classmethod
+    def symmetric_buffer_bytes(cls, config, ep_size: int) -> dict[str, int]:
+        """Bytes per region of the symmetric buffer a rank allocates on GPUs for layers of
+        `config` at `ep_size` (none at EP 1)."""
+        from mok.comm.symmetric import buffer_layout, region_bytes
+
+        if ep_size == 1:
+            return {}
+        shape = cls.exchange_shape(config, ep_size, config.activation_dtype)
+        return region_bytes(buffer_layout(shape, ep_size))
 
     @classmethod
     def _pulls(cls, config) -> bool:

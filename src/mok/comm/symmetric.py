@@ -162,6 +162,48 @@ def default_shape(
     )
 
 
+def buffer_layout(
+    shape: ExchangeShape, ep_size: int
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, dims, dtype) of every region of one rank's symmetric buffer, in address order."""
+    s, experts = shape, ep_size * shape.local_experts
+    layout = [
+        ("signals", (ep_size,), torch.int64),
+        ("counts", (ep_size, experts + ep_size), torch.int64),
+        ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
+        ("flags", (ep_size * s.blocks_per_rank,), torch.int32),
+        ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
+        ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
+    ]
+    # The overlapped layout stores the expert outputs straight into the token ranks' pair
+    # slots, and pulls straight into the products' rows (staging only for a push).
+    width = s.dispatch_columns
+    if not (s.overlapped and s.pull_dispatch):
+        layout.append(("staging", (s.token_capacity, width), s.dtype))
+    if not s.overlapped:
+        layout.append(("expert_out", (s.pair_capacity, s.hidden), s.dtype))
+    if s.pull_dispatch:
+        layout += [
+            ("staging_source", (s.token_capacity + 1, 2), torch.int64),
+            ("x_copy", (s.max_tokens, width), s.dtype),
+        ]
+    if s.overlapped:
+        layout += [
+            ("pair_out", (s.max_tokens * s.top_k, s.hidden), s.dtype),
+            ("combine_counts", (ep_size,), torch.int32),
+        ]
+    return layout
+
+
+def region_bytes(layout: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict[str, int]:
+    """Bytes each region of `layout` takes in the buffer (rounded up to the regions' alignment);
+    their sum is the buffer's size."""
+    return {
+        name: -(-math.prod(dims) * dtype.itemsize // _ALIGN_BYTES) * _ALIGN_BYTES
+        for name, dims, dtype in layout
+    }
+
+
 class _Region:
     """A typed slice of the symmetric buffer: the local view and every rank's element offset."""
 
@@ -305,37 +347,11 @@ class SymmetricExchange:
             torch.cuda.get_device_properties(device).multi_processor_count if on_gpu else 4
         )
         ep, s = self.ep_size, shape
-        experts = ep * s.local_experts
-        layout = [
-            ("signals", (ep,), torch.int64),
-            ("counts", (ep, experts + ep), torch.int64),
-            ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
-            ("flags", (ep * s.blocks_per_rank,), torch.int32),
-            ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
-            ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
-        ]
-        # The overlapped layout stores the expert outputs straight into the token ranks' pair
-        # slots, and pulls straight into the products' rows (staging only for a push).
-        width = s.dispatch_columns
-        if not (s.overlapped and s.pull_dispatch):
-            layout.append(("staging", (s.token_capacity, width), s.dtype))
-        if not s.overlapped:
-            layout.append(("expert_out", (s.pair_capacity, s.hidden), s.dtype))
-        if s.pull_dispatch:
-            layout += [
-                ("staging_source", (s.token_capacity + 1, 2), torch.int64),
-                ("x_copy", (s.max_tokens, width), s.dtype),
-            ]
-        if s.overlapped:
-            layout += [
-                ("pair_out", (s.max_tokens * s.top_k, s.hidden), s.dtype),
-                ("combine_counts", (ep,), torch.int32),
-            ]
+        layout = buffer_layout(shape, ep)
         offsets, total = {}, 0
-        for name, dims, dtype in layout:
+        for (name, _, _), nbytes in zip(layout, region_bytes(layout).values(), strict=True):
             offsets[name] = total
-            nbytes = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
-            total += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
+            total += nbytes
         allocate = allocate or simulated_allocator() or allocate_symmetric
         self._buffer, self._handle = allocate(total, device, self.group)
         self._regions = {
