@@ -138,3 +138,39 @@ def test_checkpointed_block_over_expert_parallelism(exchange, tmp_path):
     )
     for plain, checkpointed in results:
         assert_bitwise_equal(plain, checkpointed)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "non-reentrant"])
+def test_non_reentrant_checkpointing_frees_the_layers_activations(checkpointed, monkeypatch):
+    """Between forward and backward of a block under non-reentrant checkpointing (the mode
+    PyTorch recommends, and TorchTitan's and transformers' default), the layer's own
+    activations (the experts' SwiGLU output h, a per-call tensor) are freed, to be recomputed;
+    without checkpointing they are kept. Catches the forward's state held where the checkpoint's
+    hooks cannot reach it (the gradients stay right, but the layer's memory is never saved)."""
+    import gc
+    import weakref
+
+    from mok import functional
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = CONFIG.replace(backend="triton")
+    activations = []
+    layer_forward = functional.schedule_and_forward
+
+    def watched(*args, **kwargs):
+        schedule, y, saved = layer_forward(*args, **kwargs)
+        if saved is not None:
+            activations.append(weakref.ref(saved.saved.experts.h))
+        return schedule, y, saved
+
+    monkeypatch.setattr(functional, "schedule_and_forward", watched)
+    torch.manual_seed(0)
+    block = Block(config, device=device)
+    block.moe.load_global_weights(global_weights(config, 1, device))
+    x = torch.randn(24, config.hidden_size, device=device).bfloat16().requires_grad_(True)
+    y = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+    gc.collect()
+    assert len(activations) == 1
+    assert (activations[0]() is None) == checkpointed
+    y.float().sum().backward()
+    assert x.grad is not None and len(activations) == 1 + checkpointed

@@ -360,3 +360,43 @@ def test_a_compiled_model_outlives_other_models_workspaces():
     finally:
         mok_transformers.register()
     assert torch.equal(logits, eager)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_gradient_checkpointing_of_the_model_keeps_its_gradients(reentrant, monkeypatch):
+    """transformers' own activation checkpointing (`gradient_checkpointing_enable`, every decoder
+    layer recomputed in backward) over MoK experts on the triton backend: the gradients of the
+    model without it, bit for bit, with each MoE layer run exactly twice (non-reentrant: its
+    saved tensors go through the checkpoint's hooks, so it is dropped and recomputed like the
+    rest of the layer). Catches the recomputed forward of the experts seeing
+    another call's state, their backward reading the first forward's buffers after the
+    recomputation rewrote them, or a checkpointing that never took effect."""
+    from mok import functional
+
+    calls = []
+    layer_forward = functional.schedule_and_forward
+    monkeypatch.setattr(
+        functional,
+        "schedule_and_forward",
+        lambda *args, **kwargs: calls.append(1) or layer_forward(*args, **kwargs),
+    )
+    mok_transformers.register(backend="triton")
+    try:
+        _, plain = build("qwen3-moe", mok_transformers.IMPLEMENTATION)
+        checkpointed = copy.deepcopy(plain)
+        checkpointed.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": reentrant}
+        )
+        checkpointed.train()
+        plain.train()
+        ids = torch.randint(0, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+        want_logits, want = logits_and_grads(plain, ids.to(DEVICE))
+        assert len(calls) == 2  # the model's two MoE layers
+        got_logits, got = logits_and_grads(checkpointed, ids.to(DEVICE))
+        assert len(calls) == 2 + 2 * 2  # and each once more in backward, no more
+    finally:
+        mok_transformers.register()
+    assert torch.equal(got_logits, want_logits)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

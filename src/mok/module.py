@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import torch
@@ -71,6 +73,60 @@ def cast_for_autocast(
     return cast(x), MoEWeights(**fields)
 
 
+@dataclasses.dataclass(frozen=True)
+class _TensorSlot:
+    """Where `_take_tensors` took the tensor `tensors[index]` out of a structure."""
+
+    index: int
+
+
+def _take_tensors(value, tensors: list[torch.Tensor]):
+    """`value` with every tensor it holds (through dataclasses, dicts, lists and tuples) replaced
+    by a `_TensorSlot` into `tensors`, where the tensor is appended. Other objects are kept as
+    they are, tensors inside them included."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _TensorSlot(len(tensors) - 1)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # A shallow copy with its fields replaced: no __init__ (whose checks want tensors).
+        copied = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(
+                copied, field.name, _take_tensors(getattr(value, field.name), tensors)
+            )
+        return copied
+    if isinstance(value, dict):
+        return {key: _take_tensors(item, tensors) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_take_tensors(item, tensors) for item in value)
+    return value
+
+
+def _put_tensors(value, tensors):
+    """The inverse of `_take_tensors`: every `_TensorSlot` replaced by its tensor."""
+    if isinstance(value, _TensorSlot):
+        return tensors[value.index]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        copied = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(
+                copied, field.name, _put_tensors(getattr(value, field.name), tensors)
+            )
+        return copied
+    if isinstance(value, dict):
+        return {key: _put_tensors(item, tensors) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_put_tensors(item, tensors) for item in value)
+    return value
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are set (non-reentrant activation checkpointing, offloading
+    to the CPU): they then decide what a saved tensor costs until backward."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None
+
+
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, workspace, fuse_accumulation, topk_idx, x, topk_weights, *weight_tensors):
@@ -79,13 +135,21 @@ class _MoEFunction(torch.autograd.Function):
         schedule, y, saved = functional.schedule_and_forward(
             workspace, topk_idx, x, topk_weights, weights, need_backward=need_backward
         )
-        ctx.state = (workspace, schedule, saved)
+        ctx.workspace, ctx.state = workspace, (schedule, saved)
+        if saved is not None and _saved_tensor_hooks_active():
+            # The forward's tensors go through the hooks (non-reentrant checkpointing drops them
+            # and recomputes the layer in backward; offloading moves them): held in ctx.state,
+            # they would stay in memory until backward whatever the hooks say.
+            tensors: list[torch.Tensor] = []
+            ctx.state = _take_tensors(ctx.state, tensors)
+            ctx.save_for_backward(*tensors)
         ctx.weight_tensors = weight_tensors if fuse_accumulation else None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        workspace, schedule, saved = ctx.state
+        workspace = ctx.workspace
+        schedule, saved = _put_tensors(ctx.state, ctx.saved_tensors)
         ctx.state = None  # frees the saved forward as soon as it is used
         into = {}
         if ctx.weight_tensors is not None:
