@@ -80,44 +80,42 @@ class _TensorSlot:
     index: int
 
 
-def _take_tensors(value, tensors: list[torch.Tensor]):
-    """`value` with every tensor it holds (through dataclasses, dicts, lists and tuples) replaced
-    by a `_TensorSlot` into `tensors`, where the tensor is appended. Other objects are kept as
-    they are, tensors inside them included."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _TensorSlot(len(tensors) - 1)
+def _map_leaves(value, is_leaf, leaf):
+    """`value` rebuilt with `leaf(x)` for every x it holds where `is_leaf(x)`, through
+    dataclasses (shallow copies with their fields replaced, no __init__: its checks want the
+    original fields), dicts, lists and tuples. Other objects are kept as they are."""
+    if is_leaf(value):
+        return leaf(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        # A shallow copy with its fields replaced: no __init__ (whose checks want tensors).
         copied = copy.copy(value)
         for field in dataclasses.fields(value):
-            object.__setattr__(
-                copied, field.name, _take_tensors(getattr(value, field.name), tensors)
-            )
+            mapped = _map_leaves(getattr(value, field.name), is_leaf, leaf)
+            object.__setattr__(copied, field.name, mapped)
         return copied
     if isinstance(value, dict):
-        return {key: _take_tensors(item, tensors) for key, item in value.items()}
+        return {key: _map_leaves(item, is_leaf, leaf) for key, item in value.items()}
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_take_tensors(item, tensors) for item in value)
+        return type(value)(_map_leaves(item, is_leaf, leaf) for item in value)
     return value
+
+
+def _take_tensors(value, tensors: list[torch.Tensor]):
+    """`value` with every tensor it holds replaced by a `_TensorSlot` into `tensors`, where the
+    tensor is appended (tensors inside objects other than dataclasses, dicts, lists and tuples
+    stay where they are)."""
+
+    def take(tensor):
+        tensors.append(tensor)
+        return _TensorSlot(len(tensors) - 1)
+
+    return _map_leaves(value, lambda item: isinstance(item, torch.Tensor), take)
 
 
 def _put_tensors(value, tensors):
     """The inverse of `_take_tensors`: every `_TensorSlot` replaced by its tensor."""
-    if isinstance(value, _TensorSlot):
-        return tensors[value.index]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        copied = copy.copy(value)
-        for field in dataclasses.fields(value):
-            object.__setattr__(
-                copied, field.name, _put_tensors(getattr(value, field.name), tensors)
-            )
-        return copied
-    if isinstance(value, dict):
-        return {key: _put_tensors(item, tensors) for key, item in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_put_tensors(item, tensors) for item in value)
-    return value
+    return _map_leaves(
+        value, lambda item: isinstance(item, _TensorSlot), lambda slot: tensors[slot.index]
+    )
 
 
 def _saved_tensor_hooks_active() -> bool:
