@@ -240,10 +240,18 @@ def _schedule(ws: Workspace, topk_idx: torch.Tensor) -> Schedule:
     )
 
 
+def _compute_precision(ws: Workspace):
+    """The context of a backend's forward or backward: autocast off, whatever the caller's (the
+    layer's precision is its config's; autocast's casting stops at its inputs, which
+    `mok.module.cast_for_autocast` casts)."""
+    return torch.autocast(ws.device.type, enabled=False)
+
+
 def _forward(ws, schedule, x, topk_weights, weights, need_backward):
-    y, saved = ws.backend.forward(
-        schedule.routing, schedule.topk_idx, x, topk_weights, weights, need_backward
-    )
+    with _compute_precision(ws):
+        y, saved = ws.backend.forward(
+            schedule.routing, schedule.topk_idx, x, topk_weights, weights, need_backward
+        )
     return y, None if saved is None else SavedForward(schedule.num_tokens, saved)
 
 
@@ -319,7 +327,8 @@ def backward(
     if problem is None:
         problem = check_accumulation_buffers(ws.config, into, ws.local_experts, ws.device)
     _raise_if_rejected(ws, problem)
-    return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
+    with _compute_precision(ws):
+        return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
 
 
 __all__ = [

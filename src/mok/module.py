@@ -155,8 +155,7 @@ class _MoEFunction(torch.autograd.Function):
                 buffer = accumulation_target(weight)
                 if buffer is not None:
                     into[name] = buffer
-        with torch.autocast(grad_y.device.type, enabled=False):
-            grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
+        grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
         # A weight whose gradient went into its buffer gets none from autograd (no extra pass).
         weight_grads = [
             None if name in into else getattr(grads.weights, name) for name in _WEIGHT_FIELDS
@@ -186,12 +185,9 @@ def moe(
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
     tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
-    # The layer's precision is its config's, whatever autocast would make of its operations
-    # (the reference backend's matmuls included): autocast's casting stops at its inputs.
-    with torch.autocast(workspace.device.type, enabled=False):
-        return _MoEFunction.apply(
-            workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
-        )
+    return _MoEFunction.apply(
+        workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
+    )
 
 
 class MoE(nn.Module):

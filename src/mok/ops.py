@@ -95,10 +95,9 @@ def moe_forward(
     """y [T, H] of the layer, and a ticket that names what forward kept for backward. `names`:
     the MoEWeights fields `weights` holds, comma-separated (the others are absent)."""
     workspace = _workspaces[workspace_id]
-    with torch.autocast(workspace.device.type, enabled=False):  # the config's precision
-        schedule, y, saved = functional.schedule_and_forward(
-            workspace, topk_idx, x, topk_weights, _weights(names, weights), need_backward
-        )
+    schedule, y, saved = functional.schedule_and_forward(
+        workspace, topk_idx, x, topk_weights, _weights(names, weights), need_backward
+    )
     key = next(_ids)
     ticket = torch.tensor([key], dtype=torch.int64)
     if saved is not None:
@@ -123,9 +122,7 @@ def moe_backward(
 ) -> list[torch.Tensor]:
     """Gradients of x, topk_weights and of the weights `names`, from the forward of `ticket`."""
     schedule, saved = _saved.pop(int(ticket.item()))
-    workspace = _workspaces[workspace_id]
-    with torch.autocast(workspace.device.type, enabled=False):
-        grads = functional.backward(workspace, schedule, saved, grad_y)
+    grads = functional.backward(_workspaces[workspace_id], schedule, saved, grad_y)
     named = (getattr(grads.weights, name) for name in names.split(","))
     return [grads.x, grads.topk_weights, *named]
 

@@ -20,6 +20,7 @@ def _check_tensor(
     device: torch.device,
     dtypes: tuple[torch.dtype, ...] | None = None,
     floating: bool = False,
+    dtype_hint: str = "",
 ) -> str | None:
     if not isinstance(value, torch.Tensor):
         return f"{name} must be a torch.Tensor, got {type(value).__name__}"
@@ -27,7 +28,10 @@ def _check_tensor(
         return f"{name} has shape {tuple(value.shape)}, expected {tuple(shape)}"
     if dtypes is not None and value.dtype not in dtypes:
         expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        return f"{name} has dtype {str(value.dtype).removeprefix('torch.')}, expected {expected}"
+        hint = f" ({dtype_hint})" if dtype_hint and value.dtype == torch.float32 else ""
+        return (
+            f"{name} has dtype {str(value.dtype).removeprefix('torch.')}, expected {expected}{hint}"
+        )
     if floating and not value.is_floating_point():
         return f"{name} must be a floating-point tensor, got {value.dtype}"
     if value.device != device:
@@ -67,12 +71,14 @@ def check_tokens(
         return (
             f"x has {x.shape[0]} tokens but the schedule was built from topk_idx with {num_tokens}"
         )
-    problem = _check_tensor(
-        "x", x, (num_tokens, config.hidden_size), device, dtypes=(config.activation_dtype,)
-    )
-    if problem and " has dtype float32," in problem:
-        return f"{problem} (fp32 activations: cast them, or run under {_AUTOCAST_HINT})"
-    return problem or _check_tensor(
+    return _check_tensor(
+        "x",
+        x,
+        (num_tokens, config.hidden_size),
+        device,
+        dtypes=(config.activation_dtype,),
+        dtype_hint=f"fp32 activations: cast them, or run under {_AUTOCAST_HINT}",
+    ) or _check_tensor(
         "topk_weights", topk_weights, (num_tokens, config.top_k), device, floating=True
     )
 
@@ -116,10 +122,13 @@ def check_weights(
         if value is None:
             return f"weights.{name} is missing: the config has {present}"
         problem = _check_tensor(
-            f"weights.{name}", value, shape, device, dtypes=(config.activation_dtype,)
+            f"weights.{name}",
+            value,
+            shape,
+            device,
+            dtypes=(config.activation_dtype,),
+            dtype_hint=f"fp32 parameters: run the layer under {_AUTOCAST_HINT}",
         )
-        if problem and " has dtype float32," in problem:
-            return f"{problem} (fp32 parameters: run the layer under {_AUTOCAST_HINT})"
         if problem:
             return problem
     return None
