@@ -248,15 +248,17 @@ def test_fp32_parameters_under_autocast_compute_as_the_bf16_layer(backend):
     and every gradient reaches the fp32 parameters and input in fp32, the bf16 layer's gradient
     exactly. Catches the cast skipped (the layer would refuse fp32), a gradient stopped at the
     cast, gradients left in bf16 on fp32 parameters, the shared expert's weights not cast."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     config = TINY.replace(backend=backend)
-    bf16_layer = layer_for(config)
-    fp32_layer = layer_for(config).float()
-    x, idx, w = inputs(config, 20)
+    bf16_layer = layer_for(config).to(device)
+    fp32_layer = layer_for(config).float().to(device)
+    x, idx, w = (t.to(device) for t in inputs(config, 20))
     grad_y = torch.randn(20, config.hidden_size, generator=torch.Generator().manual_seed(4))
+    grad_y = grad_y.to(device)
     x16, x32 = (x.clone().requires_grad_(True), x.float().requires_grad_(True))
     want = bf16_layer(x16, idx, w)
     want.backward(grad_y.bfloat16())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         got = fp32_layer(x32, idx, w)
     got.backward(grad_y.bfloat16())
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
