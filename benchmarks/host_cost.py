@@ -58,12 +58,14 @@ def measure(rank: int, world: int, args) -> dict:
         config = mok.get_preset(args.preset).config(
             validation=validation, max_tokens_per_rank=args.tokens
         )
-        torch.manual_seed(0)
-        blocks = nn.Sequential(*(Block(config, group, device) for _ in range(args.layers)))
-        for block in blocks:
-            block.moe.load_global_weights(global_weights(config, 0, device))
-        x = torch.randn(args.tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
-        grad = torch.randn_like(x)
+        if args.graphed and cuda:
+            # A stack of its own: autograd nodes kept alive from eager or compiled steps (the
+            # CUDA-graph trees keep their last outputs) were made on another stream than the
+            # capture's, and a capture cannot wait on them.
+            x, grad, graphed = stack(config, group, device, args)
+            results[f"{validation}, one graph"] = graphed_steps(graphed, x, grad, args)
+            del graphed
+        x, grad, blocks = stack(config, group, device, args)
         results[validation] = steps(blocks, x, grad, args, cuda, group, device)
         if args.compiled and cuda:
             # The eager steps above made every layer's workspace, which compiling needs.
@@ -72,9 +74,17 @@ def measure(rank: int, world: int, args) -> dict:
             results[f"{validation}, compiled"] = steps(
                 compiled, x, grad, warmed, cuda, group, device, mark_steps=True
             )
-        if args.graphed and cuda:
-            results[f"{validation}, one graph"] = graphed_steps(blocks, x, grad, args)
     return results
+
+
+def stack(config, group, device, args) -> tuple:
+    """(x, the gradient of the output, --layers blocks of `config`), seeded the same each time."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(Block(config, group, device) for _ in range(args.layers)))
+    for block in blocks:
+        block.moe.load_global_weights(global_weights(config, 0, device))
+    x = torch.randn(args.tokens, config.hidden_size, device=device, dtype=torch.bfloat16)
+    return x, torch.randn_like(x), blocks
 
 
 def graphed_steps(blocks, x, grad, args) -> dict:
