@@ -134,7 +134,8 @@ class _MoEFunction(torch.autograd.Function):
             workspace, topk_idx, x, topk_weights, weights, need_backward=need_backward
         )
         ctx.workspace, ctx.state = workspace, (schedule, saved)
-        if saved is not None and _saved_tensor_hooks_active():
+        ctx.tensors_taken = saved is not None and _saved_tensor_hooks_active()
+        if ctx.tensors_taken:
             # The forward's tensors go through the hooks (non-reentrant checkpointing drops them
             # and recomputes the layer in backward; offloading moves them): held in ctx.state,
             # they would stay in memory until backward whatever the hooks say.
@@ -147,7 +148,9 @@ class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         workspace = ctx.workspace
-        schedule, saved = _put_tensors(ctx.state, ctx.saved_tensors)
+        # Walking the state costs ~0.3 ms of host time: only where the forward took its tensors.
+        state = _put_tensors(ctx.state, ctx.saved_tensors) if ctx.tensors_taken else ctx.state
+        schedule, saved = state
         ctx.state = None  # frees the saved forward as soon as it is used
         into = {}
         if ctx.weight_tensors is not None:

@@ -190,7 +190,7 @@ class FusedBackend(TritonBackend):
             self.workspace.config.peer_timeout_s,
         )
         self._beside(pull)
-        grad_router = torch.where(saved.valid, grad_router, 0)
+        grad_router = self._dropped_as_zero(saved.valid, grad_router)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_rows, grad_gate_up = expert_mlp_data_gradients(
             grad_out, saved.experts, rows_ready=ready, dgrad_sms=self.beside_sms

@@ -278,7 +278,7 @@ class TritonBackend:
             # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
             # PyTorch rounds it at exit.
             topk_weights = topk_weights.float()
-        return x, weights, torch.where(schedule.valid, topk_weights, 0), dtypes
+        return x, weights, self._dropped_as_zero(schedule.valid, topk_weights), dtypes
 
     def _activation(self):
         """The experts' activation (`grouped_gemm.Activation`) of the config."""
@@ -328,7 +328,7 @@ class TritonBackend:
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
-        grad_router = torch.where(saved.valid, grad_router, 0)
+        grad_router = self._dropped_as_zero(saved.valid, grad_router)
         buffers = (into.get("gate"), into.get("up"), into.get("down"))
         bias_grads = {}
         if isinstance(saved.experts, MXExpertSaved):
@@ -407,6 +407,15 @@ class TritonBackend:
             release_exchange(self.exchange)
         else:
             self.exchange.release()
+
+    def _dropped_as_zero(self, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """`values` with zero where `valid` is False (NaN included). The zero is a cached device
+        scalar: a Python 0 would be made into a device tensor by a fill kernel at every call."""
+        zero = self._constants.get(
+            ("zero", values.dtype),
+            lambda: torch.zeros((), dtype=values.dtype, device=values.device),
+        )
+        return torch.where(valid, values, zero)
 
     def _all_tokens(self, tokens: int) -> torch.Tensor:
         """[2] int32 offsets of one group holding all `tokens` rows, on the device."""
