@@ -174,3 +174,36 @@ def test_non_reentrant_checkpointing_frees_the_layers_activations(checkpointed, 
     assert (activations[0]() is None) == checkpointed
     y.float().sum().backward()
     assert x.grad is not None and len(activations) == 1 + checkpointed
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "non-reentrant"])
+def test_the_saved_state_is_walked_only_under_saved_tensor_hooks(checkpointed, monkeypatch):
+    """The forward's state is taken apart for save_for_backward, and put together again in
+    backward, only where saved-tensor hooks are set (checkpointing, offloading). Catches the walk
+    run at every call (it cost ~0.3 ms of host time per backward on the GPU machine, a fifth of
+    a small layer's) or skipped under the hooks (the state's tensors would stay out of reach)."""
+    from mok import module
+
+    walks = {"take": 0, "put": 0}
+    take, put = module._take_tensors, module._put_tensors
+
+    def counted(name, walk):
+        def wrapper(*args):
+            walks[name] += 1
+            return walk(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(module, "_take_tensors", counted("take", take))
+    monkeypatch.setattr(module, "_put_tensors", counted("put", put))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = CONFIG.replace(backend="triton")
+    torch.manual_seed(0)
+    block = Block(config, device=device)
+    block.moe.load_global_weights(global_weights(config, 1, device))
+    x = torch.randn(24, config.hidden_size, device=device).bfloat16().requires_grad_(True)
+    y = checkpoint(block, x, use_reentrant=False) if checkpointed else block(x)
+    y.float().sum().backward()
+    # Checkpointed: the first forward and the recomputation each take; the backward puts once.
+    expected = {"take": 2, "put": 1} if checkpointed else {"take": 0, "put": 0}
+    assert walks == expected
