@@ -55,7 +55,8 @@ SMALL = mok.MoKConfig(
 @dataclasses.dataclass
 class Scenario:
     """One layer call on every rank: the config, the weights' seed and each rank's inputs;
-    `bad_pair` (rank, token, slot) holds the expert id E (out of range), if given."""
+    `bad_pair` (rank, token, slot) holds the expert id E (out of range) and a NaN router weight,
+    if given (a dropped pair's weight must not reach y: zeroed, not multiplied by a mask)."""
 
     config: mok.MoKConfig
     seed: int
@@ -64,7 +65,8 @@ class Scenario:
 
 
 def scenario(config, tokens_per_rank, seed, routing="uniform", bad_pair=None) -> Scenario:
-    """Random bf16 x and grad_y and a `routing` per rank; expert id E at `bad_pair`."""
+    """Random bf16 x and grad_y and a `routing` per rank; expert id E and weight NaN at
+    `bad_pair`."""
     ranks = []
     for rank, tokens in enumerate(tokens_per_rank):
         gen = torch.Generator().manual_seed(100 * seed + rank)
@@ -75,6 +77,7 @@ def scenario(config, tokens_per_rank, seed, routing="uniform", bad_pair=None) ->
     if bad_pair is not None:
         rank, token, slot = bad_pair
         ranks[rank].topk_idx[token, slot] = config.num_experts
+        ranks[rank].topk_weights[token, slot] = float("nan")
     return Scenario(config, seed, ranks, bad_pair)
 
 
