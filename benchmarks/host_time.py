@@ -12,7 +12,8 @@ GPU waits for the host). --graphed adds the triton layer wrapped by
 `torch.cuda.make_graphed_callables` (forward and backward each one CUDA graph: the host launches
 a graph and copies the inputs in). --kernels lists the kernels one call launches (torch.profiler);
 --profile prints cProfile's top functions of the triton backend by their own time, then by
-their cumulative time.
+their cumulative time. --launches times every launch through `mok.kernels.launch` on its own
+(median host us per launch and launches per call, by kernel).
 """
 
 from __future__ import annotations
@@ -63,6 +64,29 @@ def kernel_counts(layer, x, idx, weights, grad) -> collections.Counter:
     return collections.Counter(e.name[:70] for e in prof.events() if e.device_type == gpu)
 
 
+def launch_times(layer, x, idx, weights, grad, calls: int) -> dict[str, list[float]]:
+    """Host us of each launch through `mok.kernels.launch` over `calls` forward+backward calls,
+    by kernel name (each launch wrapped in perf_counter: ~0.1 us added)."""
+    from mok.kernels.launch import FastLaunch
+
+    times = collections.defaultdict(list)
+    launch = FastLaunch.launch
+
+    def timed(self, grid, args, kwargs):
+        start = time.perf_counter()
+        compiled = launch(self, grid, args, kwargs)
+        times[self.kernel.__name__].append((time.perf_counter() - start) * 1e6)
+        return compiled
+
+    FastLaunch.launch = timed
+    try:
+        for _ in range(calls):
+            one_call(layer, x, idx, weights, grad)
+    finally:
+        FastLaunch.launch = launch
+    return times
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -72,6 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
     parser.add_argument("--graphed", action="store_true")
+    parser.add_argument("--launches", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     config = mok.get_preset(args.preset).config(backend="triton", max_tokens_per_rank=args.tokens)
@@ -112,6 +137,14 @@ def main(argv=None) -> int:
             print(f"\n{name}: {sum(counts.values())} kernels and copies per forward+backward")
             for kernel, count in counts.most_common():
                 print(f"  {count:3d} {kernel}")
+    if args.launches:
+        times = launch_times(layer, x, idx, weights, grad, args.iters)
+        total = sum(sum(t) for t in times.values()) / args.iters / 1e3
+        print(f"\ntriton: launches through mok.kernels.launch, {total:.3f} ms of host per call")
+        print("| kernel | host us per launch (median) | launches per call |")
+        print("| --- | --- | --- |")
+        for name, t in sorted(times.items(), key=lambda item: -sum(item[1])):
+            print(f"| {name} | {statistics.median(t):.1f} | {len(t) / args.iters:g} |")
     if args.profile:
         profiler = cProfile.Profile()
         profiler.enable()
