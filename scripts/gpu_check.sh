@@ -86,7 +86,7 @@ for step in $steps; do
       run host-time-tiny-tl env MOK_WARP_SPECIALIZED=0 python3 benchmarks/host_time.py \
         --preset tiny
       for preset in tiny qwen3-30b-a3b; do
-        run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels \
+        run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels --launches \
           --graphed
         run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu" \
           --compiled --graphed
