@@ -15,6 +15,7 @@ are reported (a few bytes in an epilogue can be acceptable; a main loop's are no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pathlib
 import re
 import subprocess
@@ -71,6 +72,7 @@ def compile_only(compiled: list):
             mock.patch.object(ws, "num_programs", lambda device, tasks, cfg: H200_SMS),
             mock.patch.object(gg, "num_programs", lambda device, tasks, cfg: H200_SMS),
             mock.patch.object(gg, "use_scratch_allocator", lambda device: None),
+            mock.patch.object(ws, "available", lambda device: True),
         ):
             yield
     finally:
@@ -92,6 +94,16 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out))
     registers = max(int(n) for n in re.findall(r"Used (\d+) registers", out))
     return {"registers": registers, "spill_bytes": spills}
+
+
+class _StandInClaims:
+    """`TileClaims` for compiling: a zero counter, and an extension of 16 more programs."""
+
+    def counter(self) -> torch.Tensor:
+        return torch.zeros(1, dtype=torch.int32)
+
+    def extend(self, relaunch) -> None:
+        relaunch(16)
 
 
 def cases():
@@ -170,6 +182,33 @@ def cases():
         yield f"gate_up_swiglu gather {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
         problem = swiglu_problem(ready=ready)
         yield f"gate_up_swiglu waiting {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+    claiming = _StandInClaims()
+    for label, cfg in swiglu.items():
+        problem = swiglu_problem(ready=ready)
+        claimed = dataclasses.replace(cfg, claims=claiming)
+        yield (
+            f"gate_up_swiglu waiting, claiming {label}",
+            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+        )
+    for label, cfg in dgrad_swiglu.items():
+        problem = ws._RowsProblem(
+            ws.DOWN_DGRAD_SWIGLU.value, x, w_down, torch.zeros_like(gate_up), gate_up=gate_up
+        )
+        claimed = dataclasses.replace(cfg, claims=claiming)
+        yield (
+            f"down_dgrad_swiglu claiming {label}",
+            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+        )
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    for dtype, cfg in ((bf16, ws.WGRAD_TILES.half), (torch.float32, ws.WGRAD_TILES.single)):
+        grads = (torch.zeros(experts, inter, hidden, dtype=dtype),) * 2
+        for claims in (None, claiming):
+            c = dataclasses.replace(cfg, claims=claims)
+            yield (
+                f"wgrad gate_up {dtype} {cfg.block_m}x{cfg.block_n}"
+                + (" claiming" if claims else ""),
+                lambda c=c, g=grads: ws._group_at_b(gate_up, x, offsets, g, (True, False), c),
+            )
     for limit in (None, 7.0):
         for label, cfg in swiglu.items():
             problem = swiglu_problem(limit)
@@ -266,7 +305,7 @@ def main() -> int:
             with compile_only(compiled):
                 launch()
         except Exception as error:  # noqa: BLE001 - report every kernel, then fail
-            print(f"| {label} | compile failed: {type(error).__name__}: {str(error)[:300]} | | |")
+            print(f"| {label} | compile failed: {type(error).__name__}: {str(error)[:3000]} | | |")
             failed = True
             continue
         for _, _, kernel in compiled:

@@ -597,3 +597,127 @@ def test_the_environment_can_keep_the_tl_kernels(monkeypatch):
     assert torch.equal(results["0"].pop("y"), results["1"].pop("y"))
     for name, value in results["1"].items():
         assert relative_error(results["0"][name], value) < 1e-2, name
+
+
+class _JoinedOnAnotherStream:
+    """`TileClaims` for the tests: every claiming launch is joined by `extra` more programs on a
+    second stream, started while the first launch still runs (`during`) or once it finished
+    (they then find every task taken). Keeps each launch's counter."""
+
+    def __init__(self, extra: int, during: bool) -> None:
+        self.extra, self.during = extra, during
+        self.stream = torch.cuda.Stream()
+        self.counters: list[torch.Tensor] = []
+
+    def counter(self) -> torch.Tensor:
+        self.counters.append(torch.zeros(1, dtype=torch.int32, device="cuda"))
+        return self.counters[-1]
+
+    def extend(self, relaunch) -> None:
+        if not self.during:
+            torch.cuda.current_stream().synchronize()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            relaunch(self.extra)
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+
+CLAIM_JOINS = {"joined while running": True, "joined after": False}
+
+
+def _claiming(cfg: GemmTiles, programs: int, claims) -> GemmTiles:
+    import dataclasses
+
+    return dataclasses.replace(cfg, max_sms=programs, claims=claims)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("join", list(CLAIM_JOINS))
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("name", ["several tiles per consumer", "empty and one-row groups"])
+def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
+    """The gate/up + SwiGLU and down dgrad + SwiGLU products with their tasks claimed (a held
+    grid of 3 programs, joined by 5 more on another stream) equal the static grid's results bit
+    for bit, and each launch's counter ends at tasks + programs: every program claimed until it
+    drew one id past the end, once. Catches a consumer reading another slot's task id (a tile
+    computed twice and another never: garbage rows), an id slot rewritten before its consumer
+    read it, the second ping-pong consumer never told that the tasks ran out (a hang the pytest
+    timeout turns into a failure), a loader claiming per lane instead of once per task (the
+    counter far past the end), and late programs that recompute taken tiles."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = DGRAD_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    w_gate, w_up = (
+        (torch.randn(len(sizes), inter, hidden, generator=gen, device="cuda") * hidden**-0.5)
+        .bfloat16()
+        .contiguous()
+        for _ in range(2)
+    )
+    w_down = (
+        torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * inter**-0.5
+    ).bfloat16()
+    grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    swiglu_cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
+    dgrad_cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
+    held = 3
+    results = {}
+    for label, swiglu, dgrad in (
+        ("static", swiglu_cfg, dgrad_cfg),
+        ("claimed", _claiming(swiglu_cfg, held, claims), _claiming(dgrad_cfg, held, claims)),
+    ):
+        swiglu_tiles = row_tile_map(offsets, m, swiglu.block_m)
+        h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, swiglu_tiles, 0.75, True, swiglu)
+        dgrad_tiles = row_tile_map(offsets, m, dgrad.block_m)
+        grads = ws.down_dgrad_swiglu(grad_out, w_down, gate_up, dgrad_tiles, 0.75, dgrad)
+        torch.cuda.synchronize()
+        results[label] = (h[inside], gate_up[inside], grads[inside])
+        tasks = [
+            int(swiglu_tiles.counts[0]) * -(-inter // swiglu.block_n),
+            int(dgrad_tiles.counts[0]) * -(-inter // dgrad.block_n),
+        ]
+    for static, claimed in zip(results["static"], results["claimed"], strict=True):
+        assert torch.equal(static, claimed)
+    assert [int(c) for c in claims.counters] == [t + held + claims.extra for t in tasks]
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("join", list(CLAIM_JOINS))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", ["long reductions", "empty and one-row groups"])
+def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype, join):
+    """Both weight gradients (added into fp32 or bf16 buffers) with their tasks claimed, a held
+    grid of 3 programs joined by 5 more, equal the static grid's bit for bit, shared 128-row
+    tiles and 64-row ping-pong ones, and every program drew one id past the end. Catches the
+    consumers miscounting ring positions across claimed tasks of other group sizes (stale
+    tiles), empty experts' tasks (no reduction steps) letting the loader overwrite ids not yet
+    read, and an empty expert's accumulation buffer written by a late program."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, p, q = WGRAD_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
+    initial = [torch.randn(len(sizes), p, q, generator=gen, device="cuda").to(out_dtype)]
+    initial.append(torch.randn_like(initial[0]))
+    fp32 = out_dtype == torch.float32
+    ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
+    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+        if p % cfg.block_m:  # refused (`wgrad_supported`)
+            continue
+        claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
+        results = []
+        for tiles in (cfg, _claiming(cfg, 3, claims)):
+            grads = [t.clone() for t in initial]
+            ws.gate_up_wgrad(a, b, offsets, *grads, True, True, tiles)
+            down = initial[0].clone()
+            ws.down_wgrad(a[:, :p], b, offsets, down, True, tiles)
+            torch.cuda.synchronize()
+            results.append([*grads, down])
+        for static, claimed in zip(*results, strict=True):
+            assert torch.equal(static, claimed), f"{cfg.block_m}x{cfg.block_n}"
+        per_half = len(sizes) * (p // cfg.block_m) * -(-q // cfg.block_n)
+        tasks = [2 * per_half, per_half]
+        assert [int(c) for c in claims.counters] == [t + 3 + claims.extra for t in tasks]

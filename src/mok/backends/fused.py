@@ -10,7 +10,10 @@ Forward, per call:
             and the gate/up + SwiGLU product run on the other SMs, each gate/up tile waiting for
             the flags of its rows (`grouped_gemm.RowsReady`). The grid of the products beside the
             copy is held to SMs - comm_sms, so both are resident at once: the products' waits are
-            on programs that are running, never on programs that need an SM they hold.
+            on programs that are running, never on programs that need an SM they hold. Once the
+            copy is done, comm_sms more programs join the routed products on the SMs it freed
+            and claim the tiles still left (`_ClaimsAfterCopy`), so that a product is held for
+            no longer than the copy runs.
   combine   the down product's epilogue stores each row's output straight into the token rank's
             pair slot and counts it there (`RowScatter`, the peer-store epilogue); the token rank
             waits for its counts (bounded) and sums its pairs in the contract's order.
@@ -23,8 +26,9 @@ Why it cannot deadlock: the only waits are (1) the barrier every rank passes aft
 (stream order, bounded), (2) a gate/up tile on rows copied by the side stream's programs, which
 start once the barrier passed and are resident beside the product (the product leaves them
 their SMs), and which wait on nothing, and (3) the token rank on counts that the owners' down
-products add to, which run after their own gate/up, which waits only on (2). Every wait gives up
-after `peer_timeout_s` and records why; `Workspace.check()` raises it.
+products add to, which run after their own gate/up, which waits only on (2). The programs that
+join a product later start after the copy (stream order), so their waits are already met.
+Every wait gives up after `peer_timeout_s` and records why; `Workspace.check()` raises it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,39 @@ from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.weights import MoEGradients
+
+
+class _ClaimsAfterCopy:
+    """`TileClaims` of the routed products held beside the communication programs: right after
+    such a product's launch, the copy queued before it on the communication stream is followed
+    there by `comm_sms` more programs of the product, which claim its remaining tiles on the SMs
+    the copy frees; the compute stream goes on once both launches are done. The products of one
+    forward or backward take one counter each, zeroed together when it starts (`start`)."""
+
+    def __init__(self, backend: FusedBackend, products: int) -> None:
+        self.backend = backend
+        self.counters = torch.zeros(products, dtype=torch.int32, device=backend.workspace.device)
+        self.taken = 0
+
+    def start(self) -> None:
+        """Before a forward's or backward's products (on the compute stream, after every
+        earlier launch on the counters finished: each extension joined the compute stream)."""
+        self.counters.zero_()
+        self.taken = 0
+
+    def counter(self) -> torch.Tensor:
+        if self.taken == self.counters.numel():
+            raise RuntimeError(
+                f"the fused backend's schedule claims tiles for more than {self.taken} products "
+                "in one pass"
+            )
+        self.taken += 1
+        return self.counters[self.taken - 1 : self.taken]
+
+    def extend(self, relaunch) -> None:
+        backend = self.backend
+        backend._beside(lambda: relaunch(backend.comm_programs))
+        backend._join()
 
 
 class FusedBackend(TritonBackend):
@@ -61,6 +98,8 @@ class FusedBackend(TritonBackend):
         self.beside_sms = None
         """SMs of the products that run beside the communication programs (None: the CPU,
         where the copy runs first and the products after it)."""
+        self.claims = None
+        """Where the routed products beside the copies claim their tiles (None: the CPU)."""
         if device.type == "cuda":
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             if self.comm_programs >= sms:
@@ -71,6 +110,7 @@ class FusedBackend(TritonBackend):
             self.comm_stream = torch.cuda.Stream(device)
             self.beside_sms = sms - self.comm_programs
             self.all_sms = sms
+            self.claims = _ClaimsAfterCopy(self, products=4)
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
@@ -123,12 +163,16 @@ class FusedBackend(TritonBackend):
         x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
         x = x.contiguous()
         timeout = config.peer_timeout_s
+        claims = None
         if self.overlap:
             grouped, pull, ready = self.exchange.dispatch_overlapped(
                 routing, x, self.comm_programs, timeout
             )
             self._beside(pull)
             beside = self.beside_sms
+            if self.claims is not None:
+                self.claims.start()
+                claims = self.claims
         else:
             grouped, pull, _ = self.exchange.dispatch_overlapped(routing, x, self.all_sms, timeout)
             pull()
@@ -138,7 +182,7 @@ class FusedBackend(TritonBackend):
         kernel_cfg = em.default_config(
             x.device, hidden, config.intermediate_size, rows / weights.gate.shape[0]
         )
-        kernel_cfg = em.with_gate_up_sms(kernel_cfg, beside)
+        kernel_cfg = em.with_gate_up_sms(kernel_cfg, beside, claims)
         target = self.exchange.combine_target(routing, hidden, self.dtype)
         _, experts = em.expert_mlp_forward(
             grouped,
@@ -174,7 +218,8 @@ class FusedBackend(TritonBackend):
         expert's backward and the first routed product (waiting per tile for its rows) run on
         the other SMs; once the data gradients are done, the gradient of x goes back and is
         summed (`dispatch_backward`, on the communication programs) while the weight gradients,
-        which need no communication, run beside it."""
+        which need no communication, run beside it. The routed products beside a copy are
+        joined by more programs once it is done (`_ClaimsAfterCopy`)."""
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import expert_mlp_data_gradients, expert_mlp_weight_gradients
@@ -190,10 +235,12 @@ class FusedBackend(TritonBackend):
             self.workspace.config.peer_timeout_s,
         )
         self._beside(pull)
+        if self.claims is not None:
+            self.claims.start()
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_rows, grad_gate_up = expert_mlp_data_gradients(
-            grad_out, saved.experts, rows_ready=ready, dgrad_sms=self.beside_sms
+            grad_out, saved.experts, rows_ready=ready, dgrad_sms=self.beside_sms, claims=self.claims
         )
         grad_x = []
 
@@ -213,6 +260,7 @@ class FusedBackend(TritonBackend):
             into.get("up"),
             into.get("down"),
             sms=self.beside_sms,
+            claims=self.claims,
         )
         self._join()
         grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}

@@ -17,8 +17,9 @@ Forward saves h and the pre-activations (gate | up, bf16) rather than recomputin
 writing M x 2I values once, where recomputation would add a third to the backward's GEMM work.
 
 No host synchronization: group sizes stay on the device, tile lists come from a small kernel and
-every loop is bounded by host-known quantities (M, E, H, I). No atomics; every output element is
-reduced by one program in a fixed order, so results are bitwise reproducible.
+every loop is bounded by host-known quantities (M, E, H, I). No atomics on results (claimed
+tasks, `TileClaims`, take only their ids from a counter); every output element is reduced by one
+program in a fixed order, so results are bitwise reproducible.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ import torch
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
 from mok.kernels._triton_compat import interpreting
-from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles, RowScatter, RowsReady, RowTiles
+from mok.kernels.grouped_gemm import (
+    SWIGLU,
+    Activation,
+    GemmTiles,
+    RowScatter,
+    RowsReady,
+    RowTiles,
+    TileClaims,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,14 +209,17 @@ def _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limi
             raise ValueError(f"swiglu_limit must be finite and > 0, got {swiglu_limit}")
 
 
-def held_to(config, sms: int | None, only: tuple[str, ...] | None = None):
+def held_to(
+    config, sms: int | None, only: tuple[str, ...] | None = None, claims: TileClaims | None = None
+):
     """The config (an ExpertKernelConfig, or any dataclass of tiles; None stays None) with the
-    grids of its products held to `sms` SMs (`GemmTiles.max_sms`; None: all): of every product,
-    or of the fields named in `only`."""
+    grids of its products held to `sms` SMs (`GemmTiles.max_sms`; None: all), and with `claims`
+    their tasks claimed where their kernels can (`TileClaims`: more programs may join once SMs
+    free up): of every product, or of the fields named in `only`."""
     if config is None or isinstance(config, GemmTiles):
-        return config and dataclasses.replace(config, max_sms=sms)
+        return config and dataclasses.replace(config, max_sms=sms, claims=claims)
     changes = {
-        field.name: held_to(value, sms)
+        field.name: held_to(value, sms, claims=claims)
         for field in dataclasses.fields(config)
         if (only is None or field.name in only)
         and dataclasses.is_dataclass(value := getattr(config, field.name))
@@ -215,17 +227,23 @@ def held_to(config, sms: int | None, only: tuple[str, ...] | None = None):
     return dataclasses.replace(config, **changes)
 
 
-def with_gate_up_sms(config: ExpertKernelConfig, sms: int | None) -> ExpertKernelConfig:
+def with_gate_up_sms(
+    config: ExpertKernelConfig, sms: int | None, claims: TileClaims | None = None
+) -> ExpertKernelConfig:
     """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
-    runs beside communication programs leaves them theirs (`GemmTiles.max_sms`)."""
-    return held_to(config, sms, ("gate_up", "warp_specialized_gate_up"))
+    runs beside communication programs leaves them theirs (`GemmTiles.max_sms`); with `claims`,
+    its tasks claimed (`held_to`)."""
+    return held_to(config, sms, ("gate_up", "warp_specialized_gate_up"), claims)
 
 
-def _with_down_dgrad_sms(config: ExpertKernelConfig, sms: int) -> ExpertKernelConfig:
+def _with_down_dgrad_sms(
+    config: ExpertKernelConfig, sms: int, claims: TileClaims | None
+) -> ExpertKernelConfig:
     """The config with the backward's first product (through W_down) held to `sms` SMs."""
-    held = held_to(config, sms, ("down_dgrad",))
+    held = held_to(config, sms, ("down_dgrad",), claims)
     return dataclasses.replace(
-        held, warp_specialized_dgrad=held_to(config.warp_specialized_dgrad, sms, ("down",))
+        held,
+        warp_specialized_dgrad=held_to(config.warp_specialized_dgrad, sms, ("down",), claims),
     )
 
 
@@ -428,6 +446,7 @@ def expert_mlp_data_gradients(
     rows_ready: RowsReady | None = None,
     dgrad_sms: int | None = None,
     gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_rows [M, H], the pre-activations' gradients gate | up [M, 2I]) of
     `expert_mlp_forward` given grad_out [M, H]: the two data-gradient products.
@@ -437,7 +456,8 @@ def expert_mlp_data_gradients(
     rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
       kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
       product's grid held to this many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel
-      beside it; the second product takes every SM.
+      beside it; the second product takes every SM. claims: with dgrad_sms, that product's tasks
+      claimed (`TileClaims`), so that more programs may join it once the kernel beside is done.
     """
     if not isinstance(saved, ExpertMLPSaved):
         raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
@@ -452,7 +472,7 @@ def expert_mlp_data_gradients(
     offsets = saved.group_offsets
     tiles = saved.row_tiles
     if dgrad_sms is not None:
-        cfg = _with_down_dgrad_sms(cfg, dgrad_sms)
+        cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
     ws_dgrad = cfg.warp_specialized_dgrad
     plain = saved.activation.plain
     if plain and ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
@@ -492,11 +512,13 @@ def expert_mlp_weight_gradients(
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
     sms: int | None = None,
+    claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_w_gate, grad_w_up, grad_w_down) of `expert_mlp_forward` from grad_out [M, H] and
     the pre-activations' gradients [M, 2I] (`expert_mlp_data_gradients`); the buffers as in
     `expert_mlp_backward`. sms: the products' grids held to this many SMs (the rest left to
-    communication running beside them; None: every SM)."""
+    communication running beside them; None: every SM); claims: with sms, their tasks claimed
+    (`TileClaims`), so that more programs may join them once the communication is done."""
     rows = saved.rows
     m = rows.shape[0]
     grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
@@ -511,7 +533,7 @@ def expert_mlp_weight_gradients(
             if not accumulate:
                 buffer.zero_()
         return grad_w_gate, grad_w_up, grad_w_down
-    cfg = saved.config if sms is None else held_to(saved.config, sms)
+    cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
     offsets = saved.group_offsets
     ws_wgrad = cfg.warp_specialized_wgrad
     down_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)

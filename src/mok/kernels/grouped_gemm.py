@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import triton
@@ -51,6 +53,27 @@ from mok.reference.expert import limit_edges
 
 if interpreting():
     patch_interpreter()
+
+
+class TileClaims(Protocol):
+    """Dynamic tile claiming for a persistent product (the `fused` backend implements it).
+
+    The product's programs take their tasks from a counter with an atomic add instead of by a
+    static stride, so that programs launched later, on SMs that another kernel frees, take the
+    tasks still left. Each task is still computed whole by one program in the same order, so the
+    results are bitwise those of the static grid; only which program computes a task changes.
+    The warp-specialized kernels claim (`warp_specialized`: gate/up + SwiGLU, down, down dgrad
+    + SwiGLU, the weight gradients); the tl kernels take their tasks by the static stride."""
+
+    def counter(self) -> torch.Tensor:
+        """A [1] int32 counter at zero, for one product's launches (its own: no other product
+        claims from it until this one's launches are done)."""
+        ...
+
+    def extend(self, relaunch: Callable[[int], None]) -> None:
+        """Called once, right after the product's launch: `relaunch(programs)` launches the
+        product again with that many programs claiming from the same counter."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +98,9 @@ class GemmTiles:
     max_sms: int | None = None
     """SMs the persistent grid may take (None: all): a product that runs beside communication
     programs leaves them theirs, so that both are resident at once (the product waits on them)."""
+    claims: TileClaims | None = dataclasses.field(default=None, compare=False)
+    """Tasks claimed at run time (`TileClaims`) by the kernels that can, instead of by a static
+    stride; None: the static grid."""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1164,6 +1190,20 @@ def num_programs(device: torch.device, max_tasks: int, cfg: GemmTiles) -> int:
     else:
         programs = 3 if cfg.max_sms is None else min(3, cfg.max_sms)
     return max(1, min(programs, max_tasks))
+
+
+def launch_persistent(
+    launch: Callable[[int, torch.Tensor | None], None], programs: int, claims: TileClaims | None
+) -> None:
+    """Launch a persistent product by `launch(programs, counter)`: with counter None its
+    programs take tasks by the static stride; with `claims`, they claim them from a fresh counter
+    (`TileClaims.counter`), and the claims' extension may launch more programs on it."""
+    if claims is None:
+        launch(programs, None)
+        return
+    counter = claims.counter()
+    launch(programs, counter)
+    claims.extend(lambda more: launch(more, counter))
 
 
 def _scratch(size: int, alignment: int, stream):

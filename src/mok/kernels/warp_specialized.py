@@ -73,6 +73,7 @@ from mok.kernels.grouped_gemm import (
     RowsReady,
     RowTiles,
     gathered_rows,
+    launch_persistent,
     num_programs,
     ready_args,
     scatter_args,
@@ -98,6 +99,9 @@ MAX_REGISTERS = 168
 CONSUMER_ROWS = 64
 """Rows of a tile one consumer warpgroup computes: a program's tile of 64 rows goes to one
 consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."""
+CLAIM_SLOTS = gl.constexpr(8)
+"""Slots of a claiming program's ring of task ids (`_publish_task`): how many tasks its loader
+may claim ahead of its consumers."""
 
 PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
 """Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
@@ -154,6 +158,104 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
     num_m = gl.load(counts_ptr)
     num_n = gl.cdiv(N, BLOCK_N)
     return num_m, num_n, num_m * num_n
+
+
+@gluon.jit
+def _claim_task(counter_ptr):
+    """The launch's next unclaimed task (`grouped_gemm.TileClaims`): one atomic add by the
+    loader warp's first lane, its result shuffled to every lane (a claiming loader is one warp)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .pred first; .reg .u32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0;"
+        " @first atom.relaxed.gpu.global.add.u32 $0, [$1], 1;"
+        " shfl.sync.idx.b32 $0, $0, 0, 31, 0xffffffff; }",
+        "=r,l",
+        [counter_ptr],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _loader_first_task(claims, CLAIM: gl.constexpr):
+    """Loader: the program's first task, by the static stride (its program id) or claimed."""
+    if CLAIM:
+        task = _claim_task(claims[3])
+    else:
+        task = gl.program_id(0)
+    return task
+
+
+@gluon.jit
+def _loader_next_task(claims, task, NUM_PROGRAMS: gl.constexpr, CLAIM: gl.constexpr):
+    """Loader: the program's task after `task`, NUM_PROGRAMS further on or claimed."""
+    if CLAIM:
+        task = _claim_task(claims[3])
+    else:
+        task += NUM_PROGRAMS
+    return task
+
+
+@gluon.jit
+def _publish_task(claims, nth, task):
+    """Loader of a claiming program: hand its nth task to the consumers through the ring of task
+    ids (an id past the task count ends their loops), once they have read what the slot held."""
+    ids, full, free, _ = claims
+    SLOTS: gl.constexpr = ids.shape[0]
+    slot = nth % SLOTS
+    mbarrier.wait(free.index(slot), (nth // SLOTS & 1) ^ 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    ids.index(slot).store(gl.full([1], task, gl.int32, layout))
+    mbarrier.arrive(full.index(slot))
+
+
+@gluon.jit
+def _program_task(claims, nth, NUM_PROGRAMS: gl.constexpr, CLAIM: gl.constexpr):
+    """Consumer: the program's nth task, by the static stride or, with CLAIM, the one its loader
+    claimed (`_publish_task`), whose slot it then releases."""
+    if CLAIM:
+        ids, full, free, _ = claims
+        SLOTS: gl.constexpr = ids.shape[0]
+        slot = nth % SLOTS
+        mbarrier.wait(full.index(slot), nth // SLOTS & 1)
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        task = gl.max(ids.index(slot).load(layout), 0)
+        mbarrier.arrive(free.index(slot))
+    else:
+        task = gl.program_id(0) + nth * NUM_PROGRAMS
+    return task
+
+
+@gluon.jit
+def _end_claims(claims, nth):
+    """Loader of a claiming program, out of tasks: its consumers' next tasks (nth and, for
+    ping-pong consumers that take tasks in turn, nth + 1) end their loops."""
+    _publish_task(claims, nth, 2147483647)
+    _publish_task(claims, nth + 1, 2147483647)
+
+
+@gluon.jit
+def _claim_ring(consumers: gl.constexpr):
+    """The ring of task ids of a claiming program: ids, `full` and `free` barriers per slot (a
+    slot is free once `consumers` consumers read it)."""
+    # Rows of one id, a rank-1 layout: `index` gives a row's view.
+    ids = gl.allocate_shared_memory(
+        gl.int32, [CLAIM_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
+    full = gl.allocate_shared_memory(gl.int64, [CLAIM_SLOTS, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [CLAIM_SLOTS, 1], mbarrier.MBarrierLayout())
+    for slot in gl.static_range(CLAIM_SLOTS):
+        mbarrier.init(full.index(slot), count=1)
+        mbarrier.init(free.index(slot), count=consumers)
+    return ids, full, free
+
+
+@gluon.jit
+def _drop_claim_ring(claims):
+    ids, full, free, _ = claims
+    for slot in gl.static_range(CLAIM_SLOTS):
+        mbarrier.invalidate(full.index(slot))
+        mbarrier.invalidate(free.index(slot))
 
 
 @gluon.jit
@@ -290,16 +392,18 @@ def _load_partition(
     rows_ready,
     FLAG_ROWS: gl.constexpr,
     WAIT_FLAGS: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
     """Loader: the A and W tiles of every step of every task of this program, in order. A step
     holds one A tile and one W tile (two W tiles in GATE_UP_SWIGLU; GATE_UP_DGRAD alternates
     steps between its two products). A tiles come by TMA, or with GATHER through the rows' index
     (`_gather_rows`; not in GATE_UP_DGRAD). WAIT_FLAGS > 0: a task's first copy waits until its
-    rows landed (`_wait_rows_ready` on the `RowsReady` fields in `rows_ready`)."""
+    rows landed (`_wait_rows_ready` on the `RowsReady` fields in `rows_ready`). CLAIM: the tasks
+    are claimed here and handed to the consumers (`_publish_task`)."""
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims) = problem
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -314,7 +418,11 @@ def _load_partition(
     ) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     step = 0
-    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+    nth = 0
+    task = _loader_first_task(claims, CLAIM)
+    while task < num_tasks:
+        if CLAIM:
+            _publish_task(claims, nth, task)
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         expert = gl.load(table_ptr + m_idx)
         row = gl.load(table_ptr + capacity + m_idx)
@@ -369,6 +477,11 @@ def _load_partition(
                         w2_desc, [w_row, w_col], bar, w2_bufs.index(slot)
                     )
                 step += 1
+        if CLAIM:
+            nth += 1
+        task = _loader_next_task(claims, task, NUM_PROGRAMS, CLAIM)
+    if CLAIM:
+        _end_claims(claims, nth)
 
 
 @gluon.jit
@@ -487,11 +600,13 @@ def _consume(
     HAS_LIMIT: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
+    CLAIM: gl.constexpr,
     ROLE: gl.constexpr,
 ):
     """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
     2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of the program,
-    rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other."""
+    rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other.
+    CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
@@ -507,7 +622,7 @@ def _consume(
         fetched,
         target,
     ) = outputs
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims) = problem
     (limit, limit_below, limit_above) = limits
     (saved_gate_desc, saved_up_desc) = saved
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
@@ -530,8 +645,8 @@ def _consume(
     k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
     first = ROLE * OUTPUTS
     nth = FIRST_TASK  # the program's task index
-    own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
-    for task in range(own_start, num_tasks, TAKES * NUM_PROGRAMS):
+    task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
+    while task < num_tasks:
         m_idx, n_idx = _grouped_task(task, num_m, num_n, GROUP_M)
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
@@ -636,8 +751,11 @@ def _consume(
                     up_desc, out_bufs.index(first), gate_up_ptr + N, 2 * N, row, row_end, n_off, N
                 )
         nth += TAKES
+        task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
     if MODE == GATE_UP_DGRAD:
-        # The rows outside every group get zeros, from no reduction.
+        # The rows outside every group get zeros, from no reduction (a static grid: the
+        # launcher does not let this mode claim).
+        own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
         outside = (gl.load(counts_ptr + 1) - num_m) * num_n
         zeros = gl.zeros((WG_M, BLOCK_N), dtype, acc_layout)
         for task in range(own_start, outside, TAKES * NUM_PROGRAMS):
@@ -661,8 +779,9 @@ def _first_consumer(
     HAS_LIMIT: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 0)
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM, 0)
 
 
 @gluon.jit
@@ -674,8 +793,9 @@ def _second_consumer(
     HAS_LIMIT: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, 1)
+    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM, 1)
 
 
 @fast_launch
@@ -716,6 +836,7 @@ def _rows_wt_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     SAVE_PREACT: gl.constexpr,
@@ -728,9 +849,11 @@ def _rows_wt_kernel(
     LOADER_WARPS: gl.constexpr,
     FLAG_ROWS: gl.constexpr,
     WAIT_FLAGS: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS, num_warps 4; row tiles of SPLIT x WG_M rows (the A descriptor's block
-    rows), one consumer's each (SPLIT 1, ping-pong) or both consumers' (SPLIT 2, cooperative).
+    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr), num_warps 4; row
+    tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
+    ping-pong) or both consumers' (SPLIT 2, cooperative).
     For every group's rows, by MODE:
     ROWS_WT            out = A @ W[e].T
     GATE_UP_SWIGLU     out = swiglu(A @ W[e].T, A @ W2[e].T), with SAVE_PREACT both products saved
@@ -766,6 +889,11 @@ def _rows_wt_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=SPLIT)  # every consumer reading it releases it
+    if CLAIM:
+        ids, full, free = _claim_ring(SPLIT)  # ping-pong: one consumer reads a task's id
+        claims = (ids, full, free, claims_ptr)
+    else:
+        claims = (ready, ready, empty, claims_ptr)  # never read
     gather = (a_ptr, a_stride, source_rows_ptr, num_rows, K)
     operands = (
         a_desc,
@@ -803,14 +931,17 @@ def _rows_wt_kernel(
         fetched,
         target,
     )
-    problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS)
+    problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims)
     # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
     gl.warp_specialize(
         [
-            (_first_consumer, (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS)),
+            (
+                _first_consumer,
+                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM),
+            ),
             (
                 _second_consumer,
-                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS),
+                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM),
             ),
             (
                 _load_partition,
@@ -831,6 +962,7 @@ def _rows_wt_kernel(
                     ),
                     FLAG_ROWS,
                     WAIT_FLAGS,
+                    CLAIM,
                 ),
             ),
         ],
@@ -843,6 +975,8 @@ def _rows_wt_kernel(
     for role in gl.static_range(CONSUMERS):
         mbarrier.invalidate(turns.index(role))
         mbarrier.invalidate(fetched.index(role))
+    if CLAIM:
+        _drop_claim_ring(claims)
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -990,47 +1124,58 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
         scatter.check(m, n)
         if n % 8 or scatter.out.data_ptr() % 16:
             raise ValueError("RowScatter: rows of 16-byte multiples, out 16-byte aligned")
+    if cfg.claims is not None and (gather or mode == GATE_UP_DGRAD.value):
+        raise ValueError(
+            "TileClaims: the gathering loader (four warps) and GATE_UP_DGRAD's zeros take "
+            "their tasks by the static stride"
+        )
+
+    def launch(programs: int, counter: torch.Tensor | None) -> None:
+        _rows_wt_kernel[(programs,)](
+            a_desc,
+            a2_desc,
+            w_desc,
+            w2_desc,
+            out_desc,
+            gate_desc,
+            up_desc,
+            saved_gate,
+            saved_up,
+            out,
+            gate_up,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            n,
+            k,
+            0.0 if limit is None else float(limit),
+            *limit_edges(limit, a.dtype),
+            a,
+            a.stride(0) if gather else 0,
+            problem.source_rows if gather else tiles.table,
+            m,
+            *scatter_args(scatter, out, tiles),
+            *ready_args(ready, tiles),
+            tiles.counts if counter is None else counter,
+            MODE=mode,
+            HAS_LIMIT=limit is not None,
+            SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=programs if counter is None else 1,
+            STAGES=cfg.num_stages,
+            SPLIT=split,
+            GATHER=gather,
+            SCATTER_RANKS=scatter.ep_block if scatter else 0,
+            LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
+            FLAG_ROWS=ready.block_rows if ready else 1,
+            WAIT_FLAGS=ready.flags_per_tile(cfg.block_m) if ready else 0,
+            CLAIM=counter is not None,
+            num_warps=cfg.num_warps,
+            maxnreg=MAX_REGISTERS,
+        )
+
     programs = num_programs(a.device, tiles.capacity * triton.cdiv(n, bn), cfg)
-    _rows_wt_kernel[(programs,)](
-        a_desc,
-        a2_desc,
-        w_desc,
-        w2_desc,
-        out_desc,
-        gate_desc,
-        up_desc,
-        saved_gate,
-        saved_up,
-        out,
-        gate_up,
-        tiles.table,
-        tiles.counts,
-        tiles.capacity,
-        n,
-        k,
-        0.0 if limit is None else float(limit),
-        *limit_edges(limit, a.dtype),
-        a,
-        a.stride(0) if gather else 0,
-        problem.source_rows if gather else tiles.table,
-        m,
-        *scatter_args(scatter, out, tiles),
-        *ready_args(ready, tiles),
-        MODE=mode,
-        HAS_LIMIT=limit is not None,
-        SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        STAGES=cfg.num_stages,
-        SPLIT=split,
-        GATHER=gather,
-        SCATTER_RANKS=scatter.ep_block if scatter else 0,
-        LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
-        FLAG_ROWS=ready.block_rows if ready else 1,
-        WAIT_FLAGS=ready.flags_per_tile(cfg.block_m) if ready else 0,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
-    )
+    launch_persistent(launch, programs, cfg.claims)
 
 
 def rows_wt(
@@ -1263,8 +1408,9 @@ def _copy_step(a_desc, b_desc, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT
 
 
 @gluon.jit
-def _wgrad_load_partition(operands, problem):
-    """Loader: the A and B tiles of every reduction step of this program's tasks, in order.
+def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr):
+    """Loader: the A and B tiles of every reduction step of this program's tasks, in order
+    (CLAIM: tasks it claims and hands to the consumers, `_publish_task`).
 
     The reduction runs over a group's rows, read through descriptors made on the device
     (`_group_descriptors`) whenever the expert or half changes. The copy engine reads a
@@ -1284,6 +1430,7 @@ def _wgrad_load_partition(operands, problem):
         HALVES,
         GROUP_M,
         NUM_PROGRAMS,
+        claims,
     ) = problem
     STAGES: gl.constexpr = b_bufs.shape[0]
     SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
@@ -1299,7 +1446,11 @@ def _wgrad_load_partition(operands, problem):
     zero = gl.to_tensor(0)
     a_even, b_even = _group_descriptors(a_ptr, b_ptr, zero, zero, 0, P, Q, a_stride, a_bufs, b_bufs)
     a_odd, b_odd = _group_descriptors(a_ptr, b_ptr, zero, zero, 0, P, Q, a_stride, a_bufs, b_bufs)
-    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+    nth = 0
+    task = _loader_first_task(claims, CLAIM)
+    while task < num_tasks:
+        if CLAIM:
+            _publish_task(claims, nth, task)
         expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
         first, rows = _group_rows(offsets_ptr, expert)
         if task // per_half != cached:
@@ -1333,6 +1484,11 @@ def _wgrad_load_partition(operands, problem):
                 last_even = step - 1
             else:
                 last_odd = step - 1
+        if CLAIM:
+            nth += 1
+        task = _loader_next_task(claims, task, NUM_PROGRAMS, CLAIM)
+    if CLAIM:
+        _end_claims(claims, nth)
 
 
 @gluon.jit
@@ -1367,9 +1523,11 @@ def _wgrad_consume(
     problem,
     ACCUMULATE_FIRST: gl.constexpr,
     ACCUMULATE_SECOND: gl.constexpr,
+    CLAIM: gl.constexpr,
     ROLE: gl.constexpr,
 ):
-    """Consumer ROLE (0 or 1): main loop, then epilogue.
+    """Consumer ROLE (0 or 1): main loop, then epilogue (CLAIM: of the tasks its loader claimed,
+    every one of which both consumers read, `_program_task`).
 
     Ping-pong (one A part per step): every other task of this program, a whole tile each. Tasks
     reduce over groups of different sizes, so a consumer counts the steps of the other's tasks
@@ -1389,6 +1547,7 @@ def _wgrad_consume(
         HALVES,
         GROUP_M,
         NUM_PROGRAMS,
+        claims,
     ) = problem
     STAGES: gl.constexpr = b_bufs.shape[0]
     SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
@@ -1405,8 +1564,9 @@ def _wgrad_consume(
     step = 0
     mine = 0
     loads = 0
-    turn = 0
-    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+    turn = 0  # the program's task index
+    task = _program_task(claims, turn, NUM_PROGRAMS, CLAIM)
+    while task < num_tasks:
         expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
         first, rows = _group_rows(offsets_ptr, expert)
         k_steps = gl.cdiv(rows, BLOCK_K)
@@ -1453,28 +1613,44 @@ def _wgrad_consume(
         else:
             step += k_steps
         turn += 1
+        task = _program_task(claims, turn, NUM_PROGRAMS, CLAIM)
     tma.store_wait(0)
 
 
 @gluon.jit
 def _first_wgrad_consumer(
-    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+    operands,
+    outputs,
+    problem,
+    ACCUMULATE_FIRST: gl.constexpr,
+    ACCUMULATE_SECOND: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, 0)
+    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, 0)
 
 
 @gluon.jit
 def _second_wgrad_consumer(
-    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+    operands,
+    outputs,
+    problem,
+    ACCUMULATE_FIRST: gl.constexpr,
+    ACCUMULATE_SECOND: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, 1)
+    _wgrad_consume(operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, 1)
 
 
 @gluon.jit
 def _wgrad_loader(
-    operands, outputs, problem, ACCUMULATE_FIRST: gl.constexpr, ACCUMULATE_SECOND: gl.constexpr
+    operands,
+    outputs,
+    problem,
+    ACCUMULATE_FIRST: gl.constexpr,
+    ACCUMULATE_SECOND: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    _wgrad_load_partition(operands, problem)
+    _wgrad_load_partition(operands, problem, CLAIM)
 
 
 @fast_launch
@@ -1489,6 +1665,7 @@ def _group_at_b_kernel(
     P,
     Q,
     a_stride,
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
     ACCUMULATE_FIRST: gl.constexpr,
     ACCUMULATE_SECOND: gl.constexpr,
     HALVES: gl.constexpr,
@@ -1499,8 +1676,10 @@ def _group_at_b_kernel(
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
+    CLAIM: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS (one per SM at most), num_warps 4. For every expert e and half j:
+    """Grid: NUM_PROGRAMS (one per SM at most; CLAIM: any, the tasks claimed from claims_ptr),
+    num_warps 4. For every expert e and half j:
     out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as [E * P, Q]
     (P a multiple of the tile's rows, so that no tile reaches into the next expert). A consumer's
     tile is the descriptors' block, WG_M x BLOCK_N; with SPLIT 2 the two consumers share tiles of
@@ -1524,6 +1703,11 @@ def _group_at_b_kernel(
     for slot in gl.static_range(STAGES):
         mbarrier.init(ready.index(slot), count=1)
         mbarrier.init(empty.index(slot), count=SPLIT)  # released by every consumer that read it
+    if CLAIM:
+        ids, full, free = _claim_ring(CONSUMERS)  # both consumers read every task's id
+        claims = (ids, full, free, claims_ptr)
+    else:
+        claims = (ready, ready, empty, claims_ptr)  # never read
     m_tiles = P // BLOCK_M
     n_tiles = gl.cdiv(Q, BLOCK_N)
     per_half = m_tiles * n_tiles
@@ -1542,18 +1726,23 @@ def _group_at_b_kernel(
         HALVES,
         GROUP_M,
         NUM_PROGRAMS,
+        claims,
     )
+    # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
     gl.warp_specialize(
         [
             (
                 _first_wgrad_consumer,
-                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND),
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM),
             ),
             (
                 _second_wgrad_consumer,
-                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND),
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM),
             ),
-            (_wgrad_loader, (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND)),
+            (
+                _wgrad_loader,
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM),
+            ),
         ],
         [4, 1],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
@@ -1564,6 +1753,8 @@ def _group_at_b_kernel(
     for role in gl.static_range(CONSUMERS):
         mbarrier.invalidate(turns.index(role))
         mbarrier.invalidate(fetched.index(role))
+    if CLAIM:
+        _drop_claim_ring(claims)
 
 
 def wgrad_supported(a: torch.Tensor, b: torch.Tensor, grad: torch.Tensor, cfg: GemmTiles) -> bool:
@@ -1607,33 +1798,38 @@ def _group_at_b(
     wg_m = CONSUMER_ROWS
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
-    programs = num_programs(a.device, tasks, cfg)
     # The gradients' own dtype (fp32, or A's: `wgrad_supported`) sets their tiles' layout.
     descs = [_descriptor(g.view(num_experts * p, q), [wg_m, bn]) for g in grads]
     use_scratch_allocator(a.device)
-    _group_at_b_kernel[(programs,)](
-        a,
-        b,
-        group_offsets,
-        descs[0],
-        descs[-1],
-        num_experts,
-        p,
-        q,
-        a.stride(0),
-        ACCUMULATE_FIRST=accumulate[0],
-        ACCUMULATE_SECOND=accumulate[-1],
-        HALVES=halves,
-        SPLIT=split,
-        A_LAYOUT=_shared_layout((bk, wg_m), a.dtype),
-        B_LAYOUT=_shared_layout((bk, bn), a.dtype),
-        BLOCK_K=bk,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps,
-        maxnreg=MAX_REGISTERS,
-    )
+
+    def launch(programs: int, counter: torch.Tensor | None) -> None:
+        _group_at_b_kernel[(programs,)](
+            a,
+            b,
+            group_offsets,
+            descs[0],
+            descs[-1],
+            num_experts,
+            p,
+            q,
+            a.stride(0),
+            group_offsets if counter is None else counter,
+            ACCUMULATE_FIRST=accumulate[0],
+            ACCUMULATE_SECOND=accumulate[-1],
+            HALVES=halves,
+            SPLIT=split,
+            A_LAYOUT=_shared_layout((bk, wg_m), a.dtype),
+            B_LAYOUT=_shared_layout((bk, bn), a.dtype),
+            BLOCK_K=bk,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=programs if counter is None else 1,
+            STAGES=cfg.num_stages,
+            CLAIM=counter is not None,
+            num_warps=cfg.num_warps,
+            maxnreg=MAX_REGISTERS,
+        )
+
+    launch_persistent(launch, num_programs(a.device, tasks, cfg), cfg.claims)
 
 
 def down_wgrad(

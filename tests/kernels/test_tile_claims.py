@@ -1,0 +1,152 @@
+"""Claimed tiles (`grouped_gemm.TileClaims`), the host side: how a product's launch takes its
+counter and its extension, which products a held config lets claim, what the warp-specialized
+launcher refuses, and the fused backend's counters. The kernels' claiming runs on the GPU
+(`test_warp_specialized.py`: claimed products bitwise equal to the static grid, every program
+ending once)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mok.kernels import expert_mlp as em
+from mok.kernels import grouped_gemm as gg
+from mok.kernels import warp_specialized as ws
+from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+
+
+class _Claims:
+    """`TileClaims` recording what the launcher asks of it; its extension adds `extra` programs."""
+
+    def __init__(self, extra: int = 5) -> None:
+        self.extra = extra
+        self.counters: list[torch.Tensor] = []
+        self.extended = 0
+
+    def counter(self) -> torch.Tensor:
+        self.counters.append(torch.zeros(1, dtype=torch.int32))
+        return self.counters[-1]
+
+    def extend(self, relaunch) -> None:
+        self.extended += 1
+        relaunch(self.extra)
+
+
+def test_a_claiming_launch_takes_one_counter_and_its_extension_shares_it():
+    """Bugs caught: the extension's programs given a fresh counter (they would recompute every
+    tile, racing the first launch's stores), a counter taken per launch, the extension never
+    offered, or a static launch handed a counter (its programs would claim from garbage)."""
+    launches = []
+    gg.launch_persistent(lambda programs, counter: launches.append((programs, counter)), 7, None)
+    assert launches == [(7, None)]
+    claims = _Claims(extra=5)
+    launches.clear()
+    gg.launch_persistent(lambda programs, counter: launches.append((programs, counter)), 7, claims)
+    assert len(claims.counters) == 1 and claims.extended == 1
+    assert [programs for programs, _ in launches] == [7, 5]
+    assert all(counter is claims.counters[0] for _, counter in launches)
+
+
+def _hopper_like_config() -> em.ExpertKernelConfig:
+    small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1)
+    return em.ExpertKernelConfig(
+        *([small] * 6),
+        warp_specialized_gate_up=ws.SWIGLU_PING_PONG,
+        warp_specialized_down=ws.PING_PONG,
+        warp_specialized_dgrad=ws.DGRAD_TILES,
+        warp_specialized_wgrad=ws.WGRAD_TILES,
+    )
+
+
+def test_held_configs_let_only_their_held_products_claim():
+    """The gate/up product (forward), the first data gradient (backward) and the weight
+    gradients carry the claims of their schedule; the forward's down product and the second
+    data gradient, which run on every SM once the copy is done, do not (the latter's launcher
+    refuses claims: its zero-filling of the rows outside the groups is static). Claims do not
+    change a config's equality or hash (configs key caches)."""
+    cfg, claims = _hopper_like_config(), _Claims()
+    forward = em.with_gate_up_sms(cfg, 100, claims)
+    assert forward.gate_up.claims is claims and forward.warp_specialized_gate_up.claims is claims
+    assert forward.warp_specialized_gate_up.max_sms == 100
+    assert forward.down.claims is None and forward.warp_specialized_down.claims is None
+    backward = em._with_down_dgrad_sms(cfg, 100, claims)
+    assert backward.warp_specialized_dgrad.down.claims is claims
+    assert backward.warp_specialized_dgrad.gate_up.claims is None
+    assert backward.down_dgrad.claims is claims and backward.gate_up_dgrad.claims is None
+    weights = em.held_to(cfg, 100, claims=claims)
+    assert weights.warp_specialized_wgrad.half.claims is claims
+    assert weights.warp_specialized_wgrad.single.claims is claims
+    claimed = forward.warp_specialized_gate_up
+    unclaimed = dataclasses.replace(claimed, claims=None)
+    assert claimed == unclaimed and hash(claimed) == hash(unclaimed)
+
+
+def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
+    """The gathering loader is four warps (each would claim its own task) and GATE_UP_DGRAD's
+    zero-filling walks a static stride: both raise before anything launches, instead of
+    computing tiles twice or leaving rows unzeroed."""
+    m, hidden, inter, experts = 256, 128, 64, 2
+    rows = torch.zeros(m, hidden, dtype=torch.bfloat16)
+    w = torch.zeros(experts, inter, hidden, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 100, m], dtype=torch.int32)
+    cfg = dataclasses.replace(ws.PING_PONG, claims=_Claims())
+    tiles = row_tile_map(offsets, m, cfg.block_m)
+    gathered = ws._RowsProblem(
+        ws.ROWS_WT.value,
+        rows,
+        w,
+        torch.zeros(m, inter, dtype=torch.bfloat16),
+        source_rows=torch.zeros(m, dtype=torch.int32),
+    )
+    dgrad = ws._RowsProblem(
+        ws.GATE_UP_DGRAD.value,
+        torch.zeros(m, inter, dtype=torch.bfloat16),
+        torch.zeros(experts, inter, hidden, dtype=torch.bfloat16),
+        torch.zeros(m, hidden, dtype=torch.bfloat16),
+        torch.zeros(m, inter, dtype=torch.bfloat16),
+        torch.zeros(experts, inter, hidden, dtype=torch.bfloat16),
+    )
+    for problem in (gathered, dgrad):
+        with pytest.raises(ValueError, match="TileClaims"):
+            ws._launch(problem, tiles, cfg)
+    assert cfg.claims.counters == []
+
+
+def test_the_fused_backend_gives_each_product_of_a_pass_its_own_counter():
+    """`_ClaimsAfterCopy`: the products of one pass take distinct counters, zeroed when a pass
+    starts; more products than counters raise; the extension runs beside the copy with
+    `comm_sms` programs and the compute stream then joins. Bugs caught: two products sharing a
+    counter (the second would find it spent and compute nothing), counters left at the previous
+    pass's values, the extension launched on the compute stream (after the product, not beside
+    it)."""
+    from mok.backends.fused import _ClaimsAfterCopy
+
+    events = []
+
+    class Backend:
+        workspace = type("Workspace", (), {"device": torch.device("cpu")})()
+        comm_programs = 16
+
+        def _beside(self, work):
+            events.append("beside")
+            work()
+
+        def _join(self):
+            events.append("join")
+
+    claims = _ClaimsAfterCopy(Backend(), products=3)
+    claims.counters.fill_(9)
+    claims.start()
+    taken = [claims.counter() for _ in range(3)]
+    slots = {claims.counters[i : i + 1].data_ptr() for i in range(3)}
+    assert {t.data_ptr() for t in taken} == slots
+    assert all(int(t) == 0 for t in taken)
+    with pytest.raises(RuntimeError, match="more than 3 products"):
+        claims.counter()
+    relaunched = []
+    claims.extend(relaunched.append)
+    assert relaunched == [16] and events == ["beside", "join"]
+    claims.start()
+    assert claims.counter().data_ptr() == claims.counters.data_ptr()
