@@ -56,6 +56,9 @@ class _ClaimsAfterCopy:
         self.backend = backend
         self.counters = torch.zeros(products, dtype=torch.int32, device=backend.workspace.device)
         self.taken = 0
+        self.inputs_ready = None
+        """An event on the compute stream just before the product's launch: what the programs
+        that join it wait for besides the copy (not the product itself, which they join)."""
 
     def start(self) -> None:
         """Before a forward's or backward's products (on the compute stream, after every
@@ -70,11 +73,19 @@ class _ClaimsAfterCopy:
                 "in one pass"
             )
         self.taken += 1
+        if self.backend.comm_stream is not None:
+            compute = torch.cuda.current_stream(self.backend.workspace.device)
+            self.inputs_ready = compute.record_event()
         return self.counters[self.taken - 1 : self.taken]
 
     def extend(self, relaunch) -> None:
         backend = self.backend
-        backend._beside(lambda: relaunch(backend.comm_programs))
+        if backend.comm_stream is None:
+            relaunch(backend.comm_programs)
+            return
+        backend.comm_stream.wait_event(self.inputs_ready)
+        with torch.cuda.stream(backend.comm_stream):
+            relaunch(backend.comm_programs)
         backend._join()
 
 

@@ -67,7 +67,9 @@ class TileClaims(Protocol):
 
     def counter(self) -> torch.Tensor:
         """A [1] int32 counter at zero, for one product's launches (its own: no other product
-        claims from it until this one's launches are done)."""
+        claims from it until this one's launches are done). Called right before the product's
+        first launch, once its inputs are queued: a provider may mark that point in the stream
+        for the programs that join later."""
         ...
 
     def extend(self, relaunch: Callable[[int], None]) -> None:
