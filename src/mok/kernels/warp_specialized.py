@@ -35,6 +35,12 @@ epilogue stores locally or through the peer-store epilogue (`rows_wt_scatter`: r
 ranks' buffers, then release adds to per-rank readiness counts); the weight gradients' epilogue
 adds into an existing gradient buffer.
 
+Tasks go to programs by a static stride (program p takes tasks p, p + P, ...), or with CLAIM
+(`grouped_gemm.TileClaims`) at run time: the loader takes each next id from a counter with one
+atomic add and hands it to the consumers through a ring of CLAIM_SLOTS task ids in shared memory
+(`full` and `free` barriers per slot), so that programs launched later, on SMs another kernel
+frees, take the tasks still left; an id past the end ends the consumers' loops.
+
 The weight gradients reduce over a group's rows, a different number per expert: the loader reads
 them through descriptors made on the device that end at the group's end, and the consumers count
 steps task by task (`WGRAD_TILES`).
