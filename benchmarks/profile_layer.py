@@ -1,7 +1,7 @@
 """Where the time of one MoE layer call goes: host time, GPU time, and the CUDA kernels by kernel.
 
     python benchmarks/profile_layer.py [--preset deepseek-v3] [--backend triton] [--tokens N]
-                                       [--trace DIR] [--accumulate-grads]
+                                       [--trace DIR] [--accumulate-grads] [--overlap]
 
 Spawns one rank per GPU (EP = the GPU count), warms up, then on every rank: the host time of the
 forward and of the backward call (the time Python takes to enqueue them, median of 5), the GPU
@@ -11,7 +11,8 @@ time. With --trace, writes each rank's Chrome trace (CPU and CUDA) to DIR/rank<r
 `python benchmarks/trace_gaps.py DIR/rank0.json.gz` lists the GPU's idle gaps and the barriers.
 If the host time of a pass is close to its GPU time, the pass is bound by the host's launches.
 With --accumulate-grads the weights' gradients are kept between calls (every backward adds into
-them, as in gradient accumulation over micro-batches) instead of being set to None.
+them, as in gradient accumulation over micro-batches) instead of being set to None. --overlap
+runs the fused backend's overlapped schedule also at EP 1 (`FusedBackend.overlap`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from mok.testing import global_weights
 REPEATS = 5
 
 
-def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir, accumulate):
+def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir, accumulate, overlap):
     device = torch.device("cuda", rank)
     preset = mok.get_preset(preset_name)
     tokens = tokens or preset.default_tokens
@@ -41,6 +42,8 @@ def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir, acc
     group = dist.group.WORLD if world > 1 else None
     layer = mok.MoE(config, group=group, device=device)
     layer.load_global_weights(global_weights(config, 0, device))
+    if overlap:
+        layer.workspace(device).backend.overlap = True
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens, config.hidden_size, generator=generator).to(device, torch.bfloat16)
     idx, w = make_routing("uniform", tokens, config.num_experts, config.top_k, generator)
@@ -107,6 +110,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", metavar="DIR", help="write each rank's Chrome trace here")
     parser.add_argument("--accumulate-grads", action="store_true")
+    parser.add_argument("--overlap", action="store_true", help="the fused backend's overlap at EP 1")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     results = run_ranks(
@@ -119,6 +123,7 @@ def main() -> None:
             args.rows,
             args.trace,
             args.accumulate_grads,
+            args.overlap,
         ),
         backend="nccl",
     )

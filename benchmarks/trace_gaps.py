@@ -1,6 +1,7 @@
 """The GPU timeline of a Chrome trace written by profile_layer.py --trace: every kernel in order
-with its start (ms from the first kernel), duration and the idle gap before it, then the total
-busy and idle time. Shows whether a GPU waits for the host (gaps) or for its peer (barriers).
+with its start (ms from the first kernel), duration, the idle gap before it, its stream and grid,
+then the total busy and idle time. Shows whether a GPU waits for the host (gaps) or for its peer
+(barriers), and which kernels ran beside which (the fused backend's two streams).
 
     python benchmarks/trace_gaps.py TRACE.json.gz [--min-gap-us 20]
 """
@@ -30,7 +31,7 @@ def main() -> None:
     if not kernels:
         raise SystemExit("no GPU events in the trace")
     origin, busy, idle, end = kernels[0]["ts"], 0.0, 0.0, kernels[0]["ts"]
-    print(f"{'start ms':>9} {'gap us':>8} {'dur us':>9}  kernel")
+    print(f"{'start ms':>9} {'gap us':>8} {'dur us':>9} {'stream':>6} {'grid':>14}  kernel")
     for event in kernels:
         gap = max(0.0, event["ts"] - end)
         idle += gap
@@ -38,7 +39,10 @@ def main() -> None:
         name = event["name"][:90]
         if gap >= args.min_gap_us or event["dur"] >= 50 or "barrier" in name:
             start = (event["ts"] - origin) / 1e3
-            print(f"{start:9.3f} {gap:8.1f} {event['dur']:9.1f}  {name}")
+            details = event.get("args", {})
+            grid = "x".join(str(n) for n in details.get("grid", [])) or "-"
+            stream = details.get("stream", "-")
+            print(f"{start:9.3f} {gap:8.1f} {event['dur']:9.1f} {stream:>6} {grid:>14}  {name}")
         end = max(end, event["ts"] + event["dur"])
     print(
         f"span {(end - origin) / 1e3:.3f} ms, kernels {busy / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms"

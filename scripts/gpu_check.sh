@@ -23,7 +23,8 @@
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
-# comm_sms 8, 16, 24) at EP = the GPU count, and a profiler trace of one fused forward + backward.
+# comm_sms 8, 16, 24) at EP = the GPU count, its overlapped schedule forced at EP 1 (the price of
+# the SMs the copies take), and a profiler trace of one fused forward + backward.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -177,6 +178,8 @@ print(*m())' 2>&1)
         run "fused-bench-sms$sms" python3 benchmarks/overlap.py --preset deepseek-v3 \
           --ep "$ngpu" --comm-sms "$sms" --out "$OUT/overlap-sms$sms.md"
       done
+      run fused-bench-ep1-overlapped python3 benchmarks/overlap.py --overlap --ep 1 \
+        --preset qwen3-235b-a22b,deepseek-v3 --out "$OUT/overlap-ep1-overlapped.md"
       run fused-trace python3 benchmarks/profile_layer.py --preset deepseek-v3 --backend fused \
         --trace "$OUT/trace-fused" ;;
     *) echo "unknown step $step"; status=1 ;;

@@ -14,7 +14,7 @@ import torch
 from mok.kernels import expert_mlp as em
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
-from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+from mok.kernels.grouped_gemm import GemmTiles
 
 
 class _Claims:
@@ -87,26 +87,31 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
     """The gathering loader is four warps (each would claim its own task) and GATE_UP_DGRAD's
     zero-filling walks a static stride: both raise before anything launches, instead of
     computing tiles twice or leaving rows unzeroed."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m, hidden, inter, experts = 256, 128, 64, 2
-    rows = torch.zeros(m, hidden, dtype=torch.bfloat16)
-    w = torch.zeros(experts, inter, hidden, dtype=torch.bfloat16)
-    offsets = torch.tensor([0, 100, m], dtype=torch.int32)
+
+    def zeros(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
     cfg = dataclasses.replace(ws.PING_PONG, claims=_Claims())
-    tiles = row_tile_map(offsets, m, cfg.block_m)
+    capacity = m // cfg.block_m + experts + 2
+    tiles = gg.RowTiles(
+        zeros(3, capacity, dtype=torch.int32), zeros(2, dtype=torch.int32), capacity, cfg.block_m
+    )
     gathered = ws._RowsProblem(
         ws.ROWS_WT.value,
-        rows,
-        w,
-        torch.zeros(m, inter, dtype=torch.bfloat16),
-        source_rows=torch.zeros(m, dtype=torch.int32),
+        zeros(m, hidden),
+        zeros(experts, inter, hidden),
+        zeros(m, inter),
+        source_rows=zeros(m, dtype=torch.int32),
     )
     dgrad = ws._RowsProblem(
         ws.GATE_UP_DGRAD.value,
-        torch.zeros(m, inter, dtype=torch.bfloat16),
-        torch.zeros(experts, inter, hidden, dtype=torch.bfloat16),
-        torch.zeros(m, hidden, dtype=torch.bfloat16),
-        torch.zeros(m, inter, dtype=torch.bfloat16),
-        torch.zeros(experts, inter, hidden, dtype=torch.bfloat16),
+        zeros(m, inter),
+        zeros(experts, inter, hidden),
+        zeros(m, hidden),
+        zeros(m, inter),
+        zeros(experts, inter, hidden),
     )
     for problem in (gathered, dgrad):
         with pytest.raises(ValueError, match="TileClaims"):
