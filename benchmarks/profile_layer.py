@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", metavar="DIR", help="write each rank's Chrome trace here")
     parser.add_argument("--accumulate-grads", action="store_true")
-    parser.add_argument("--overlap", action="store_true", help="the fused backend's overlap at EP 1")
+    parser.add_argument("--overlap", action="store_true", help="fused: the overlap at EP 1")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     results = run_ranks(
