@@ -266,6 +266,15 @@ def tl_cases():
         biases=(bias_i, bias_i),
     )  # fmt: skip
     yield "tl down bias", lambda: gg.down(h, w_down, tiles(down_cfg), down_cfg, bias=bias_h)
+    claimed_up = dataclasses.replace(up_cfg, claims=_StandInClaims())
+    yield "tl gate_up claiming", lambda: gg.gate_up_swiglu(
+        x, w_gate, w_gate, tiles(claimed_up), 7.0, True, claimed_up
+    )  # fmt: skip
+    claimed_dgrad = dataclasses.replace(dgrad_cfg, claims=_StandInClaims())
+    yield (
+        "tl down_dgrad claiming",
+        lambda: gg.down_dgrad_swiglu(x, w_down, gate_up, tiles(claimed_dgrad), 7.0, claimed_dgrad),
+    )
     yield (
         "tl down_dgrad gpt-oss",
         lambda: gg.down_dgrad_swiglu(

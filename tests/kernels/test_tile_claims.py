@@ -147,3 +147,36 @@ def test_the_fused_backend_gives_each_product_of_a_pass_its_own_counter():
     assert relaunched == [16]
     claims.start()
     assert claims.counter().data_ptr() == claims.counters.data_ptr()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sizes", [[37, 0, 70, 5], [0, 1, 0, 90]], ids=["ragged", "empty groups"])
+def test_the_tl_products_that_claim_equal_their_static_grid(sizes):
+    """The tl twins of the claiming products (gate/up + SwiGLU, down dgrad + SwiGLU) with their
+    tasks claimed equal the static grid bit for bit, and each counter ends at tasks + programs
+    (3 held, 2 joined): the interpreter runs programs one after another, so the first claims
+    every task and the rest, the extension's too, each draw one id past the end. Catches a
+    claimed id mapped to another tile than the static one, a program that stops before the
+    tasks run out or claims again after its end, a launch not claiming at all (the counter left
+    at zero)."""
+    gen = torch.Generator().manual_seed(3)
+    hidden, inter, before = 64, 48, 3
+    m = before + sum(sizes) + 4
+    offsets = (torch.tensor([0, *sizes]).cumsum(0) + before).to(torch.int32)
+    rows = torch.randn(m, hidden, generator=gen)
+    w_gate, w_up = (torch.randn(len(sizes), inter, hidden, generator=gen) * 0.2 for _ in "gu")
+    w_down = torch.randn(len(sizes), hidden, inter, generator=gen) * 0.2
+    grad_out = torch.randn(m, hidden, generator=gen)
+    cfg = GemmTiles(16, 32, 32, num_warps=4, num_stages=1, group_m=2)
+    tiles = gg.row_tile_map(offsets, m, cfg.block_m)
+    claims = _Claims(extra=2)
+    results = []
+    for tiles_cfg in (cfg, dataclasses.replace(cfg, max_sms=3, claims=claims)):
+        h, gate_up = gg.gate_up_swiglu(rows, w_gate, w_up, tiles, 0.5, True, tiles_cfg)
+        grads = gg.down_dgrad_swiglu(grad_out, w_down, gate_up, tiles, 0.5, tiles_cfg)
+        inside = slice(before, before + sum(sizes))
+        results.append((h[inside], gate_up[inside], grads[inside]))
+    for static, claimed in zip(*results, strict=True):
+        assert torch.equal(static, claimed)
+    tasks = int(tiles.counts[0]) * -(-inter // cfg.block_n)
+    assert [int(c) for c in claims.counters] == [tasks + 3 + 2] * 2

@@ -633,7 +633,7 @@ def _claiming(cfg: GemmTiles, programs: int, claims) -> GemmTiles:
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("join", list(CLAIM_JOINS))
-@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative", "tl twins"])
 @pytest.mark.parametrize("name", ["several tiles per consumer", "empty and one-row groups"])
 def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     """The gate/up + SwiGLU and down dgrad + SwiGLU products with their tasks claimed (a held
@@ -643,7 +643,9 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     computed twice and another never: garbage rows), an id slot rewritten before its consumer
     read it, the second ping-pong consumer never told that the tasks ran out (a hang the pytest
     timeout turns into a failure), a loader claiming per lane instead of once per task (the
-    counter far past the end), and late programs that recompute taken tiles."""
+    counter far past the end), and late programs that recompute taken tiles. The tl twins claim
+    per program, compiled (the CPU tests run them under the interpreter, one program at a
+    time)."""
     from mok.kernels import warp_specialized as ws
 
     sizes, inter, hidden = DGRAD_CASES[name]
@@ -660,8 +662,16 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
         torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * inter**-0.5
     ).bfloat16()
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
-    swiglu_cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
-    dgrad_cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    kernels = (gg.gate_up_swiglu, gg.down_dgrad_swiglu)
+    if tiles == "tl twins":
+        swiglu_cfg = dgrad_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+    elif tiles == "ping-pong":
+        swiglu_cfg, dgrad_cfg = ws.SWIGLU_PING_PONG, ws.DGRAD_SWIGLU_PING_PONG
+        kernels = (ws.gate_up_swiglu, ws.down_dgrad_swiglu)
+    else:
+        swiglu_cfg, dgrad_cfg = ws.SWIGLU_COOPERATIVE, ws.DGRAD_SWIGLU_COOPERATIVE
+        kernels = (ws.gate_up_swiglu, ws.down_dgrad_swiglu)
+    gate_up_swiglu, down_dgrad_swiglu = kernels
     claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
     held = 3
     results = {}
@@ -670,9 +680,9 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
         ("claimed", _claiming(swiglu_cfg, held, claims), _claiming(dgrad_cfg, held, claims)),
     ):
         swiglu_tiles = row_tile_map(offsets, m, swiglu.block_m)
-        h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, swiglu_tiles, 0.75, True, swiglu)
+        h, gate_up = gate_up_swiglu(rows, w_gate, w_up, swiglu_tiles, 0.75, True, swiglu)
         dgrad_tiles = row_tile_map(offsets, m, dgrad.block_m)
-        grads = ws.down_dgrad_swiglu(grad_out, w_down, gate_up, dgrad_tiles, 0.75, dgrad)
+        grads = down_dgrad_swiglu(grad_out, w_down, gate_up, dgrad_tiles, 0.75, dgrad)
         torch.cuda.synchronize()
         results[label] = (h[inside], gate_up[inside], grads[inside])
         tasks = [

@@ -63,7 +63,9 @@ class TileClaims(Protocol):
     tasks still left. Each task is still computed whole by one program in the same order, so the
     results are bitwise those of the static grid; only which program computes a task changes.
     The warp-specialized kernels claim (`warp_specialized`: gate/up + SwiGLU, down, down dgrad
-    + SwiGLU, the weight gradients); the tl kernels take their tasks by the static stride."""
+    + SwiGLU, the weight gradients), and of the tl kernels gate/up + SwiGLU and down dgrad +
+    SwiGLU (their twins, which the interpreter runs); the other tl kernels keep the static
+    stride (`GemmTiles.claims` is then not used)."""
 
     def counter(self) -> torch.Tensor:
         """A [1] int32 counter at zero, for one product's launches (its own: no other product
@@ -643,6 +645,82 @@ def store_weight_tile(
 # --------------------------------------------------------------------------------------------------
 
 
+@triton.jit
+def claimed_task(claims_ptr):
+    """The launch's next unclaimed task (`TileClaims`): one atomic add on its counter."""
+    return tl.atomic_add(claims_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _gate_up_swiglu_task(
+    task,
+    tiles,
+    a_source,
+    weights,
+    outputs,
+    activation,
+    ready,
+    HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PLAIN: tl.constexpr,
+    SAVE_PREACT: tl.constexpr,
+    GATHER: tl.constexpr,
+    WAIT_ROWS: tl.constexpr,
+    FLAG_ROWS: tl.constexpr,
+    FLAGS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One output tile of `_gate_up_swiglu_kernel`: h and, with SAVE_PREACT, both
+    pre-activations of a row tile and a column tile."""
+    table_ptr, capacity, num_m, n_tiles, hidden, inter = tiles
+    w_gate_desc, w_up_desc, gate_bias_ptr, up_bias_ptr = weights
+    h_desc, h_ptr, gate_desc, up_desc, gate_up_ptr = outputs
+    limit, limit_below, limit_above, alpha, up_offset = activation
+    m_idx, n_idx = grouped_task(task, num_m, n_tiles, GROUP_M)
+    expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+    n_off = n_idx * BLOCK_N
+    if WAIT_ROWS:
+        wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
+    gate, up = rows_dual_tile(
+        a_source,
+        w_gate_desc,
+        w_up_desc,
+        row,
+        expert,
+        n_off,
+        hidden,
+        GATHER,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    if HAS_BIAS:
+        gate = add_expert_bias(gate, gate_bias_ptr, expert, n_off, inter, BLOCK_N)
+        up = add_expert_bias(up, up_bias_ptr, expert, n_off, inter, BLOCK_N)
+    h = swiglu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
+    store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
+    if SAVE_PREACT:
+        gate, up = saved_preactivations(gate, up, limit, limit_below, limit_above, HAS_LIMIT)
+        store_row_tile(
+            gate_desc, gate_up_ptr, 2 * inter, gate, row, row_end, n_off, inter, BLOCK_M, BLOCK_N
+        )
+        store_row_tile(
+            up_desc,
+            gate_up_ptr + inter,
+            2 * inter,
+            up,
+            row,
+            row_end,
+            n_off,
+            inter,
+            BLOCK_M,
+            BLOCK_N,
+        )
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["capacity", "num_rows", "ready_timeout_ns", "ready_wait_id"])
 def _gate_up_swiglu_kernel(
@@ -671,6 +749,7 @@ def _gate_up_swiglu_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`TileClaims`)
     gate_bias_ptr,  # HAS_BIAS: [E, I] added to gate, and up_bias_ptr to up, before the activation
     up_bias_ptr,
     alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
@@ -683,72 +762,45 @@ def _gate_up_swiglu_kernel(
     WAIT_ROWS: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
     FLAGS: tl.constexpr,
+    CLAIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. h = swiglu(x @ W_gate[e].T, x @ W_up[e].T) for every group's rows;
-    GATHER: x's rows through an index (`row_block`); WAIT_ROWS: a tile first waits for its rows
-    to land (`wait_rows_ready`)."""
+    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr). h = swiglu(x @
+    W_gate[e].T, x @ W_up[e].T) for every group's rows; GATHER: x's rows through an index
+    (`row_block`); WAIT_ROWS: a tile first waits for its rows to land (`wait_rows_ready`)."""
     if GATHER:
         a_source = (x_ptr, x_stride, source_rows_ptr, num_rows, hidden)
     else:
         a_source = (x_desc,)
     ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
-    num_tasks = tl.load(counts_ptr) * n_tiles
-    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
-        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
-        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
-        n_off = n_idx * BLOCK_N
-        if WAIT_ROWS:
-            wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
-        gate, up = rows_dual_tile(
-            a_source,
-            w_gate_desc,
-            w_up_desc,
-            row,
-            expert,
-            n_off,
-            hidden,
-            GATHER,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        if HAS_BIAS:
-            gate = add_expert_bias(gate, gate_bias_ptr, expert, n_off, inter, BLOCK_N)
-            up = add_expert_bias(up, up_bias_ptr, expert, n_off, inter, BLOCK_N)
-        h = swiglu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
-        store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
-        if SAVE_PREACT:
-            gate, up = saved_preactivations(gate, up, limit, limit_below, limit_above, HAS_LIMIT)
-            store_row_tile(
-                gate_desc,
-                gate_up_ptr,
-                2 * inter,
-                gate,
-                row,
-                row_end,
-                n_off,
-                inter,
-                BLOCK_M,
-                BLOCK_N,
-            )
-            store_row_tile(
-                up_desc,
-                gate_up_ptr + inter,
-                2 * inter,
-                up,
-                row,
-                row_end,
-                n_off,
-                inter,
-                BLOCK_M,
-                BLOCK_N,
-            )
+    num_m = tl.load(counts_ptr)
+    num_tasks = num_m * n_tiles
+    tiles = (table_ptr, capacity, num_m, n_tiles, hidden, inter)
+    weights = (w_gate_desc, w_up_desc, gate_bias_ptr, up_bias_ptr)
+    outputs = (h_desc, h_ptr, gate_desc, up_desc, gate_up_ptr)
+    activation = (limit, limit_below, limit_above, alpha, up_offset)
+    # The static grid keeps a `for` loop: a `while` loop compiles it differently.
+    if CLAIM:
+        task = claimed_task(claims_ptr)
+        while task < num_tasks:
+            _gate_up_swiglu_task(
+                task, tiles, a_source, weights, outputs, activation, ready, HAS_LIMIT, HAS_BIAS,
+                PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M,
+            )  # fmt: skip
+            task = claimed_task(claims_ptr)
+    else:
+        for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+            _gate_up_swiglu_task(
+                task, tiles, a_source, weights, outputs, activation, ready, HAS_LIMIT, HAS_BIAS,
+                PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N,
+                BLOCK_K, GROUP_M,
+            )  # fmt: skip
 
 
 @fast_launch
@@ -831,6 +883,86 @@ def _down_kernel(
             )
 
 
+@triton.jit
+def _down_dgrad_swiglu_task(
+    task,
+    tiles,
+    grad_out_desc,
+    w_down_desc,
+    saved,
+    outputs,
+    activation,
+    ready,
+    HAS_LIMIT: tl.constexpr,
+    PLAIN: tl.constexpr,
+    WAIT_ROWS: tl.constexpr,
+    FLAG_ROWS: tl.constexpr,
+    FLAGS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """One output tile of `_down_dgrad_swiglu_kernel`: the gate and up gradients of a row tile
+    and a column tile."""
+    table_ptr, capacity, num_m, n_tiles, hidden, inter = tiles
+    gate_desc, up_desc = saved
+    grad_gate_desc, grad_up_desc, grad_gate_up_ptr = outputs
+    limit, alpha, up_offset = activation
+    m_idx, n_idx = grouped_task(task, num_m, n_tiles, GROUP_M)
+    expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+    n_off = n_idx * BLOCK_N
+    if WAIT_ROWS:
+        wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
+    grad_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    grad_h = rows_tile(
+        (grad_out_desc,),
+        w_down_desc,
+        row,
+        expert,
+        n_off,
+        hidden,
+        grad_h,
+        False,
+        False,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
+    # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
+    grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
+    # Rows past row_end hold other groups' values: they only reach output rows never stored.
+    gate = gate_desc.load([row, n_off]).to(tl.float32)
+    up = up_desc.load([row, n_off]).to(tl.float32)
+    grad_gate, grad_up = swiglu_backward_tile(
+        grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN
+    )
+    store_row_tile(
+        grad_gate_desc,
+        grad_gate_up_ptr,
+        2 * inter,
+        grad_gate,
+        row,
+        row_end,
+        n_off,
+        inter,
+        BLOCK_M,
+        BLOCK_N,
+    )
+    store_row_tile(
+        grad_up_desc,
+        grad_gate_up_ptr + inter,
+        2 * inter,
+        grad_up,
+        row,
+        row_end,
+        n_off,
+        inter,
+        BLOCK_M,
+        BLOCK_N,
+    )
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["capacity", "ready_timeout_ns", "ready_wait_id"])
 def _down_dgrad_swiglu_kernel(
@@ -852,6 +984,7 @@ def _down_dgrad_swiglu_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`TileClaims`)
     alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
     up_offset,
     HAS_LIMIT: tl.constexpr,
@@ -859,70 +992,39 @@ def _down_dgrad_swiglu_kernel(
     WAIT_ROWS: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
     FLAGS: tl.constexpr,
+    CLAIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. grad_h = grad_out @ W_down[e], then the SwiGLU backward on it.
-    WAIT_ROWS: a tile first waits for its grad_out rows to land (`wait_rows_ready`)."""
+    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr). grad_h = grad_out @
+    W_down[e], then the SwiGLU backward on it. WAIT_ROWS: a tile first waits for its grad_out
+    rows to land (`wait_rows_ready`)."""
     ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
-    num_tasks = tl.load(counts_ptr) * n_tiles
-    for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
-        m_idx, n_idx = grouped_task(task, num_tasks // n_tiles, n_tiles, GROUP_M)
-        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
-        n_off = n_idx * BLOCK_N
-        if WAIT_ROWS:
-            wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
-        grad_h = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        grad_h = rows_tile(
-            (grad_out_desc,),
-            w_down_desc,
-            row,
-            expert,
-            n_off,
-            hidden,
-            grad_h,
-            False,
-            False,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
-        grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
-        # Rows past row_end hold other groups' values: they only reach output rows never stored.
-        gate = gate_desc.load([row, n_off]).to(tl.float32)
-        up = up_desc.load([row, n_off]).to(tl.float32)
-        grad_gate, grad_up = swiglu_backward_tile(
-            grad_h, gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN
-        )
-        store_row_tile(
-            grad_gate_desc,
-            grad_gate_up_ptr,
-            2 * inter,
-            grad_gate,
-            row,
-            row_end,
-            n_off,
-            inter,
-            BLOCK_M,
-            BLOCK_N,
-        )
-        store_row_tile(
-            grad_up_desc,
-            grad_gate_up_ptr + inter,
-            2 * inter,
-            grad_up,
-            row,
-            row_end,
-            n_off,
-            inter,
-            BLOCK_M,
-            BLOCK_N,
-        )
+    num_m = tl.load(counts_ptr)
+    num_tasks = num_m * n_tiles
+    tiles = (table_ptr, capacity, num_m, n_tiles, hidden, inter)
+    saved = (gate_desc, up_desc)
+    outputs = (grad_gate_desc, grad_up_desc, grad_gate_up_ptr)
+    activation = (limit, alpha, up_offset)
+    # The static grid keeps a `for` loop: a `while` loop compiles it differently.
+    if CLAIM:
+        task = claimed_task(claims_ptr)
+        while task < num_tasks:
+            _down_dgrad_swiglu_task(
+                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
+                HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
+            task = claimed_task(claims_ptr)
+    else:
+        for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
+            _down_dgrad_swiglu_task(
+                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
+                HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
 
 
 @fast_launch
@@ -1268,6 +1370,14 @@ def _launch_options(cfg: GemmTiles, programs: int) -> dict:
     }
 
 
+def _claiming_options(cfg: GemmTiles, programs: int, counter: torch.Tensor | None) -> dict:
+    """`_launch_options` of a kernel that can claim its tasks, given its counter or None.
+    Claiming, it compiles once for any grid: NUM_PROGRAMS is then unused (1)."""
+    options = _launch_options(cfg, programs if counter is None else 1)
+    options["CLAIM"] = counter is not None
+    return options
+
+
 def gathered_rows(rows: torch.Tensor, source_rows: torch.Tensor | None) -> int:
     """M, the grouped rows of a product whose A rows are `rows` [S, K], read in place (M = S) or
     through `source_rows` [M] int32 (grouped row r is rows[source_rows[r]], each index in
@@ -1319,40 +1429,45 @@ def gate_up_swiglu(
     gate, up = (gate_up[:, :inter], gate_up[:, inter:]) if save_preact else (h, h)
     if m == 0:
         return h, gate_up if save_preact else None
-    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
     use_scratch_allocator(rows.device)
-    _gate_up_swiglu_kernel[(programs,)](
-        _desc(rows, [bm, bk]),
-        *_gather_args(rows, source_rows, tiles.table),
-        m,
-        _desc(w_gate, [1, bn, bk]),
-        _desc(w_up, [1, bn, bk]),
-        _desc(h, [bm, bn]),
-        h,
-        _desc(gate, [bm, bn]),
-        _desc(up, [bm, bn]),
-        gate_up,
-        tiles.table,
-        tiles.counts,
-        tiles.capacity,
-        hidden,
-        inter,
-        _limit(swiglu_limit),
-        *limit_edges(swiglu_limit, gate_up.dtype),
-        *ready_args(ready, tiles),
-        *(_bias_arg(b, tiles.table) for b in (biases or (None, None))),
-        float(activation.alpha),
-        float(activation.up_offset),
-        HAS_LIMIT=swiglu_limit is not None,
-        HAS_BIAS=biases is not None,
-        PLAIN=activation.plain,
-        SAVE_PREACT=save_preact,
-        GATHER=source_rows is not None,
-        WAIT_ROWS=ready is not None,
-        FLAG_ROWS=ready.block_rows if ready else 1,
-        FLAGS=ready.flags_per_tile(bm) if ready else 1,
-        **_launch_options(cfg, programs),
-    )
+
+    def launch(programs: int, counter: torch.Tensor | None) -> None:
+        _gate_up_swiglu_kernel[(programs,)](
+            _desc(rows, [bm, bk]),
+            *_gather_args(rows, source_rows, tiles.table),
+            m,
+            _desc(w_gate, [1, bn, bk]),
+            _desc(w_up, [1, bn, bk]),
+            _desc(h, [bm, bn]),
+            h,
+            _desc(gate, [bm, bn]),
+            _desc(up, [bm, bn]),
+            gate_up,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            _limit(swiglu_limit),
+            *limit_edges(swiglu_limit, gate_up.dtype),
+            *ready_args(ready, tiles),
+            tiles.counts if counter is None else counter,
+            *(_bias_arg(b, tiles.table) for b in (biases or (None, None))),
+            float(activation.alpha),
+            float(activation.up_offset),
+            HAS_LIMIT=swiglu_limit is not None,
+            HAS_BIAS=biases is not None,
+            PLAIN=activation.plain,
+            SAVE_PREACT=save_preact,
+            GATHER=source_rows is not None,
+            WAIT_ROWS=ready is not None,
+            FLAG_ROWS=ready.block_rows if ready else 1,
+            FLAGS=ready.flags_per_tile(bm) if ready else 1,
+            **_claiming_options(cfg, programs, counter),
+        )
+
+    programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
+    launch_persistent(launch, programs, cfg.claims)
     return h, gate_up if save_preact else None
 
 
@@ -1462,30 +1577,35 @@ def down_dgrad_swiglu(
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
     programs = num_programs(grad_out.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
     use_scratch_allocator(grad_out.device)
-    _down_dgrad_swiglu_kernel[(programs,)](
-        _desc(grad_out, [bm, bk]),
-        _desc(w_down, [1, bk, bn]),
-        _desc(gate_up[:, :inter], [bm, bn]),
-        _desc(gate_up[:, inter:], [bm, bn]),
-        _desc(grad_gate_up[:, :inter], [bm, bn]),
-        _desc(grad_gate_up[:, inter:], [bm, bn]),
-        grad_gate_up,
-        tiles.table,
-        tiles.counts,
-        tiles.capacity,
-        hidden,
-        inter,
-        _limit(swiglu_limit),
-        *ready_args(ready, tiles),
-        float(activation.alpha),
-        float(activation.up_offset),
-        HAS_LIMIT=swiglu_limit is not None,
-        PLAIN=activation.plain,
-        WAIT_ROWS=ready is not None,
-        FLAG_ROWS=ready.block_rows if ready else 1,
-        FLAGS=ready.flags_per_tile(bm) if ready else 1,
-        **_launch_options(cfg, programs),
-    )
+
+    def launch(programs: int, counter: torch.Tensor | None) -> None:
+        _down_dgrad_swiglu_kernel[(programs,)](
+            _desc(grad_out, [bm, bk]),
+            _desc(w_down, [1, bk, bn]),
+            _desc(gate_up[:, :inter], [bm, bn]),
+            _desc(gate_up[:, inter:], [bm, bn]),
+            _desc(grad_gate_up[:, :inter], [bm, bn]),
+            _desc(grad_gate_up[:, inter:], [bm, bn]),
+            grad_gate_up,
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            hidden,
+            inter,
+            _limit(swiglu_limit),
+            *ready_args(ready, tiles),
+            tiles.counts if counter is None else counter,
+            float(activation.alpha),
+            float(activation.up_offset),
+            HAS_LIMIT=swiglu_limit is not None,
+            PLAIN=activation.plain,
+            WAIT_ROWS=ready is not None,
+            FLAG_ROWS=ready.block_rows if ready else 1,
+            FLAGS=ready.flags_per_tile(bm) if ready else 1,
+            **_claiming_options(cfg, programs, counter),
+        )
+
+    launch_persistent(launch, programs, cfg.claims)
     return grad_gate_up
 
 
