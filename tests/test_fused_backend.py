@@ -208,6 +208,58 @@ def test_one_process_overlapped_schedule_matches_the_triton_backend_bitwise():
     assert_bitwise_equal(both_backends(0, 1, cases(CONFIG, 1), CPU, overlap=True))
 
 
+@pytest.mark.interpreter
+def test_one_process_claimed_schedule_matches_the_triton_backend_bitwise(monkeypatch):
+    """The overlapped schedule as a GPU runs it, its routed products held to 2 programs that
+    claim their tiles, each joined by `comm_sms` more (`_ClaimsAfterCopy`; on the CPU right
+    after the product, under the interpreter the tl twins claim): still bitwise the triton
+    backend's, and the forward claims for one product, the backward for two (the down dgrad and
+    the weight gradients' tl kernels keep the static grid). Catches a product's tiles claimed
+    from another's counter (computed by nobody: y or a gradient differs), a pass that does not
+    start its counters afresh (the second call's products find them spent), and an extension
+    that never launches or launches the wrong number of programs."""
+    from mok.backends import fused
+    from mok.kernels import grouped_gemm
+
+    taken = []
+    original_init, original_counter = fused.FusedBackend.__init__, fused._ClaimsAfterCopy.counter
+
+    def init(self, workspace):
+        original_init(self, workspace)
+        self.beside_sms = 2
+        self.claims = fused._ClaimsAfterCopy(self, products=4)
+
+    def counter(self):
+        taken.append(self.taken)
+        return original_counter(self)
+
+    monkeypatch.setattr(fused.FusedBackend, "__init__", init)
+    monkeypatch.setattr(fused._ClaimsAfterCopy, "counter", counter)
+    launches, ends = [], []
+    original_launch = grouped_gemm.launch_persistent
+
+    def launch_persistent(launch, programs, claims):
+        grids = []
+
+        def recorded(programs, counter):
+            grids.append(programs)
+            launch(programs, counter)
+
+        original_launch(recorded, programs, claims)
+        if claims is not None:
+            launches.append(grids)
+            ends.append(int(claims.counters[claims.taken - 1]))
+
+    monkeypatch.setattr(grouped_gemm, "launch_persistent", launch_persistent)
+    assert_bitwise_equal(both_backends(0, 1, cases(CONFIG, 1), CPU, overlap=True))
+    # Three of the four calls have rows (the third has no tokens). Per call: gate/up (counter 0
+    # of the forward), then the down dgrad (counter 0 of the backward).
+    assert taken == [0, 0] * 3
+    assert launches == [[2, CONFIG.comm_sms]] * 6  # held, then joined
+    # Every task claimed, then one id past the end for each of the 2 + comm_sms programs.
+    assert all(end >= 2 + CONFIG.comm_sms for end in ends)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dispatch", ["pull", "push"])
 def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise(dispatch):
