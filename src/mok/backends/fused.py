@@ -80,12 +80,7 @@ class _ClaimsAfterCopy:
 
     def extend(self, relaunch) -> None:
         backend = self.backend
-        if backend.comm_stream is None:
-            relaunch(backend.comm_programs)
-            return
-        backend.comm_stream.wait_event(self.inputs_ready)
-        with torch.cuda.stream(backend.comm_stream):
-            relaunch(backend.comm_programs)
+        backend._beside(lambda: relaunch(backend.comm_programs), after=self.inputs_ready)
         backend._join()
 
 
@@ -150,13 +145,17 @@ class FusedBackend(TritonBackend):
     def auto_skip_reason(device: torch.device) -> str | None:
         return "auto does not pick it yet: chosen by name (backend='fused') until measured faster"
 
-    def _beside(self, work) -> None:
-        """Run `work` on the communication stream, after what the compute stream queued so far
-        (on the CPU: now, before the products that wait for it)."""
+    def _beside(self, work, after: torch.cuda.Event | None = None) -> None:
+        """Run `work` on the communication stream, after what the compute stream queued so far,
+        or only up to the event `after` recorded on it (on the CPU: now, before the products
+        that wait for it)."""
         if self.comm_stream is None:
             work()
             return
-        self.comm_stream.wait_stream(torch.cuda.current_stream(self.workspace.device))
+        if after is None:
+            self.comm_stream.wait_stream(torch.cuda.current_stream(self.workspace.device))
+        else:
+            self.comm_stream.wait_event(after)
         with torch.cuda.stream(self.comm_stream):
             work()
 
