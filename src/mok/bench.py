@@ -274,6 +274,14 @@ def _peak_memory(device: torch.device) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process RSS"
 
 
+def _memory_outside_allocator_gib(layer, device: torch.device) -> float:
+    """GiB of `layer`'s buffers that the peak above misses: the symmetric memory of its NVLink
+    exchange, mapped outside PyTorch's caching allocator (none for the baseline)."""
+    if isinstance(layer, BaselineMoE):
+        return 0.0
+    return layer.workspace(device).backend.memory_outside_allocator() / 2**30
+
+
 def _graphed_pass(spec, layer, inputs, with_backward, name):
     """`replay` of a CUDA graph that runs one pass of `layer` on `inputs` (what is captured reads
     and writes the same tensors at every replay), after checking that a replay gives the eager
@@ -335,7 +343,8 @@ def _time_pass(spec, layer, inputs, with_backward, group, progress, label, graph
         if progress:
             progress.advance(task)
     slowest = _max_over_ranks(times, group)
-    peak = _max_over_ranks([_peak_memory(x.device)[0]], group)[0]
+    peak = _peak_memory(x.device)[0] + _memory_outside_allocator_gib(layer, x.device)
+    peak = _max_over_ranks([peak], group)[0]
     return statistics.median(slowest), min(slowest), max(slowest), peak
 
 
@@ -582,7 +591,8 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
         "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "
         f"{floor}; speedup = baseline time / backend time; peak memory of the largest rank "
-        f"({results[0].memory_kind}); the backend's receive buffers sized "
+        f"({results[0].memory_kind}, plus the symmetric memory of the backend's NVLink "
+        "exchange, which the allocator does not count); the backend's receive buffers sized "
         + (
             "for the worst-case routing"
             if first.pair_capacity_factor is None

@@ -323,3 +323,23 @@ def test_bad_backward_inputs_raise():
         expert_mlp_backward(grad_out, saved, grad_w_down=torch.zeros(2, 32, 16))
     with pytest.raises(ValueError, match="saved must be the ExpertMLPSaved"):
         expert_mlp_backward(grad_out, None)
+
+
+def test_backward_that_releases_the_saved_activations_matches():
+    """`release=True` drops rows, h and the pre-activations after the last product that reads
+    each: the same gradients bit for bit, the saved state emptied, and a product that needs a
+    released activation raises instead of reading freed memory. Bug caught: an activation
+    released before a product that reads it (expert_mlp_backward's order changed)."""
+    case = Case([5, 0, 9], 16, 48, after=3, seed=3)
+    rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    _, kept = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, swiglu_limit=1.0)
+    _, released = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, swiglu_limit=1.0)
+    expected = expert_mlp_backward(grad_out, kept)
+    got = expert_mlp_backward(grad_out, released, release=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert (released.rows, released.h, released.gate_up) == (None, None, None)
+    assert all(t is not None for t in (kept.rows, kept.h, kept.gate_up))
+    with pytest.raises(ValueError, match="the saved gate_up was released"):
+        expert_mlp_backward(grad_out, released)
+    with pytest.raises(ValueError, match="'w_gate' is not a saved activation"):
+        kept.release("w_gate")

@@ -222,17 +222,19 @@ class FusedBackend(TritonBackend):
     ) -> MoEGradients:
         """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1:
 
-            pair gradients, barrier -> pull grad rows          -> return and sum grad x
-                                     ‖ shared expert, dgrads    ‖ weight gradients
+            pair grads, barrier -> pull grad rows                        -> return, sum grad x
+                                 ‖ shared, down dgrad -> down wgrad, gate/up dgrad ‖ gate/up wgrad
         The grouped rows' gradients are pulled by the communication programs while the shared
         expert's backward and the first routed product (waiting per tile for its rows) run on
-        the other SMs; once the data gradients are done, the gradient of x goes back and is
-        summed (`dispatch_backward`, on the communication programs) while the weight gradients,
-        which need no communication, run beside it. The routed products beside a copy are
-        joined by more programs once it is done (`_ClaimsAfterCopy`)."""
+        the other SMs; the routed products then go in the triton backend's memory order (W_down's
+        gradient before the rows' gradient, so that grad_out is dropped first); once the rows'
+        gradient is done, the gradient of x goes back and is summed (`dispatch_backward`, on the
+        communication programs) while the gate/up weight gradient, which needs no
+        communication, runs beside it. The routed products beside a copy are joined by more
+        programs once it is done (`_ClaimsAfterCopy`)."""
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
-        from mok.kernels import expert_mlp_data_gradients, expert_mlp_weight_gradients
+        from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
@@ -244,14 +246,27 @@ class FusedBackend(TritonBackend):
             self.comm_programs,
             self.workspace.config.peer_timeout_s,
         )
+        saved.pair_out = None
         self._beside(pull)
+        del pull  # it holds grad_out, which goes once its products are queued
         if self.claims is not None:
             self.claims.start()
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
-        grad_rows, grad_gate_up = expert_mlp_data_gradients(
-            grad_out, saved.experts, rows_ready=ready, dgrad_sms=self.beside_sms, claims=self.claims
+        experts, grads = saved.experts, {}
+        if self.comm_stream is not None:  # written by the pull: freed after it, whatever joins
+            grad_out.record_stream(self.comm_stream)
+        grad_gate_up = self._down_gradients(
+            grad_out,
+            experts,
+            into,
+            grads,
+            rows_ready=ready,
+            dgrad_sms=self.beside_sms,
+            claims=self.claims,
         )
+        del grad_out
+        grad_rows = gate_up_data_gradient(grad_gate_up, experts)
         grad_x = []
 
         def give_back() -> None:
@@ -262,19 +277,18 @@ class FusedBackend(TritonBackend):
             )
 
         self._beside(give_back)
-        grad_gate, grad_up, grad_down = expert_mlp_weight_gradients(
-            grad_out,
+        grads["gate"], grads["up"] = gate_up_weight_gradients(
             grad_gate_up,
-            saved.experts,
+            experts,
             into.get("gate"),
             into.get("up"),
-            into.get("down"),
             sms=self.beside_sms,
             claims=self.claims,
         )
+        experts.release("rows")
+        del grad_gate_up
         self._join()
-        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **shared_grads}
         grad_x = grad_x[0]
         if self.comm_stream is not None:  # made on the communication stream, used on this one
             grad_x.record_stream(torch.cuda.current_stream(self.workspace.device))
-        return self._gradients(saved, grad_x, grad_router, grads, into)
+        return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)

@@ -70,3 +70,7 @@ class LayerBackend(Protocol[Routing, Saved]):
 
     def release(self) -> None:
         """Free its buffers."""
+
+    def memory_outside_allocator(self) -> int:
+        """Bytes of its buffers that PyTorch's caching allocator does not count
+        (`torch.cuda.max_memory_allocated` misses them): symmetric memory maps its own."""

@@ -107,6 +107,9 @@ class ReferenceBackend:
     def release(self) -> None:
         pass
 
+    def memory_outside_allocator(self) -> int:
+        return 0
+
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_(True)

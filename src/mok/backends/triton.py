@@ -76,7 +76,8 @@ class _Saved:
     experts: ExpertMLPSaved | MXExpertSaved
     shared: ExpertMLPSaved | None
     pair_out: torch.Tensor | MXRows | None
-    """The pairs' outputs, for the router weights' gradient (MXFP8: their cast along H)."""
+    """The pairs' outputs, for the router weights' gradient (MXFP8: their cast along H); None
+    once backward has read them."""
     dtypes: dict[str, torch.dtype]
     """What each gradient is returned in: "x", "topk_weights" and every weight field."""
 
@@ -315,12 +316,11 @@ class TritonBackend:
         self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
     ) -> MoEGradients:
         """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
-        that buffer by the weight-gradient kernels themselves (no extra pass)."""
-        from mok.kernels import (
-            expert_bias_gradients,
-            expert_mlp_data_gradients,
-            expert_mlp_weight_gradients,
-        )
+        that buffer by the weight-gradient kernels themselves (no extra pass). `saved` serves this
+        backward only: each saved activation is dropped after the last product that reads it, and
+        the routed products run in the order that holds the least at once: the two that read
+        grad_out (`_down_gradients`), then the two that read the pre-activations' gradients
+        (`_gate_up_gradients`)."""
         from mok.kernels.mx_expert_mlp import MXExpertSaved, mx_expert_mlp_backward
 
         into = accumulate_into
@@ -328,29 +328,53 @@ class TritonBackend:
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
+        saved.pair_out = None
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
-        buffers = (into.get("gate"), into.get("up"), into.get("down"))
-        bias_grads = {}
         if isinstance(saved.experts, MXExpertSaved):
-            grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
-                grad_out, saved.experts, *buffers
-            )
+            buffers = (into.get("gate"), into.get("up"), into.get("down"))
+            grad_rows, *routed = mx_expert_mlp_backward(grad_out, saved.experts, *buffers)
+            del grad_out
+            grads = dict(zip(("gate", "up", "down"), routed, strict=True))
         else:
-            grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved.experts)
-            grad_gate, grad_up, grad_down = expert_mlp_weight_gradients(
-                grad_out, grad_gate_up, saved.experts, *buffers
-            )
-            if saved.experts.biases is not None:
-                names = ("gate_bias", "up_bias", "down_bias")
-                bias_buffers = [into.get(name) for name in names]
-                gradients = expert_bias_gradients(
-                    grad_out, grad_gate_up, saved.experts, *bias_buffers
-                )
-                bias_grads = dict(zip(names, gradients, strict=True))
+            grads = {}
+            grad_gate_up = self._down_gradients(grad_out, saved.experts, into, grads)
+            del grad_out  # the last of its products is queued: its memory serves the next ones
+            grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
-        grads = {"gate": grad_gate, "up": grad_up, "down": grad_down, **bias_grads, **shared_grads}
-        return self._gradients(saved, grad_x, grad_router, grads, into)
+        return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+
+    @staticmethod
+    def _down_gradients(grad_out, experts, into: dict, grads: dict, **dgrad_options):
+        """The routed products that read grad_out [M, H]: the pre-activations' gradients
+        [M, 2I] (returned; `dgrad_options` as in `down_data_gradient`), then W_down's gradient
+        and the biases' (into `grads`). The saved pre-activations and h are released after
+        their last product."""
+        from mok.kernels import down_data_gradient, down_weight_gradient, expert_bias_gradients
+
+        grad_gate_up = down_data_gradient(grad_out, experts, **dgrad_options)
+        experts.release("gate_up")
+        grads["down"] = down_weight_gradient(grad_out, experts, into.get("down"))
+        experts.release("h")
+        if experts.biases is not None:
+            names = ("gate_bias", "up_bias", "down_bias")
+            buffers = [into.get(name) for name in names]
+            gradients = expert_bias_gradients(grad_out, grad_gate_up, experts, *buffers)
+            grads.update(zip(names, gradients, strict=True))
+        return grad_gate_up
+
+    @staticmethod
+    def _gate_up_gradients(grad_gate_up, experts, into: dict, grads: dict) -> torch.Tensor:
+        """The routed products that read the pre-activations' gradients: W_gate's and W_up's
+        gradients (into `grads`; the saved rows released after them), then the rows' gradient
+        [M, H] (returned), so that it and the rows are never held together."""
+        from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
+
+        grads["gate"], grads["up"] = gate_up_weight_gradients(
+            grad_gate_up, experts, into.get("gate"), into.get("up")
+        )
+        experts.release("rows")
+        return gate_up_data_gradient(grad_gate_up, experts)
 
     @staticmethod
     def _shared_backward(saved: _Saved, grad_y: torch.Tensor, into: dict):
@@ -362,7 +386,10 @@ class TritonBackend:
         # The shared expert runs as one expert of a group of one: [1, ...] views of its buffers.
         buffers = [into.get(name) for name in ("shared_gate", "shared_up", "shared_down")]
         grad_shared_x, gate, up, down = expert_mlp_backward(
-            grad_y, saved.shared, *(None if b is None else b.unsqueeze(0) for b in buffers)
+            grad_y,
+            saved.shared,
+            *(None if b is None else b.unsqueeze(0) for b in buffers),
+            release=True,
         )
         return grad_shared_x, {
             "shared_gate": gate.squeeze(0),
@@ -407,6 +434,13 @@ class TritonBackend:
             release_exchange(self.exchange)
         else:
             self.exchange.release()
+
+    def memory_outside_allocator(self) -> int:
+        from mok.comm.symmetric import SymmetricExchange
+
+        if isinstance(self.exchange, SymmetricExchange):
+            return self.exchange.bytes_outside_allocator
+        return 0
 
     def _dropped_as_zero(self, valid: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """`values` with zero where `valid` is False (NaN included). The zero is a cached device

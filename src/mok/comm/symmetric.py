@@ -353,6 +353,7 @@ class SymmetricExchange:
             offsets[name] = total
             total += nbytes
         allocate = allocate or simulated_allocator() or allocate_symmetric
+        self._outside_allocator = allocate is allocate_symmetric
         self._buffer, self._handle = allocate(total, device, self.group)
         self._regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
@@ -434,6 +435,22 @@ class SymmetricExchange:
         if size > torch.cuda.device_count():
             return f"{size} ranks share {torch.cuda.device_count()} GPUs: one GPU per rank needed"
         return None
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of this rank's symmetric buffer (every region)."""
+        return self._buffer.numel()
+
+    @property
+    def bytes_outside_allocator(self) -> int:
+        """Bytes of this rank's buffer that PyTorch's caching allocator does not count: all of
+        them from symmetric memory (mapped by its own allocator), none from a stand-in."""
+        return self.buffer_bytes if self._outside_allocator else 0
+
+    @property
+    def handle(self):
+        """The symmetric buffer's handle (`buffer_ptrs`, `get_buffer`), from its allocator."""
+        return self._handle
 
     def release(self) -> None:
         """Free the symmetric buffers (collective; the exchange cannot be used afterwards)."""

@@ -1,8 +1,10 @@
 """Triton kernels of MoK (Hopper GPUs; the CPU interpreter runs them for tests).
 
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert (the
-backward also in its two halves, `expert_mlp_data_gradients` and `expert_mlp_weight_gradients`;
-`expert_bias_gradients` for experts with biases), SwiGLU or gpt-oss's `Activation`.
+backward also product by product, `down_data_gradient`, `down_weight_gradient`,
+`gate_up_weight_gradients`, `gate_up_data_gradient`, or in two halves,
+`expert_mlp_data_gradients` and `expert_mlp_weight_gradients`; `expert_bias_gradients` for
+experts with biases), SwiGLU or gpt-oss's `Activation`.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
@@ -15,11 +17,15 @@ from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
     default_config,
+    down_data_gradient,
+    down_weight_gradient,
     expert_bias_gradients,
     expert_mlp_backward,
     expert_mlp_data_gradients,
     expert_mlp_forward,
     expert_mlp_weight_gradients,
+    gate_up_data_gradient,
+    gate_up_weight_gradients,
 )
 from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles
 
@@ -30,9 +36,13 @@ __all__ = [
     "ExpertMLPSaved",
     "GemmTiles",
     "default_config",
+    "down_data_gradient",
+    "down_weight_gradient",
     "expert_bias_gradients",
     "expert_mlp_backward",
     "expert_mlp_data_gradients",
     "expert_mlp_forward",
     "expert_mlp_weight_gradients",
+    "gate_up_data_gradient",
+    "gate_up_weight_gradients",
 ]

@@ -113,9 +113,10 @@ def default_config(
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class ExpertMLPSaved:
-    """What `expert_mlp_backward` needs from a forward call."""
+    """What `expert_mlp_backward` needs from a forward call. A backward that is the only one of
+    its forward may `release` each activation after the last product that reads it."""
 
     rows: torch.Tensor
     """[M, H] the forward's input rows."""
@@ -135,6 +136,16 @@ class ExpertMLPSaved:
     activation: Activation = SWIGLU
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The experts' biases (gate, up [E, I]; down [E, H]), or None."""
+
+    def release(self, *names: str) -> None:
+        """Drop the saved activations `names` ("rows", "h", "gate_up"; None afterwards): their
+        memory goes back to the caching allocator once nothing else holds them, for later
+        allocations on the stream it was made on (the products already queued there that read
+        them still run first). A product that needs a released activation raises."""
+        for name in names:
+            if name not in ("rows", "h", "gate_up"):
+                raise ValueError(f"{name!r} is not a saved activation (rows, h, gate_up)")
+            setattr(self, name, None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -422,86 +433,197 @@ def expert_mlp_backward(
     grad_w_gate: torch.Tensor | None = None,
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
+    release: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device): the
-    data gradients (`expert_mlp_data_gradients`), then the weight gradients
-    (`expert_mlp_weight_gradients`).
+    """Gradients of `expert_mlp_forward` given grad_out [M, H] (the rows' dtype and device): its
+    four products in the order that holds the least memory at once (`down_data_gradient`,
+    `down_weight_gradient`, `gate_up_weight_gradients`, `gate_up_data_gradient`).
 
     grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 contiguous buffers of the weights'
       shapes; the gradient is ADDED into a given buffer in place (in fp32, rounded once) and the
       buffer is returned. Otherwise a fresh tensor of the weights' dtype is returned.
+    release: `saved` serves this backward only: each of its tensors is released after the last
+      product that reads it (`ExpertMLPSaved.release`).
     Returns (grad_rows [M, H], grad_w_gate, grad_w_up, grad_w_down). grad_rows is zero outside the
     groups; weight gradients of experts without rows are zero (accumulation buffers untouched).
     Rows of grad_out outside the groups are never read.
     """
-    grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved)
-    return grad_rows, *expert_mlp_weight_gradients(
-        grad_out, grad_gate_up, saved, grad_w_gate, grad_w_up, grad_w_down
+    grad_gate_up = down_data_gradient(grad_out, saved)
+    if release:
+        saved.release("gate_up")
+    grad_w_down = down_weight_gradient(grad_out, saved, grad_w_down)
+    if release:
+        saved.release("h")
+    grad_w_gate, grad_w_up = gate_up_weight_gradients(grad_gate_up, saved, grad_w_gate, grad_w_up)
+    if release:
+        saved.release("rows")
+    grad_rows = gate_up_data_gradient(grad_gate_up, saved)
+    return grad_rows, grad_w_gate, grad_w_up, grad_w_down
+
+
+def _saved_tensor(saved: ExpertMLPSaved, name: str) -> torch.Tensor:
+    value = getattr(saved, name)
+    if value is None:
+        raise ValueError(f"the saved {name} was released by an earlier product of this backward")
+    return value
+
+
+def down_data_gradient(
+    grad_out: torch.Tensor,
+    saved: ExpertMLPSaved,
+    rows_ready: RowsReady | None = None,
+    dgrad_sms: int | None = None,
+    claims: TileClaims | None = None,
+) -> torch.Tensor:
+    """The pre-activations' gradients gate | up [M, 2I] given grad_out [M, H]: grad_h = grad_out
+    @ W_down[e] and the activation's backward on the saved pre-activations, one product.
+
+    rows_ready: grad_out's rows land while this product runs, written by a kernel beside it
+      (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: its grid held to this
+      many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel beside it. claims: with
+      dgrad_sms, its tasks claimed (`TileClaims`), so that more programs may join it once the
+      kernel beside is done."""
+    if not isinstance(saved, ExpertMLPSaved):
+        raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
+    gate_up = _saved_tensor(saved, "gate_up")
+    m, inter = gate_up.shape[0], saved.w_gate.shape[1]
+    _check("grad_out", grad_out, (m, saved.w_down.shape[1]), (gate_up.dtype,), gate_up.device)
+    _check_tma_layout("grad_out", grad_out)
+    if m == 0:
+        return gate_up.new_empty(0, 2 * inter)
+    cfg = saved.config
+    if dgrad_sms is not None:
+        cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
+    ws_dgrad = cfg.warp_specialized_dgrad
+    if (
+        saved.activation.plain
+        and ws_dgrad
+        and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down)
+    ):
+        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
+    else:
+        down_cfg = cfg.down_dgrad
+        down_dgrad = functools.partial(gg.down_dgrad_swiglu, activation=saved.activation)
+    return down_dgrad(
+        grad_out,
+        saved.w_down,
+        gate_up,
+        cached_row_tiles(saved.row_tiles, saved.group_offsets, m, down_cfg.block_m),
+        saved.swiglu_limit,
+        down_cfg,
+        ready=rows_ready,
+    )
+
+
+def gate_up_data_gradient(
+    grad_gate_up: torch.Tensor,
+    saved: ExpertMLPSaved,
+    gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """grad_rows [M, H] = grad_gate @ W_gate[e] + grad_up @ W_up[e] given the pre-activations'
+    gradients [M, 2I] (`down_data_gradient`), one product; zero outside the groups. Reads no
+    saved activation. gate_up_operand: maps the gradients to what the product reads instead
+    (the MXFP8 layer's cast of them)."""
+    m, hidden = grad_gate_up.shape[0], saved.w_gate.shape[2]
+    if m == 0:
+        return grad_gate_up.new_empty(0, hidden)
+    cfg = saved.config
+    ws_dgrad = cfg.warp_specialized_dgrad
+    if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
+        gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
+    else:
+        gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
+    operand = grad_gate_up if gate_up_operand is None else gate_up_operand(grad_gate_up)
+    return gate_up_dgrad(
+        operand,
+        saved.w_gate,
+        saved.w_up,
+        cached_row_tiles(saved.row_tiles, saved.group_offsets, m, gate_up_cfg.block_m),
+        gate_up_cfg,
     )
 
 
 def expert_mlp_data_gradients(
     grad_out: torch.Tensor,
     saved: ExpertMLPSaved,
-    rows_ready: RowsReady | None = None,
-    dgrad_sms: int | None = None,
     gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_rows [M, H], the pre-activations' gradients gate | up [M, 2I]) of
-    `expert_mlp_forward` given grad_out [M, H]: the two data-gradient products.
-    gate_up_operand: maps the pre-activations' gradients to what the second product reads
-    instead (the MXFP8 layer's cast of them; the returned gradients stay unmapped).
+    `expert_mlp_forward` given grad_out [M, H]: `down_data_gradient`, then
+    `gate_up_data_gradient` (gate_up_operand as there)."""
+    grad_gate_up = down_data_gradient(grad_out, saved)
+    return gate_up_data_gradient(grad_gate_up, saved, gate_up_operand), grad_gate_up
 
-    rows_ready: grad_out's rows land while the first product (through W_down) runs, written by a
-      kernel beside it (`RowsReady`): each tile waits for its rows' flags first. dgrad_sms: that
-      product's grid held to this many SMs (`GemmTiles.max_sms`), leaving the rest to the kernel
-      beside it; the second product takes every SM. claims: with dgrad_sms, that product's tasks
-      claimed (`TileClaims`), so that more programs may join it once the kernel beside is done.
-    """
-    if not isinstance(saved, ExpertMLPSaved):
-        raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
-    rows = saved.rows
-    m, hidden = rows.shape
-    _check("grad_out", grad_out, (m, hidden), (rows.dtype,), rows.device)
-    _check_tma_layout("grad_out", grad_out)
-    cfg = saved.config
-    inter = saved.w_gate.shape[1]
-    if m == 0:
-        return torch.empty_like(rows), rows.new_empty(0, 2 * inter)
+
+def _zeroed_unless_accumulating(buffer: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """The weight gradient of a call without rows: zero, or the accumulation buffer untouched."""
+    if not accumulate:
+        buffer.zero_()
+    return buffer
+
+
+def down_weight_gradient(
+    grad_out: torch.Tensor,
+    saved: ExpertMLPSaved,
+    grad_w_down: torch.Tensor | None = None,
+    sms: int | None = None,
+    claims: TileClaims | None = None,
+) -> torch.Tensor:
+    """grad_w_down [E, H, I]: per expert, grad_out[e].T @ h[e], from grad_out [M, H] and the
+    saved h; the buffer as in `expert_mlp_backward`. sms: the grid held to this many SMs (the
+    rest left to communication running beside it; None: every SM); claims: with sms, its tasks
+    claimed (`TileClaims`), so that more programs may join once the communication is done."""
+    grad_w_down, accumulate = _grad_buffer("grad_w_down", grad_w_down, saved.w_down)
+    h = _saved_tensor(saved, "h")
+    if h.shape[0] == 0:
+        return _zeroed_unless_accumulating(grad_w_down, accumulate)
+    cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
+    ws_wgrad = cfg.warp_specialized_wgrad
+    tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)
+    if tiles and ws.wgrad_supported(grad_out, h, grad_w_down, tiles):
+        ws.down_wgrad(grad_out, h, saved.group_offsets, grad_w_down, accumulate, tiles)
+    else:
+        gg.down_wgrad(grad_out, h, saved.group_offsets, grad_w_down, accumulate, cfg.down_wgrad)
+    return grad_w_down
+
+
+def gate_up_weight_gradients(
+    grad_gate_up: torch.Tensor,
+    saved: ExpertMLPSaved,
+    grad_w_gate: torch.Tensor | None = None,
+    grad_w_up: torch.Tensor | None = None,
+    sms: int | None = None,
+    claims: TileClaims | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_w_gate, grad_w_up) [E, I, H]: per expert, grad_gate[e].T @ rows[e] and likewise
+    up, one product, from the pre-activations' gradients [M, 2I] and the saved rows; buffers,
+    sms and claims as in `down_weight_gradient`."""
+    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
+    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
+    rows = _saved_tensor(saved, "rows")
+    if rows.shape[0] == 0:
+        return (
+            _zeroed_unless_accumulating(grad_w_gate, acc_gate),
+            _zeroed_unless_accumulating(grad_w_up, acc_up),
+        )
+    cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
     offsets = saved.group_offsets
-    tiles = saved.row_tiles
-    if dgrad_sms is not None:
-        cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
-    ws_dgrad = cfg.warp_specialized_dgrad
-    plain = saved.activation.plain
-    if plain and ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
-        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
+    ws_wgrad = cfg.warp_specialized_wgrad
+    tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_gate.dtype)
+    if (
+        tiles
+        and grad_w_gate.dtype == grad_w_up.dtype
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, tiles)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, tiles)
+    ):
+        ws.gate_up_wgrad(
+            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, tiles
+        )
     else:
-        down_cfg = cfg.down_dgrad
-        down_dgrad = functools.partial(gg.down_dgrad_swiglu, activation=saved.activation)
-    grad_gate_up = down_dgrad(
-        grad_out,
-        saved.w_down,
-        saved.gate_up,
-        cached_row_tiles(tiles, offsets, m, down_cfg.block_m),
-        saved.swiglu_limit,
-        down_cfg,
-        ready=rows_ready,
-    )
-    if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
-        gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
-    else:
-        gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
-    operand = grad_gate_up if gate_up_operand is None else gate_up_operand(grad_gate_up)
-    grad_rows = gate_up_dgrad(
-        operand,
-        saved.w_gate,
-        saved.w_up,
-        cached_row_tiles(tiles, offsets, m, gate_up_cfg.block_m),
-        gate_up_cfg,
-    )
-    return grad_rows, grad_gate_up
+        gg.gate_up_wgrad(
+            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
+        )
+    return grad_w_gate, grad_w_up
 
 
 def expert_mlp_weight_gradients(
@@ -511,51 +633,12 @@ def expert_mlp_weight_gradients(
     grad_w_gate: torch.Tensor | None = None,
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
-    sms: int | None = None,
-    claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_w_gate, grad_w_up, grad_w_down) of `expert_mlp_forward` from grad_out [M, H] and
-    the pre-activations' gradients [M, 2I] (`expert_mlp_data_gradients`); the buffers as in
-    `expert_mlp_backward`. sms: the products' grids held to this many SMs (the rest left to
-    communication running beside them; None: every SM); claims: with sms, their tasks claimed
-    (`TileClaims`), so that more programs may join them once the communication is done."""
-    rows = saved.rows
-    m = rows.shape[0]
-    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
-    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
-    grad_w_down, acc_down = _grad_buffer("grad_w_down", grad_w_down, saved.w_down)
-    if m == 0:
-        for buffer, accumulate in (
-            (grad_w_gate, acc_gate),
-            (grad_w_up, acc_up),
-            (grad_w_down, acc_down),
-        ):
-            if not accumulate:
-                buffer.zero_()
-        return grad_w_gate, grad_w_up, grad_w_down
-    cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
-    offsets = saved.group_offsets
-    ws_wgrad = cfg.warp_specialized_wgrad
-    down_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)
-    if down_tiles and ws.wgrad_supported(grad_out, saved.h, grad_w_down, down_tiles):
-        ws.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, down_tiles)
-    else:
-        gg.down_wgrad(grad_out, saved.h, offsets, grad_w_down, acc_down, cfg.down_wgrad)
-    gate_up_tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_gate.dtype)
-    if (
-        gate_up_tiles
-        and grad_w_gate.dtype == grad_w_up.dtype
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, gate_up_tiles)
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, gate_up_tiles)
-    ):
-        ws.gate_up_wgrad(
-            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, gate_up_tiles
-        )
-    else:
-        gg.gate_up_wgrad(
-            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
-        )
-    return grad_w_gate, grad_w_up, grad_w_down
+    the pre-activations' gradients [M, 2I]: `down_weight_gradient`, then
+    `gate_up_weight_gradients`; the buffers as in `expert_mlp_backward`."""
+    grad_w_down = down_weight_gradient(grad_out, saved, grad_w_down)
+    return *gate_up_weight_gradients(grad_gate_up, saved, grad_w_gate, grad_w_up), grad_w_down
 
 
 def expert_bias_gradients(
