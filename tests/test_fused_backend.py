@@ -260,6 +260,61 @@ def test_one_process_claimed_schedule_matches_the_triton_backend_bitwise(monkeyp
     assert all(end >= 2 + CONFIG.comm_sms for end in ends)
 
 
+def stacked_layers(rank, world, scenario, device, shared_dir=None):
+    """Rank worker: per backend (triton, fused), two layers of one shape (sharing one exchange)
+    stacked, forward and backward once: y, the gradients of x and the router weights, and of
+    both layers' weights. Symmetric memory as in `both_backends`."""
+    allocator = cuda_ipc_allocator if shared_dir is None else shared_file_allocator(shared_dir)
+    inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(scenario.ranks[rank])))
+    results = []
+    with simulated_symmetric_memory(allocator):
+        for backend in ("triton", "fused"):
+            config = dataclasses.replace(scenario.config, backend=backend)
+            layers = []
+            for seed in (scenario.seed, scenario.seed + 1):
+                layer = mok.MoE(config, group=dist.group.WORLD, device=device)
+                layer.load_global_weights(global_weights(config, seed, device))
+                layers.append(layer)
+            exchanges = {id(layer.workspace(device).backend.exchange) for layer in layers}
+            x = inputs.x.clone().requires_grad_(True)
+            weights = inputs.topk_weights.clone().requires_grad_(True)
+            y = layers[1](layers[0](x, inputs.topk_idx, weights), inputs.topk_idx, weights)
+            y.backward(inputs.grad_y)
+            found = {"y": y, "grad x": x.grad, "grad topk_weights": weights.grad}
+            for index, layer in enumerate(layers):
+                found |= {f"{name} {index}": p.grad for name, p in layer.named_parameters()}
+            found = {key: value.detach().cpu() for key, value in found.items()}
+            found["exchanges"] = len(exchanges)
+            for layer in layers:
+                layer.workspace(device).release()
+            results.append(found)
+    return [results]
+
+
+@pytest.mark.interpreter
+def test_stacked_layers_sharing_an_exchange_match_the_triton_backend_bitwise(tmp_path):
+    """Two layers of one shape at EP 2 share one exchange: the second forward's owners store
+    their outputs into the memory that the first forward's pairs came back in, and that the
+    backwards then fill with pair gradients (the overlapped layout's pair slots are the pair
+    gradients' memory). Catches a pass that reads pair slots or gradients another pass has
+    overwritten (the saved pair outputs kept as a view of the slots instead of a copy, a
+    backward's gradients written before the forward's sum read the slots)."""
+    scenario_ = cases(CONFIG, 2)[0]
+    for outcome in run_ranks(stacked_layers, 2, args=(scenario_, CPU, tmp_path)):
+        assert outcome[0][1]["exchanges"] == 1
+        assert_bitwise_equal(outcome)
+
+
+@pytest.mark.gpu
+def test_stacked_layers_on_ranks_sharing_one_gpu_match_the_triton_backend_bitwise():
+    """The stacked layers of the test above with the ranks' processes sharing one GPU: real
+    concurrency between one rank's pulls of pair gradients and another's stores of outputs."""
+    scenario_ = cases(GPU_CONFIG, 2)[0]
+    for outcome in run_ranks(stacked_layers, 2, args=(scenario_, torch.device("cuda", 0))):
+        assert outcome[0][1]["exchanges"] == 1
+        assert_bitwise_equal(outcome)
+
+
 def buffer_lifetimes(rank, world, backend, shared_dir):
     """Rank worker: one call of `backend` at EP `world` over a shared file, with what the
     routed experts' backward still held when its gate/up weight gradient and its rows' gradient

@@ -126,12 +126,13 @@ def test_the_fused_backend_gives_each_product_of_a_pass_its_own_counter():
     counter (the second would find it spent and compute nothing), counters left at the previous
     pass's values. Where the extension runs on a GPU (after the copy and the product's inputs,
     not after the product) shows in `benchmarks/overlap.py --overlap`, not in results."""
-    from mok.backends.fused import _ClaimsAfterCopy
+    from mok.backends.fused import FusedBackend, _ClaimsAfterCopy
 
     class Backend:
         workspace = type("Workspace", (), {"device": torch.device("cpu")})()
         comm_programs = 16
         comm_stream = None
+        _beside, _join = FusedBackend._beside, FusedBackend._join
 
     claims = _ClaimsAfterCopy(Backend(), products=3)
     claims.counters.fill_(9)

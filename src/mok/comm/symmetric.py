@@ -187,11 +187,8 @@ def buffer_layout(
             ("staging_source", (s.token_capacity + 1, 2), torch.int64),
             ("x_copy", (s.max_tokens, width), s.dtype),
         ]
-    if s.overlapped:
-        layout += [
-            ("pair_out", (s.max_tokens * s.top_k, s.hidden), s.dtype),
-            ("combine_counts", (ep_size,), torch.int32),
-        ]
+    if s.overlapped:  # its pair_out is grad_pairs' memory (`SymmetricView.pair_out`)
+        layout.append(("combine_counts", (ep_size,), torch.int32))
     return layout
 
 
@@ -272,7 +269,12 @@ class SymmetricView:
     x_copy: PeerTensor | None
     """[T_max, W] with pull dispatch: this rank's tokens, for the owners to pull."""
     pair_out: PeerTensor | None
-    """[T_max * k, H] overlapped: the outputs of this rank's pairs, stored by their owners."""
+    """[T_max * k, H] overlapped: the outputs of this rank's pairs, stored by their owners; the
+    memory of grad_pairs, which no forward and backward use at once: a backward writes its pair
+    gradients after its rank's last forward summed its pair outputs (stream order, after the
+    wait for every owner's stores), and an owner stores a forward's outputs only after every
+    rank passed that forward's barrier, which each passes once its earlier backward's pulls of
+    pair gradients are done (its communication stream joined before the barrier)."""
     combine_counts: PeerTensor | None
     """[ep] int32 overlapped: per owner, its rows stored into pair_out (x column tiles)."""
     epoch: torch.Tensor
@@ -367,7 +369,7 @@ class SymmetricExchange:
             x_copy=frozen.pop("x_copy", None),
             staging=frozen.pop("staging", None),
             expert_out=frozen.pop("expert_out", None),
-            pair_out=frozen.pop("pair_out", None),
+            pair_out=frozen["grad_pairs"] if s.overlapped else None,
             combine_counts=frozen.pop("combine_counts", None),
             **frozen,
             epoch=torch.zeros(1, dtype=torch.int32, device=device),
