@@ -3,7 +3,8 @@ counted: the figures of issue 13's memory target.
 
     python benchmarks/peak_memory.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens 8192]
                                      [--ep 2] [--backends baseline,triton,fused]
-                                     [--pair-capacity 1.25] [--snapshots DIR]
+                                     [--pair-capacity 1.25] [--precision mxfp8]
+                                     [--snapshots DIR]
                                      [--out results.md]
 
 One rank per GPU where the machine has EP GPUs (nccl); otherwise the EP ranks share GPU 0 (a gloo
@@ -25,6 +26,8 @@ weights' gradients dropped again):
 --pair-capacity F sizes the backends' receive buffers for F x the mean pairs a rank receives
 (T x k) instead of the worst case (every pair of every rank: EP x T x k rows), the
 `recv_pair_capacity` option: pairs beyond it would be dropped and reported by `check()`.
+
+--precision: the backends' (the baseline stays bf16; the fused backend computes bf16 only).
 
 --snapshots writes a CUDA memory snapshot of each measured call (`torch.cuda.memory
 ._dump_snapshot`, viewable at pytorch.org/memory_viz) for finding which tensors make a peak.
@@ -139,7 +142,9 @@ def rank_inputs(config, rank, tokens, device):
     return x, idx, weights.requires_grad_(True), grad_y.to(config.activation_dtype)
 
 
-def memory_rank(rank, world, presets, tokens, backends, shared_gpu, snapshots, pair_capacity):
+def memory_rank(
+    rank, world, presets, tokens, backends, shared_gpu, snapshots, pair_capacity, precision
+):
     device = torch.device("cuda", 0 if shared_gpu else rank)
     torch.cuda.set_device(device)
     group = dist.group.WORLD if world > 1 else None
@@ -157,7 +162,10 @@ def memory_rank(rank, world, presets, tokens, backends, shared_gpu, snapshots, p
                 label = f"{preset}-{backend}-ep{world}-rank{rank}"
                 snapshot = None if snapshots is None else os.path.join(snapshots, label)
                 layer = mok.MoE(
-                    config.replace(backend="triton" if backend == "baseline" else backend),
+                    config.replace(
+                        backend="triton" if backend == "baseline" else backend,
+                        precision="bf16" if backend == "baseline" else precision,
+                    ),
                     group=group,
                     device=device,
                 )
@@ -217,6 +225,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--backends", default="baseline,triton,fused")
     parser.add_argument("--pair-capacity", type=float, default=None)
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8"))
     parser.add_argument("--snapshots", default=None, help="folder for CUDA memory snapshots")
     parser.add_argument("--out", default=None, help="also write the table to this file")
     args = parser.parse_args()
@@ -225,13 +234,22 @@ def main() -> None:
     if args.snapshots:
         os.makedirs(args.snapshots, exist_ok=True)
     shared_gpu = torch.cuda.device_count() < args.ep
-    call = (presets, args.tokens, backends, shared_gpu, args.snapshots, args.pair_capacity)
+    call = (
+        presets,
+        args.tokens,
+        backends,
+        shared_gpu,
+        args.snapshots,
+        args.pair_capacity,
+        args.precision,
+    )
     if args.ep == 1:
         per_rank = [memory_rank(0, 1, *call)]
     else:
         backend = "gloo" if shared_gpu else "nccl"
         per_rank = run_ranks(memory_rank, args.ep, args=call, backend=backend)
     where = f"{args.ep} ranks sharing GPU 0" if shared_gpu else f"{args.ep} GPUs"
+    where += f"; the backends in {args.precision}"
     if args.pair_capacity is not None:
         where += f"; receive buffers for {args.pair_capacity} x the mean pairs"
     text = f"{torch.cuda.get_device_name(0)}, {where}\n\n" + table(per_rank, args.ep, args.tokens)

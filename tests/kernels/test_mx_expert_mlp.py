@@ -108,3 +108,23 @@ def test_the_weight_cache_casts_once_per_weight_update():
     copies = [w.clone() for w in weights]  # equal values, other tensors: never served old casts
     cache.get(*copies, ScaleRounding.FLOOR)
     assert cache.casts == 4
+
+
+@pytest.mark.parametrize("limit", [None, 2.0], ids=["casts saved", "bf16 pre-activations"])
+def test_backward_that_releases_the_saved_casts_matches(limit):
+    """`release=True` drops x's, h's and the pre-activations' saved casts once their values are
+    made: the same gradients bit for bit, the saved state emptied. Bug caught: a saved cast
+    released before the cast of it that a later product reads was made (the order of
+    mx_expert_mlp_backward changed), or a product reading another operand's cast."""
+    rows, weights, grad_out, offsets = problem([29, 0, 48, 11])
+    on_device = [w.to(DEVICE, DTYPE) for w in weights]
+    casts = MXWeightValues.of(*on_device, ScaleRounding.RCEIL)
+    rows, grad_out, offsets = rows.to(DEVICE, DTYPE), grad_out.to(DEVICE, DTYPE), offsets.to(DEVICE)
+    _, kept = mx_expert_mlp_forward(rows, offsets, casts, limit)
+    _, released = mx_expert_mlp_forward(rows, offsets, casts, limit)
+    expected = mx_expert_mlp_backward(grad_out, kept)
+    got = mx_expert_mlp_backward(grad_out, released, release=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert (released.x, released.h, released.gate_up) == (None, None, None)
+    with pytest.raises(ValueError, match="'rows' is not a saved cast"):
+        kept.release("rows")

@@ -332,7 +332,9 @@ class TritonBackend:
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         if isinstance(saved.experts, MXExpertSaved):
             buffers = (into.get("gate"), into.get("up"), into.get("down"))
-            grad_rows, *routed = mx_expert_mlp_backward(grad_out, saved.experts, *buffers)
+            grad_rows, *routed = mx_expert_mlp_backward(
+                grad_out, saved.experts, *buffers, release=True
+            )
             del grad_out
             grads = dict(zip(("gate", "up", "down"), routed, strict=True))
         else:

@@ -30,9 +30,11 @@ from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
     cached_row_tiles,
-    expert_mlp_data_gradients,
+    down_data_gradient,
+    down_weight_gradient,
     expert_mlp_forward,
-    expert_mlp_weight_gradients,
+    gate_up_data_gradient,
+    gate_up_weight_gradients,
 )
 from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
 from mok.reference.mx import ScaleRounding
@@ -98,9 +100,10 @@ class MXWeightCache:
         self._key, self._refs, self._values = None, (), None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class MXExpertSaved:
-    """What `mx_expert_mlp_backward` needs from a forward call."""
+    """What `mx_expert_mlp_backward` needs from a forward call. A backward that is the only one
+    of its forward may `release` each saved cast once it no longer needs it."""
 
     x: MXRows
     """The rows cast along H, [M, H]."""
@@ -116,6 +119,14 @@ class MXExpertSaved:
     swiglu_limit: float | None
     rounding: ScaleRounding
     config: ExpertKernelConfig
+
+    def release(self, *names: str) -> None:
+        """Drop the saved casts `names` ("x", "h", "gate_up"; None afterwards), as
+        `ExpertMLPSaved.release` does."""
+        for name in names:
+            if name not in ("x", "h", "gate_up"):
+                raise ValueError(f"{name!r} is not a saved cast (x, h, gate_up)")
+            setattr(self, name, None)
 
 
 def mx_expert_mlp_forward(
@@ -189,13 +200,16 @@ def mx_expert_mlp_backward(
     grad_w_gate: torch.Tensor | None = None,
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
+    release: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad rows [M, H], grad W_gate, grad W_up, grad W_down) of `mx_expert_mlp_forward` given
     grad_out [M, H] (bf16 values): the reference's MXFP8 backward. The weight-gradient buffers
     as in `expert_mlp_backward` (added into when given). grad rows is zero outside the groups;
     an expert without rows gets zero weight gradients. Each operand is cast in one pass that
     makes every cast of it the backward reads (grad_out and the SwiGLU gradients: along their
-    columns for the data gradients, along the tokens for the weight gradients)."""
+    columns for the data gradients, along the tokens for the weight gradients). The products go
+    in `expert_mlp_backward`'s order, each cast dropped after its last product; release: `saved`
+    serves this backward only, each saved cast released once its values are made."""
     rounding, w = saved.rounding, saved.weights
     m = grad_out.shape[0]
     dtype = grad_out.dtype
@@ -204,39 +218,44 @@ def mx_expert_mlp_backward(
     gate_up = saved.gate_up
     if isinstance(gate_up, MXRows):
         gate_up = mx_group_casts(gate_up, tiles, rounding, values=True, dtype=dtype).values
+    if release:
+        saved.release("gate_up")
+    # The bf16 products' saved state, holding each operand's cast only while a product reads it.
     through = ExpertMLPSaved(
-        rows=g.values,  # only its shape and dtype are read by the data gradients
+        rows=None,
         group_offsets=saved.group_offsets,
         w_gate=w.gate_along_i,
         w_up=w.up_along_i,
         w_down=w.down_along_h,
-        h=g.values,
+        h=None,
         gate_up=gate_up,
         row_tiles=saved.row_tiles,
         swiglu_limit=saved.swiglu_limit,
         config=saved.config,
     )
-    grads_along_tokens = []
-
-    def gate_up_operand(grads: torch.Tensor) -> torch.Tensor:
+    del gate_up
+    grads = down_data_gradient(g.values, through)
+    through.release("gate_up")
+    through.h = mx_group_casts(
+        saved.h, tiles, rounding, token_values=True, dtype=dtype
+    ).token_values
+    if release:
+        saved.release("h")
+    grad_w_down = down_weight_gradient(g.token_values, through, grad_w_down)
+    through.release("h")
+    del g
+    grads_cols = grads_tokens = grads  # without rows there is nothing to cast
+    if m:
         cast = mx_group_casts(grads, tiles, rounding, values=True, token_values=True)
-        grads_along_tokens.append(cast.token_values)
-        return cast.values
-
-    grad_rows, grads = expert_mlp_data_gradients(g.values, through, gate_up_operand=gate_up_operand)
-    # Without rows no operand was cast (and the weight gradients read none).
-    grads_tokens = grads_along_tokens[0] if grads_along_tokens else grads
-    grad_out_tokens = g.token_values
-    x_tokens = mx_group_casts(saved.x, tiles, rounding, token_values=True, dtype=dtype)
-    h_tokens = mx_group_casts(saved.h, tiles, rounding, token_values=True, dtype=dtype)
-    # The weight gradients read the operands' casts along the tokens (the weights' shapes only);
-    # the data gradients' operands go first.
-    wgrad = dataclasses.replace(
-        through, rows=x_tokens.token_values, h=h_tokens.token_values, gate_up=grads_tokens
-    )
-    del g, grads, gate_up, through
-    grads_along_tokens.clear()
-    grad_w_gate, grad_w_up, grad_w_down = expert_mlp_weight_gradients(
-        grad_out_tokens, grads_tokens, wgrad, grad_w_gate, grad_w_up, grad_w_down
-    )
-    return grad_rows, grad_w_gate, grad_w_up, grad_w_down
+        grads_cols, grads_tokens = cast.values, cast.token_values
+        del cast
+    del grads
+    through.rows = mx_group_casts(
+        saved.x, tiles, rounding, token_values=True, dtype=dtype
+    ).token_values
+    if release:
+        saved.release("x")
+    grad_w_gate, grad_w_up = gate_up_weight_gradients(grads_tokens, through, grad_w_gate, grad_w_up)
+    through.release("rows")
+    del grads_tokens
+    return gate_up_data_gradient(grads_cols, through), grad_w_gate, grad_w_up, grad_w_down
