@@ -3,7 +3,7 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused] [mxfp8] [e2e] [e2e-compiled] [e2e-profile]
+#                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-profile]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -22,6 +22,9 @@
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
+# memory: peak memory per rank, symmetric buffers counted (benchmarks/peak_memory.py): EP 2 on
+# two GPUs or on ranks sharing one (worst-case receive buffers, then at 1.25x the mean pairs),
+# EP 1, and the MXFP8 layer at EP 1.
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
 # comm_sms 8, 16, 24) at EP = the GPU count, its overlapped schedule forced at EP 1 (the price of
 # the SMs the copies take), and a profiler trace of one fused forward + backward.
@@ -182,6 +185,14 @@ print(*m())' 2>&1)
         --preset qwen3-235b-a22b,deepseek-v3 --out "$OUT/overlap-ep1-overlapped.md"
       run fused-trace python3 benchmarks/profile_layer.py --preset deepseek-v3 --backend fused \
         --trace "$OUT/trace-fused" ;;
+    memory)
+      for capacity in "" "--pair-capacity 1.25"; do
+        run "memory-ep2 $capacity" python3 benchmarks/peak_memory.py --ep 2 $capacity \
+          --out "$OUT/peak-memory-ep2${capacity:+-capacity}.md"
+      done
+      run memory-ep1 python3 benchmarks/peak_memory.py --ep 1 --out "$OUT/peak-memory-ep1.md"
+      run memory-mxfp8 python3 benchmarks/peak_memory.py --ep 1 --backends baseline,triton \
+        --precision mxfp8 --out "$OUT/peak-memory-mxfp8.md" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
