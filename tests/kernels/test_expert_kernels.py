@@ -23,11 +23,13 @@ from mok.kernels import (
     ExpertKernelConfig,
     GemmTiles,
     default_config,
+    down_data_gradient,
+    down_weight_gradient,
     expert_bias_gradients,
     expert_mlp_backward,
-    expert_mlp_data_gradients,
     expert_mlp_forward,
-    expert_mlp_weight_gradients,
+    gate_up_data_gradient,
+    gate_up_weight_gradients,
 )
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.expert import grouped_expert_mlp
@@ -136,10 +138,13 @@ def run_and_check(case: Case, config: ExpertKernelConfig | None = None, buffers=
         activation=case.activation,
         biases=biases,
     )
-    grad_rows, grad_gate_up = expert_mlp_data_gradients(grad_out, saved)
-    grad_weights = list(
-        expert_mlp_weight_gradients(grad_out, grad_gate_up, saved, *(buffers or ()))
-    )
+    gate_buffer, up_buffer, down_buffer = buffers or (None, None, None)
+    grad_gate_up = down_data_gradient(grad_out, saved)
+    grad_rows = gate_up_data_gradient(grad_gate_up, saved)
+    grad_weights = [
+        *gate_up_weight_gradients(grad_gate_up, saved, gate_buffer, up_buffer),
+        down_weight_gradient(grad_out, saved, down_buffer),
+    ]
     if biases is not None:
         grad_weights += expert_bias_gradients(grad_out, grad_gate_up, saved)
     ref_out, *ref_grads = reference(case, rows, w_gate, w_up, w_down, grad_out, biases)

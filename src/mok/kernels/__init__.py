@@ -2,9 +2,8 @@
 
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert (the
 backward also product by product, `down_data_gradient`, `down_weight_gradient`,
-`gate_up_weight_gradients`, `gate_up_data_gradient`, or in two halves,
-`expert_mlp_data_gradients` and `expert_mlp_weight_gradients`; `expert_bias_gradients` for
-experts with biases), SwiGLU or gpt-oss's `Activation`.
+`gate_up_weight_gradients`, `gate_up_data_gradient`; `expert_bias_gradients` for experts with
+biases), SwiGLU or gpt-oss's `Activation`.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
@@ -21,9 +20,7 @@ from mok.kernels.expert_mlp import (
     down_weight_gradient,
     expert_bias_gradients,
     expert_mlp_backward,
-    expert_mlp_data_gradients,
     expert_mlp_forward,
-    expert_mlp_weight_gradients,
     gate_up_data_gradient,
     gate_up_weight_gradients,
 )
@@ -40,9 +37,7 @@ __all__ = [
     "down_weight_gradient",
     "expert_bias_gradients",
     "expert_mlp_backward",
-    "expert_mlp_data_gradients",
     "expert_mlp_forward",
-    "expert_mlp_weight_gradients",
     "gate_up_data_gradient",
     "gate_up_weight_gradients",
 ]

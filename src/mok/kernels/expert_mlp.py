@@ -518,12 +518,10 @@ def down_data_gradient(
 def gate_up_data_gradient(
     grad_gate_up: torch.Tensor,
     saved: ExpertMLPSaved,
-    gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """grad_rows [M, H] = grad_gate @ W_gate[e] + grad_up @ W_up[e] given the pre-activations'
     gradients [M, 2I] (`down_data_gradient`), one product; zero outside the groups. Reads no
-    saved activation. gate_up_operand: maps the gradients to what the product reads instead
-    (the MXFP8 layer's cast of them)."""
+    saved activation (the MXFP8 layer passes their cast's values)."""
     m, hidden = grad_gate_up.shape[0], saved.w_gate.shape[2]
     if m == 0:
         return grad_gate_up.new_empty(0, hidden)
@@ -533,26 +531,13 @@ def gate_up_data_gradient(
         gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
     else:
         gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
-    operand = grad_gate_up if gate_up_operand is None else gate_up_operand(grad_gate_up)
     return gate_up_dgrad(
-        operand,
+        grad_gate_up,
         saved.w_gate,
         saved.w_up,
         cached_row_tiles(saved.row_tiles, saved.group_offsets, m, gate_up_cfg.block_m),
         gate_up_cfg,
     )
-
-
-def expert_mlp_data_gradients(
-    grad_out: torch.Tensor,
-    saved: ExpertMLPSaved,
-    gate_up_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_rows [M, H], the pre-activations' gradients gate | up [M, 2I]) of
-    `expert_mlp_forward` given grad_out [M, H]: `down_data_gradient`, then
-    `gate_up_data_gradient` (gate_up_operand as there)."""
-    grad_gate_up = down_data_gradient(grad_out, saved)
-    return gate_up_data_gradient(grad_gate_up, saved, gate_up_operand), grad_gate_up
 
 
 def _zeroed_unless_accumulating(buffer: torch.Tensor, accumulate: bool) -> torch.Tensor:
@@ -626,21 +611,6 @@ def gate_up_weight_gradients(
     return grad_w_gate, grad_w_up
 
 
-def expert_mlp_weight_gradients(
-    grad_out: torch.Tensor,
-    grad_gate_up: torch.Tensor,
-    saved: ExpertMLPSaved,
-    grad_w_gate: torch.Tensor | None = None,
-    grad_w_up: torch.Tensor | None = None,
-    grad_w_down: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_w_gate, grad_w_up, grad_w_down) of `expert_mlp_forward` from grad_out [M, H] and
-    the pre-activations' gradients [M, 2I]: `down_weight_gradient`, then
-    `gate_up_weight_gradients`; the buffers as in `expert_mlp_backward`."""
-    grad_w_down = down_weight_gradient(grad_out, saved, grad_w_down)
-    return *gate_up_weight_gradients(grad_gate_up, saved, grad_w_gate, grad_w_up), grad_w_down
-
-
 def expert_bias_gradients(
     grad_out: torch.Tensor,
     grad_gate_up: torch.Tensor,
@@ -651,7 +621,7 @@ def expert_bias_gradients(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the experts' biases of a forward with `biases`: per expert, the sums over
     its rows of the gate and up pre-activations' gradients (grad_gate_up [M, 2I], from
-    `expert_mlp_data_gradients`) and of grad_out [M, H] (`gg.group_column_sums`: fp32, a fixed
+    `down_data_gradient`) and of grad_out [M, H] (`gg.group_column_sums`: fp32, a fixed
     order). A given buffer (fp32 or bf16, the bias's shape) has the gradient added into it in
     place and is returned; otherwise a tensor of the bias's dtype. Zero for experts without
     rows."""
