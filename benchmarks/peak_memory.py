@@ -3,7 +3,8 @@ counted: the figures of issue 13's memory target.
 
     python benchmarks/peak_memory.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens 8192]
                                      [--ep 2] [--backends baseline,triton,fused]
-                                     [--pair-capacity 1.25] [--precision mxfp8]
+                                     [--pair-capacity 1.25 | --exact-buffers]
+                                     [--precision mxfp8]
                                      [--snapshots DIR]
                                      [--out results.md]
 
@@ -26,6 +27,8 @@ weights' gradients dropped again):
 --pair-capacity F sizes the backends' receive buffers for F x the mean pairs a rank receives
 (T x k) instead of the worst case (every pair of every rank: EP x T x k rows), the
 `recv_pair_capacity` option: pairs beyond it would be dropped and reported by `check()`.
+--exact-buffers sizes them by the pairs each call received, read on the host (the
+`exact_buffers` option: one synchronization per forward).
 
 --precision: the backends' (the baseline stays bf16; the fused backend computes bf16 only).
 
@@ -143,7 +146,16 @@ def rank_inputs(config, rank, tokens, device):
 
 
 def memory_rank(
-    rank, world, presets, tokens, backends, shared_gpu, snapshots, pair_capacity, precision
+    rank,
+    world,
+    presets,
+    tokens,
+    backends,
+    shared_gpu,
+    snapshots,
+    pair_capacity,
+    precision,
+    exact_buffers,
 ):
     device = torch.device("cuda", 0 if shared_gpu else rank)
     torch.cuda.set_device(device)
@@ -158,6 +170,7 @@ def memory_rank(
             if pair_capacity is not None:
                 pairs = math.ceil(pair_capacity * tokens * config.top_k)
                 config = config.replace(recv_pair_capacity=pairs)
+            config = config.replace(exact_buffers=exact_buffers)
             for backend in backends:
                 label = f"{preset}-{backend}-ep{world}-rank{rank}"
                 snapshot = None if snapshots is None else os.path.join(snapshots, label)
@@ -225,6 +238,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--backends", default="baseline,triton,fused")
     parser.add_argument("--pair-capacity", type=float, default=None)
+    parser.add_argument("--exact-buffers", action="store_true")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8"))
     parser.add_argument("--snapshots", default=None, help="folder for CUDA memory snapshots")
     parser.add_argument("--out", default=None, help="also write the table to this file")
@@ -242,6 +256,7 @@ def main() -> None:
         args.snapshots,
         args.pair_capacity,
         args.precision,
+        args.exact_buffers,
     )
     if args.ep == 1:
         per_rank = [memory_rank(0, 1, *call)]
@@ -252,6 +267,8 @@ def main() -> None:
     where += f"; the backends in {args.precision}"
     if args.pair_capacity is not None:
         where += f"; receive buffers for {args.pair_capacity} x the mean pairs"
+    if args.exact_buffers:
+        where += "; per-pair tensors sized by the pairs received (exact_buffers)"
     text = f"{torch.cuda.get_device_name(0)}, {where}\n\n" + table(per_rank, args.ep, args.tokens)
     print(text)
     if args.out:

@@ -111,6 +111,7 @@ FIELD_LIMITS = {
         [(v, "must be a finite number") for v in (float("inf"), float("nan"), True, "1", None)],
     ),
     "expert_bias": ([False, True], [(v, "must be a bool") for v in (1, "yes", None)]),
+    "exact_buffers": ([False, True], [(v, "must be a bool") for v in (1, "yes", None)]),
 }
 # What an accepted value is stored as (int fields: int).
 STORED_TYPES = {
@@ -124,6 +125,7 @@ STORED_TYPES = {
     "swiglu_alpha": float,
     "swiglu_up_offset": float,
     "expert_bias": bool,
+    "exact_buffers": bool,
 }
 
 

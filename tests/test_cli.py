@@ -177,6 +177,7 @@ BAD_OPTIONS = [
     (["--tokens", "abc"], "--tokens: expected an integer, got 'abc'"),
     (["--iters", "0"], "--iters: must be >= 1"),
     (["--dense-tflops", "0"], "--dense-tflops: must be a finite number > 0"),
+    (["--cuda-graph", "--exact-buffers"], "--cuda-graph with --exact-buffers: the exact sizes"),
     (["--out", "/proc/mok-results"], "--out /proc/mok-results: cannot write there"),
     (["--json", "/proc/mok/results.json"], "--json /proc/mok/results.json: cannot write there"),
 ]
@@ -229,6 +230,8 @@ def test_pair_capacity_factor_sizes_the_expert_buffers():
     top_k = PRESETS["tiny"].top_k
     assert spec.config().recv_pair_capacity == math.ceil(1.25 * 37 * top_k)
     assert BenchSpec(preset="tiny").config().recv_pair_capacity is None
+    assert BenchSpec(preset="tiny", exact_buffers=True).config().exact_buffers
+    assert not BenchSpec(preset="tiny").config().exact_buffers
     with pytest.raises(SystemExit):
         main(["bench", "--pair-capacity-factor", "0"])
 

@@ -26,6 +26,7 @@ from mok.comm.simulation import simulated_symmetric_memory
 from mok.launch import run_ranks
 from mok.testing import (
     RankInputs,
+    capture_in_graph,
     cuda_ipc_allocator,
     global_weights,
     one_call_results,
@@ -408,3 +409,123 @@ def test_fused_layer_never_synchronizes_with_the_host(overlap):
     second = results_without_host_sync(layer, inputs)
     layer.workspace(device).check()
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def exact_and_capacity_sized(rank, world, scenarios, device, shared_dir=None):
+    """Rank worker: per scenario and backend (triton, fused), the results with
+    `exact_buffers` off and on, and for each the rows of the grouped rows and of their
+    gradients that the exchange made, with the pairs this rank received."""
+    from mok.comm.symmetric import SymmetricExchange
+
+    allocator = cuda_ipc_allocator if shared_dir is None else shared_file_allocator(shared_dir)
+    made = []
+
+    def recording(method):
+        def record(self, routing, *args, **kwargs):
+            result = method(self, routing, *args, **kwargs)
+            grouped = result if isinstance(result, torch.Tensor) else result[0]
+            made.append((grouped.shape[0], int(routing.recv_pairs.item())))
+            return result
+
+        return record
+
+    patched = {
+        name: getattr(SymmetricExchange, name)
+        for name in (
+            "dispatch",
+            "dispatch_overlapped",
+            "combine_backward",
+            "combine_backward_overlapped",
+        )
+    }
+    outcomes = []
+    try:
+        for name, method in patched.items():
+            setattr(SymmetricExchange, name, recording(method))
+        with simulated_symmetric_memory(allocator):
+            for case in scenarios:
+                for backend in ("triton", "fused"):
+                    pair = []
+                    for exact in (False, True):
+                        config = dataclasses.replace(
+                            case.config, backend=backend, exact_buffers=exact
+                        )
+                        layer = mok.MoE(config, group=dist.group.WORLD, device=device)
+                        layer.load_global_weights(global_weights(config, case.seed, device))
+                        inputs = case.ranks[rank]
+                        inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(inputs)))
+                        made.clear()
+                        results = one_call_results(layer, inputs)
+                        results = {k: v.cpu() for k, v in results.items()}
+                        workspace = layer.workspace(device)
+                        capacity = workspace.backend.exchange.shape.pair_capacity
+                        results["check"] = check_verdict(workspace)
+                        workspace.release()
+                        pair.append((results, list(made), capacity))
+                    outcomes.append(pair)
+    finally:
+        for name, method in patched.items():
+            setattr(SymmetricExchange, name, method)
+    return outcomes
+
+
+def assert_exact_sizes_change_only_the_sizes(per_rank) -> None:
+    for rank, outcomes in enumerate(per_rank):
+        for index, ((sized, sized_made, capacity), (exact, exact_made, _)) in enumerate(outcomes):
+            assert_bitwise_equal([(sized, exact)])
+            assert len(sized_made) == len(exact_made) == 2, (rank, index)  # dispatch, backward
+            assert all(rows == capacity for rows, _ in sized_made), (rank, index)
+            assert all(rows == max(received, 1) for rows, received in exact_made), (rank, index)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dispatch", ["pull", "push"])
+def test_exact_buffers_size_the_pair_tensors_by_the_pairs_received(dispatch, tmp_path):
+    """`exact_buffers` at EP 2, both backends: the grouped rows and their gradients have one
+    row per pair received (1 for a rank that receives none: the scenario whose pairs all go to
+    the first experts), not the capacity, and every result is bitwise the capacity-sized one.
+    Bugs caught: a per-pair tensor still made at the capacity (the memory the option exists to
+    save), a kernel grid or row count taken from the tensor's rows that now misses rows or reads
+    past them (results differ), an empty rank's zero-row tensors breaking a launch."""
+    config = dataclasses.replace(CONFIG, dispatch=dispatch)
+    scenarios = [cases(config, 2)[index] for index in (1, 3)]
+    per_rank = run_ranks(exact_and_capacity_sized, 2, args=(scenarios, CPU, tmp_path))
+    assert_exact_sizes_change_only_the_sizes(per_rank)
+    first_experts = [outcomes[2][1] for outcomes in per_rank]  # triton, exact_buffers
+    assert 0 in [made[0][1] for _, made, _ in first_experts]  # a rank received no pair
+
+
+def exact_buffers_under_capture(rank, world, backend):
+    """Rank worker: the message a CUDA-graph capture of an `exact_buffers` layer call raises
+    (after an eager call), and whether an eager call after it still works (y finite)."""
+    device = torch.device("cuda", 0)
+    config = dataclasses.replace(GPU_CONFIG, backend=backend, exact_buffers=True)
+    with simulated_symmetric_memory(cuda_ipc_allocator):
+        layer = mok.MoE(config, group=dist.group.WORLD, device=device)
+        layer.load_global_weights(global_weights(config, 0, device))
+        case = cases(config, world)[0].ranks[rank]
+        inputs = RankInputs(*(t.to(device) for t in dataclasses.astuple(case)))
+        one_call_results(layer, inputs)
+        message = None
+        try:
+            capture_in_graph(lambda: layer(inputs.x, inputs.topk_idx, inputs.topk_weights))
+        except mok.MoKInputError as error:
+            message = str(error)
+        after = one_call_results(layer, inputs)
+        layer.workspace(device).check()
+        layer.workspace(device).release()
+    return message, bool(torch.isfinite(after["y"]).all())
+
+
+@pytest.mark.gpu
+def test_exact_buffers_on_ranks_sharing_one_gpu():
+    """The GPU twin of the interpreter test above (compiled kernels, the copy beside the
+    products), and the option's one limit: a CUDA-graph capture raises a clear MoKInputError
+    (not a capture error from the host read) and leaves the layer usable."""
+    device = torch.device("cuda", 0)
+    scenarios = [cases(GPU_CONFIG, 2)[index] for index in (1, 3)]
+    per_rank = run_ranks(exact_and_capacity_sized, 2, args=(scenarios, device))
+    assert_exact_sizes_change_only_the_sizes(per_rank)
+    for backend in ("triton", "fused"):
+        for message, usable in run_ranks(exact_buffers_under_capture, 2, args=(backend,)):
+            assert message is not None and "exact_buffers" in message and usable, backend

@@ -85,6 +85,19 @@ def test_mxfp8_layer_matches_the_reference(world, rounding, tmp_path):
         assert row_bytes in (None, MXRows.row_bytes(CONFIG.hidden_size)), row_bytes
 
 
+@pytest.mark.interpreter
+def test_mxfp8_layer_with_exact_buffers_matches_the_reference(tmp_path):
+    """`exact_buffers` at EP 2: the packed e4m3 rows and their scales in grouped tensors of the
+    pairs received rather than the capacity. Bug caught: the MX views (`MXRows.from_rows`, the
+    scales' blocks) still laid out for the capacity's rows, so that scales pair with the wrong
+    rows (errors of whole rows, far past the tolerance)."""
+    config = dataclasses.replace(CONFIG, exact_buffers=True)
+    case = scenario(config, [23, 17], seed=5)
+    for errors, _ in run_ranks(errors_against_the_reference, 2, args=(case, tmp_path)):
+        for key, error in errors.items():
+            assert error <= TOLERANCE, (key, error)
+
+
 # On GPUs both backends round at the contract's bf16 points; they differ where the fp32 sums run
 # in another order (the reference's fp32 matmuls, the kernels' bf16 MMAs of the same exact
 # operands) and where such a difference moves an e4m3 rounding of h or of the SwiGLU gradients

@@ -83,6 +83,9 @@ class BenchSpec:
     pair_capacity_factor: float | None = None
     """Pairs each rank's experts can take, as a multiple of the mean T * k
     (`MoKConfig.recv_pair_capacity`); None: the worst case."""
+    exact_buffers: bool = False
+    """`MoKConfig.exact_buffers`: the per-pair tensors sized by the pairs each call received,
+    read on the host (one synchronization per forward)."""
     validation: str = "collective"
     """`MoKConfig.validation` of the backend's layer: the ranks agree on every call's inputs, or
     each checks its own ("local")."""
@@ -111,6 +114,7 @@ class BenchSpec:
             swiglu_limit=self.swiglu_limit,
             max_tokens_per_rank=tokens,
             recv_pair_capacity=pairs,
+            exact_buffers=self.exact_buffers,
             validation=self.validation,
             precision=self.precision,
         )
@@ -594,7 +598,9 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         f"({results[0].memory_kind}, plus the symmetric memory of the backend's NVLink "
         "exchange, which the allocator does not count); the backend's receive buffers sized "
         + (
-            "for the worst-case routing"
+            "by the pairs each call received, read on the host (`--exact-buffers`)"
+            if first.exact_buffers
+            else "for the worst-case routing"
             if first.pair_capacity_factor is None
             else f"for {first.pair_capacity_factor:g} x the mean pairs per rank "
             "(`--pair-capacity-factor`; overflow raises)"

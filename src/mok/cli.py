@@ -162,6 +162,12 @@ def _parser() -> argparse.ArgumentParser:
         "MoKCapacityError after timing)",
     )
     bench.add_argument(
+        "--exact-buffers",
+        action="store_true",
+        help="size the backend's per-pair tensors by the pairs each call received, read on the "
+        "host (one synchronization per forward; the memory of an exact all-to-all)",
+    )
+    bench.add_argument(
         "--accumulate-grads",
         action="store_true",
         help="keep the weights' gradients between iterations, as gradient accumulation over "
@@ -239,6 +245,11 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this machine has no CUDA GPU")
+    if args.cuda_graph and args.exact_buffers:
+        parser.error(
+            "--cuda-graph with --exact-buffers: the exact sizes are read on the host at every "
+            "call, which a CUDA graph cannot capture"
+        )
     if args.cuda_graph and device != "cuda":
         parser.error("--cuda-graph: CUDA graphs need a CUDA GPU (the layer runs on the CPU here)")
     if args.preset is None:
@@ -296,6 +307,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             progress=not args.no_progress,
             dense_tflops=dense_tflops,
             pair_capacity_factor=args.pair_capacity_factor,
+            exact_buffers=args.exact_buffers,
             accumulate_grads=args.accumulate_grads,
             validation=args.validation,
             precision=precision,

@@ -107,6 +107,13 @@ class MoKConfig:
     overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
     capacity factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and
     reported by `Workspace.check()`."""
+    exact_buffers: bool = False
+    """Size each call's tensors with a row per received pair (the expert products' rows, their
+    activations and gradients) by the pairs this rank received, read on the host after the
+    routing, instead of by `recv_pair_capacity`: the memory of an all-to-all with exact sizes
+    (the baseline's) for one device synchronization per forward (the host waits for the routing's
+    counts). A call under CUDA-graph capture raises. No effect where the exchange sizes exactly
+    already: EP 1, and the collective exchange (which synchronizes anyway)."""
     peer_timeout_s: float = 10.0
     """Longest time a rank of a fused backend waits on the device for a peer (a barrier, rows in
     flight) before it gives up, records the failure and lets the call finish; `Workspace.check()`
@@ -153,8 +160,9 @@ class MoKConfig:
         _require_positive_float(self, "peer_timeout_s", "a number")
         _require_positive_float(self, "swiglu_alpha", "a number")
         _require_finite_float(self, "swiglu_up_offset")
-        if not isinstance(self.expert_bias, bool):
-            raise MoKConfigError(f"expert_bias must be a bool, got {self.expert_bias!r}")
+        for name in ("expert_bias", "exact_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise MoKConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.precision is Precision.MXFP8 and not self.plain_swiglu:
             raise MoKConfigError(
                 "precision='mxfp8' computes plain SwiGLU experts without biases so far "

@@ -125,6 +125,8 @@ def _config_value(config: MoKConfig, name: str, encoded: int):
     annotation = str(next(f.type for f in dataclasses.fields(config) if f.name == name))
     if encoded == -1 and "None" in annotation:
         return None
+    if annotation == "bool":
+        return bool(encoded)
     if annotation.startswith("float"):
         return struct.unpack("<d", struct.pack("<q", encoded))[0]
     current = getattr(config, name)

@@ -211,7 +211,8 @@ class TritonBackend:
         from mok.kernels.placement import checked_ids
 
         safe, valid = checked_ids(topk_idx, self.workspace.config.num_experts, self.bad_ids)
-        return TritonRouting(self.exchange.route(safe), valid)
+        exact = self.workspace.config.exact_buffers
+        return TritonRouting(self.exchange.route(safe, exact_rows=exact), valid)
 
     def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
         from mok.kernels import expert_mlp_forward

@@ -57,8 +57,9 @@ class CollectiveExchange:
         self.rank, self.ep_size = group_rank_and_size(group)
         self.local_experts = local_experts
 
-    def route(self, topk_idx: torch.Tensor) -> Routing:
-        """Exchange the counts and pair addresses of topk_idx [T, k]. Collective; one host sync."""
+    def route(self, topk_idx: torch.Tensor, exact_rows: bool = False) -> Routing:
+        """Exchange the counts and pair addresses of topk_idx [T, k]. Collective; one host sync,
+        which sizes every buffer exactly (exact_rows changes nothing)."""
         ep, local, rank = self.ep_size, self.local_experts, self.rank
         experts = ep * local
         tokens, top_k = topk_idx.shape

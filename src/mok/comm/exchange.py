@@ -23,8 +23,10 @@ class ExchangeRouting(Protocol):
 
 
 class Exchange(Protocol):
-    def route(self, topk_idx: torch.Tensor) -> ExchangeRouting:
-        """Where every (token, slot) pair of topk_idx [T, k] (valid global ids) goes."""
+    def route(self, topk_idx: torch.Tensor, exact_rows: bool = False) -> ExchangeRouting:
+        """Where every (token, slot) pair of topk_idx [T, k] (valid global ids) goes.
+        exact_rows: size the call's tensors with a row per received pair by the pairs received,
+        read on the host, where the exchange would size them for a capacity otherwise."""
 
     def dispatch(self, routing: ExchangeRouting, x: torch.Tensor) -> torch.Tensor:
         """x [T, W] -> the rows this rank's experts take, grouped by local expert. W is the

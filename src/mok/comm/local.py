@@ -66,7 +66,9 @@ class LocalExchange:
         self._combined = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._zero_offsets = torch.zeros(1, dtype=torch.int64, device=self.device)
 
-    def route(self, topk_idx: torch.Tensor) -> LocalRouting:
+    def route(self, topk_idx: torch.Tensor, exact_rows: bool = False) -> LocalRouting:
+        """Where every pair of topk_idx [T, k] goes: T * k grouped rows, exact without reading
+        anything on the host (exact_rows changes nothing)."""
         tokens, top_k = topk_idx.shape
         if top_k not in self._placement_kernels:
             self._placement_kernels[top_k] = PlacementKernels(

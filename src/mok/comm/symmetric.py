@@ -291,13 +291,17 @@ class SymmetricRouting:
     """One call's routing on this rank (device tensors only).
 
     group_offsets [E_loc + 1] int32: grouped rows per local expert, clipped to the pair capacity.
-    recv_tokens / recv_pairs: [1] int64 staging and grouped rows received (clipped). On the token's
+    recv_tokens / recv_pairs: [1] int64 staging and grouped rows received (clipped). rows: the
+    rows of every tensor made for this call with a row per received pair (the grouped rows, their
+    gradients, and so the expert products' activations): the pair capacity, or the pairs received
+    (at least 1) when `route` read them on the host. On the token's
     side: token_slot [T, ep] (staging row per owner, -1 none or dropped), pair_row [T, k] and
     owner [T, k] (where each pair's output is, -1 dropped). On the owner's side, per grouped row:
     grouped_to_staging, return_rank, return_row (-1 dropped) and flag_index (the readiness flag of
     its token block)."""
 
     top_k: int
+    rows: int
     group_offsets: torch.Tensor
     recv_tokens: torch.Tensor
     recv_pairs: torch.Tensor
@@ -324,7 +328,8 @@ class SymmetricExchange:
     """Dispatch and combine of one expert-parallel group over NVLink symmetric memory.
 
     The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
-    [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid. Collective:
+    [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid (or as many
+    rows as were received, read on the host, after `route(..., exact_rows=True)`). Collective:
     all ranks create it together and make the same calls in the same order. `programs` is the
     number of SMs the NVLink copies use; local copies use every SM. `timeout_s` bounds every wait
     on a peer. `allocate` replaces `allocate_symmetric` (the CPU tests map one shared file
@@ -533,9 +538,16 @@ class SymmetricExchange:
             )
         return f"rank {self.rank}: unknown failure code {code} at '{wait}'." + after
 
-    def route(self, topk_idx: torch.Tensor) -> SymmetricRouting:
-        """Exchange counts and pair addresses for topk_idx [T, k] (T <= max_tokens). Collective."""
+    def route(self, topk_idx: torch.Tensor, exact_rows: bool = False) -> SymmetricRouting:
+        """Exchange counts and pair addresses for topk_idx [T, k] (T <= max_tokens). Collective.
+        exact_rows: read the pairs received on the host (a device synchronization, not allowed
+        under CUDA-graph capture) and size the call's per-pair tensors by them (`rows`)."""
         s, rank = self.shape, self.rank
+        if exact_rows and topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise MoKInputError(
+                "MoKConfig.exact_buffers reads each call's received pairs on the host, which a "
+                "CUDA graph cannot capture: capture with exact_buffers=False"
+            )
         tokens, top_k = topk_idx.shape
         if tokens > s.max_tokens or top_k != s.top_k:
             raise MoKInputError(
@@ -573,8 +585,11 @@ class SymmetricExchange:
             s.block_tokens,
             s.blocks_per_rank,
         )
+        # The one synchronization of exact_rows: the host waits for the routing's counts.
+        pairs = max(int(placement.recv_pairs.item()), 1) if exact_rows else s.pair_capacity
         return SymmetricRouting(
             top_k=top_k,
+            rows=pairs,
             group_offsets=placement.group_offsets,
             recv_tokens=placement.recv_tokens,
             recv_pairs=placement.recv_pairs,
@@ -595,7 +610,7 @@ class SymmetricExchange:
             )
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
-        """Rows x [T, W] -> grouped rows [pair_capacity, W] (first recv_pairs valid); W the
+        """Rows x [T, W] -> grouped rows [routing.rows, W] (first recv_pairs valid); W the
         shape's dispatch_columns, of its dtype."""
         self._require_plain_layout("dispatch")
         s = self.shape
@@ -643,7 +658,7 @@ class SymmetricExchange:
                 "timeout_s": self.view.timeout_s,
                 "wait_id": _PUSH_WAIT,
             }
-        grouped = torch.empty(s.pair_capacity, s.dispatch_columns, dtype=x.dtype, device=x.device)
+        grouped = torch.empty(routing.rows, s.dispatch_columns, dtype=x.dtype, device=x.device)
         copy_rows(
             grouped,
             self.view.staging.local,
@@ -664,7 +679,7 @@ class SymmetricExchange:
         `pull` callable, run on the caller's communication stream, has `programs` programs
         load each grouped row from its token's rank in grouped order, flagging every block of
         COPY_ROWS rows once written (the RowsReady the gate/up product waits on beside it).
-        Returns (grouped rows [pair_capacity, H], first recv_pairs valid; pull; ready)."""
+        Returns (grouped rows [routing.rows, H], first recv_pairs valid; pull; ready)."""
         s = self.shape
         if not s.overlapped:
             raise ValueError("dispatch_overlapped needs an exchange of the overlapped layout")
@@ -678,7 +693,7 @@ class SymmetricExchange:
         source = self.view.staging_source.local[staging.clamp(min=0)]
         source_row = torch.where(staging >= 0, source[:, 1], -1)
         source_rank = source[:, 0].contiguous()
-        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+        grouped = torch.empty(routing.rows, s.hidden, dtype=x.dtype, device=x.device)
 
         def pull() -> None:
             copy_rows(
@@ -716,7 +731,7 @@ class SymmetricExchange:
         s = self.shape
         x = x.contiguous()
         self.view.combine_counts.local.zero_()
-        grouped = torch.empty(s.pair_capacity, s.hidden, dtype=x.dtype, device=x.device)
+        grouped = torch.empty(routing.rows, s.hidden, dtype=x.dtype, device=x.device)
 
         def pull() -> None:
             push_rows(
@@ -765,7 +780,7 @@ class SymmetricExchange:
         gradients go into this rank's symmetric buffer and the ranks meet; the returned `pull`,
         run on the caller's communication stream, has `programs` programs load each grouped
         row's gradient from its token's rank in grouped order, flagging every block of
-        COPY_ROWS rows once written. Returns (gradients of the grouped rows [pair_capacity, H],
+        COPY_ROWS rows once written. Returns (gradients of the grouped rows [routing.rows, H],
         pull, their RowsReady, the router weights' gradient [T, k])."""
         s = self.shape
         tokens = grad_y.shape[0]
@@ -778,9 +793,7 @@ class SymmetricExchange:
         )
         self.backward_epoch.add_(1)
         self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(
-            s.pair_capacity, s.hidden, dtype=pair_out.dtype, device=self.device
-        )
+        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=pair_out.dtype, device=self.device)
 
         def pull() -> None:
             copy_rows(
@@ -808,8 +821,8 @@ class SymmetricExchange:
         return RowScatter(
             out=self.view.pair_out.local,
             out_offsets=self.view.pair_out.offsets,
-            dest_rank=routing.return_rank.to(torch.int32),
-            dest_row=routing.return_row.to(torch.int32),
+            dest_rank=routing.return_rank[: routing.rows].to(torch.int32),
+            dest_row=routing.return_row[: routing.rows].to(torch.int32),
             counts=self.view.combine_counts.local,
             counts_offsets=self.view.combine_counts.offsets,
             rank=self.rank,
@@ -952,7 +965,7 @@ class SymmetricExchange:
         topk_weights: torch.Tensor,
         pair_out: torch.Tensor | MXRows,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grads of the grouped expert outputs [pair_capacity, H], grad of topk_weights [T, k]):
+        """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
         the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
         the summation order of their fp32 dot products); pair_out as `combine` saved it."""
         s = self.shape
@@ -965,9 +978,7 @@ class SymmetricExchange:
             self.local_sms,
         )
         self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(
-            s.pair_capacity, s.hidden, dtype=grad_y.dtype, device=self.device
-        )
+        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
         copy_rows(
             grad_grouped,
             self.view.grad_pairs.local,
