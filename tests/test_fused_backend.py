@@ -335,12 +335,16 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
         return down_data_gradient(grad_out, saved, **options)
 
     def weight_gradient(grad_gate_up, saved, *args, **options):
-        seen["at wgrad"] = (seen["grad_out"]() is None, saved.gate_up is None, saved.h is None)
+        rows_gradient_freed = seen.get("grad rows", lambda: None)() is None
+        freed = (seen["grad_out"]() is None, saved.gate_up is None, saved.h is None)
+        seen["at wgrad"] = (*freed, rows_gradient_freed)
         return gate_up_weight_gradients(grad_gate_up, saved, *args, **options)
 
     def rows_gradient(grad_gate_up, saved, *args):
         seen["rows released at dgrad"] = saved.rows is None
-        return gate_up_data_gradient(grad_gate_up, saved, *args)
+        grad_rows = gate_up_data_gradient(grad_gate_up, saved, *args)
+        seen["grad rows"] = weakref.ref(grad_rows)
+        return grad_rows
 
     kernels.down_data_gradient = first_product
     kernels.gate_up_weight_gradients = weight_gradient
@@ -358,14 +362,15 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
 @pytest.mark.parametrize("backend", ["triton", "fused"])
 def test_backward_drops_each_buffer_after_its_last_product(backend, tmp_path):
     """At EP 2 (the fused backend's pull beside the products): when the gate/up weight gradient
-    of the routed experts runs, grad_out [pair_capacity, H] is freed and the saved
-    pre-activations and h are released; the triton backend runs the rows' gradient after it,
-    with the saved rows released (the fused one runs it first, for the return of grad x beside
-    the weight gradient). Bug caught: a reference outliving its last product (the pull's
-    closure, a local, the saved state) that keeps a [pair_capacity, ...] tensor in the
-    backward's peak memory (1.75 GiB each at deepseek-v3, EP 2)."""
+    of the routed experts runs, grad_out [pair_capacity, H] is freed, the saved pre-activations
+    and h are released, and no rows' gradient is held; the triton backend runs the rows'
+    gradient after it, with the saved rows released (the fused one runs it first and sums it
+    per staging row before, so that the return of grad x runs beside the weight gradient). Bug
+    caught: a reference outliving its last product (the pull's closure, the give-back's closure,
+    a local, the saved state) that keeps a [pair_capacity, ...] tensor in the backward's peak
+    memory (1.75 GiB each at deepseek-v3, EP 2)."""
     for seen in run_ranks(buffer_lifetimes, 2, args=(backend, tmp_path)):
-        assert seen == ((True, True, True), backend == "triton", True)
+        assert seen == ((True, True, True, True), backend == "triton", True)
 
 
 @pytest.mark.gpu

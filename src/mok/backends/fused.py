@@ -222,16 +222,19 @@ class FusedBackend(TritonBackend):
     ) -> MoEGradients:
         """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1:
 
-            pair grads, barrier -> pull grad rows                        -> return, sum grad x
-                                 ‖ shared, down dgrad -> down wgrad, gate/up dgrad ‖ gate/up wgrad
+            pair grads, barrier -> pull grad rows                       -> return, sum grad x
+                                 ‖ shared, down dgrad -> down wgrad, gate/up dgrad, owner sums
+                                                                                 ‖ gate/up wgrad
         The grouped rows' gradients are pulled by the communication programs while the shared
         expert's backward and the first routed product (waiting per tile for its rows) run on
         the other SMs; the routed products then go in the triton backend's memory order (W_down's
         gradient before the rows' gradient, so that grad_out is dropped first); once the rows'
-        gradient is done, the gradient of x goes back and is summed (`dispatch_backward`, on the
-        communication programs) while the gate/up weight gradient, which needs no
-        communication, runs beside it. The routed products beside a copy are joined by more
-        programs once it is done (`_ClaimsAfterCopy`)."""
+        gradient is done, the owner sums it per staging row on every SM and drops it (so that
+        it is not held beside the gate/up weights' gradients), then the gradient of x goes back
+        and is summed over owners (`dispatch_backward_overlapped`, on the communication
+        programs) while the gate/up weight gradient, which needs no communication, runs beside
+        it. The routed products beside a copy are joined by more programs once it is done
+        (`_ClaimsAfterCopy`)."""
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
@@ -267,16 +270,12 @@ class FusedBackend(TritonBackend):
         )
         del grad_out
         grad_rows = gate_up_data_gradient(grad_gate_up, experts)
+        give_back = self.exchange.dispatch_backward_overlapped(
+            saved.routing, grad_rows, grad_shared_x, self.comm_programs
+        )
+        del grad_rows  # summed per staging row: not held beside the weight gradient
         grad_x = []
-
-        def give_back() -> None:
-            grad_x.append(
-                self.exchange.dispatch_backward(
-                    saved.routing, grad_rows, extra=grad_shared_x, programs=self.comm_programs
-                )
-            )
-
-        self._beside(give_back)
+        self._beside(lambda: grad_x.append(give_back()))
         grads["gate"], grads["up"] = gate_up_weight_gradients(
             grad_gate_up,
             experts,

@@ -115,11 +115,13 @@ class OverlappedExchange(Exchange, Protocol):
         """(grouped rows' gradients, the copy to run beside the products, their readiness
         flags, the router weights' gradient)."""
 
-    def dispatch_backward(
+    def dispatch_backward_overlapped(
         self,
         routing: ExchangeRouting,
         grad_grouped: torch.Tensor,
-        extra: torch.Tensor | None = None,
-        programs: int | None = None,
-    ) -> torch.Tensor:
-        """`Exchange.dispatch_backward` on `programs` SMs (None: the exchange's choice)."""
+        extra: torch.Tensor | None,
+        programs: int,
+    ) -> Callable[[], torch.Tensor]:
+        """`Exchange.dispatch_backward` in two parts: what reads grad_grouped, now, on the current
+        stream (the caller may drop it after); returned, the rest, to run on the caller's
+        communication stream on `programs` SMs, which returns grad x [T, H]."""

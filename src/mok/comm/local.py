@@ -278,9 +278,8 @@ class LocalExchange:
         )
         return grad_grouped, grad_w
 
-    def dispatch_backward(self, routing, grad_grouped, extra=None, programs=None):
-        """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`
-        (on `programs` SMs; None: all)."""
+    def dispatch_backward(self, routing, grad_grouped, extra=None):
+        """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`."""
         tokens = routing.pair_row.shape[0]
         grad_x = torch.empty(
             tokens, grad_grouped.shape[1], dtype=grad_grouped.dtype, device=self.device
@@ -289,11 +288,17 @@ class LocalExchange:
             grad_x,
             grad_grouped,
             routing.pair_row,
-            self.sms if programs is None else programs,
+            self.sms,
             tail=None if extra is None else extra.contiguous(),
             **LOCAL_SUM,
         )
         return grad_x
+
+    def dispatch_backward_overlapped(self, routing, grad_grouped, extra, programs):
+        """`dispatch_backward` now, on every SM (nothing travels, so nothing is left to run
+        beside the products); returns a callable that returns grad x."""
+        grad_x = self.dispatch_backward(routing, grad_grouped, extra)
+        return lambda: grad_x
 
     def check(self) -> None:
         """Raise what a bounded wait of the overlapped path recorded (nothing can overflow in one

@@ -997,29 +997,13 @@ class SymmetricExchange:
         routing: SymmetricRouting,
         grad_grouped: torch.Tensor,
         extra: torch.Tensor | None = None,
-        programs: int | None = None,
     ) -> torch.Tensor:
         """grad of x [T, H] from the grads of the grouped rows (first recv_pairs valid): summed
         in fp32 per staging row (ascending grouped row), then per token over owners (ascending
-        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`. `programs`: SMs
-        for all of it (None: every SM for the local sums, `self.programs` for the pull)."""
-        local_sms = self.local_sms if programs is None else programs
-        pull_sms = self.programs if programs is None else programs
+        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`. The sums on
+        every SM, the pull of the owners' rows on the exchange's `programs`."""
         s = self.shape
-        fan_in = staging_fan_in(
-            routing.grouped_to_staging,
-            routing.recv_pairs,
-            s.token_capacity,
-            s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
-        )
-        reduce_rows(
-            self.view.grad_staging.local,
-            grad_grouped,
-            fan_in,
-            local_sms,
-            count=routing.recv_tokens,
-            **LOCAL_SUM,
-        )
+        self._sum_staging_gradients(routing, grad_grouped, self.local_sms)
         self._barrier("dispatch backward: staging gradients summed")
         tokens, ep = routing.token_slot.shape
         parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
@@ -1028,7 +1012,7 @@ class SymmetricExchange:
             self.view.grad_staging.local,
             routing.token_slot.view(-1),
             self._row_count(parts.shape[0]),
-            pull_sms,
+            self.programs,
             COPY_ROWS,
             src_offsets=self.view.grad_staging.offsets,
             src_rank=self._owner_of_part(tokens),
@@ -1040,11 +1024,67 @@ class SymmetricExchange:
             grad_x,
             parts,
             part_rows,
-            local_sms,
+            self.local_sms,
             tail=None if extra is None else extra.contiguous(),
             **LOCAL_SUM,
         )
         return grad_x
+
+    def dispatch_backward_overlapped(
+        self,
+        routing: SymmetricRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None,
+        programs: int,
+    ) -> Callable[[], torch.Tensor]:
+        """`dispatch_backward` in two parts: on the current stream, on every SM, the owner's sums
+        per staging row (after which grad_grouped is no longer read: the caller may drop it
+        before the products that follow); the returned callable, run on the caller's
+        communication stream on `programs` SMs, has the ranks meet and each token's rank sum its
+        owners' rows straight from their buffers (no gathered copy), and returns grad x [T, H]:
+        the same values, in the same order."""
+        s, dtype = self.shape, grad_grouped.dtype
+        self._sum_staging_gradients(routing, grad_grouped, self.local_sms)
+        tail = None if extra is None else extra.contiguous()
+
+        def give_back() -> torch.Tensor:  # holds no reference to grad_grouped
+            self._barrier("dispatch backward: staging gradients summed")
+            tokens = routing.token_slot.shape[0]
+            grad_x = torch.empty(tokens, s.hidden, dtype=dtype, device=self.device)
+            reduce_rows(
+                grad_x,
+                self.view.grad_staging.local,
+                routing.token_slot,
+                programs,
+                src_offsets=self.view.grad_staging.offsets,
+                rank_is_column=True,
+                tail=tail,
+                **LOCAL_SUM,
+            )
+            return grad_x
+
+        return give_back
+
+    def _sum_staging_gradients(
+        self, routing: SymmetricRouting, grad_grouped: torch.Tensor, programs: int
+    ) -> None:
+        """grad_staging[r] = the fp32 sum of the grads of the grouped rows read from staging row
+        r, ascending grouped row, for the staging rows received (peers read it after a barrier)."""
+        s = self.shape
+        fan_in = staging_fan_in(
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            s.token_capacity,
+            s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
+        )
+        reduce_rows(
+            self.view.grad_staging.local,
+            grad_grouped,
+            fan_in,
+            programs,
+            count=routing.recv_tokens,
+            **LOCAL_SUM,
+        )
 
 
 _SHARED_EXCHANGES: dict[tuple, list] = {}
