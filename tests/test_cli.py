@@ -384,7 +384,8 @@ def test_symmetric_buffer_sizes_follow_the_layout_arithmetic():
     staging rows for every token of every rank (16384 x H bf16), expert outputs for k pairs each
     (131072 x H bf16), pair gradients (T k x H bf16), staging gradients (16384 x H fp32); the
     overlapped layout without staging and expert outputs, with a copy of x and its pair slots
-    in the pair gradients' memory; --pair-capacity-factor 1.25 trims the expert outputs to
+    in the pair gradients' memory and its copy of x in the staging gradients' (the larger);
+    --pair-capacity-factor 1.25 trims the expert outputs to
     81920 rows. Catches a region sized by the wrong capacity or dtype (the estimate and the
     allocation share this layout)."""
     config = mok.get_preset("deepseek-v3").config(max_tokens_per_rank=8192)
@@ -396,7 +397,11 @@ def test_symmetric_buffer_sizes_follow_the_layout_arithmetic():
     assert trimmed["expert_out"] == 81920 * row
     fused = mok.symmetric_buffer_bytes(config.replace(backend="fused"), 2)
     assert "staging" not in fused and "expert_out" not in fused
-    assert fused["x_copy"] == 8192 * row and "pair_out" not in fused
+    assert "x_copy" not in fused and "pair_out" not in fused
+    assert fused["grad_staging"] == 16384 * 2 * row
+    # Staging gradients for fewer rows than x's copy: the region holds the copy.
+    small = mok.symmetric_buffer_bytes(config.replace(backend="fused", recv_capacity=2048), 2)
+    assert small["grad_staging"] == 8192 * row
     assert fused["grad_pairs"] == 8192 * 8 * row
     assert mok.symmetric_buffer_bytes(config, 1) == {}
     assert mok.symmetric_buffer_bytes(config.replace(backend="reference"), 2) == {}

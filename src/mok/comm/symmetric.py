@@ -167,26 +167,30 @@ def buffer_layout(
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, dims, dtype) of every region of one rank's symmetric buffer, in address order."""
     s, experts = shape, ep_size * shape.local_experts
+    width = s.dispatch_columns
+    x_copy_shared = s.overlapped and s.pull_dispatch
+    staging_rows = s.token_capacity
+    if x_copy_shared:  # grad_staging's memory holds x's copy too (`SymmetricView.x_copy`)
+        x_bytes = s.max_tokens * width * s.dtype.itemsize
+        staging_rows = max(staging_rows, -(-x_bytes // (s.hidden * 4)))
     layout = [
         ("signals", (ep_size,), torch.int64),
         ("counts", (ep_size, experts + ep_size), torch.int64),
         ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
         ("flags", (ep_size * s.blocks_per_rank,), torch.int32),
         ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
-        ("grad_staging", (s.token_capacity, s.hidden), torch.float32),
+        ("grad_staging", (staging_rows, s.hidden), torch.float32),
     ]
     # The overlapped layout stores the expert outputs straight into the token ranks' pair
     # slots, and pulls straight into the products' rows (staging only for a push).
-    width = s.dispatch_columns
     if not (s.overlapped and s.pull_dispatch):
         layout.append(("staging", (s.token_capacity, width), s.dtype))
     if not s.overlapped:
         layout.append(("expert_out", (s.pair_capacity, s.hidden), s.dtype))
     if s.pull_dispatch:
-        layout += [
-            ("staging_source", (s.token_capacity + 1, 2), torch.int64),
-            ("x_copy", (s.max_tokens, width), s.dtype),
-        ]
+        layout.append(("staging_source", (s.token_capacity + 1, 2), torch.int64))
+    if s.pull_dispatch and not x_copy_shared:
+        layout.append(("x_copy", (s.max_tokens, width), s.dtype))
     if s.overlapped:  # its pair_out is grad_pairs' memory (`SymmetricView.pair_out`)
         layout.append(("combine_counts", (ep_size,), torch.int32))
     return layout
@@ -263,11 +267,17 @@ class SymmetricView:
     grad_pairs: PeerTensor
     """[T_max * k, H]: the pairs' output gradients owners pull in backward."""
     grad_staging: PeerTensor
-    """[token_capacity, H] fp32: per staging row, the sum of its pairs' input gradients."""
+    """[token_capacity, H] fp32: per staging row, the sum of its pairs' input gradients (more
+    rows where the overlapped layout's copy of x, which shares its memory, needs them)."""
     staging_source: PeerTensor | None
     """[token_capacity + 1, 2] int64 with pull dispatch: (rank, row) each staging row comes from."""
     x_copy: PeerTensor | None
-    """[T_max, W] with pull dispatch: this rank's tokens, for the owners to pull."""
+    """[T_max, W] with pull dispatch: this rank's tokens, for the owners to pull. Overlapped: in
+    grad_staging's memory, which no forward and backward use at once: a backward writes its
+    staging gradients after every rank passed its first barrier, which each passes once its
+    earlier forwards' pulls of x are done (its communication stream joined before), and a forward
+    writes x after the route's barriers, which each rank passes once its earlier backward's
+    pulls of staging gradients are done (joined at the end of that backward)."""
     pair_out: PeerTensor | None
     """[T_max * k, H] overlapped: the outputs of this rank's pairs, stored by their owners; the
     memory of grad_pairs, which no forward and backward use at once: a backward writes its pair
@@ -366,6 +376,15 @@ class SymmetricExchange:
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout
         }
+        if s.overlapped and s.pull_dispatch:
+            self._regions["x_copy"] = _Region(
+                self._handle,
+                self._buffer,
+                offsets["grad_staging"],
+                (s.max_tokens, s.dispatch_columns),
+                s.dtype,
+                self.rank,
+            )
         frozen = {name: region.frozen() for name, region in self._regions.items()}
         self.view = SymmetricView(
             rank=self.rank,
