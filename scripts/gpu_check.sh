@@ -23,10 +23,12 @@
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
 # memory: peak memory per rank, symmetric buffers counted (benchmarks/peak_memory.py): EP 2 on
-# two GPUs or on ranks sharing one (worst-case receive buffers, then at 1.25x the mean pairs),
+# two GPUs or on ranks sharing one (worst-case receive buffers, at 1.25x the mean pairs, and
+# sized by the pairs received with exact_buffers),
 # EP 1, and the MXFP8 layer at EP 1.
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
-# comm_sms 8, 16, 24) at EP = the GPU count, its overlapped schedule forced at EP 1 (the price of
+# comm_sms 8, 16, 24) at EP = the GPU count, `mok bench` of it with and without exact_buffers,
+# its overlapped schedule forced at EP 1 (the price of
 # the SMs the copies take), and a profiler trace of one fused forward + backward.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -181,14 +183,19 @@ print(*m())' 2>&1)
         run "fused-bench-sms$sms" python3 benchmarks/overlap.py --preset deepseek-v3 \
           --ep "$ngpu" --comm-sms "$sms" --out "$OUT/overlap-sms$sms.md"
       done
+      for sizing in "" "--exact-buffers"; do  # what exact_buffers' host sync costs
+        run "fused-bench $sizing" python3 -m mok bench --preset deepseek-v3,qwen3-235b-a22b \
+          --ep "$ngpu" --backend fused $sizing --iters 10 --json "$OUT/bench-fused${sizing:+-exact}.json"
+      done
       run fused-bench-ep1-overlapped python3 benchmarks/overlap.py --overlap --ep 1 \
         --preset qwen3-235b-a22b,deepseek-v3 --out "$OUT/overlap-ep1-overlapped.md"
       run fused-trace python3 benchmarks/profile_layer.py --preset deepseek-v3 --backend fused \
         --trace "$OUT/trace-fused" ;;
     memory)
-      for capacity in "" "--pair-capacity 1.25"; do
-        run "memory-ep2 $capacity" python3 benchmarks/peak_memory.py --ep 2 $capacity \
-          --out "$OUT/peak-memory-ep2${capacity:+-capacity}.md"
+      for sizing in "" "--pair-capacity 1.25" "--exact-buffers"; do
+        name=$(echo "${sizing:-worst-case}" | tr -d ' .-')
+        run "memory-ep2 $sizing" python3 benchmarks/peak_memory.py --ep 2 $sizing \
+          --out "$OUT/peak-memory-ep2-$name.md"
       done
       run memory-ep1 python3 benchmarks/peak_memory.py --ep 1 --out "$OUT/peak-memory-ep1.md"
       run memory-mxfp8 python3 benchmarks/peak_memory.py --ep 1 --backends baseline,triton \
