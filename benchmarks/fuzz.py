@@ -5,11 +5,12 @@
 Each case draws H and I (multiples of 16), E, k, a shared expert or none, a SwiGLU clamp or none,
 tokens per rank (0 on some ranks), a routing (uniform, Zipf, all to one expert, half the experts
 empty, all to the first experts), and sometimes expert ids out of range (E, E + 7 or -1 on a few
-pairs) or receive capacities too small. One forward and backward of `mok.MoE` (backend triton)
-runs on every rank, then `Workspace.check()`; the results are compared with the reference backend
-(`mok.reference`, fp32 math on the same bf16 inputs; ids out of range become zero-weight pairs
-there, whose router-weight gradients the triton backend sets to zero) or, where an error is due,
-the error must be raised. Outcomes per case:
+pairs) or receive capacities too small, and at EP > 1 in a quarter of the cases the per-pair
+tensors sized by the pairs received (`exact_buffers`). One forward and backward of `mok.MoE`
+(backend triton) runs on every rank, then `Workspace.check()`; the results are compared with the
+reference backend (`mok.reference`, fp32 math on the same bf16 inputs; ids out of range become
+zero-weight pairs there, whose router-weight gradients the triton backend sets to zero) or, where
+an error is due, the error must be raised. Outcomes per case:
   exact              no error due, none raised, every result within TOLERANCE of the reference
   bad ids raised     MoKInputError on the ranks holding them, the valid pairs' results exact
   overflow raised    MoKCapacityError on every rank, results finite
@@ -87,6 +88,8 @@ def draw_case(rng: random.Random, ep: int, index: int) -> dict:
     }
     if ep > 1 and rng.random() < 0.15:
         case["capacity"] = rng.choice(["tokens", "pairs"])
+    # From the seed, not a draw of its own: the other fields of every case stay as they were.
+    case["exact_buffers"] = ep > 1 and case["seed"] % 4 == 0
     return case
 
 
@@ -144,6 +147,7 @@ def config_of(case: dict, everyone: list[RankInputs]) -> tuple[mok.MoKConfig, bo
         swiglu_limit=case["limit"],
         backend="triton",
         max_tokens_per_rank=max(1, *case["tokens"]),
+        exact_buffers=case["exact_buffers"],
         **capacities,
     )
     return config, overflow
