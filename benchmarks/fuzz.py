@@ -154,18 +154,23 @@ def config_of(case: dict, everyone: list[RankInputs]) -> tuple[mok.MoKConfig, bo
 
 
 def reference_results(config, full, everyone, rank, group):
-    """The reference on every rank's inputs; ids out of range become zero-weight pairs."""
+    """The reference on every rank's inputs; ids out of range become zero-weight pairs. On the
+    CPU the kernels compute in fp32 under the interpreter, rounding only their results to bf16:
+    the reference then gets fp32 copies of the inputs, so that it rounds nowhere else either
+    (its bf16 rounding of h, amplified by cancellation in a 48-term dot product, made a correct
+    router-weight gradient look 2 % off)."""
+    dtype = torch.float32 if everyone[rank].x.device.type == "cpu" else None
     xs, idxs, ws, grads = [], [], [], []
     for inputs in everyone:
         idx = inputs.topk_idx
         valid = (idx >= 0) & (idx < config.num_experts)
-        xs.append(inputs.x)
+        xs.append(inputs.x.to(dtype))
         idxs.append(torch.where(valid, idx, 0))
         ws.append(torch.where(valid, inputs.topk_weights, 0))
-        grads.append(inputs.grad_y)
+        grads.append(inputs.grad_y.to(dtype))
     x = torch.cat(xs).requires_grad_(True)
     w = torch.cat(ws).requires_grad_(True)
-    weights = full.map(lambda t: t.detach().clone().requires_grad_(True))
+    weights = full.map(lambda t: t.detach().clone().to(dtype).requires_grad_(True))
     y = moe_forward(x, torch.cat(idxs), w, weights, config.swiglu_limit)
     y.backward(torch.cat(grads))
     start = sum(inputs.x.shape[0] for inputs in everyone[:rank])
