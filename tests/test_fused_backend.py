@@ -5,7 +5,8 @@ shared file standing in for symmetric memory (kernels under the Triton interpret
 before the products), and on one GPU with the ranks' processes sharing it (CUDA IPC; the copy on
 its own stream beside the products, with real waits). Covered: the shared expert, the SwiGLU
 clamp, an expert id out of range, a rank without tokens, every pair on one expert, receive
-buffers too small.
+buffers too small, receive buffers sized by the pairs received (`exact_buffers`), layers stacked
+on one exchange, and when each per-pair buffer of the backward is dropped.
 
 Bugs these catch: a grouped row read before it landed (stale or zero rows: y differs), a row
 stored to the wrong pair slot or rank, a count that completes before the last column tile
