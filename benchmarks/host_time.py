@@ -4,8 +4,9 @@ where a small layer's time goes when the GPU waits for the host.
     PYTHONPATH=src python3 benchmarks/host_time.py [--preset tiny] [--tokens 8192] [--iters 20]
                                                    [--kernels] [--profile 40] [--graphed]
 
-EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend, the
-`mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the
+EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend launching
+every kernel, `MoKConfig.graphs="off"`; the same layer replaying its own CUDA graphs,
+`graphs="on"`; the `mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the
 host time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle
 before each call) and the device time of both (CUDA events; equal to the host time when the
 GPU waits for the host). --graphed adds the triton layer wrapped by
@@ -99,9 +100,12 @@ def main(argv=None) -> int:
     parser.add_argument("--launches", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    config = mok.get_preset(args.preset).config(backend="triton", max_tokens_per_rank=args.tokens)
+    config = mok.get_preset(args.preset).config(
+        backend="triton", max_tokens_per_rank=args.tokens, graphs="off"
+    )
     layer = mok.MoE(config, device=device)
     layer.load_global_weights(global_weights(config, 0, device))
+    own_graphs = mok.MoE.sharing_weights_of(layer, config.replace(graphs="on"))
     baseline = BaselineMoE.sharing_weights_of(layer)
     generator = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(args.tokens, config.hidden_size, device=device, generator=generator)
@@ -113,7 +117,11 @@ def main(argv=None) -> int:
     print(f"{args.preset}, {args.tokens} tokens, EP 1, {torch.cuda.get_device_name(device)}")
     print("| implementation | host ms fwd | host ms bwd | device ms fwd | device ms fwd+bwd |")
     print("| --- | --- | --- | --- | --- |")
-    implementations = [("triton", layer), ("baseline", baseline)]
+    implementations = [
+        ("triton", layer),
+        ("triton, own graphs", own_graphs),
+        ("baseline", baseline),
+    ]
     if args.graphed:
         twin = mok.MoE(config, device=device)
         twin.load_global_weights(global_weights(config, 0, device))

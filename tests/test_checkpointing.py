@@ -182,10 +182,10 @@ def test_the_saved_state_is_walked_only_under_saved_tensor_hooks(checkpointed, m
     backward, only where saved-tensor hooks are set (checkpointing, offloading). Catches the walk
     run at every call (it cost ~0.3 ms of host time per backward on the GPU machine, a fifth of
     a small layer's) or skipped under the hooks (the state's tensors would stay out of reach)."""
-    from mok import module
+    from mok import tree
 
     walks = {"take": 0, "put": 0}
-    take, put = module._take_tensors, module._put_tensors
+    take, put = tree.take_tensors, tree.put_tensors
 
     def counted(name, walk):
         def wrapper(*args):
@@ -194,8 +194,8 @@ def test_the_saved_state_is_walked_only_under_saved_tensor_hooks(checkpointed, m
 
         return wrapper
 
-    monkeypatch.setattr(module, "_take_tensors", counted("take", take))
-    monkeypatch.setattr(module, "_put_tensors", counted("put", put))
+    monkeypatch.setattr(tree, "take_tensors", counted("take", take))
+    monkeypatch.setattr(tree, "put_tensors", counted("put", put))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIG.replace(backend="triton")
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 """
 
 from mok.backends import symmetric_buffer_bytes
-from mok.config import Backend, Dispatch, MoKConfig, Precision, Validation
+from mok.config import Backend, Dispatch, Graphs, MoKConfig, Precision, Validation
 from mok.errors import (
     BackendUnavailableError,
     MoKCapacityError,
@@ -43,6 +43,7 @@ __all__ = [
     "MoKInputError",
     "MoKTimeoutError",
     "Dispatch",
+    "Graphs",
     "Precision",
     "Validation",
     "SavedForward",

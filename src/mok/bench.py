@@ -94,6 +94,9 @@ class BenchSpec:
     every backward but the first adds into existing `.grad`) instead of setting them to None."""
     precision: str = "bf16"
     """`MoKConfig.precision` of the backend's layer ("bf16" or "mxfp8"); the baseline is bf16."""
+    graphs: str = "auto"
+    """`MoKConfig.graphs` of the backend's layer: whether its calls replay their own CUDA graphs
+    ("auto": small layers; "on"; "off")."""
     cuda_graph: bool = False
     """Time the backend's layer replayed from one CUDA graph per pass, captured on the timed
     inputs (it never synchronizes with the host, so it can be captured); the baseline, which
@@ -117,6 +120,7 @@ class BenchSpec:
             exact_buffers=self.exact_buffers,
             validation=self.validation,
             precision=self.precision,
+            graphs=self.graphs,
         )
 
 
@@ -221,6 +225,15 @@ def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str,
     reference = mok.MoE.sharing_weights_of(layer, config.replace(backend="reference"))
     expected = one_call_results(reference, inputs)
     actual = one_call_results(layer, inputs)
+    graphs = None if isinstance(layer, BaselineMoE) else layer.workspace(device).graphs
+    if graphs is not None:
+        # The second call of a token count captures the layer's CUDA graphs (`MoKConfig.graphs`),
+        # the third replays them: what the timed calls run must equal what was checked.
+        for _ in range(2):
+            again = one_call_results(layer, inputs)
+            differ = [key for key, value in actual.items() if not torch.equal(again[key], value)]
+            if differ:
+                raise AssertionError(f"a layer call replayed from CUDA graphs differs in {differ}")
     return {key: relative_error(actual[key], value) for key, value in expected.items()}
 
 
@@ -611,6 +624,7 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             else "; weight gradients set to None between iterations"
         )
         + f"; the backend's input validation {first.validation} (`--validation`)"
+        + f"; the backend's own CUDA graphs {first.graphs} (`--graphs`)"
         + (
             "; the backend's passes replayed from CUDA graphs captured on the timed inputs "
             "(`--cuda-graph`; the baseline eager)"

@@ -22,7 +22,7 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend, Precision, Validation
+from mok.config import Backend, Graphs, Precision, Validation
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -182,6 +182,13 @@ def _parser() -> argparse.ArgumentParser:
         "call) or each its own (local)",
     )
     bench.add_argument(
+        "--graphs",
+        choices=[g.value for g in Graphs],
+        default=Graphs.AUTO.value,
+        help="whether the backend's layer replays its calls from its own CUDA graphs (auto: small "
+        "layers, bound by the host; on; off: every call launches its kernels)",
+    )
+    bench.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
@@ -310,6 +317,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             exact_buffers=args.exact_buffers,
             accumulate_grads=args.accumulate_grads,
             validation=args.validation,
+            graphs=args.graphs,
             precision=precision,
             cuda_graph=args.cuda_graph,
         )

@@ -70,6 +70,26 @@ class Validation(str, enum.Enum):
     stall of one rank between layer calls (a checkpoint written by one rank, say)."""
 
 
+class Graphs(str, enum.Enum):
+    """Whether the layer replays its own calls from CUDA graphs (CUDA devices, the `triton` and
+    `fused` backends; `mok.graphs`). From the second call of a token count on, a call is then a
+    copy of its inputs, one graph launch and a copy of its outputs, instead of 20-30 kernel
+    launches and the Python around them (1-2 ms of host time a forward on the GPU machine), with
+    the same results bit for bit. What it costs: the graphs keep their memory between calls (the
+    saved activations, the backward's weight gradients) and capture once per token count, at most
+    four of them per layer."""
+
+    AUTO = "auto"
+    """Graphs for layers whose calls the host bounds: bf16, not `exact_buffers`, and the memory
+    a graph keeps (weight gradients and per-pair activations) within 64 MiB at that token
+    count (`mok.graphs.kept_bytes`); larger layers give the GPU more work per launch than the
+    host takes to launch it."""
+    ON = "on"
+    """Graphs at every size and precision (not with `exact_buffers`, which reads the host)."""
+    OFF = "off"
+    """Every call launches its kernels."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Shape, numerics and tunables of one MoE layer; validated on construction.
@@ -136,6 +156,8 @@ class MoKConfig:
     mx_rounding: ScaleRounding = ScaleRounding.RCEIL
     """How MXFP8 picks each block's scale (precision "mxfp8"): RCEIL (amax never saturates, the
     default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`."""
+    graphs: Graphs = Graphs.AUTO
+    """Whether calls replay CUDA graphs of the layer: `auto` for small layers; see `Graphs`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -145,6 +167,7 @@ class MoKConfig:
             self, "validation", _parse_enum(Validation, self.validation, "validation")
         )
         object.__setattr__(self, "dispatch", _parse_enum(Dispatch, self.dispatch, "dispatch"))
+        object.__setattr__(self, "graphs", _parse_enum(Graphs, self.graphs, "graphs"))
         rounding = _parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from mok.distributed import (
     raise_if_any_rank_failed,
 )
 from mok.errors import MoKInputError
+from mok.graphs import GraphCache, GraphedState, captures
 from mok.validation import (
     check_accumulation_buffers,
     check_grad_output,
@@ -52,6 +54,8 @@ class Workspace:
     ep_size: int
     local_experts: int
     backend: LayerBackend | None = dataclasses.field(repr=False, default=None)
+    graphs: GraphCache | None = dataclasses.field(repr=False, default=None)
+    """The calls captured in CUDA graphs (`MoKConfig.graphs`); None where nothing is."""
 
     @property
     def backend_name(self) -> str:
@@ -72,6 +76,7 @@ class Workspace:
 
     def release(self) -> None:
         """Free the backend's buffers; the workspace cannot be used afterwards."""
+        self.graphs = None  # their kernels read the backend's buffers
         if self.backend is not None:
             self.backend.release()
             self.backend = None
@@ -192,7 +197,30 @@ def create_workspace(
         local_experts=local_experts,
     )
     workspace.backend = select_backend(config, device, group)(workspace)
+    if device.type == "cuda" and workspace.backend_name != "reference":
+        workspace.graphs = _graph_cache(workspace)
     return workspace
+
+
+def _graph_cache(ws: Workspace) -> GraphCache:
+    """The workspace's captured calls: the unchecked calls below, replayed (`mok.graphs`). It
+    refers to the workspace weakly (the workspace holds it)."""
+    workspace = weakref.ref(ws)
+
+    def run_forward(topk_idx, x, topk_weights, weights, need_backward):
+        schedule = _schedule(workspace(), topk_idx)
+        y, saved = _forward(workspace(), schedule, x, topk_weights, weights, need_backward)
+        return schedule, y, saved
+
+    def run_backward(schedule, saved, grad_y, into):
+        with _compute_precision(workspace()):
+            return workspace().backend.backward(schedule.routing, saved.saved, grad_y, into)
+
+    def wanted(num_tokens: int) -> bool:
+        live = workspace()
+        return captures(live.config, live.local_experts, live.ep_size, num_tokens)
+
+    return GraphCache(run_forward, run_backward, wanted)
 
 
 def _live(workspace: Workspace) -> Workspace:
@@ -293,14 +321,22 @@ def schedule_and_forward(
     topk_weights: torch.Tensor,
     weights: MoEWeights,
     need_backward: bool = True,
+    graphs: bool = True,
 ) -> tuple[Schedule, torch.Tensor, SavedForward | None]:
     """`build_schedule` then `forward`, with one agreement of the ranks on all inputs instead of
-    two (each is a round trip between the hosts). Returns (schedule, y, saved). Collective."""
+    two (each is a round trip between the hosts). Returns (schedule, y, saved). Collective.
+
+    graphs: the call may replay a CUDA graph where `MoKConfig.graphs` says so (`mok.graphs`;
+    False: launch the kernels, e.g. where saved-tensor hooks must see what forward saves)."""
     ws = _live(workspace)
     problem = _routing_problem(ws, topk_idx)
     if problem is None:
         problem = _forward_problem(ws, topk_idx.shape[0], x, topk_weights, weights)
     _raise_if_rejected(ws, problem)
+    if graphs and ws.graphs is not None:
+        replayed = ws.graphs.forward(topk_idx, x, topk_weights, weights, need_backward)
+        if replayed is not None:
+            return replayed
     schedule = _schedule(ws, topk_idx)
     return (schedule, *_forward(ws, schedule, x, topk_weights, weights, need_backward))
 
@@ -329,6 +365,8 @@ def backward(
     if problem is None:
         problem = check_accumulation_buffers(ws.config, into, ws.local_experts, ws.device)
     _raise_if_rejected(ws, problem)
+    if isinstance(saved.saved, GraphedState):
+        return ws.graphs.backward(saved.saved, grad_y, into)
     with _compute_precision(ws):
         return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
 

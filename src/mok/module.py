@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 
 import torch
@@ -11,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from mok import functional, ops
+from mok import functional, ops, tree
 from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
@@ -73,51 +71,6 @@ def cast_for_autocast(
     return cast(x), MoEWeights(**fields)
 
 
-@dataclasses.dataclass(frozen=True)
-class _TensorSlot:
-    """Where `_take_tensors` took the tensor `tensors[index]` out of a structure."""
-
-    index: int
-
-
-def _map_leaves(value, is_leaf, leaf):
-    """`value` rebuilt with `leaf(x)` for every x it holds where `is_leaf(x)`, through
-    dataclasses (shallow copies with their fields replaced, no __init__: its checks want the
-    original fields), dicts, lists and tuples. Other objects are kept as they are."""
-    if is_leaf(value):
-        return leaf(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        copied = copy.copy(value)
-        for field in dataclasses.fields(value):
-            mapped = _map_leaves(getattr(value, field.name), is_leaf, leaf)
-            object.__setattr__(copied, field.name, mapped)
-        return copied
-    if isinstance(value, dict):
-        return {key: _map_leaves(item, is_leaf, leaf) for key, item in value.items()}
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_map_leaves(item, is_leaf, leaf) for item in value)
-    return value
-
-
-def _take_tensors(value, tensors: list[torch.Tensor]):
-    """`value` with every tensor it holds replaced by a `_TensorSlot` into `tensors`, where the
-    tensor is appended (tensors inside objects other than dataclasses, dicts, lists and tuples
-    stay where they are)."""
-
-    def take(tensor):
-        tensors.append(tensor)
-        return _TensorSlot(len(tensors) - 1)
-
-    return _map_leaves(value, lambda item: isinstance(item, torch.Tensor), take)
-
-
-def _put_tensors(value, tensors):
-    """The inverse of `_take_tensors`: every `_TensorSlot` replaced by its tensor."""
-    return _map_leaves(
-        value, lambda item: isinstance(item, _TensorSlot), lambda slot: tensors[slot.index]
-    )
-
-
 def _saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks are set (non-reentrant activation checkpointing, offloading
     to the CPU): they then decide what a saved tensor costs until backward."""
@@ -127,20 +80,27 @@ def _saved_tensor_hooks_active() -> bool:
 
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, workspace, fuse_accumulation, topk_idx, x, topk_weights, *weight_tensors):
+    def forward(
+        ctx, workspace, fuse_accumulation, grad_enabled, topk_idx, x, topk_weights, *weight_tensors
+    ):
         weights = MoEWeights(*weight_tensors)
-        need_backward = any(ctx.needs_input_grad[3:])
+        # needs_input_grad says which inputs require grad even under torch.no_grad(), where no
+        # backward can follow: the caller's grad mode decides.
+        need_backward = grad_enabled and any(ctx.needs_input_grad[4:])
+        hooked = need_backward and _saved_tensor_hooks_active()
+        # Under saved-tensor hooks the call launches its kernels: a graph's saved state stays in
+        # the graph's memory, out of the hooks' reach.
         schedule, y, saved = functional.schedule_and_forward(
-            workspace, topk_idx, x, topk_weights, weights, need_backward=need_backward
+            workspace, topk_idx, x, topk_weights, weights, need_backward, graphs=not hooked
         )
         ctx.workspace, ctx.state = workspace, (schedule, saved)
-        ctx.tensors_taken = saved is not None and _saved_tensor_hooks_active()
+        ctx.tensors_taken = saved is not None and hooked
         if ctx.tensors_taken:
             # The forward's tensors go through the hooks (non-reentrant checkpointing drops them
             # and recomputes the layer in backward; offloading moves them): held in ctx.state,
             # they would stay in memory until backward whatever the hooks say.
             tensors: list[torch.Tensor] = []
-            ctx.state = _take_tensors(ctx.state, tensors)
+            ctx.state = tree.take_tensors(ctx.state, tensors)
             ctx.save_for_backward(*tensors)
         ctx.weight_tensors = weight_tensors if fuse_accumulation else None
         return y
@@ -149,7 +109,7 @@ class _MoEFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         workspace = ctx.workspace
         # Walking the state costs ~0.3 ms of host time: only where the forward took its tensors.
-        state = _put_tensors(ctx.state, ctx.saved_tensors) if ctx.tensors_taken else ctx.state
+        state = tree.put_tensors(ctx.state, ctx.saved_tensors) if ctx.tensors_taken else ctx.state
         schedule, saved = state
         ctx.state = None  # frees the saved forward as soon as it is used
         into = {}
@@ -163,7 +123,7 @@ class _MoEFunction(torch.autograd.Function):
         weight_grads = [
             None if name in into else getattr(grads.weights, name) for name in _WEIGHT_FIELDS
         ]
-        return (None, None, None, grads.x, grads.topk_weights, *weight_grads)
+        return (None, None, None, None, grads.x, grads.topk_weights, *weight_grads)
 
 
 def moe(
@@ -189,7 +149,13 @@ def moe(
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
     tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
     return _MoEFunction.apply(
-        workspace, fuse_grad_accumulation, topk_idx, x, topk_weights, *tensors
+        workspace,
+        fuse_grad_accumulation,
+        torch.is_grad_enabled(),
+        topk_idx,
+        x,
+        topk_weights,
+        *tensors,
     )
 
 

@@ -1,0 +1,260 @@
+"""The layer's calls replayed from CUDA graphs (`MoKConfig.graphs`).
+
+A small layer is bound by the host: its 20-30 kernel launches and the Python around them take
+1-2 ms a forward where the GPU needs microseconds. The layer never synchronizes with the host and
+its kernels read what the call allocates, so a call can be captured once and replayed: a replay is
+a copy of the inputs into the graph's own, one graph launch and a copy of each output.
+
+Per workspace, `GraphCache` keeps at most `MAX_FORWARDS` captured forwards, keyed by the token
+count, whether backward follows, the inputs' dtypes and the weights' addresses (the graph reads
+the weights in place: an optimizer step that updates them in place is seen by the next replay, a
+weight replaced by another tensor makes a new key). Each forward keeps its captured backwards,
+keyed by the dtype of grad_y and by which weights' gradients are added into existing buffers (and
+their dtypes). The first call of a key runs eagerly (it compiles kernels and warms caches, which a
+capture cannot), the second captures and replays.
+
+What a captured forward saves for backward lives in its graph's memory, so one replay of a key
+at a time may wait for its backward: while it waits, another forward of that key (a second
+micro-batch in flight, a layer called twice) runs eagerly. The wait ends with the backward, or
+when what the forward saved is freed unused (autograd dropped its graph).
+
+The checks and the ranks' agreement on the inputs run at every call before this (functional), so
+every rank meets the others the same number of times whether it replays, captures or launches;
+what the device checks (expert ids, capacity, peer timeouts) is captured with the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from mok.config import Graphs, MoKConfig, Precision
+from mok.tree import structural_copy, take_tensors
+from mok.weights import MoEGradients, MoEWeights
+
+MAX_FORWARDS = 4
+"""Captured forwards per workspace; calls of further keys run eagerly."""
+AUTO_KEPT_BYTES = 64 * 2**20
+"""`Graphs.AUTO` captures a token count whose graphs keep at most this much (`kept_bytes`)."""
+_MAX_SEEN = 64
+
+
+def kept_bytes(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> int:
+    """Bytes the graphs of one token count keep between calls, roughly: the weights' gradients
+    (the backward's outputs) and the per-pair activations (rows, pre-activations, h, outputs) of
+    the most pairs a rank can receive from `ep_size` ranks of `num_tokens` tokens."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    weights = local_experts * 3 * hidden * inter + 3 * config.shared_intermediate_size * hidden
+    pairs = ep_size * num_tokens * config.top_k
+    element = config.activation_dtype.itemsize
+    return element * (weights + pairs * (2 * hidden + 3 * inter))
+
+
+def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> bool:
+    """Whether calls of `num_tokens` tokens replay graphs under `config.graphs`."""
+    if config.graphs is Graphs.OFF or config.exact_buffers or num_tokens == 0:
+        return False
+    if config.graphs is Graphs.ON:
+        return True
+    return (
+        config.precision is Precision.BF16
+        and kept_bytes(config, local_experts, ep_size, num_tokens) <= AUTO_KEPT_BYTES
+    )
+
+
+@dataclasses.dataclass(eq=False)
+class _CapturedBackward:
+    graph: torch.cuda.CUDAGraph
+    grad_y: torch.Tensor
+    into: dict[str, torch.Tensor]
+    """The gradient buffers the graph adds into, copied in from the caller's before a replay and
+    back after it."""
+    grads: MoEGradients
+
+
+@dataclasses.dataclass(eq=False)
+class _CapturedForward:
+    graph: torch.cuda.CUDAGraph
+    topk_idx: torch.Tensor
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    schedule: object
+    y: torch.Tensor
+    saved: object
+    """The functional SavedForward of the capture (None without backward); every backward runs on
+    a structural copy of it, since a backward takes its state apart as it goes."""
+    held: list[torch.Tensor]
+    """Every tensor of schedule and saved, held here so that their memory stays theirs."""
+    backwards: dict[tuple, _CapturedBackward] = dataclasses.field(default_factory=dict)
+    warm_backwards: set[tuple] = dataclasses.field(default_factory=set)
+    replays: int = 0
+    waiting: bool = False
+    """A replay's saved state waits for its backward."""
+
+
+@dataclasses.dataclass(eq=False)
+class GraphedState:
+    """`SavedForward.saved` of a replayed call: the capture that holds its state and the replay
+    it came from (the state is valid while no later replay of the capture ran)."""
+
+    forward: _CapturedForward
+    replay: int
+    used: bool = False
+
+
+def _stop_waiting(forward: _CapturedForward, replay: int) -> None:
+    if forward.replays == replay:
+        forward.waiting = False
+
+
+def _weight_key(weights: MoEWeights) -> tuple:
+    return tuple(
+        (name, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+        for name, t in weights.tensors().items()
+        if t is not None
+    )
+
+
+def _sync_debug_mode_set() -> bool:
+    """CUDA's sync debug mode is set (e.g. to prove a call never waits for the GPU): a capture,
+    which synchronizes the device once before it starts, is left for later."""
+    return torch.cuda.get_sync_debug_mode() != 0
+
+
+def _static(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def _capture(run: Callable):
+    """(graph, what `run()` returned while it was captured)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        result = run()
+    return graph, result
+
+
+class GraphCache:
+    """The captured calls of one workspace. `run_forward(topk_idx, x, topk_weights, weights,
+    need_backward) -> (schedule, y, saved)` and `run_backward(schedule, saved, grad_y, into) ->
+    MoEGradients` are the workspace's unchecked eager calls; `wanted(num_tokens)` says whether a
+    token count is worth its graphs."""
+
+    def __init__(
+        self,
+        run_forward: Callable,
+        run_backward: Callable,
+        wanted: Callable[[int], bool],
+    ) -> None:
+        self._run_forward = run_forward
+        self._run_backward = run_backward
+        self._wanted = wanted
+        self._forwards: dict[tuple, _CapturedForward] = {}
+        self._seen: set[tuple] = set()
+        self.replays = 0
+        """Forward calls replayed so far (tests, benchmarks)."""
+
+    @property
+    def captured(self) -> int:
+        """Forwards captured so far (tests, benchmarks)."""
+        return len(self._forwards)
+
+    def forward(self, topk_idx, x, topk_weights, weights: MoEWeights, need_backward: bool):
+        """(schedule, y, saved) of this call replayed from a graph (`saved`: a GraphedState or
+        None), or None where the call is to run eagerly."""
+        num_tokens = topk_idx.shape[0]
+        if torch.cuda.is_current_stream_capturing() or not self._wanted(num_tokens):
+            return None
+        key = (num_tokens, need_backward, x.dtype, topk_idx.dtype, topk_weights.dtype)
+        key += _weight_key(weights)
+        forward = self._forwards.get(key)
+        if forward is None:
+            if key not in self._seen:
+                if len(self._seen) < _MAX_SEEN:
+                    self._seen.add(key)
+                return None
+            if len(self._forwards) >= MAX_FORWARDS or _sync_debug_mode_set():
+                return None
+            forward = self._forwards[key] = self._capture_forward(
+                topk_idx, x, topk_weights, weights, need_backward
+            )
+        elif forward.waiting:
+            return None
+        else:
+            forward.topk_idx.copy_(topk_idx)
+            forward.x.copy_(x)
+            forward.topk_weights.copy_(topk_weights)
+        forward.graph.replay()
+        self.replays += 1
+        y = forward.y.clone()
+        if forward.saved is None:
+            return forward.schedule, y, None
+        forward.replays += 1
+        forward.waiting = True
+        state = GraphedState(forward, forward.replays)
+        weakref.finalize(state, _stop_waiting, forward, forward.replays)
+        return forward.schedule, y, dataclasses.replace(forward.saved, saved=state)
+
+    def _capture_forward(self, topk_idx, x, topk_weights, weights, need_backward):
+        statics = [_static(t) for t in (topk_idx, x, topk_weights)]
+        graph, (schedule, y, saved) = _capture(
+            lambda: self._run_forward(*statics, weights, need_backward)
+        )
+        held: list[torch.Tensor] = []
+        take_tensors((schedule, saved), held)
+        return _CapturedForward(graph, *statics, schedule, y, saved, held)
+
+    def backward(
+        self, state: GraphedState, grad_y: torch.Tensor, into: dict[str, torch.Tensor]
+    ) -> MoEGradients:
+        """The gradients of the replayed call `state` (as the eager backward's: buffers in
+        `into` get the gradient added and are returned in its place)."""
+        forward = state.forward
+        if state.used or forward.replays != state.replay:
+            raise RuntimeError(
+                "this forward's saved state was used by a backward already: a layer call "
+                "serves one backward"
+            )
+        state.used = True
+        try:
+            key = (grad_y.dtype,) + tuple((n, b.dtype) for n, b in sorted(into.items()))
+            backward = forward.backwards.get(key)
+            if backward is None and key in forward.warm_backwards:
+                if not torch.cuda.is_current_stream_capturing() and not _sync_debug_mode_set():
+                    backward = forward.backwards[key] = self._capture_backward(
+                        forward, grad_y, into
+                    )
+            if backward is None:
+                forward.warm_backwards.add(key)
+                schedule, saved = structural_copy((forward.schedule, forward.saved))
+                return self._run_backward(schedule, saved, grad_y, into)
+            backward.grad_y.copy_(grad_y)
+            for name, buffer in into.items():
+                backward.into[name].copy_(buffer)
+            backward.graph.replay()
+            return self._gradients(backward, into)
+        finally:
+            forward.waiting = False
+
+    def _capture_backward(self, forward, grad_y, into):
+        static_grad_y = _static(grad_y)
+        static_into = {name: _static(buffer) for name, buffer in into.items()}
+        schedule, saved = structural_copy((forward.schedule, forward.saved))
+        graph, grads = _capture(
+            lambda: self._run_backward(schedule, saved, static_grad_y, static_into)
+        )
+        return _CapturedBackward(graph, static_grad_y, static_into, grads)
+
+    @staticmethod
+    def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
+        """The captured gradients copied out: into the caller's buffers for `into`, else cloned
+        (the next replay overwrites the graph's)."""
+        grads = backward.grads
+        weights = {
+            name: None if t is None else into[name].copy_(t) if name in into else t.clone()
+            for name, t in grads.weights.tensors().items()
+        }
+        x, topk_weights = grads.x.clone(), grads.topk_weights.clone()
+        return MoEGradients(x=x, topk_weights=topk_weights, weights=MoEWeights(**weights))
