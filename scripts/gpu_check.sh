@@ -18,7 +18,8 @@
 # e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
 # e2e-profile: one compiled step of each profiled, with Chrome traces.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
-# against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny`.
+# against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny` with
+# the layer's own CUDA graphs and without.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
@@ -97,8 +98,10 @@ for step in $steps; do
         run "host-$preset" python3 benchmarks/host_cost.py --preset "$preset" --ep "$ngpu" \
           --compiled --graphed
       done
-      run host-bench-tiny python3 -m mok bench --no-progress --preset tiny --ep 1 \
-        --json "$OUT/bench-tiny.json"
+      for graphs in auto off; do  # the layer's own CUDA graphs (the default), then none
+        run "host-bench-tiny-graphs-$graphs" python3 -m mok bench --no-progress --preset tiny \
+          --ep 1 --graphs "$graphs" --json "$OUT/bench-tiny-graphs-$graphs.json"
+      done
       run host-bench-tiny-graph python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \
         --tokens 4096 --ep 1 --cuda-graph --json "$OUT/bench-graph.json"
       run host-bench python3 -m mok bench --no-progress --preset tiny,qwen3-30b-a3b \

@@ -310,6 +310,31 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
     assert BenchSpec(validation="local").config().validation is mok.Validation.LOCAL
 
 
+@pytest.mark.parametrize("graphs", ["auto", "on", "off"])
+def test_bench_passes_the_graphs_option_to_the_layer(monkeypatch, graphs):
+    """--graphs reaches the backend's config (default auto). Catches the option parsed but
+    dropped on the way to the layer (every run would time the default)."""
+    from mok import cli
+
+    captured = []
+
+    class Captured(Exception):
+        pass
+
+    def run_bench(specs):
+        captured.extend(specs)
+        raise Captured
+
+    monkeypatch.setattr(cli, "run_bench", run_bench)
+    with pytest.raises(Captured):
+        main(["bench", "--no-progress", "--device", "cpu", "--graphs", graphs])
+    (spec,) = captured
+    assert spec.config().graphs is mok.Graphs(graphs)
+    assert BenchSpec().config().graphs is mok.Graphs.AUTO
+    with pytest.raises(SystemExit):
+        main(["bench", "--graphs", "sometimes"])
+
+
 @pytest.mark.parametrize(
     ("status", "expected"), [("", "abc1234"), (" M src/mok/bench.py", "abc1234+modified")]
 )
