@@ -4,17 +4,17 @@ where a small layer's time goes when the GPU waits for the host.
     PYTHONPATH=src python3 benchmarks/host_time.py [--preset tiny] [--tokens 8192] [--iters 20]
                                                    [--kernels] [--profile 40] [--graphed]
 
-EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend launching
-every kernel, `MoKConfig.graphs="off"`; the same layer replaying its own CUDA graphs,
-`graphs="on"`; the `mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the
-host time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle
-before each call) and the device time of both (CUDA events; equal to the host time when the
-GPU waits for the host). --graphed adds the triton layer wrapped by
-`torch.cuda.make_graphed_callables` (forward and backward each one CUDA graph: the host launches
-a graph and copies the inputs in). --kernels lists the kernels one call launches (torch.profiler);
---profile prints cProfile's top functions of the triton backend by their own time, then by
-their cumulative time. --launches times every launch through `mok.kernels.launch` on its own
-(median host us per launch and launches per call, by kernel).
+EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend launching every
+kernel, `MoKConfig.graphs="off"`; the same layer replaying its own CUDA graphs, `graphs="on"`; the
+`mok.baseline` layer on the same weights), over --iters calls after a warm-up, medians of: the host
+time to enqueue forward and backward (perf_counter around the Python calls, the GPU idle before
+each call) and the device time of both (CUDA events; equal to the host time when the GPU waits for
+the host). --graphed adds the triton layer wrapped by `torch.cuda.make_graphed_callables` (forward
+and backward each one CUDA graph: the host launches a graph and copies the inputs in). --kernels
+lists the kernels one call launches (torch.profiler); --profile prints cProfile's top functions of
+the triton backend by their own time, then by their cumulative time. --launches times every launch
+through `mok.kernels.launch` on its own (median host us per launch and launches per call, by
+kernel).
 """
 
 from __future__ import annotations

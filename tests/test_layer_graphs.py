@@ -7,10 +7,13 @@ a forward whose backward never runs, with weights updated in place or replaced, 
 token counts than the cache keeps.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import mok
+from mok import functional, graphs, tree
 from mok.graphs import AUTO_KEPT_BYTES, MAX_FORWARDS, captures, kept_bytes
 from mok.routing import make_routing
 from mok.testing import RankInputs, global_weights, one_call_results, results_without_host_sync
@@ -63,6 +66,173 @@ def test_kept_bytes_counts_the_weight_gradients_and_the_pairs():
 def test_cpu_workspaces_have_no_graphs():
     """Catches a CPU (or reference) workspace trying to capture."""
     assert mok.create_workspace(TINY.replace(backend="reference"), device="cpu").graphs is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The cache's bookkeeping on the CPU: a toy layer, and a stand-in for CUDA graphs
+# ------------------------------------------------------------------------------------------------
+
+
+class FakeGraph:
+    """A CUDA graph's semantics on the CPU: a replay runs the captured call again on what its
+    inputs hold now and writes every result into the capture's own tensors (a graph rewrites the
+    same memory at every replay, which is what the cache must copy out of)."""
+
+    def __init__(self, run, result):
+        self.run = run
+        self.replays = 0
+        self.targets: list[torch.Tensor] = []
+        tree.take_tensors(result, self.targets)
+
+    def replay(self):
+        self.replays += 1
+        fresh: list[torch.Tensor] = []
+        tree.take_tensors(self.run(), fresh)
+        for target, value in zip(self.targets, fresh, strict=True):
+            target.copy_(value)
+
+
+def fake_capture(run):
+    result = run()
+    return FakeGraph(run, result), result
+
+
+@dataclasses.dataclass
+class ToySchedule:
+    topk_idx: torch.Tensor
+
+
+def toy_forward(topk_idx, x, topk_weights, weights, need_backward):
+    """y = x * sum(topk_weights) * sum(gate): a layer small enough to check by hand, with state
+    saved for backward that a later replay overwrites (x itself)."""
+    y = x * topk_weights.sum(1, keepdim=True) * weights.gate.sum()
+    saved = functional.SavedForward(x.shape[0], {"x": x, "w": topk_weights, "gate": weights.gate})
+    return ToySchedule(topk_idx), y, saved if need_backward else None
+
+
+def toy_backward(schedule, saved, grad_y, into):
+    x, w, gate = saved.saved["x"], saved.saved["w"], saved.saved["gate"]
+    scale = w.sum(1, keepdim=True)
+    grad_gate = torch.full_like(gate, float((grad_y * x * scale).sum()))
+    grads = {"gate": grad_gate, "up": torch.zeros(2), "down": torch.zeros(2)}
+    for name, buffer in into.items():
+        grads[name] = buffer.add_(grads[name])
+    return mok.MoEGradients(
+        x=grad_y * scale * gate.sum(),
+        topk_weights=(grad_y * x).sum(1, keepdim=True).expand_as(w) * gate.sum(),
+        weights=mok.MoEWeights(**grads),
+    )
+
+
+@pytest.fixture
+def toy_cache(monkeypatch):
+    monkeypatch.setattr(graphs, "_capture", fake_capture)
+    monkeypatch.setattr(graphs, "_sync_debug_mode_set", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    return graphs.GraphCache(toy_forward, toy_backward, wanted=lambda tokens: tokens > 0)
+
+
+def toy_inputs(seed, tokens=6):
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        torch.randint(0, 4, (tokens, 2), generator=gen),
+        torch.randn(tokens, 3, generator=gen),
+        torch.rand(tokens, 2, generator=gen),
+    )
+
+
+TOY_WEIGHTS = mok.MoEWeights(gate=torch.randn(2, 2), up=torch.randn(2), down=torch.randn(2))
+
+
+def toy_call(cache, inputs, grad_y=None, into=None, weights=TOY_WEIGHTS):
+    """(y, grads) of one call through the cache, or eagerly where it declines."""
+    replayed = cache.forward(*inputs, weights, need_backward=True)
+    schedule, y, saved = replayed or toy_forward(*inputs, weights, True)
+    if grad_y is None:
+        return y, saved
+    into = into or {}
+    if isinstance(saved.saved, graphs.GraphedState):
+        return y, cache.backward(saved.saved, grad_y, into)
+    return y, toy_backward(schedule, saved, grad_y, into)
+
+
+def toy_expected(inputs, grad_y, weights=TOY_WEIGHTS):
+    schedule, y, saved = toy_forward(*inputs, weights, True)
+    return y, toy_backward(schedule, saved, grad_y, {})
+
+
+def test_cache_replays_from_the_second_call_and_copies_results_out(toy_cache):
+    """Catches a result handed out without a copy (kept results change at the next replay),
+    inputs not copied in (a replay computing on the capture's inputs), and the warm-up call
+    skipped or repeated."""
+    kept = []
+    for seed in range(4):
+        inputs = toy_inputs(seed)
+        grad_y = torch.randn_like(inputs[1])
+        y, grads = toy_call(toy_cache, inputs, grad_y)
+        y_expected, grads_expected = toy_expected(inputs, grad_y)
+        assert torch.equal(y, y_expected) and torch.equal(grads.x, grads_expected.x)
+        assert torch.equal(grads.weights.gate, grads_expected.weights.gate)
+        kept.append((y, y.clone(), grads.x, grads.x.clone()))
+    assert (toy_cache.captured, toy_cache.replays) == (1, 3)
+    for y, y_copy, grad_x, grad_x_copy in kept:
+        assert torch.equal(y, y_copy) and torch.equal(grad_x, grad_x_copy)
+
+
+def test_cache_serves_one_call_in_flight_per_capture(toy_cache):
+    """A second forward while a replay waits for its backward runs eagerly; a replay's state
+    freed unused ends the wait; a state used twice raises. Catches a replay overwriting the
+    state a waiting backward needs, a wait that never ends, and a second backward on
+    overwritten state."""
+    inputs, other = toy_inputs(0), toy_inputs(1)
+    for _ in range(2):
+        toy_call(toy_cache, inputs)
+    _, waiting = toy_call(toy_cache, inputs)  # a replay, waiting for its backward
+    assert toy_cache.forward(*other, TOY_WEIGHTS, need_backward=True) is None
+    grad_y = torch.randn_like(inputs[1])
+    grads = toy_cache.backward(waiting.saved, grad_y, {})
+    assert torch.equal(grads.x, toy_expected(inputs, grad_y)[1].x)
+    with pytest.raises(RuntimeError, match="serves one backward"):
+        toy_cache.backward(waiting.saved, grad_y, {})
+    _, dropped = toy_call(toy_cache, inputs)
+    del dropped
+    assert toy_cache.forward(*other, TOY_WEIGHTS, need_backward=True) is not None
+
+
+def test_cache_backward_adds_into_buffers_and_falls_back_where_weights_moved(toy_cache):
+    """Gradients added into the caller's buffers (copied into the graph's and back), and a
+    backward whose weight moved since the capture (FSDP2 gathers it anew) launched eagerly.
+    Catches a sum that starts from the capture's buffer, a buffer not written back, and a
+    backward graph reading where a weight used to be."""
+    inputs = toy_inputs(2)
+    grad_y = torch.randn_like(inputs[1])
+    expected = toy_expected(inputs, grad_y)[1].weights.gate
+    buffer = torch.ones(2, 2)
+    for calls in range(1, 5):  # eager, captured forward, captured backward, replays
+        _, grads = toy_call(toy_cache, inputs, grad_y, into={"gate": buffer})
+        assert grads.weights.gate is buffer
+        assert torch.allclose(buffer, 1 + calls * expected)
+    weights = mok.MoEWeights(
+        gate=TOY_WEIGHTS.gate.clone(), up=TOY_WEIGHTS.up, down=TOY_WEIGHTS.down
+    )
+    for _ in range(3):  # eager, captured forward, captured backward
+        toy_call(toy_cache, inputs, grad_y, weights=weights)
+    _, state = toy_call(toy_cache, inputs, weights=weights)
+    forward = state.saved.forward
+    (backward,) = forward.backwards.values()
+    replays = backward.graph.replays
+    forward.weights[0] = (weights.gate, -1)  # as if gathered elsewhere since the capture
+    grads = toy_cache.backward(state.saved, grad_y, {})
+    assert backward.graph.replays == replays  # launched, not replayed
+    assert torch.equal(grads.weights.gate, expected)
+
+
+def test_cache_keeps_at_most_max_forwards_captures(toy_cache):
+    """Catches a cache that grows with every token count it sees (each capture keeps memory)."""
+    for tokens in range(1, MAX_FORWARDS + 3):
+        for _ in range(3):
+            toy_call(toy_cache, toy_inputs(tokens, tokens))
+    assert toy_cache.captured == MAX_FORWARDS
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,6 +13,10 @@ keyed by the dtype of grad_y and by which weights' gradients are added into exis
 their dtypes). The first call of a key runs eagerly (it compiles kernels and warms caches, which a
 capture cannot), the second captures and replays.
 
+A backward graph reads the weights where they were at capture; where one of them has moved since
+(FSDP2 frees the unsharded weights after forward and gathers them again for backward), that
+backward launches its kernels on the replay's saved state instead.
+
 What a captured forward saves for backward lives in its graph's memory, so one replay of a key
 at a time may wait for its backward: while it waits, another forward of that key (a second
 micro-batch in flight, a layer called twice) runs eagerly. The wait ends with the backward, or
@@ -88,6 +92,10 @@ class _CapturedForward:
     a structural copy of it, since a backward takes its state apart as it goes."""
     held: list[torch.Tensor]
     """Every tensor of schedule and saved, held here so that their memory stays theirs."""
+    weights: list[tuple[torch.Tensor, int]]
+    """The weights the graphs read, with their addresses at capture: FSDP2 frees a weight's
+    storage between forward and backward and makes it anew, maybe elsewhere, and a backward
+    graph must not read where the weight was."""
     backwards: dict[tuple, _CapturedBackward] = dataclasses.field(default_factory=dict)
     warm_backwards: set[tuple] = dataclasses.field(default_factory=set)
     replays: int = 0
@@ -204,7 +212,9 @@ class GraphCache:
         )
         held: list[torch.Tensor] = []
         take_tensors((schedule, saved), held)
-        return _CapturedForward(graph, *statics, schedule, y, saved, held)
+        present = [t for t in weights.tensors().values() if t is not None]
+        addresses = [(t, t.data_ptr()) for t in present]
+        return _CapturedForward(graph, *statics, schedule, y, saved, held, addresses)
 
     def backward(
         self, state: GraphedState, grad_y: torch.Tensor, into: dict[str, torch.Tensor]
@@ -221,12 +231,13 @@ class GraphCache:
         try:
             key = (grad_y.dtype,) + tuple((n, b.dtype) for n, b in sorted(into.items()))
             backward = forward.backwards.get(key)
-            if backward is None and key in forward.warm_backwards:
+            in_place = all(t.data_ptr() == address for t, address in forward.weights)
+            if backward is None and key in forward.warm_backwards and in_place:
                 if not torch.cuda.is_current_stream_capturing() and not _sync_debug_mode_set():
                     backward = forward.backwards[key] = self._capture_backward(
                         forward, grad_y, into
                     )
-            if backward is None:
+            if backward is None or not in_place:
                 forward.warm_backwards.add(key)
                 schedule, saved = structural_copy((forward.schedule, forward.saved))
                 return self._run_backward(schedule, saved, grad_y, into)
