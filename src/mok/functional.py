@@ -321,13 +321,14 @@ def schedule_and_forward(
     topk_weights: torch.Tensor,
     weights: MoEWeights,
     need_backward: bool = True,
-    graphs: bool = True,
+    graphs: bool = False,
 ) -> tuple[Schedule, torch.Tensor, SavedForward | None]:
     """`build_schedule` then `forward`, with one agreement of the ranks on all inputs instead of
     two (each is a round trip between the hosts). Returns (schedule, y, saved). Collective.
 
     graphs: the call may replay a CUDA graph where `MoKConfig.graphs` says so (`mok.graphs`;
-    False: launch the kernels, e.g. where saved-tensor hooks must see what forward saves)."""
+    `mok.MoE` and `mok.moe` ask for it). The schedule and saved state of a replayed call then
+    serve its own backward only: the next replay rewrites them."""
     ws = _live(workspace)
     problem = _routing_problem(ws, topk_idx)
     if problem is None:

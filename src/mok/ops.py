@@ -96,7 +96,7 @@ def moe_forward(
     the MoEWeights fields `weights` holds, comma-separated (the others are absent)."""
     workspace = _workspaces[workspace_id]
     schedule, y, saved = functional.schedule_and_forward(
-        workspace, topk_idx, x, topk_weights, _weights(names, weights), need_backward
+        workspace, topk_idx, x, topk_weights, _weights(names, weights), need_backward, graphs=True
     )
     key = next(_ids)
     ticket = torch.tensor([key], dtype=torch.int64)
