@@ -227,6 +227,31 @@ def test_cache_backward_adds_into_buffers_and_falls_back_where_weights_moved(toy
     assert torch.equal(grads.weights.gate, expected)
 
 
+@pytest.mark.parametrize("failing", ["forward", "backward"])
+def test_a_refused_capture_warns_and_the_calls_launch(toy_cache, monkeypatch, failing):
+    """CUDA refusing a capture (an operation a graph cannot hold). Catches the error reaching the
+    caller (a default-on optimization failing a training step), a result lost with the failed
+    capture, and a cache that keeps trying at every call."""
+    captures = []
+
+    def refusing(run):
+        captures.append(run)
+        if len(captures) == (1 if failing == "forward" else 2):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return fake_capture(run)
+
+    monkeypatch.setattr(graphs, "_capture", refusing)
+    inputs = toy_inputs(4)
+    grad_y = torch.randn_like(inputs[1])
+    expected_y, expected = toy_expected(inputs, grad_y)
+    with pytest.warns(RuntimeWarning, match="launch their kernels from now on"):
+        for _ in range(4):
+            y, grads = toy_call(toy_cache, inputs, grad_y)
+            assert torch.equal(y, expected_y) and torch.equal(grads.x, expected.x)
+    assert toy_cache.failed and len(captures) == (1 if failing == "forward" else 2)
+    assert toy_cache.forward(*inputs, TOY_WEIGHTS, need_backward=True) is None
+
+
 def test_cache_keeps_at_most_max_forwards_captures(toy_cache):
     """Catches a cache that grows with every token count it sees (each capture keeps memory)."""
     for tokens in range(1, MAX_FORWARDS + 3):

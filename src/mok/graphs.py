@@ -22,6 +22,9 @@ at a time may wait for its backward: while it waits, another forward of that key
 micro-batch in flight, a layer called twice) runs eagerly. The wait ends with the backward, or
 when what the forward saved is freed unused (autograd dropped its graph).
 
+A capture that CUDA refuses (an operation a graph cannot hold) warns once and turns the cache off:
+capturing records without running, so that call, and every later one, launches its kernels.
+
 The checks and the ranks' agreement on the inputs run at every call before this (functional), so
 every rank meets the others the same number of times whether it replays, captures or launches;
 what the device checks (expert ids, capacity, peer timeouts) is captured with the kernels.
@@ -30,6 +33,7 @@ what the device checks (expert ids, capacity, peer timeouts) is captured with th
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -161,6 +165,9 @@ class GraphCache:
         self._wanted = wanted
         self._forwards: dict[tuple, _CapturedForward] = {}
         self._seen: set[tuple] = set()
+        self.failed: str | None = None
+        """Why a capture failed, after which this cache captures nothing more (every call then
+        launches its kernels); None while none has."""
         self.replays = 0
         """Forward calls replayed so far (tests, benchmarks)."""
 
@@ -173,7 +180,7 @@ class GraphCache:
         """(schedule, y, saved) of this call replayed from a graph (`saved`: a GraphedState or
         None), or None where the call is to run eagerly."""
         num_tokens = topk_idx.shape[0]
-        if torch.cuda.is_current_stream_capturing() or not self._wanted(num_tokens):
+        if self.failed or torch.cuda.is_current_stream_capturing() or not self._wanted(num_tokens):
             return None
         key = (num_tokens, need_backward, x.dtype, topk_idx.dtype, topk_weights.dtype)
         key += _weight_key(weights)
@@ -185,9 +192,12 @@ class GraphCache:
                 return None
             if len(self._forwards) >= MAX_FORWARDS or _sync_debug_mode_set():
                 return None
-            forward = self._forwards[key] = self._capture_forward(
-                topk_idx, x, topk_weights, weights, need_backward
+            forward = self._try(
+                self._capture_forward, topk_idx, x, topk_weights, weights, need_backward
             )
+            if forward is None:
+                return None
+            self._forwards[key] = forward
         elif forward.waiting:
             return None
         else:
@@ -204,6 +214,22 @@ class GraphCache:
         state = GraphedState(forward, forward.replays)
         weakref.finalize(state, _stop_waiting, forward, forward.replays)
         return forward.schedule, y, dataclasses.replace(forward.saved, saved=state)
+
+    def _try(self, capture, *args):
+        """`capture(*args)`, or None (and a warning, and no captures from then on) where CUDA
+        refused it: a capture records without running, so the call then launches its kernels
+        as if none had been tried."""
+        try:
+            return capture(*args)
+        except RuntimeError as error:
+            self.failed = f"{type(error).__name__}: {error}"
+            warnings.warn(
+                f"mok: capturing the layer's CUDA graph failed ({self.failed}); its calls launch "
+                "their kernels from now on (MoKConfig.graphs='off' skips the attempt)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
 
     def _capture_forward(self, topk_idx, x, topk_weights, weights, need_backward):
         statics = [_static(t) for t in (topk_idx, x, topk_weights)]
@@ -233,10 +259,11 @@ class GraphCache:
             backward = forward.backwards.get(key)
             in_place = all(t.data_ptr() == address for t, address in forward.weights)
             if backward is None and key in forward.warm_backwards and in_place:
-                if not torch.cuda.is_current_stream_capturing() and not _sync_debug_mode_set():
-                    backward = forward.backwards[key] = self._capture_backward(
-                        forward, grad_y, into
-                    )
+                capturing = torch.cuda.is_current_stream_capturing()
+                if not (self.failed or capturing or _sync_debug_mode_set()):
+                    backward = self._try(self._capture_backward, forward, grad_y, into)
+                    if backward is not None:
+                        forward.backwards[key] = backward
             if backward is None or not in_place:
                 forward.warm_backwards.add(key)
                 schedule, saved = structural_copy((forward.schedule, forward.saved))
