@@ -252,6 +252,21 @@ def test_a_refused_capture_warns_and_the_calls_launch(toy_cache, monkeypatch, fa
     assert toy_cache.forward(*inputs, TOY_WEIGHTS, need_backward=True) is None
 
 
+def test_clear_drops_the_captures_but_not_a_waiting_call(toy_cache):
+    """Catches `clear` leaving captures (and their memory) behind, or breaking the backward of a
+    call in flight when it runs."""
+    inputs = toy_inputs(5)
+    grad_y = torch.randn_like(inputs[1])
+    for _ in range(2):
+        toy_call(toy_cache, inputs)
+    _, waiting = toy_call(toy_cache, inputs)
+    toy_cache.clear()
+    assert toy_cache.captured == 0
+    grads = toy_cache.backward(waiting.saved, grad_y, {})
+    assert torch.equal(grads.x, toy_expected(inputs, grad_y)[1].x)
+    assert toy_cache.forward(*inputs, TOY_WEIGHTS, need_backward=True) is None  # seen anew
+
+
 def test_cache_keeps_at_most_max_forwards_captures(toy_cache):
     """Catches a cache that grows with every token count it sees (each capture keeps memory)."""
     for tokens in range(1, MAX_FORWARDS + 3):

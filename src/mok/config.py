@@ -76,8 +76,8 @@ class Graphs(str, enum.Enum):
     copy of its inputs, one graph launch and a copy of its outputs, instead of 20-30 kernel
     launches and the Python around them (1-2 ms of host time a forward on the GPU machine), with
     the same results bit for bit. What it costs: the graphs keep their memory between calls (the
-    saved activations, the backward's weight gradients) and capture once per token count, at most
-    four of them per layer."""
+    saved activations, the backward's weight gradients, the weights they read) and capture once
+    per token count, at most four of them per layer (`workspace.graphs.clear()` drops them)."""
 
     AUTO = "auto"
     """Graphs for layers whose calls the host bounds: bf16, not `exact_buffers`, and the memory

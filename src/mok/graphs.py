@@ -176,6 +176,13 @@ class GraphCache:
         """Forwards captured so far (tests, benchmarks)."""
         return len(self._forwards)
 
+    def clear(self) -> None:
+        """Drop every capture, and the memory it holds (its activations, its gradients, and the
+        weights it read: a weight replaced by another tensor stays alive while a capture of it
+        does). A call whose state waits for its backward keeps its own capture until then."""
+        self._forwards.clear()
+        self._seen.clear()
+
     def forward(self, topk_idx, x, topk_weights, weights: MoEWeights, need_backward: bool):
         """(schedule, y, saved) of this call replayed from a graph (`saved`: a GraphedState or
         None), or None where the call is to run eagerly."""
