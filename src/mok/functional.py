@@ -207,14 +207,11 @@ def _graph_cache(ws: Workspace) -> GraphCache:
     refers to the workspace weakly (the workspace holds it)."""
     workspace = weakref.ref(ws)
 
-    def run_forward(topk_idx, x, topk_weights, weights, need_backward):
-        schedule = _schedule(workspace(), topk_idx)
-        y, saved = _forward(workspace(), schedule, x, topk_weights, weights, need_backward)
-        return schedule, y, saved
+    def run_forward(*args):
+        return _schedule_and_forward(workspace(), *args)
 
-    def run_backward(schedule, saved, grad_y, into):
-        with _compute_precision(workspace()):
-            return workspace().backend.backward(schedule.routing, saved.saved, grad_y, into)
+    def run_backward(*args):
+        return _backward(workspace(), *args)
 
     def wanted(num_tokens: int) -> bool:
         live = workspace()
@@ -275,6 +272,18 @@ def _compute_precision(ws: Workspace):
     layer's precision is its config's; autocast's casting stops at its inputs, which
     `mok.module.cast_for_autocast` casts)."""
     return torch.autocast(ws.device.type, enabled=False)
+
+
+def _schedule_and_forward(ws, topk_idx, x, topk_weights, weights, need_backward):
+    """(schedule, y, saved) of a call whose inputs were checked."""
+    schedule = _schedule(ws, topk_idx)
+    return (schedule, *_forward(ws, schedule, x, topk_weights, weights, need_backward))
+
+
+def _backward(ws, schedule, saved, grad_y, into) -> MoEGradients:
+    """The gradients of a call whose inputs were checked, launched (not replayed)."""
+    with _compute_precision(ws):
+        return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
 
 
 def _forward(ws, schedule, x, topk_weights, weights, need_backward):
@@ -338,8 +347,7 @@ def schedule_and_forward(
         replayed = ws.graphs.forward(topk_idx, x, topk_weights, weights, need_backward)
         if replayed is not None:
             return replayed
-    schedule = _schedule(ws, topk_idx)
-    return (schedule, *_forward(ws, schedule, x, topk_weights, weights, need_backward))
+    return _schedule_and_forward(ws, topk_idx, x, topk_weights, weights, need_backward)
 
 
 def backward(
@@ -368,8 +376,7 @@ def backward(
     _raise_if_rejected(ws, problem)
     if isinstance(saved.saved, GraphedState):
         return ws.graphs.backward(saved.saved, grad_y, into)
-    with _compute_precision(ws):
-        return ws.backend.backward(schedule.routing, saved.saved, grad_y, into)
+    return _backward(ws, schedule, saved, grad_y, into)
 
 
 __all__ = [

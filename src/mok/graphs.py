@@ -176,6 +176,10 @@ class GraphCache:
         """Forwards captured so far (tests, benchmarks)."""
         return len(self._forwards)
 
+    def takes(self, num_tokens: int) -> bool:
+        """Whether calls of `num_tokens` tokens are captured (the config's policy)."""
+        return self._wanted(num_tokens)
+
     def clear(self) -> None:
         """Drop every capture, and the memory it holds (its activations, its gradients, and the
         weights it read: a weight replaced by another tensor stays alive while a capture of it
@@ -187,7 +191,7 @@ class GraphCache:
         """(schedule, y, saved) of this call replayed from a graph (`saved`: a GraphedState or
         None), or None where the call is to run eagerly."""
         num_tokens = topk_idx.shape[0]
-        if self.failed or torch.cuda.is_current_stream_capturing() or not self._wanted(num_tokens):
+        if self.failed or torch.cuda.is_current_stream_capturing() or not self.takes(num_tokens):
             return None
         key = (num_tokens, need_backward, x.dtype, topk_idx.dtype, topk_weights.dtype)
         key += _weight_key(weights)
