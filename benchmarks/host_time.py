@@ -12,9 +12,10 @@ each call) and the device time of both (CUDA events; equal to the host time when
 the host). --graphed adds the triton layer wrapped by `torch.cuda.make_graphed_callables` (forward
 and backward each one CUDA graph: the host launches a graph and copies the inputs in). --kernels
 lists the kernels one call launches (torch.profiler); --profile prints cProfile's top functions of
-the triton backend by their own time, then by their cumulative time. --launches times every launch
-through `mok.kernels.launch` on its own (median host us per launch and launches per call, by
-kernel).
+one implementation (--profile-impl: the triton layer launching its kernels, or the same layer
+replaying its own graphs) by their own time, then by their cumulative time. --launches times
+every launch through `mok.kernels.launch` on its own (median host us per launch and launches per
+call, by kernel).
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--kernels", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="N")
+    parser.add_argument("--profile-impl", choices=("triton", "own-graphs"), default="triton")
     parser.add_argument("--graphed", action="store_true")
     parser.add_argument("--launches", action="store_true")
     args = parser.parse_args(argv)
@@ -154,11 +156,14 @@ def main(argv=None) -> int:
         for name, t in sorted(times.items(), key=lambda item: -sum(item[1])):
             print(f"| {name} | {statistics.median(t):.1f} | {len(t) / args.iters:g} |")
     if args.profile:
+        profiled = own_graphs if args.profile_impl == "own-graphs" else layer
+        for _ in range(args.warmup):
+            one_call(profiled, x, idx, weights, grad)
         profiler = cProfile.Profile()
         profiler.enable()
         for _ in range(args.iters):
-            layer(x, idx, weights).backward(grad)
-            layer.zero_grad(set_to_none=True)
+            profiled(x, idx, weights).backward(grad)
+            profiled.zero_grad(set_to_none=True)
             x.grad = weights.grad = None
         profiler.disable()
         torch.cuda.synchronize()

@@ -10,6 +10,7 @@ import mok
 from mok.reference import moe_forward
 from mok.reference.mx import ScaleRounding
 from mok.testing import global_weights
+from mok.weights import WEIGHT_FIELDS
 
 TINY = mok.get_preset("tiny").config()
 
@@ -315,6 +316,18 @@ def test_layer_without_shared_expert_has_no_shared_parameters():
     assert {name for name, _ in layer.named_parameters()} == {"gate", "up", "down"}
     x, idx, w = inputs(config, 5)
     assert layer(x, idx, w).shape == (5, config.hidden_size)
+
+
+def test_weights_in_field_order_from_the_container_and_the_module():
+    """`MoEWeights.astuple` and `MoE.weights`, which every call reads, name each tensor by its
+    field. Catches two fields swapped (gate fed to the kernels as up) or one left out."""
+    numbered = mok.MoEWeights(
+        **{name: torch.full((1,), float(i)) for i, name in enumerate(WEIGHT_FIELDS)}
+    )
+    assert [float(t) for t in numbered.astuple()] == list(range(len(WEIGHT_FIELDS)))
+    assert list(numbered.tensors()) == list(WEIGHT_FIELDS)
+    layer = mok.MoE(TINY.replace(expert_bias=True))
+    assert all(getattr(layer.weights, name) is getattr(layer, name) for name in WEIGHT_FIELDS)
 
 
 def test_functional_forward_backward_equals_autograd():

@@ -162,9 +162,9 @@ def toy_expected(inputs, grad_y, weights=TOY_WEIGHTS):
 
 
 def test_cache_replays_from_the_second_call_and_copies_results_out(toy_cache):
-    """Catches a result handed out without a copy (kept results change at the next replay),
-    inputs not copied in (a replay computing on the capture's inputs), and the warm-up call
-    skipped or repeated."""
+    """Catches a result handed out without a copy (kept results change at the next replay: y,
+    grad x, and the weights' gradients, which leave packed in one buffer), inputs not copied in
+    (a replay computing on the capture's inputs), and the warm-up call skipped or repeated."""
     kept = []
     for seed in range(4):
         inputs = toy_inputs(seed)
@@ -172,11 +172,13 @@ def test_cache_replays_from_the_second_call_and_copies_results_out(toy_cache):
         y, grads = toy_call(toy_cache, inputs, grad_y)
         y_expected, grads_expected = toy_expected(inputs, grad_y)
         assert torch.equal(y, y_expected) and torch.equal(grads.x, grads_expected.x)
-        assert torch.equal(grads.weights.gate, grads_expected.weights.gate)
-        kept.append((y, y.clone(), grads.x, grads.x.clone()))
+        for name in ("gate", "up", "down"):
+            assert torch.equal(getattr(grads.weights, name), getattr(grads_expected.weights, name))
+        results = (y, grads.x, grads.weights.gate)
+        kept.append((results, [t.clone() for t in results]))
     assert (toy_cache.captured, toy_cache.replays) == (1, 3)
-    for y, y_copy, grad_x, grad_x_copy in kept:
-        assert torch.equal(y, y_copy) and torch.equal(grad_x, grad_x_copy)
+    for results, copies in kept:
+        assert all(torch.equal(t, c) for t, c in zip(results, copies, strict=True))
 
 
 def test_cache_serves_one_call_in_flight_per_capture(toy_cache):

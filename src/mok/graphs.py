@@ -33,6 +33,7 @@ what the device checks (expert ids, capacity, peer timeouts) is captured with th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -41,7 +42,7 @@ import torch
 
 from mok.config import Graphs, MoKConfig, Precision
 from mok.tree import structural_copy, take_tensors
-from mok.weights import MoEGradients, MoEWeights
+from mok.weights import WEIGHT_FIELDS, MoEGradients, MoEWeights
 
 MAX_FORWARDS = 4
 """Captured forwards per workspace; calls of further keys run eagerly."""
@@ -52,13 +53,14 @@ _MAX_SEEN = 64
 
 def kept_bytes(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> int:
     """Bytes the graphs of one token count keep between calls, roughly: the weights' gradients
-    (the backward's outputs) and the per-pair activations (rows, pre-activations, h, outputs) of
-    the most pairs a rank can receive from `ep_size` ranks of `num_tokens` tokens."""
+    twice (the backward's outputs, and their packed copy) and the per-pair activations (rows,
+    pre-activations, h, outputs) of the most pairs a rank can receive from `ep_size` ranks of
+    `num_tokens` tokens."""
     hidden, inter = config.hidden_size, config.intermediate_size
     weights = local_experts * 3 * hidden * inter + 3 * config.shared_intermediate_size * hidden
     pairs = ep_size * num_tokens * config.top_k
     element = config.activation_dtype.itemsize
-    return element * (weights + pairs * (2 * hidden + 3 * inter))
+    return element * (2 * weights + pairs * (2 * hidden + 3 * inter))
 
 
 def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> bool:
@@ -74,6 +76,43 @@ def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: in
 
 
 @dataclasses.dataclass(eq=False)
+class _PackedGradients:
+    """Weight gradients of one dtype that the graph also copies, one after another, into one
+    flat buffer: a replay hands them out with one copy of the buffer (views of it, which then
+    share its memory until the last is freed) instead of one copy per weight."""
+
+    flat: torch.Tensor
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    numels: tuple[int, ...]
+
+    @classmethod
+    def of(cls, gradients: dict[str, torch.Tensor]) -> list[_PackedGradients]:
+        """One pack per dtype of `gradients` (name -> tensor); records a copy of each into its
+        pack's buffer (inside the capture, so that every replay refills the buffers)."""
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, tensor in gradients.items():
+            by_dtype.setdefault(tensor.dtype, []).append(name)
+        return [
+            cls(
+                flat=torch.cat([gradients[name].reshape(-1) for name in names]),
+                names=tuple(names),
+                shapes=tuple(gradients[name].shape for name in names),
+                numels=tuple(gradients[name].numel() for name in names),
+            )
+            for names in by_dtype.values()
+        ]
+
+    def unpack(self) -> dict[str, torch.Tensor]:
+        """Name -> a copy of that gradient as the replay left it."""
+        pieces = self.flat.clone().split_with_sizes(self.numels)
+        return {
+            name: piece.view(shape)
+            for name, piece, shape in zip(self.names, pieces, self.shapes, strict=True)
+        }
+
+
+@dataclasses.dataclass(eq=False)
 class _CapturedBackward:
     graph: torch.cuda.CUDAGraph
     grad_y: torch.Tensor
@@ -81,6 +120,8 @@ class _CapturedBackward:
     """The gradient buffers the graph adds into, copied in from the caller's before a replay and
     back after it."""
     grads: MoEGradients
+    packs: list[_PackedGradients]
+    """The weights' gradients that go to the caller as new tensors (not added into `into`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,9 +165,8 @@ def _stop_waiting(forward: _CapturedForward, replay: int) -> None:
 
 def _weight_key(weights: MoEWeights) -> tuple:
     return tuple(
-        (name, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        for name, t in weights.tensors().items()
-        if t is not None
+        None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+        for t in weights.astuple()
     )
 
 
@@ -162,7 +202,7 @@ class GraphCache:
     ) -> None:
         self._run_forward = run_forward
         self._run_backward = run_backward
-        self._wanted = wanted
+        self._wanted = functools.lru_cache(maxsize=_MAX_SEEN)(wanted)
         self._forwards: dict[tuple, _CapturedForward] = {}
         self._seen: set[tuple] = set()
         self.failed: str | None = None
@@ -249,7 +289,7 @@ class GraphCache:
         )
         held: list[torch.Tensor] = []
         take_tensors((schedule, saved), held)
-        present = [t for t in weights.tensors().values() if t is not None]
+        present = [t for t in weights.astuple() if t is not None]
         addresses = [(t, t.data_ptr()) for t in present]
         return _CapturedForward(graph, *statics, schedule, y, saved, held, addresses)
 
@@ -291,19 +331,28 @@ class GraphCache:
         static_grad_y = _static(grad_y)
         static_into = {name: _static(buffer) for name, buffer in into.items()}
         schedule, saved = structural_copy((forward.schedule, forward.saved))
-        graph, grads = _capture(
-            lambda: self._run_backward(schedule, saved, static_grad_y, static_into)
-        )
-        return _CapturedBackward(graph, static_grad_y, static_into, grads)
+
+        def run():
+            grads = self._run_backward(schedule, saved, static_grad_y, static_into)
+            returned = {
+                name: t
+                for name, t in grads.weights.tensors().items()
+                if t is not None and name not in into
+            }
+            return grads, _PackedGradients.of(returned)
+
+        graph, (grads, packs) = _capture(run)
+        return _CapturedBackward(graph, static_grad_y, static_into, grads, packs)
 
     @staticmethod
     def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
-        """The captured gradients copied out: into the caller's buffers for `into`, else cloned
-        (the next replay overwrites the graph's)."""
+        """The captured gradients copied out (the next replay overwrites the graph's): into the
+        caller's buffers for `into`, else as new tensors."""
+        weights = dict.fromkeys(WEIGHT_FIELDS)
+        for name, buffer in into.items():
+            weights[name] = buffer.copy_(getattr(backward.grads.weights, name))
+        for pack in backward.packs:
+            weights.update(pack.unpack())
         grads = backward.grads
-        weights = {
-            name: None if t is None else into[name].copy_(t) if name in into else t.clone()
-            for name, t in grads.weights.tensors().items()
-        }
         x, topk_weights = grads.x.clone(), grads.topk_weights.clone()
         return MoEGradients(x=x, topk_weights=topk_weights, weights=MoEWeights(**weights))

@@ -14,9 +14,7 @@ from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.validation import GRADIENT_BUFFER_DTYPES, expected_weight_shapes
-from mok.weights import ROUTED_FIELDS, MoEWeights
-
-_WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
+from mok.weights import ROUTED_FIELDS, WEIGHT_FIELDS, MoEWeights
 
 
 def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -67,7 +65,7 @@ def cast_for_autocast(
             return tensor.to(dtype)
         return tensor
 
-    fields = {name: cast(getattr(weights, name)) for name in _WEIGHT_FIELDS}
+    fields = {name: cast(getattr(weights, name)) for name in WEIGHT_FIELDS}
     return cast(x), MoEWeights(**fields)
 
 
@@ -114,14 +112,14 @@ class _MoEFunction(torch.autograd.Function):
         ctx.state = None  # frees the saved forward as soon as it is used
         into = {}
         if ctx.weight_tensors is not None:
-            for name, weight in zip(_WEIGHT_FIELDS, ctx.weight_tensors, strict=True):
+            for name, weight in zip(WEIGHT_FIELDS, ctx.weight_tensors, strict=True):
                 buffer = accumulation_target(weight)
                 if buffer is not None:
                     into[name] = buffer
         grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
         # A weight whose gradient went into its buffer gets none from autograd (no extra pass).
         weight_grads = [
-            None if name in into else getattr(grads.weights, name) for name in _WEIGHT_FIELDS
+            None if name in into else getattr(grads.weights, name) for name in WEIGHT_FIELDS
         ]
         return (None, None, None, None, grads.x, grads.topk_weights, *weight_grads)
 
@@ -147,7 +145,6 @@ def moe(
     the summed `.grad`, as DDP-like wrappers need)."""
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
-    tensors = [getattr(weights, name) for name in _WEIGHT_FIELDS]
     return _MoEFunction.apply(
         workspace,
         fuse_grad_accumulation,
@@ -155,7 +152,7 @@ def moe(
         topk_idx,
         x,
         topk_weights,
-        *tensors,
+        *weights.astuple(),
     )
 
 
@@ -212,13 +209,15 @@ class MoE(nn.Module):
 
     @property
     def weights(self) -> MoEWeights:
-        return MoEWeights(**{name: getattr(self, name) for name in _WEIGHT_FIELDS})
+        # Read from the parameter dict, where setattr, FSDP2 and functional_call put them
+        # (nn.Module's __getattr__ per name costs a microsecond at every call).
+        return MoEWeights(*map(self._parameters.get, WEIGHT_FIELDS))
 
     @torch.no_grad()
     def load_global_weights(self, weights: MoEWeights) -> None:
         """Copy this rank's slice from weights of all E experts ([E, I, H] etc., any device)."""
         local = slice(self.first_expert, self.first_expert + self.local_experts)
-        for name in _WEIGHT_FIELDS:
+        for name in WEIGHT_FIELDS:
             source, target = getattr(weights, name), getattr(self, name)
             if (source is None) != (target is None):
                 raise MoKInputError(f"weights.{name} is {'missing' if source is None else 'extra'}")
@@ -250,6 +249,8 @@ class MoE(nn.Module):
     def workspace(self, device: torch.device) -> functional.Workspace:
         """The workspace for `device`, created on first use (a collective over the group)."""
         ws = self._slot.workspace
+        if ws is not None and ws.device == device:  # a tensor's device, as at every call
+            return ws
         if ws is None or ws.device != functional.resolve_device(device):
             if ws is not None:
                 ws.release()

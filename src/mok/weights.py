@@ -39,11 +39,30 @@ class MoEWeights:
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
         """Field name -> tensor (None where absent), in declaration order."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return dict(zip(WEIGHT_FIELDS, self.astuple(), strict=True))
+
+    def astuple(self) -> tuple[torch.Tensor | None, ...]:
+        """Every field's tensor (None where absent), in declaration order (`WEIGHT_FIELDS`),
+        without copying: the layer reads them at every call."""
+        return (
+            self.gate,
+            self.up,
+            self.down,
+            self.shared_gate,
+            self.shared_up,
+            self.shared_down,
+            self.gate_bias,
+            self.up_bias,
+            self.down_bias,
+        )
 
     def map(self, fn) -> MoEWeights:
         """A new MoEWeights with `fn` applied to every tensor that is present."""
         return MoEWeights(**{k: None if v is None else fn(v) for k, v in self.tensors().items()})
+
+
+WEIGHT_FIELDS = tuple(MoEWeights.__dataclass_fields__)
+"""The fields of MoEWeights, in declaration order."""
 
 
 @dataclasses.dataclass(frozen=True)
