@@ -3,7 +3,8 @@
 A small layer is bound by the host: its 20-30 kernel launches and the Python around them take
 1-2 ms a forward where the GPU needs microseconds. The layer never synchronizes with the host and
 its kernels read what the call allocates, so a call can be captured once and replayed: a replay is
-a copy of the inputs into the graph's own, one graph launch and a copy of each output.
+a copy of the inputs into the graph's own, one graph launch and a copy of each output (the
+weights' gradients of one dtype in one concatenation, handed out as views of it).
 
 Per workspace, `GraphCache` keeps at most `MAX_FORWARDS` captured forwards, keyed by the token
 count, whether backward follows, the inputs' dtypes and the weights' addresses (the graph reads
@@ -53,14 +54,13 @@ _MAX_SEEN = 64
 
 def kept_bytes(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> int:
     """Bytes the graphs of one token count keep between calls, roughly: the weights' gradients
-    twice (the backward's outputs, and their packed copy) and the per-pair activations (rows,
-    pre-activations, h, outputs) of the most pairs a rank can receive from `ep_size` ranks of
-    `num_tokens` tokens."""
+    (the backward's outputs) and the per-pair activations (rows, pre-activations, h, outputs) of
+    the most pairs a rank can receive from `ep_size` ranks of `num_tokens` tokens."""
     hidden, inter = config.hidden_size, config.intermediate_size
     weights = local_experts * 3 * hidden * inter + 3 * config.shared_intermediate_size * hidden
     pairs = ep_size * num_tokens * config.top_k
     element = config.activation_dtype.itemsize
-    return element * (2 * weights + pairs * (2 * hidden + 3 * inter))
+    return element * (weights + pairs * (2 * hidden + 3 * inter))
 
 
 def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> bool:
@@ -77,25 +77,26 @@ def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: in
 
 @dataclasses.dataclass(eq=False)
 class _PackedGradients:
-    """Weight gradients of one dtype that the graph also copies, one after another, into one
-    flat buffer: a replay hands them out with one copy of the buffer (views of it, which then
-    share its memory until the last is freed) instead of one copy per weight."""
+    """Weight gradients of one dtype in a graph's memory, copied out together: one
+    concatenation into a new buffer (one launch and one allocation, where a copy per weight
+    costs the host ~10 us each), handed out as views of it (which share its memory until the
+    last is freed, as gradients of one step are)."""
 
-    flat: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    """Flat views of the graph's gradients, which every replay rewrites."""
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
     numels: tuple[int, ...]
 
     @classmethod
     def of(cls, gradients: dict[str, torch.Tensor]) -> list[_PackedGradients]:
-        """One pack per dtype of `gradients` (name -> tensor); records a copy of each into its
-        pack's buffer (inside the capture, so that every replay refills the buffers)."""
+        """One pack per dtype of `gradients` (name -> contiguous tensor)."""
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name, tensor in gradients.items():
             by_dtype.setdefault(tensor.dtype, []).append(name)
         return [
             cls(
-                flat=torch.cat([gradients[name].reshape(-1) for name in names]),
+                sources=tuple(gradients[name].view(-1) for name in names),
                 names=tuple(names),
                 shapes=tuple(gradients[name].shape for name in names),
                 numels=tuple(gradients[name].numel() for name in names),
@@ -104,8 +105,8 @@ class _PackedGradients:
         ]
 
     def unpack(self) -> dict[str, torch.Tensor]:
-        """Name -> a copy of that gradient as the replay left it."""
-        pieces = self.flat.clone().split_with_sizes(self.numels)
+        """Name -> a copy of that gradient as the last replay left it."""
+        pieces = torch.cat(self.sources).split_with_sizes(self.numels)
         return {
             name: piece.view(shape)
             for name, piece, shape in zip(self.names, pieces, self.shapes, strict=True)
@@ -331,18 +332,17 @@ class GraphCache:
         static_grad_y = _static(grad_y)
         static_into = {name: _static(buffer) for name, buffer in into.items()}
         schedule, saved = structural_copy((forward.schedule, forward.saved))
-
-        def run():
-            grads = self._run_backward(schedule, saved, static_grad_y, static_into)
-            returned = {
-                name: t
-                for name, t in grads.weights.tensors().items()
-                if t is not None and name not in into
-            }
-            return grads, _PackedGradients.of(returned)
-
-        graph, (grads, packs) = _capture(run)
-        return _CapturedBackward(graph, static_grad_y, static_into, grads, packs)
+        graph, grads = _capture(
+            lambda: self._run_backward(schedule, saved, static_grad_y, static_into)
+        )
+        returned = {
+            name: t
+            for name, t in grads.weights.tensors().items()
+            if t is not None and name not in into
+        }
+        return _CapturedBackward(
+            graph, static_grad_y, static_into, grads, _PackedGradients.of(returned)
+        )
 
     @staticmethod
     def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
