@@ -15,14 +15,18 @@ lists the kernels one call launches (torch.profiler); --profile prints cProfile'
 one implementation (--profile-impl: the triton layer launching its kernels, or the same layer
 replaying its own graphs) by their own time, then by their cumulative time. --launches times
 every launch through `mok.kernels.launch` on its own (median host us per launch and launches per
-call, by kernel).
+call, by kernel). --stages times the stages of a replayed call (the layer replaying its own
+graphs, forward and backward back to back): the median host us spent inside each (inclusive),
+beside a trivial autograd.Function's forward and backward, PyTorch's own floor per call.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import cProfile
+import inspect
 import io
 import pstats
 import statistics
@@ -32,6 +36,7 @@ import time
 import torch
 
 import mok
+from mok import functional, graphs, module
 from mok.baseline import BaselineMoE
 from mok.testing import global_weights
 
@@ -89,6 +94,97 @@ def launch_times(layer, x, idx, weights, grad, calls: int) -> dict[str, list[flo
     return times
 
 
+REPLAY_STAGES = (
+    ("mok.MoE.forward", module.MoE, "forward"),
+    ("autograd.Function forward", module._MoEFunction, "forward"),
+    ("input checks: routing", functional, "_routing_problem"),
+    ("input checks: tokens and weights", functional, "_forward_problem"),
+    ("graph cache forward", graphs.GraphCache, "forward"),
+    ("CUDAGraph.replay", torch.cuda.CUDAGraph, "replay"),
+    ("autograd.Function backward", module._MoEFunction, "backward"),
+    ("graph cache backward", graphs.GraphCache, "backward"),
+    ("gradients copied out", graphs.GraphCache, "_gradients"),
+)
+
+
+@contextlib.contextmanager
+def timing(stages, times: dict[str, list[float]]):
+    """Every (label, owner, attribute) of `stages` wrapped to append its host us to
+    `times[label]` while the context is open (~0.3 us added per wrapped call)."""
+    originals = []
+    for label, owner, name in stages:
+        original = inspect.getattr_static(owner, name)
+        static = isinstance(original, staticmethod)
+        function = original.__func__ if static else original
+
+        def timed(*args, _function=function, _label=label, **kwargs):
+            start = time.perf_counter()
+            result = _function(*args, **kwargs)
+            times[_label].append((time.perf_counter() - start) * 1e6)
+            return result
+
+        setattr(owner, name, staticmethod(timed) if static else timed)
+        originals.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+class _Trivial(torch.autograd.Function):
+    """x -> x.clone() with the layer's inputs: autograd's own cost per call."""
+
+    @staticmethod
+    def forward(x, topk_weights, *weights):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + (None,) * ctx.weight_count
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.weight_count = len(inputs) - 2
+
+
+def stage_times(layer, x, idx, weights, grad, calls: int) -> list[tuple[str, float, float]]:
+    """(stage, median host us, calls per step) of `calls` forward+backward calls back to back."""
+    times = collections.defaultdict(list)
+    params = list(layer.parameters())
+
+    def step(call):
+        start = time.perf_counter()
+        y = call()
+        middle = time.perf_counter()
+        y.backward(grad)
+        times[f"{label} forward"].append((middle - start) * 1e6)
+        times[f"{label} backward"].append((time.perf_counter() - middle) * 1e6)
+        layer.zero_grad(set_to_none=True)
+        x.grad = weights.grad = None
+
+    label = "layer call"
+    for _ in range(5):
+        step(lambda: layer(x, idx, weights))
+    times.clear()
+    label = "trivial autograd.Function"
+    for _ in range(calls):
+        step(lambda: _Trivial.apply(x, weights, *params))
+    label = "layer call"
+    torch.cuda.synchronize()
+    with timing(REPLAY_STAGES, times):
+        for _ in range(calls):
+            step(lambda: layer(x, idx, weights))
+    torch.cuda.synchronize()
+    order = ["trivial autograd.Function forward", "trivial autograd.Function backward"]
+    order += ["layer call forward", *(stage[0] for stage in REPLAY_STAGES), "layer call backward"]
+    return [
+        (name, statistics.median(times[name]), len(times[name]) / calls)
+        for name in order
+        if name in times
+    ]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -100,6 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--profile-impl", choices=("triton", "own-graphs"), default="triton")
     parser.add_argument("--graphed", action="store_true")
     parser.add_argument("--launches", action="store_true")
+    parser.add_argument("--stages", action="store_true")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     config = mok.get_preset(args.preset).config(
@@ -155,6 +252,13 @@ def main(argv=None) -> int:
         print("| --- | --- | --- |")
         for name, t in sorted(times.items(), key=lambda item: -sum(item[1])):
             print(f"| {name} | {statistics.median(t):.1f} | {len(t) / args.iters:g} |")
+    if args.stages:
+        rows = stage_times(own_graphs, x, idx, weights, grad, max(args.iters, 100))
+        print("\ntriton, own graphs: host us inside each stage of a replayed call (inclusive)")
+        print("| stage | host us (median) | per step |")
+        print("| --- | --- | --- |")
+        for name, median, per_step in rows:
+            print(f"| {name} | {median:.1f} | {per_step:g} |")
     if args.profile:
         profiled = own_graphs if args.profile_impl == "own-graphs" else layer
         for _ in range(args.warmup):

@@ -18,8 +18,8 @@
 # e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
 # e2e-profile: one compiled step of each profiled, with Chrome traces.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
-# against the GPU's in a 24-layer stack by validation mode, and `mok bench --preset tiny` with
-# the layer's own CUDA graphs and without.
+# a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
+# `mok bench --preset tiny` with the layer's own CUDA graphs and without.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
 # GPUs the dispatch's NVLink bytes at 0.52x), and the cast kernels by tile (benchmarks/mx_casts.py).
@@ -92,6 +92,8 @@ for step in $steps; do
       # The tl kernels in place of the Gluon ones: their launches cost the host less.
       run host-time-tiny-tl env MOK_WARP_SPECIALIZED=0 python3 benchmarks/host_time.py \
         --preset tiny
+      # Where a replayed call's host time goes, stage by stage.
+      run host-time-tiny-stages python3 benchmarks/host_time.py --preset tiny --iters 200 --stages
       for preset in tiny qwen3-30b-a3b; do
         run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels --launches \
           --graphed
