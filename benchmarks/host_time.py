@@ -153,7 +153,7 @@ def stage_times(layer, x, idx, weights, grad, calls: int) -> list[tuple[str, flo
     times = collections.defaultdict(list)
     params = list(layer.parameters())
 
-    def step(call):
+    def step(label, call):
         start = time.perf_counter()
         y = call()
         middle = time.perf_counter()
@@ -163,18 +163,17 @@ def stage_times(layer, x, idx, weights, grad, calls: int) -> list[tuple[str, flo
         layer.zero_grad(set_to_none=True)
         x.grad = weights.grad = None
 
-    label = "layer call"
-    for _ in range(5):
-        step(lambda: layer(x, idx, weights))
-    times.clear()
-    label = "trivial autograd.Function"
+    def layer_call():
+        return layer(x, idx, weights)
+
+    for _ in range(5):  # warm-up: the first calls of a token count capture
+        step("warm-up", layer_call)
     for _ in range(calls):
-        step(lambda: _Trivial.apply(x, weights, *params))
-    label = "layer call"
+        step("trivial autograd.Function", lambda: _Trivial.apply(x, weights, *params))
     torch.cuda.synchronize()
     with timing(REPLAY_STAGES, times):
         for _ in range(calls):
-            step(lambda: layer(x, idx, weights))
+            step("layer call", layer_call)
     torch.cuda.synchronize()
     order = ["trivial autograd.Function forward", "trivial autograd.Function backward"]
     order += ["layer call forward", *(stage[0] for stage in REPLAY_STAGES), "layer call backward"]

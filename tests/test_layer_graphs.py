@@ -163,8 +163,8 @@ def toy_expected(inputs, grad_y, weights=TOY_WEIGHTS):
 
 def test_cache_replays_from_the_second_call_and_copies_results_out(toy_cache):
     """Catches a result handed out without a copy (kept results change at the next replay: y,
-    grad x, and the weights' gradients, which leave packed in one buffer), inputs not copied in
-    (a replay computing on the capture's inputs), and the warm-up call skipped or repeated."""
+    grad x, the weights' gradients), inputs not copied in (a replay computing on the capture's
+    inputs), and the warm-up call skipped or repeated."""
     kept = []
     for seed in range(4):
         inputs = toy_inputs(seed)

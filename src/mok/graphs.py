@@ -3,8 +3,7 @@
 A small layer is bound by the host: its 20-30 kernel launches and the Python around them take
 1-2 ms a forward where the GPU needs microseconds. The layer never synchronizes with the host and
 its kernels read what the call allocates, so a call can be captured once and replayed: a replay is
-a copy of the inputs into the graph's own, one graph launch and a copy of each output (the
-weights' gradients of one dtype in one concatenation, handed out as views of it).
+a copy of the inputs into the graph's own, one graph launch and a copy of each output.
 
 Per workspace, `GraphCache` keeps at most `MAX_FORWARDS` captured forwards, keyed by the token
 count, whether backward follows, the inputs' dtypes and the weights' addresses (the graph reads
@@ -43,7 +42,7 @@ import torch
 
 from mok.config import Graphs, MoKConfig, Precision
 from mok.tree import structural_copy, take_tensors
-from mok.weights import WEIGHT_FIELDS, MoEGradients, MoEWeights
+from mok.weights import MoEGradients, MoEWeights
 
 MAX_FORWARDS = 4
 """Captured forwards per workspace; calls of further keys run eagerly."""
@@ -76,44 +75,6 @@ def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: in
 
 
 @dataclasses.dataclass(eq=False)
-class _PackedGradients:
-    """Weight gradients of one dtype in a graph's memory, copied out together: one
-    concatenation into a new buffer (one launch and one allocation, where a copy per weight
-    costs the host ~10 us each), handed out as views of it (which share its memory until the
-    last is freed, as gradients of one step are)."""
-
-    sources: tuple[torch.Tensor, ...]
-    """Flat views of the graph's gradients, which every replay rewrites."""
-    names: tuple[str, ...]
-    shapes: tuple[torch.Size, ...]
-    numels: tuple[int, ...]
-
-    @classmethod
-    def of(cls, gradients: dict[str, torch.Tensor]) -> list[_PackedGradients]:
-        """One pack per dtype of `gradients` (name -> contiguous tensor)."""
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, tensor in gradients.items():
-            by_dtype.setdefault(tensor.dtype, []).append(name)
-        return [
-            cls(
-                sources=tuple(gradients[name].view(-1) for name in names),
-                names=tuple(names),
-                shapes=tuple(gradients[name].shape for name in names),
-                numels=tuple(gradients[name].numel() for name in names),
-            )
-            for names in by_dtype.values()
-        ]
-
-    def unpack(self) -> dict[str, torch.Tensor]:
-        """Name -> a copy of that gradient as the last replay left it."""
-        pieces = torch.cat(self.sources).split_with_sizes(self.numels)
-        return {
-            name: piece.view(shape)
-            for name, piece, shape in zip(self.names, pieces, self.shapes, strict=True)
-        }
-
-
-@dataclasses.dataclass(eq=False)
 class _CapturedBackward:
     graph: torch.cuda.CUDAGraph
     grad_y: torch.Tensor
@@ -121,8 +82,6 @@ class _CapturedBackward:
     """The gradient buffers the graph adds into, copied in from the caller's before a replay and
     back after it."""
     grads: MoEGradients
-    packs: list[_PackedGradients]
-    """The weights' gradients that go to the caller as new tensors (not added into `into`)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -335,24 +294,16 @@ class GraphCache:
         graph, grads = _capture(
             lambda: self._run_backward(schedule, saved, static_grad_y, static_into)
         )
-        returned = {
-            name: t
-            for name, t in grads.weights.tensors().items()
-            if t is not None and name not in into
-        }
-        return _CapturedBackward(
-            graph, static_grad_y, static_into, grads, _PackedGradients.of(returned)
-        )
+        return _CapturedBackward(graph, static_grad_y, static_into, grads)
 
     @staticmethod
     def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
-        """The captured gradients copied out (the next replay overwrites the graph's): into the
-        caller's buffers for `into`, else as new tensors."""
-        weights = dict.fromkeys(WEIGHT_FIELDS)
-        for name, buffer in into.items():
-            weights[name] = buffer.copy_(getattr(backward.grads.weights, name))
-        for pack in backward.packs:
-            weights.update(pack.unpack())
+        """The captured gradients copied out: into the caller's buffers for `into`, else cloned
+        (the next replay overwrites the graph's)."""
         grads = backward.grads
+        weights = {
+            name: None if t is None else into[name].copy_(t) if name in into else t.clone()
+            for name, t in grads.weights.tensors().items()
+        }
         x, topk_weights = grads.x.clone(), grads.topk_weights.clone()
         return MoEGradients(x=x, topk_weights=topk_weights, weights=MoEWeights(**weights))

@@ -124,10 +124,7 @@ def moe_backward(
     schedule, saved = _saved.pop(int(ticket.item()))
     grads = functional.backward(_workspaces[workspace_id], schedule, saved, grad_y)
     named = (getattr(grads.weights, name) for name in names.split(","))
-    # A custom op's outputs may not alias each other, and a replayed backward hands out the
-    # weights' gradients as views of one buffer (`mok.graphs`): views are copied apart.
-    separate = (t if t._base is None else t.clone() for t in named)
-    return [grads.x, grads.topk_weights, *separate]
+    return [grads.x, grads.topk_weights, *named]
 
 
 @moe_backward.register_fake
