@@ -18,6 +18,9 @@ the CPU) and `mok`; at EP > 1 (one rank per GPU, or gloo ranks on the CPU; `shar
 each rank's experts, the other parameters are replicated and their gradients averaged over the
 ranks) the standard expert-parallel path `mok-baseline` and `mok`; the script spawns its ranks,
 or joins a torchrun job.
+--routing balanced replaces the routers' choice of experts by a fixed random one of the same size,
+weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
+experts, which a training run that balances its experts does not.
 Reported per implementation: the loss at every step (the mean over the ranks) and the largest
 difference from the first implementation's, rank 0's median step time (after --warmup steps)
 with its min-max, tokens/s of all ranks and its ratio to the first implementation, and peak
@@ -298,6 +301,46 @@ class TitanLM(torch.nn.Module):
         return self.decoder(ids, positions, self._masks[key])
 
 
+def balance_routing(model, tokens: int, seed: int) -> int:
+    """--routing balanced: every router of a transformers model keeps its weights and its scores
+    (the weights still train through them) but routes the t-th of its `tokens` rows to a fixed
+    random choice of k distinct experts (a seeded table per layer), so every expert takes about
+    tokens * k / E pairs, as in a training run that balances its experts. The same table for
+    every implementation. A random-initialised model left to its own routing sends most pairs
+    to a few experts (up to all of them to k experts: max / mean = E / k), which no balanced run
+    does. Returns how many routers it changed."""
+    import types
+
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    for layer, router in enumerate(routers):
+        generator = torch.Generator().manual_seed(seed * 1000 + layer)
+        noise = torch.rand(tokens, router.weight.shape[0], generator=generator)
+        choice = noise.topk(router.top_k, dim=-1).indices
+        router.register_buffer("balanced_choice", choice, persistent=False)
+        router.forward = types.MethodType(_balanced_router_forward, router)
+    return len(routers)
+
+
+def _balanced_router_forward(router, hidden_states):
+    """A router's (logits, top-k weights, top-k indices) with the indices of `balanced_choice`:
+    the weights are its own scores (softmax, or DeepSeek-V3's sigmoid) at those experts,
+    normalised and scaled as the router does."""
+    logits, own_weights, _ = type(router).forward(router, hidden_states)
+    indices = router.balanced_choice
+    if logits.shape[0] != indices.shape[0]:
+        raise ValueError(
+            f"--routing balanced holds a choice for {indices.shape[0]} tokens, "
+            f"not {logits.shape[0]}"
+        )
+    sigmoid = hasattr(router, "e_score_correction_bias")
+    scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(dim=-1)
+    weights = scores.gather(1, indices)
+    if getattr(router, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights * getattr(router, "routed_scaling_factor", 1.0)
+    return logits, weights.to(own_weights.dtype), indices
+
+
 def titan_model(args) -> torch.nn.Module:
     """TorchTitan's Qwen3-MoE of flavor --titan-flavor cut to its first --layers layers and to
     the task's vocabulary, its own initialisation, bf16; on the CPU with `EagerCausalAttention`.
@@ -364,6 +407,11 @@ def train_rank(rank: int, world: int, args) -> dict:
     results = {}
     for implementation in args.implementations.split(","):
         model = copy.deepcopy(initial)
+        if (
+            args.routing == "balanced"
+            and balance_routing(model, args.batch * args.seq, args.seed) == 0
+        ):
+            raise SystemExit(f"--routing balanced found no router in the {args.arch} model")
         if group is not None:
             mok_transformers.shard_experts(model, group, args.batch * args.seq)
         model.to(device).set_experts_implementation(implementation)
@@ -421,7 +469,7 @@ def markdown(args, results, header) -> str:
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
         f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; {args.weights} "
         "weights; "
-        f"torch.compile: {args.compile}",
+        f"torch.compile: {args.compile}; routing: {args.routing}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
         "| speedup | peak GiB | expert load max / mean, per layer (last batch) |",
@@ -461,7 +509,8 @@ def plot(results, path: Path, title: str, warmup: int) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (sizes default to a GPU's where one is present, else to the CPU's)."""
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -478,6 +527,14 @@ def main(argv=None) -> int:
         "--titan-flavor",
         default="30B-A3B" if cuda else "debugmodel_moe",
         help="TorchTitan's Qwen3 flavor (its qwen3_configs key)",
+    )
+    parser.add_argument(
+        "--routing",
+        choices=("model", "balanced"),
+        default="model",
+        help="model: the routers' own choice (a random-initialised model's is skewed); balanced: "
+        "each token's experts a fixed random choice, weighted by the router's scores (transformers "
+        "models)",
     )
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=1024 if cuda else 64)
@@ -533,7 +590,14 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="with --profile: write each profiled step's Chrome trace to DIR/trace-NAME.json",
     )
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.framework == "torchtitan" and args.routing != "model":
+        parser.error("--routing balanced applies to transformers models")
     if args.implementations is None and args.framework == "torchtitan":
         args.implementations = "torchtitan,mok"
     elif args.implementations is None:

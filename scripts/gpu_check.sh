@@ -3,7 +3,8 @@
 # included), and benchmarks. One log ($OUT/gpu_check.log, or ./gpu-logs/) plus the JSON and markdown
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
-#                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-profile]
+#                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
+#                        [e2e-profile]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -16,7 +17,8 @@
 # e2e: end-to-end training steps, mok against the native transformers experts (EP 1) and against
 # mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots;
 # e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
-# e2e-profile: one compiled step of each profiled, with Chrome traces.
+# e2e-balanced: the GPU-bound run with balanced routing, eager and compiled (and the model's own
+# routing, compiled, beside it); e2e-profile: one compiled step of each profiled, with Chrome traces.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
 # `mok bench --preset tiny` with the layer's own CUDA graphs and without.
@@ -155,6 +157,20 @@ print(*m())' 2>&1)
         run e2e-torchtitan python3 benchmarks/train_e2e.py --framework torchtitan --layers 4 \
           --steps 20 --warmup 5 --batch 8 --seq 1024 --out "$OUT/e2e-torchtitan"
       fi ;;
+    e2e-balanced)
+      # The GPU-bound qwen3-30b shape (2 micro-batches of 32k tokens) with every router's choice
+      # a fixed balanced one (--routing balanced): the random-initialised model's own routing
+      # sends every token to the same 8 experts by the last steps (max / mean load 16 = E / k),
+      # where the native grouped GEMMs run as 8 dense ones. Eager and compiled, then the
+      # compiled run with the model's own routing beside them.
+      shape="--layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768"
+      shape="$shape --batch 32 --seq 1024 --accumulate 2 --steps 10 --warmup 3"
+      run e2e-balanced python3 benchmarks/train_e2e.py $shape --routing balanced \
+        --out "$OUT/e2e-balanced"
+      run e2e-balanced-compiled python3 benchmarks/train_e2e.py $shape --routing balanced \
+        --compile inductor --out "$OUT/e2e-balanced-compiled"
+      run e2e-model-routing-compiled python3 benchmarks/train_e2e.py $shape --compile inductor \
+        --out "$OUT/e2e-model-routing-compiled" ;;
     e2e-profile)
       # Where a compiled step goes, native experts against MoK's (the 1.11x of 2026-12-02):
       # each implementation's step profiled (kernels by own GPU time) with its Chrome trace, and

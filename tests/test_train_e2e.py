@@ -168,3 +168,83 @@ def test_under_torchrun_the_ranks_join_its_job(script, tmp_path):
     for name in ("mok-baseline", "mok"):
         pairs = zip(joined[name]["losses"], spawned[name]["losses"], strict=True)
         assert max(abs(a - b) for a, b in pairs) < 1e-3, name
+
+
+def test_balanced_routing_trains_alike(script, tmp_path):
+    """--routing balanced through the whole script: both implementations train alike, the
+    report says which routing ran. Catches the option not reaching the models (the label) or
+    a balanced choice that breaks training (the loss would not fall)."""
+    args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "10", "--warmup", "1"]
+    args += ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "4", "--seq", "64", "--lr", "3e-3"]
+    assert script.main([*args, "--routing", "balanced", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "train-e2e.json").read_text())
+    native, ours = report["results"]["eager"], report["results"]["mok"]
+    assert native["expert_load"] == ours["expert_load"]
+    assert ours["losses"][-1] < ours["losses"][0] - 0.1
+    assert ours["max_loss_difference"] < 0.05
+    assert "routing: balanced" in (tmp_path / "train-e2e.md").read_text()
+
+
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "deepseek-v3"])
+def test_balanced_routing_reaches_the_experts(script, arch):
+    """Every router of the model routes by its table: the experts see exactly the table's
+    loads, k distinct experts a token, weighted by the router's own scores at them, normalised
+    and scaled as the router does.
+    Catches a router family the option misses (the loads would be the model's own) and weights
+    gathered from other experts than the chosen ones."""
+    import torch
+    import transformers
+
+    args = script.build_parser().parse_args(
+        ["--device", "cpu", "--arch", arch, "--layers", "2", "--hidden", "64", "--experts", "8"]
+        + ["--top-k", "2", "--moe-intermediate", "32", "--batch", "2", "--seq", "64"]
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(script.model_config(args))
+    assert script.balance_routing(model, tokens=128, seed=0) == 2
+    tokens = torch.randint(0, script.VOCAB, (2, 65))
+    routed = []
+    for module in model.modules():
+        if type(module).__name__.lower().endswith("router"):
+            module.register_forward_hook(lambda m, i, out: routed.append((m, *out)))
+    loads = script.expert_load(model, tokens, experts=8)
+    tables = [router.balanced_choice for router, *_ in routed]
+    expected = [(c.flatten().bincount(minlength=8).max() / 32).item() for c in tables]
+    assert loads == pytest.approx(expected, abs=0)
+    for router, logits, weights, indices in routed:
+        assert torch.equal(indices, router.balanced_choice)
+        assert all(len(set(row.tolist())) == 2 for row in indices)
+        # Each family's own scoring: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3),
+        # normalised where the router normalises (Mixtral always), times DeepSeek-V3's scale.
+        scores = logits.float().sigmoid() if arch == "deepseek-v3" else logits.float().softmax(-1)
+        expected = scores.gather(1, indices)
+        if arch == "mixtral" or router.norm_topk_prob:
+            expected = expected / expected.sum(-1, keepdim=True)
+        expected = expected * getattr(router, "routed_scaling_factor", 1.0)
+        torch.testing.assert_close(weights, expected.to(weights.dtype))
+
+
+def test_balanced_routing_weights_are_the_routers_scores(script):
+    """The balanced router's weights are its own softmax scores at the chosen experts,
+    normalised as the router normalises, and the gradient reaches the router's weight. Catches
+    weights gathered from the wrong experts or left unnormalised, and a table applied to a batch
+    of another size."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    )
+    router = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeTopKRouter(config)
+    torch.nn.init.normal_(router.weight)
+    assert script.balance_routing(torch.nn.Sequential(router), tokens=16, seed=0) == 1
+    hidden = torch.randn(16, 32)
+    logits, weights, indices = router(hidden)
+    assert torch.equal(indices, router.balanced_choice)
+    expected = (hidden @ router.weight.T).softmax(-1).gather(1, indices)
+    torch.testing.assert_close(weights, expected / expected.sum(-1, keepdim=True))
+    weights.pow(2).sum().backward()
+    assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="choice for 16 tokens, not 8"):
+        router(hidden[:8])
