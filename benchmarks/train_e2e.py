@@ -11,8 +11,9 @@ DeepSeek-V3, scaled by --layers, --hidden, --experts, --top-k, --moe-intermediat
 the task's vocabulary) against itself with MoK behind its routed experts (EP 1). Every
 implementation starts from the same weights and sees the same batches of a synthetic next-token
 task (a fixed random successor table, followed 90 % of the time: the loss falls, so curves have
-something to agree on). AdamW, bf16 weights (--weights fp32-autocast: fp32 weights, each step
-under torch.autocast to bf16, as a trainer's bf16 mixed precision runs). Implementations
+something to agree on). AdamW (fused by default: --optimizer), bf16 weights (--weights
+fp32-autocast: fp32 weights, each step under torch.autocast to bf16, as a trainer's bf16 mixed
+precision runs). Implementations
 (--implementations): at EP 1 the native transformers experts (`grouped_mm` on GPUs, `eager` on
 the CPU) and `mok`; at EP > 1 (one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps
 each rank's experts, the other parameters are replicated and their gradients averaged over the
@@ -133,10 +134,15 @@ def next_token_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def make_optimizer(model, args) -> torch.optim.AdamW:
+    """AdamW over every parameter at --lr, in the implementation --optimizer names."""
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, **{args.optimizer: True})
+
+
 def train(
     model, args, device, rank: int = 0, world: int = 1, group=None, label: str = "model"
 ) -> dict:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    optimizer = make_optimizer(model, args)
     losses, times = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -467,7 +473,8 @@ def markdown(args, results, header) -> str:
         f"- {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top {args.top_k}, "
         f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
-        f"{args.steps} steps (timing after {args.warmup}); AdamW lr {args.lr}; {args.weights} "
+        f"{args.steps} steps (timing after {args.warmup}); AdamW ({args.optimizer}) lr {args.lr}; "
+        f"{args.weights} "
         "weights; "
         f"torch.compile: {args.compile}; routing: {args.routing}",
         "",
@@ -558,6 +565,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--optimizer",
+        choices=("fused", "foreach"),
+        default="fused",
+        help="AdamW's implementation: fused (one kernel for every parameter, as trainers such as "
+        "TorchTitan default to) or foreach (a kernel per operation over lists of parameters)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument(

@@ -248,3 +248,27 @@ def test_balanced_routing_weights_are_the_routers_scores(script):
     assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="choice for 16 tokens, not 8"):
         router(hidden[:8])
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach"])
+def test_optimizer_is_the_named_adamw(script, implementation):
+    """--optimizer builds AdamW in the implementation it names, over every parameter at --lr,
+    and the report says which. Catches the option ignored (PyTorch's default, foreach on GPUs,
+    timed under a report that says fused) and parameters left out of the optimizer."""
+    import torch
+
+    args = script.build_parser().parse_args(
+        ["--device", "cpu", "--optimizer", implementation, "--lr", "0.01"]
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = script.make_optimizer(model, args)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert optimizer.defaults[implementation] is True
+    other = "foreach" if implementation == "fused" else "fused"
+    assert not optimizer.defaults[other]
+    assert optimizer.defaults["lr"] == 0.01
+    (group,) = optimizer.param_groups
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+    assert script.build_parser().parse_args([]).optimizer == "fused"
+    header = {"date": "d", "commit": "c", "machine": "m", "command": "x"}
+    assert f"AdamW ({implementation})" in script.markdown(args, {}, header)
