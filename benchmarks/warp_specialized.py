@@ -17,7 +17,10 @@ Not in the default list: gate_up_sources and down_sources, the fused layer's bui
 each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
 k). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
 or the fresh gradients, and with fp32 math), then each is timed: CUDA events around each call,
-median and the 10-90 % range over alternating input sets, the kernels interleaved.
+median and the 10-90 % range over alternating input sets, the kernels interleaved. Beside them
+every product's GEMM through torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, what the native
+experts run), without the epilogue our kernels fuse: its error is of the whole product with that
+epilogue added untimed in fp32, its time a lower bound for the native path's.
 "% of dense" divides by cuBLAS (torch.mm) at 8192^3 in the same run.
 """
 
@@ -71,6 +74,8 @@ DGRAD_TILES = {
         "gluon 128x128 coop": ws.DGRAD_SWIGLU_COOPERATIVE,
     },
 }
+CUTLASS = "torch._grouped_mm, GEMM alone"
+"""The label of PyTorch's grouped GEMM (CUTLASS on Hopper) beside our kernels, every product."""
 WGRAD_CHECKED_EXPERTS = 8
 """Experts whose gradients are compared with fp32 math (all are compared with the tl kernel)."""
 
@@ -96,6 +101,18 @@ def time_each(fns: dict, inputs: int, iters: int = 30) -> dict[str, tuple[float,
         deciles = statistics.quantiles(times, n=10)
         result[name] = (statistics.median(times), deciles[0], deciles[-1])
     return result
+
+
+def cutlass_line(name, product, tokens, m, timing, flops, dense, error) -> str:
+    """The table row of torch._grouped_mm (PyTorch's CUTLASS grouped GEMM) for a product's GEMM
+    alone, as the native experts run it: without the epilogue our kernel fuses (SwiGLU, its
+    backward), so its time is a lower bound for theirs."""
+    ms, low, high = timing
+    tflops = flops / ms / 1e9
+    return (
+        f"| {name} | {product} | {tokens} | {m} | {CUTLASS} | {ms:.3f} ({low:.3f}-{high:.3f}) "
+        f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | n/a |"
+    )
 
 
 SHAPES = {"gpt-oss-120b": (128, 2880, 2880, 4)}
@@ -144,6 +161,11 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
         return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], None, True, cfg)
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
+    # The native experts' GEMM: one [2I] wide product for gate and up (their fused weight).
+    native_weight = weights[0] if down else torch.cat(weights, 1)
+    fns[CUTLASS] = lambda i: torch._grouped_mm(
+        sets[i][0], native_weight.transpose(1, 2), offs=sets[i][1][1:]
+    )
     rows, offsets = sets[0]
     results = {label: fn(0) for label, fn in fns.items()}
     bounds = offsets.tolist()
@@ -176,6 +198,13 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
         )
         if error > 4e-3:
             raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
+    native = results[CUTLASS].float()
+    if not down:
+        native = torch.nn.functional.silu(native[:, :inter]) * native[:, inter:]
+    error = relative_error(native, expected)
+    lines.append(cutlass_line(name, product, tokens, m, times[CUTLASS], flops, dense, error))
+    if error > 4e-3:
+        raise AssertionError(f"{name} {product} {CUTLASS}: relative error {error:.2e}")
     return lines
 
 
@@ -227,6 +256,9 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
         return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
+    # The native experts' GEMM: grad_h = grad_out @ W_down[e], or grad_x from the fused [2I] weight.
+    native_weight = weights[0] if down else torch.cat(weights, 1)
+    fns[CUTLASS] = lambda i: torch._grouped_mm(sets[i][0], native_weight, offs=sets[i][2][1:])
     results = {label: fn(0) for label, fn in fns.items()}
     a, saved, offsets = sets[0]
     bounds = offsets.tolist()
@@ -256,6 +288,13 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
         )
         if error > 4e-3 or (configs[label].block_k == 64 and not bitwise):
             raise AssertionError(f"{name} {product} {label}: error {error:.2e}, {bitwise=}")
+    native = results[CUTLASS]
+    if down:  # the SwiGLU backward the native path runs after its GEMM (untimed here)
+        native = torch.cat(_swiglu_grads(native, *saved.chunk(2, 1)), 1)
+    error = relative_error(native, expected)
+    lines.append(cutlass_line(name, product, tokens, m, times[CUTLASS], flops, dense, error))
+    if error > 4e-3:
+        raise AssertionError(f"{name} {product} {CUTLASS}: relative error {error:.2e}")
     return lines
 
 
@@ -313,6 +352,23 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
     }
     del fresh
     flops = 2 * m * hidden * inter * halves
+
+    def native(i):
+        """The native experts' weight gradient: [E, halves * P, Q], gate and up stacked."""
+        a, b, offsets = sets[i]
+        return torch._grouped_mm(a.t(), b, offs=offsets[1:])
+
+    grad = native(0)
+    error_sq = scale_sq = 0.0
+    for e in range(WGRAD_CHECKED_EXPERTS):
+        rows = slice(bounds[e], bounds[e + 1])
+        expected = a[rows].float().T @ b[rows].float()
+        error_sq += (grad[e].float() - expected).square().sum().item()
+        scale_sq += expected.square().sum().item()
+    native_error = (error_sq / scale_sq) ** 0.5
+    del grad
+    if native_error > 4e-3:
+        raise AssertionError(f"{name} {product} {CUTLASS}: error {native_error:.2e}")
     lines = []
     for mode, dtype, accumulate in (
         ("bf16", torch.bfloat16, False),
@@ -333,6 +389,8 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
             )
             for label, cfg in timed.items()
         }
+        if not accumulate:  # torch._grouped_mm writes fresh gradients only
+            fns[CUTLASS] = native
         times = time_each(fns, len(sets))
         for label in timed:
             ms, low, high = times[label]
@@ -341,6 +399,12 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
                 f"| {name} | {product} {mode} | {tokens} | {m} | {label} | {ms:.3f} "
                 f"({low:.3f}-{high:.3f}) | {tflops:.0f} | {100 * tflops / dense:.0f} % | "
                 f"{errors[label]:.2e} | {'yes' if bitwise[label] else 'no'} |"
+            )
+        if CUTLASS in fns:
+            product_mode = f"{product} {mode}"
+            timing = times[CUTLASS]
+            lines.append(
+                cutlass_line(name, product_mode, tokens, m, timing, flops, dense, native_error)
             )
         del grads
     for label in configs:
