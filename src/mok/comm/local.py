@@ -16,7 +16,15 @@ from mok.kernels.constants import DeviceConstants
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
 from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels
-from mok.kernels.rows import COPY_ROWS, COPY_TILE, LOCAL_SUM, copy_rows, pair_gradients, reduce_rows
+from mok.kernels.rows import (
+    COPY_ROWS,
+    COPY_TILE,
+    LOCAL_SUM,
+    PAIR_GRADIENT_PROGRAMS_PER_SM,
+    copy_rows,
+    pair_gradients,
+    reduce_rows,
+)
 from mok.kernels.sync import await_counts, new_status
 from mok.reference.mx import ScaleRounding
 
@@ -273,7 +281,7 @@ class LocalExchange:
             topk_weights.contiguous(),
             pair_out,
             grad_grouped,
-            self.sms,
+            PAIR_GRADIENT_PROGRAMS_PER_SM * self.sms,
             dst_row=routing.pair_row,
         )
         return grad_grouped, grad_w

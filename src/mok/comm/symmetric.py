@@ -62,6 +62,7 @@ from mok.kernels.rows import (
     COPY_ROWS,
     COPY_TILE,
     LOCAL_SUM,
+    PAIR_GRADIENT_PROGRAMS_PER_SM,
     PUSH_TILE,
     copy_rows,
     pair_gradients,
@@ -808,7 +809,7 @@ class SymmetricExchange:
             topk_weights.contiguous(),
             pair_out,
             self.view.grad_pairs.local[: tokens * s.top_k],
-            self.local_sms,
+            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
         )
         self.backward_epoch.add_(1)
         self._barrier("combine backward: pair gradients written")
@@ -994,7 +995,7 @@ class SymmetricExchange:
             topk_weights.contiguous(),
             pair_out,
             self.view.grad_pairs.local[: tokens * s.top_k],
-            self.local_sms,
+            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
         )
         self._barrier("combine backward: pair gradients written")
         grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)

@@ -718,6 +718,12 @@ def pair_gradients_kernel(
         tl.store(at, out_weight, mask=live[:, None] & (slots < TOP_K)[None, :])
 
 
+PAIR_GRADIENT_PROGRAMS_PER_SM = 4
+"""`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): 1.7x faster than
+one program of 4 tokens per SM at qwen3-30b-a3b and deepseek-v3, 8192 and 32768 tokens, on an
+H200 (more loads in flight; `benchmarks/pair_gradients.py`)."""
+
+
 def pair_gradients(
     grad_y: torch.Tensor,
     weights: torch.Tensor,
@@ -725,7 +731,7 @@ def pair_gradients(
     grad_pairs: torch.Tensor,
     programs: int,
     dst_row: torch.Tensor | None = None,
-    block_rows: int = 4,
+    block_rows: int = 2,
     num_warps: int = 8,
 ) -> torch.Tensor:
     """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
