@@ -2,8 +2,9 @@
 on one GPU: grad_pairs [T * k, H] = w * grad_y scattered to each pair's grouped row, and the
 router weights' gradient <grad_y[t], pair_out[t, j]> in fp32. A memory-bound pass (pair_out read,
 grad_pairs written: 2 * T * k * H * 2 bytes, plus grad_y), so the figure is GB/s of HBM against
-the time; the triton backend launched it with one program of 8 warps per SM and 4 tokens a tile
-(0.83 ms at qwen3-235b-a22b, 8192 tokens, in a profile of the layer).
+the time; the exchanges launch it with `PAIR_GRADIENT_PROGRAMS_PER_SM` programs of 8 warps per SM
+and 2 tokens a tile, the fastest shape here (one program of 4 tokens per SM before: 0.83 ms at
+qwen3-235b-a22b, 8192 tokens, in a profile of the layer).
 
     python benchmarks/pair_gradients.py [--preset qwen3-235b-a22b,deepseek-v3] [--out FILE]
 

@@ -474,8 +474,7 @@ def markdown(args, results, header) -> str:
         f"expert intermediate {args.moe_intermediate}; EP {args.ep}; batch {args.batch} x "
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
         f"{args.steps} steps (timing after {args.warmup}); AdamW ({args.optimizer}) lr {args.lr}; "
-        f"{args.weights} "
-        "weights; "
+        f"{args.weights} weights; "
         f"torch.compile: {args.compile}; routing: {args.routing}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "

@@ -18,7 +18,8 @@
 # mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots;
 # e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
 # e2e-balanced: the GPU-bound run with balanced routing, eager and compiled (and the model's own
-# routing, compiled, beside it; the compiled balanced step profiled); e2e-profile: one compiled step of each profiled, with Chrome traces.
+# routing, compiled, beside it; the compiled balanced step profiled); e2e-profile: one compiled
+# step of each profiled, with Chrome traces.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
 # `mok bench --preset tiny` with the layer's own CUDA graphs and without.
