@@ -672,52 +672,55 @@ def pair_gradients_kernel(
 ):
     """For every pair (t, j): grad_pairs[t * TOP_K + j] (SCATTER: grad_pairs[dst_row[t, j]],
     skipped outside [0, dst_capacity)) = round(w[t, j] * grad_y[t]) and grad_weight[t, j] =
-    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32, summed chunk by chunk of BLOCK_H columns in
-    column order (one pass over pair_out, each chunk of grad_y read once for all TOP_K pairs;
-    pair_out's rows out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`, dequantized
-    exactly). K_SLOTS: TOP_K rounded up to a power of two."""
-    slots = tl.arange(0, K_SLOTS)
+    sum_h grad_y[t, h] * pair_out[t, j, h] in fp32: column c of every chunk of BLOCK_H columns
+    summed into slot c in column order, then the BLOCK_H slots summed (one reduction per tile).
+    A tile is BLOCK_ROWS tokens x K_SLOTS (TOP_K rounded up to a power of two) pairs, all moved
+    at once (one pass over pair_out; grad_y's row is read per pair, from cache after the first).
+    pair_out's rows are out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`,
+    dequantized exactly."""
+    BLOCK_PAIRS: tl.constexpr = BLOCK_ROWS * K_SLOTS
+    lanes = tl.arange(0, BLOCK_PAIRS)
+    slot = lanes % K_SLOTS
     for tile in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_ROWS), NUM_PROGRAMS):
-        rows = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        live = rows < num_tokens
-        token_rows = rows.to(tl.int64)[:, None] * hidden
-        dots = tl.zeros((BLOCK_ROWS, K_SLOTS), dtype=tl.float32)
+        token = tile * BLOCK_ROWS + lanes // K_SLOTS
+        live = (token < num_tokens) & (slot < TOP_K)
+        pair = token.to(tl.int64) * TOP_K + slot
+        grad_rows = token.to(tl.int64)[:, None] * hidden
+        out_rows = pair[:, None] * out_stride
+        weight = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
+        keep = live
+        dst_rows = pair[:, None] * hidden
+        if SCATTER:
+            dst = tl.load(dst_row_ptr + pair, mask=live, other=-1)
+            keep = live & (dst >= 0) & (dst < dst_capacity)
+            dst_rows = dst.to(tl.int64)[:, None] * hidden
+        products = tl.zeros((BLOCK_PAIRS, BLOCK_H), dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
             cols_ok = (cols < hidden)[None, :]
             here = live[:, None] & cols_ok
-            grad = tl.load(grad_y_ptr + token_rows + cols[None, :], mask=here, other=0.0)
+            grad = tl.load(grad_y_ptr + grad_rows + cols[None, :], mask=here, other=0.0)
             grad = grad.to(tl.float32)
-            for j in tl.static_range(TOP_K):
-                pair = rows.to(tl.int64) * TOP_K + j
-                out_rows = pair[:, None] * out_stride
-                if MX_OUT:
-                    codes = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0)
-                    s = start // 32 + tl.arange(0, BLOCK_H // 32)
-                    s_here = live[:, None] & (s < hidden // 32)[None, :]
-                    at = pair_out_ptr + out_rows + hidden + s[None, :]
-                    scales = tl.load(at, mask=s_here, other=127).to(tl.int32)
-                    out = mx_dequantize_tile(codes.to(tl.int32), scales, BLOCK_ROWS, BLOCK_H)
-                else:
-                    out = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0.0)
-                partial = tl.sum(grad * out.to(tl.float32), axis=1)
-                # Only column j changes (adding +0.0 leaves the others' sums as they are).
-                dots += tl.where(slots[None, :] == j, partial[:, None], 0.0)
-                keep = live
-                dst_rows = pair[:, None] * hidden
-                if SCATTER:
-                    dst = tl.load(dst_row_ptr + pair, mask=live, other=-1)
-                    keep = live & (dst >= 0) & (dst < dst_capacity)
-                    dst_rows = dst.to(tl.int64)[:, None] * hidden
-                weight = tl.load(weight_ptr + pair, mask=live, other=0.0).to(tl.float32)
-                scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
-                target = grad_pairs_ptr + dst_rows + cols[None, :]
-                tl.store(target, scaled, mask=keep[:, None] & cols_ok)
-        at = grad_weight_ptr + rows[:, None] * TOP_K + slots[None, :]
-        out_weight = dots.to(grad_weight_ptr.dtype.element_ty)
-        tl.store(at, out_weight, mask=live[:, None] & (slots < TOP_K)[None, :])
+            if MX_OUT:
+                codes = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0)
+                s = start // 32 + tl.arange(0, BLOCK_H // 32)
+                s_here = live[:, None] & (s < hidden // 32)[None, :]
+                at = pair_out_ptr + out_rows + hidden + s[None, :]
+                scales = tl.load(at, mask=s_here, other=127).to(tl.int32)
+                out = mx_dequantize_tile(codes.to(tl.int32), scales, BLOCK_PAIRS, BLOCK_H)
+            else:
+                out = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0.0)
+            products += grad * out.to(tl.float32)
+            scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
+            target = grad_pairs_ptr + dst_rows + cols[None, :]
+            tl.store(target, scaled, mask=keep[:, None] & cols_ok)
+        dots = tl.sum(products, axis=1)
+        tl.store(grad_weight_ptr + pair, dots.to(grad_weight_ptr.dtype.element_ty), mask=live)
 
 
+PAIR_GRADIENT_BLOCK_H = 512
+"""`pair_gradients`' column chunk: fixed by H alone, since the router weights' gradient sums in
+slots of it (a launch-independent order)."""
 PAIR_GRADIENT_PROGRAMS_PER_SM = 4
 """`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): 1.7x faster than
 one program of 4 tokens per SM at qwen3-30b-a3b and deepseek-v3, 8192 and 32768 tokens, on an
@@ -767,7 +770,7 @@ def pair_gradients(
         SCATTER=scatter,
         MX_OUT=mx_out,
         BLOCK_ROWS=block_rows,
-        BLOCK_H=min(1024, triton.next_power_of_2(hidden)),
+        BLOCK_H=min(PAIR_GRADIENT_BLOCK_H, triton.next_power_of_2(hidden)),
         NUM_PROGRAMS=programs,
         num_warps=num_warps,
         enable_fp_fusion=False,
