@@ -3,8 +3,7 @@ on one GPU: grad_pairs [T * k, H] = w * grad_y scattered to each pair's grouped 
 router weights' gradient <grad_y[t], pair_out[t, j]> in fp32. A memory-bound pass (pair_out read,
 grad_pairs written: 2 * T * k * H * 2 bytes, plus grad_y), so the figure is GB/s of HBM against
 the time. Each launch is timed twice: on an idle GPU, and right behind ~6 ms of bf16 GEMMs
-(`--load-ms`), as in a training step (a profiled compiled step took 1.16 ms at qwen3-30b-a3b
-and 32768 tokens where this bench, idle, took 0.77 ms).
+(`--load-ms`), as it runs in a training step, between the products.
 
     python benchmarks/pair_gradients.py [--preset qwen3-235b-a22b,deepseek-v3] [--tokens 8192,32768]
                                         [--load-ms 6] [--programs-per-sm 1,2,4]

@@ -722,9 +722,9 @@ PAIR_GRADIENT_BLOCK_H = 512
 """`pair_gradients`' column chunk: fixed by H alone, since the router weights' gradient sums in
 slots of it (a launch-independent order)."""
 PAIR_GRADIENT_PROGRAMS_PER_SM = 4
-"""`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): 1.7x faster than
-one program of 4 tokens per SM at qwen3-30b-a3b and deepseek-v3, 8192 and 32768 tokens, on an
-H200 (more loads in flight; `benchmarks/pair_gradients.py`)."""
+"""`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): many loads in
+flight. On an H200 at 32768 tokens: 0.61 ms at qwen3-30b-a3b, 2.0 ms at deepseek-v3, i.e.
+3.7-4.0 TB/s of HBM traffic (`benchmarks/pair_gradients.py`)."""
 
 
 def pair_gradients(
