@@ -339,6 +339,8 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
         rows_gradient_freed = seen.get("grad rows", lambda: None)() is None
         freed = (seen["grad_out"]() is None, saved.gate_up is None, saved.h is None)
         seen["at wgrad"] = (*freed, rows_gradient_freed)
+        through_tokens = saved.source_rows is not None
+        seen["rows"] = (through_tokens, saved.rows.shape[0] < grad_gate_up.shape[0])
         return gate_up_weight_gradients(grad_gate_up, saved, *args, **options)
 
     def rows_gradient(grad_gate_up, saved, *args):
@@ -356,7 +358,9 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
         layer.load_global_weights(global_weights(config, 0, CPU))
         one_call_results(layer, cases(config, world)[0].ranks[rank])
         layer.workspace(CPU).release()
-    return seen["at wgrad"], seen["rows released at dgrad"], seen["saved"].rows is None
+    saved = seen["saved"]
+    released = saved.rows is None and saved.source_rows is None
+    return seen["at wgrad"], seen["rows released at dgrad"], released, seen["rows"]
 
 
 @pytest.mark.interpreter
@@ -366,12 +370,15 @@ def test_backward_drops_each_buffer_after_its_last_product(backend, tmp_path):
     of the routed experts runs, grad_out [pair_capacity, H] is freed, the saved pre-activations
     and h are released, and no rows' gradient is held; the triton backend runs the rows'
     gradient after it, with the saved rows released (the fused one runs it first and sums it
-    per staging row before, so that the return of grad x runs beside the weight gradient). Bug
-    caught: a reference outliving its last product (the pull's closure, the give-back's closure,
-    a local, the saved state) that keeps a [pair_capacity, ...] tensor in the backward's peak
-    memory (1.75 GiB each at deepseek-v3, EP 2)."""
+    per staging row before, so that the return of grad x runs beside the weight gradient). The
+    fused backend keeps no grouped rows at all: its weight gradient reads the tokens received,
+    once each (fewer rows than the pair capacity), through their index. Bug caught: a reference
+    outliving its last product (the pull's closure, the give-back's closure, a local, the saved
+    state) that keeps a [pair_capacity, ...] tensor in the backward's peak memory (1.75 GiB each
+    at deepseek-v3, EP 2), and the fused forward saving the grouped rows again."""
+    fused = backend == "fused"
     for seen in run_ranks(buffer_lifetimes, 2, args=(backend, tmp_path)):
-        assert seen == ((True, True, True, True), backend == "triton", True)
+        assert seen == ((True, True, True, True), not fused, True, (fused, fused))
 
 
 @pytest.mark.gpu

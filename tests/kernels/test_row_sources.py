@@ -83,6 +83,61 @@ def test_gathered_rows_give_the_product_of_the_rows_gathered_first(
     assert torch.equal(h, h_first) and torch.equal(gate_up, gate_up_first)
 
 
+@given(
+    sizes=st.lists(st.integers(0, 70), min_size=1, max_size=4),
+    hidden=st.sampled_from([32, 48, 72]),
+    inter=st.sampled_from([32, 40]),
+    padding=st.integers(0, 5),
+    accumulate=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_gathered_weight_gradient_equals_it_on_the_rows_gathered_first(
+    sizes, hidden, inter, padding, accumulate, seed
+):
+    """The gate/up weight gradient reading its rows through an index (the tokens each owner
+    received, once each) equals it on the grouped rows copied out first, bit for bit, zeros for
+    a negative index included. Bugs caught: a step's rows taken from the tile's or the buffer's
+    first row instead of the group's (an offset lost in the tile function's new argument), rows
+    past a group's end or outside the groups read (NaN in the source and in the index's padding
+    would reach the sum), a negative index read out of bounds instead of as zeros, the gate and
+    up halves reading different rows, and an empty expert's accumulation buffer touched."""
+    m = padding + sum(sizes) + padding
+    s = max(1, sum(sizes) // 2) + 3
+    gen = torch.Generator().manual_seed(seed)
+    source = torch.randn(s, hidden, generator=gen).to(DEVICE, DTYPE)
+    source[-1] = float("nan")  # a token no grouped row points at
+    index = torch.randint(0, s - 1, (m,), generator=gen, dtype=torch.int32)
+    index[torch.rand(m, generator=gen) < 0.1] = -1  # a pair whose token was dropped: zeros
+    index[:padding] = s - 1  # rows outside the groups: never read
+    index[m - padding :] = s - 1
+    index = index.to(DEVICE)
+    grad_gate_up = torch.randn(m, 2 * inter, generator=gen).to(DEVICE, DTYPE)
+    offsets = (torch.tensor([0, *sizes]).cumsum(0) + padding).to(torch.int32).to(DEVICE)
+    grouped = torch.where(
+        (index >= 0)[:, None], source[index.clamp(min=0).long()], torch.zeros((), dtype=DTYPE)
+    ).to(DEVICE)
+    experts = len(sizes)
+    initial = torch.randn(2, experts, inter, hidden, generator=gen).to(DEVICE, DTYPE)
+    results = []
+    for rows, source_rows in ((source, index), (grouped.contiguous(), None)):
+        grads = initial.clone()
+        gg.gate_up_wgrad(
+            grad_gate_up,
+            rows,
+            offsets,
+            grads[0],
+            grads[1],
+            accumulate,
+            accumulate,
+            CFG,
+            source_rows=source_rows,
+        )
+        results.append(grads)
+    gathered, first = results
+    assert not gathered.isnan().any()
+    assert torch.equal(gathered, first)
+
+
 def scatter_case(m: int, ep: int, rank: int, hidden: int, capacity: int, seed: int):
     """A RowScatter of M rows to `ep` simulated ranks: distinct destination rows per rank (some
     rows dropped with -1), every destination buffer full of SENTINEL, counts zero."""

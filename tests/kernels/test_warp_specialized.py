@@ -470,6 +470,54 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
         _check_wgrad(ours, twin, initial, exact, sizes, accumulate, f"{cfg.block_m}x{cfg.block_n}")
 
 
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", list(WGRAD_CASES))
+def test_gathered_gate_up_wgrad_matches_its_twin_bitwise(name, out_dtype, accumulate):
+    """The gate/up weight gradient with its rows read through an index by the four-warp cp.async
+    loader (the received tokens, once each, in place of the grouped rows) equals the tl twin's
+    gathered product and its own TMA product on the rows gathered first, bit for bit. Catches: a
+    step's rows taken from the wrong place in the index (the tile's row instead of the group's),
+    a slot completing before its gathered rows landed (the arrival after the expect), a missing
+    proxy fence before wgmma (stale shared memory), rows past a group's end or a negative index
+    read instead of zeros, and with shared tiles the consumers reading different B rows."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, p, q = WGRAD_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    a, _, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
+    m = a.shape[0]
+    tokens = max(1, m // 3)
+    source = torch.randn(tokens + 1, q, generator=gen, device="cuda").bfloat16()
+    source[-1] = float("nan")  # only the index's padding points here
+    index = torch.randint(0, tokens, (m,), generator=gen, device="cuda", dtype=torch.int32)
+    index[torch.rand(m, generator=gen, device="cuda") < 0.05] = -1
+    first_row, end_row = int(offsets[0]), int(offsets[-1])
+    index[:first_row] = tokens
+    index[end_row:] = tokens
+    grouped = torch.where((index >= 0)[:, None], source[index.clamp(min=0).long()], 0.0)
+    initial = torch.randn(2, len(sizes), p, q, generator=gen, device="cuda").to(out_dtype)
+    twin = initial.clone()
+    twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    gg.gate_up_wgrad(a, source, offsets, *twin, accumulate, accumulate, twin_cfg, source_rows=index)
+    assert not twin.isnan().any()
+    fp32 = out_dtype == torch.float32
+    ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
+    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+        if p % cfg.block_m:
+            continue
+        assert ws.wgrad_supported(a, source, initial[0], cfg, gather=True)
+        gathered, first = initial.clone(), initial.clone()
+        ws.gate_up_wgrad(
+            a, source, offsets, *gathered, accumulate, accumulate, cfg, source_rows=index
+        )
+        ws.gate_up_wgrad(a, grouped, offsets, *first, accumulate, accumulate, cfg)
+        label = f"{cfg.block_m}x{cfg.block_n}"
+        assert torch.equal(gathered, twin), label
+        assert torch.equal(gathered, first), label
+
+
 def _check_wgrad(ours, twin, initial, exact, sizes, accumulate, label):
     empty = [e for e, size in enumerate(sizes) if size == 0]
     for j, (mine, theirs) in enumerate(zip(ours, twin, strict=True)):

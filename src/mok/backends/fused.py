@@ -174,11 +174,16 @@ class FusedBackend(TritonBackend):
         x = x.contiguous()
         timeout = config.peer_timeout_s
         claims = None
+        tokens = None
         if self.overlap:
             grouped, pull, ready = self.exchange.dispatch_overlapped(
                 routing, x, self.comm_programs, timeout
             )
             self._beside(pull)
+            if need_backward:
+                tokens = self.exchange.received_tokens(routing, self.comm_programs)
+            if tokens is not None:
+                self._beside(tokens.pull)
             beside = self.beside_sms
             if self.claims is not None:
                 self.claims.start()
@@ -208,6 +213,10 @@ class FusedBackend(TritonBackend):
         )
         if self.overlap:
             self._join()
+        if tokens is not None and experts is not None:
+            # The backward reads the rows through the tokens received, each once, so that the
+            # grouped rows (a copy per pair, sized for the worst routing) go with this forward.
+            experts.read_rows_through(tokens.rows, tokens.source_rows)
         column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
         y, pair_out = self.exchange.combine_landed(
             routing, target, column_tiles, router, shared_out, timeout, need_backward

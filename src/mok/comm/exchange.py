@@ -4,6 +4,7 @@ calls besides (checked by type checkers)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -75,6 +76,22 @@ class Exchange(Protocol):
         """Free the exchange's buffers."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ReceivedTokens:
+    """The tokens an owner received, each once, and where each grouped row is among them: what
+    the gate/up weight gradient reads instead of the grouped rows where those hold a copy per pair
+    and are sized for the worst routing (k times the rows, and EP x T x k of them)."""
+
+    rows: torch.Tensor
+    """[S, H]: received tokens (rows no grouped row points at are left unwritten)."""
+    source_rows: torch.Tensor
+    """[M] int32, M the grouped rows: grouped row r is rows[source_rows[r]] (negative: a row of
+    zeros, as the dispatch wrote it)."""
+    pull: Callable[[], None]
+    """Fills `rows`; run on the communication stream after the dispatch's copy and before that
+    stream joins (the senders' copies of x are valid until then)."""
+
+
 class OverlappedExchange(Exchange, Protocol):
     """What the overlapped layer (`mok.backends.fused`) calls besides: copies that run on the
     caller's communication stream while the products wait per tile for their rows, and the
@@ -85,6 +102,11 @@ class OverlappedExchange(Exchange, Protocol):
         self, routing: ExchangeRouting, x: torch.Tensor, programs: int, timeout_s: float
     ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None]:
         """(grouped rows, the copy to run beside the products, their readiness flags)."""
+
+    def received_tokens(self, routing: ExchangeRouting, programs: int) -> ReceivedTokens | None:
+        """The tokens received, each once, to keep for the backward instead of the grouped rows
+        (their copy loaded on `programs` programs), or None where the grouped rows are sized
+        exactly or would take fewer rows."""
 
     def combine_target(
         self, routing: ExchangeRouting, hidden: int, dtype: torch.dtype

@@ -133,6 +133,10 @@ class LocalExchange:
         )
         return grouped
 
+    def received_tokens(self, routing: LocalRouting, programs: int) -> None:
+        """None: the grouped rows here are exactly the pairs (`OverlappedExchange`)."""
+        return None
+
     def dispatch_overlapped(
         self, routing: LocalRouting, x: torch.Tensor, programs: int, timeout_s: float
     ) -> tuple[torch.Tensor, Callable[[], None], RowsReady]:

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import triton
 
+from mok.comm.exchange import ReceivedTokens
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
@@ -732,6 +733,38 @@ class SymmetricExchange:
 
         ready = self._copied_rows(self.landed, self.view.epoch, timeout_s)
         return grouped, pull, ready
+
+    def received_tokens(self, routing: SymmetricRouting, programs: int) -> ReceivedTokens | None:
+        """The tokens this rank received, each once ([token_capacity, H]), loaded from the
+        senders' copies of x by `pull` on `programs` programs, and each grouped row's place among
+        them (its staging row). Taken where the grouped rows are sized by the pair capacity and
+        the tokens take fewer rows (by default: EP x T tokens against EP x T x k pairs), with the
+        overlapped layout's pull dispatch (whose x copies `pull` reads); else None."""
+        s = self.shape
+        rows = routing.rows
+        if not (s.overlapped and s.pull_dispatch) or rows < s.pair_capacity:
+            return None
+        if s.token_capacity >= rows:
+            return None
+        tokens = torch.empty(s.token_capacity, s.hidden, dtype=s.dtype, device=self.device)
+        source = self.view.staging_source.local[: s.token_capacity]
+        source_row, source_rank = source[:, 1].contiguous(), source[:, 0].contiguous()
+
+        def pull() -> None:
+            copy_rows(
+                tokens,
+                self.view.x_copy.local,
+                source_row,
+                routing.recv_tokens,
+                programs,
+                COPY_ROWS,
+                src_offsets=self.view.x_copy.offsets,
+                src_rank=source_rank,
+                **COPY_TILE,
+            )
+
+        index = routing.grouped_to_staging[:rows].to(torch.int32)
+        return ReceivedTokens(tokens, index, pull)
 
     def _copied_rows(self, flags: torch.Tensor, epoch: torch.Tensor, timeout_s: float) -> RowsReady:
         """The readiness of grouped rows that a copy beside the products flags per COPY_ROWS."""

@@ -136,6 +136,26 @@ class ExpertMLPSaved:
     activation: Activation = SWIGLU
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """The experts' biases (gate, up [E, I]; down [E, H]), or None."""
+    source_rows: torch.Tensor | None = None
+    """[M] int32, or None. Set (`read_rows_through`): `rows` are [S, H] and grouped row r is
+    rows[source_rows[r]], read there by the gate/up weight gradient, the one product of the
+    backward that reads rows."""
+
+    def read_rows_through(self, rows: torch.Tensor, source_rows: torch.Tensor) -> None:
+        """Keep `rows` [S, H] and the index source_rows [M] int32 instead of the grouped rows
+        (grouped row r = rows[source_rows[r]], the same values): e.g. each token received once,
+        where the grouped rows hold a copy per pair and are sized for the worst routing."""
+        if source_rows.shape != (self.gate_up.shape[0],) or source_rows.dtype != torch.int32:
+            raise ValueError(
+                f"source_rows: expected [{self.gate_up.shape[0]}] int32, got "
+                f"{tuple(source_rows.shape)} {source_rows.dtype}"
+            )
+        if rows.dim() != 2 or rows.shape[1] != self.w_gate.shape[2] or rows.dtype != self.h.dtype:
+            raise ValueError(
+                f"rows read through an index: expected [S, {self.w_gate.shape[2]}] "
+                f"{self.h.dtype}, got {tuple(rows.shape)} {rows.dtype}"
+            )
+        self.rows, self.source_rows = rows, source_rows
 
     def release(self, *names: str) -> None:
         """Drop the saved activations `names` ("rows", "h", "gate_up"; None afterwards): their
@@ -146,6 +166,8 @@ class ExpertMLPSaved:
             if name not in ("rows", "h", "gate_up"):
                 raise ValueError(f"{name!r} is not a saved activation (rows, h, gate_up)")
             setattr(self, name, None)
+            if name == "rows":
+                self.source_rows = None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -581,32 +603,54 @@ def gate_up_weight_gradients(
     claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_w_gate, grad_w_up) [E, I, H]: per expert, grad_gate[e].T @ rows[e] and likewise
-    up, one product, from the pre-activations' gradients [M, 2I] and the saved rows; buffers,
-    sms and claims as in `down_weight_gradient`."""
+    up, one product, from the pre-activations' gradients [M, 2I] and the saved rows (read
+    through `saved.source_rows` where set); buffers, sms and claims as in
+    `down_weight_gradient` (claims not taken with rows read through an index: its loader takes
+    tasks by the static stride)."""
     grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
     grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
     rows = _saved_tensor(saved, "rows")
-    if rows.shape[0] == 0:
+    source_rows = saved.source_rows
+    if grad_gate_up.shape[0] == 0:
         return (
             _zeroed_unless_accumulating(grad_w_gate, acc_gate),
             _zeroed_unless_accumulating(grad_w_up, acc_up),
         )
+    if source_rows is not None:
+        claims = None
     cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
     offsets = saved.group_offsets
     ws_wgrad = cfg.warp_specialized_wgrad
     tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_gate.dtype)
+    gather = source_rows is not None
     if (
         tiles
         and grad_w_gate.dtype == grad_w_up.dtype
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, tiles)
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, tiles)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, tiles, gather)
+        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, tiles, gather)
     ):
         ws.gate_up_wgrad(
-            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, tiles
+            grad_gate_up,
+            rows,
+            offsets,
+            grad_w_gate,
+            grad_w_up,
+            acc_gate,
+            acc_up,
+            tiles,
+            source_rows=source_rows,
         )
     else:
         gg.gate_up_wgrad(
-            grad_gate_up, rows, offsets, grad_w_gate, grad_w_up, acc_gate, acc_up, cfg.gate_up_wgrad
+            grad_gate_up,
+            rows,
+            offsets,
+            grad_w_gate,
+            grad_w_up,
+            acc_gate,
+            acc_up,
+            cfg.gate_up_wgrad,
+            source_rows=source_rows,
         )
     return grad_w_gate, grad_w_up
 

@@ -327,12 +327,13 @@ def row_block(source, row, k, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK
     k... source (a_desc,): A[row:+BM, k:+BK] through A's tensor descriptor (rows of one group are
     consecutive). GATHER, source (a_ptr, a_stride, source_rows_ptr, num_rows, K): row i of the block
     is A[source_rows[row + i], k:+BK] by pointer loads (the grouped rows read where they lie, e.g.
-    dispatched rows in arrival order), zeros for rows past num_rows and columns past K."""
+    dispatched rows in arrival order), zeros for rows past num_rows, rows of a negative index and
+    columns past K (as the Gluon loader's `_gathered_starts`)."""
     if GATHER:
         a_ptr, a_stride, source_rows_ptr, num_rows, K = source
         rows = row + tl.arange(0, BLOCK_M)
-        valid = rows < num_rows
-        src = tl.load(source_rows_ptr + rows, mask=valid, other=0).to(tl.int64)
+        src = tl.load(source_rows_ptr + rows, mask=rows < num_rows, other=-1).to(tl.int64)
+        valid = src >= 0
         cols = k + tl.arange(0, BLOCK_K)
         mask = valid[:, None] & (cols < K)[None, :]
         block = tl.load(a_ptr + src[:, None] * a_stride + cols[None, :], mask=mask, other=0.0)
@@ -456,20 +457,31 @@ def rows_pair_tile(
 @triton.jit
 def group_at_b_tile(
     a_desc,  # [rows of the group, MA], block [BLOCK_K, BLOCK_M]
-    b_desc,  # [rows of the group, NB], block [BLOCK_K, BLOCK_N]
+    b_source,  # see below
+    first,
     m_off,
     n_off,
     num_rows,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """A[:, m_off:+BM].T @ B[:, n_off:+BN] over the group's rows, a [BM, BN] fp32 tile (a weight
-    gradient). The descriptors start at the group's first row and end at its last."""
+    gradient). a_desc starts at the group's first row and ends at its last. B, the second
+    operand's rows: b_source (b_desc,), a descriptor like a_desc; or with GATHER, b_source (b_ptr,
+    b_stride, source_rows_ptr, NB): the group's row i is B[source_rows[first + i]] (`row_block`'s
+    gathering source), zeros past the group's end, as the descriptor's."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATHER:
+        b_ptr, b_stride, source_rows_ptr, columns = b_source
+        gathered = (b_ptr, b_stride, source_rows_ptr, first + num_rows, columns)
     for k in tl.range(0, num_rows, BLOCK_K):
         a = a_desc.load([k, m_off])
-        b = b_desc.load([k, n_off])
+        if GATHER:
+            b = row_block(gathered, first + k, n_off, True, BLOCK_K, BLOCK_N)
+        else:
+            b = b_source[0].load([k, n_off])
         acc = tl.dot(a.T, b, acc)
     return acc
 
@@ -1124,7 +1136,16 @@ def _down_wgrad_kernel(
             )
             cached = expert
         acc = group_at_b_tile(
-            a_desc, b_desc, m_idx * BLOCK_M, n_idx * BLOCK_N, num_rows, BLOCK_M, BLOCK_N, BLOCK_K
+            a_desc,
+            (b_desc,),
+            first,
+            m_idx * BLOCK_M,
+            n_idx * BLOCK_N,
+            num_rows,
+            False,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_K,
         )
         # An expert without rows leaves an accumulation buffer untouched.
         if num_rows > 0 or not ACCUMULATE:
@@ -1144,7 +1165,9 @@ def _down_wgrad_kernel(
 @triton.jit
 def _gate_up_wgrad_kernel(
     grad_gate_up_ptr,  # [M, 2I]: gradients of gate | up
-    x_ptr,  # [M, H] rows
+    x_ptr,  # [M, H] rows; GATHER: [S, H] rows read through source_rows
+    x_stride,  # GATHER: x's row stride (else unused)
+    source_rows_ptr,  # GATHER: [M] int32, grouped row r is x[source_rows[r]] (else unused)
     offsets_ptr,  # [E + 1] int32
     grad_w_gate_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
     grad_w_up_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
@@ -1153,6 +1176,7 @@ def _gate_up_wgrad_kernel(
     inter,
     ACCUMULATE_GATE: tl.constexpr,
     ACCUMULATE_UP: tl.constexpr,
+    GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -1162,7 +1186,8 @@ def _gate_up_wgrad_kernel(
     """Grid: NUM_PROGRAMS. grad_W_gate[e] = grad_gate[group e].T @ x[group e]; grad_W_up alike.
 
     Tasks run expert by expert, and within an expert the gate half before the up half; a task's
-    half says which columns of grad_gate_up it reads and which gradient it writes."""
+    half says which columns of grad_gate_up it reads and which gradient it writes. GATHER: the
+    rows are read through their index (`group_at_b_tile`), the same values in the same order."""
     m_tiles = tl.cdiv(inter, BLOCK_M)
     n_tiles = tl.cdiv(hidden, BLOCK_N)
     per_half = m_tiles * n_tiles
@@ -1182,7 +1207,7 @@ def _gate_up_wgrad_kernel(
         first = tl.load(offsets_ptr + expert)
         num_rows = tl.maximum(tl.load(offsets_ptr + expert + 1) - first, 0)
         start = first.to(tl.int64)
-        if expert != cached_expert:
+        if not GATHER and expert != cached_expert:
             x_desc = tl.make_tensor_descriptor(
                 x_ptr + start * hidden, [num_rows, hidden], [hidden, 1], [BLOCK_K, BLOCK_N]
             )
@@ -1197,7 +1222,13 @@ def _gate_up_wgrad_kernel(
             cached_half = half
         m_off = m_idx * BLOCK_M
         n_off = n_idx * BLOCK_N
-        acc = group_at_b_tile(a_desc, x_desc, m_off, n_off, num_rows, BLOCK_M, BLOCK_N, BLOCK_K)
+        if GATHER:
+            x_source = (x_ptr, x_stride, source_rows_ptr, hidden)
+        else:
+            x_source = (x_desc,)
+        acc = group_at_b_tile(
+            a_desc, x_source, first, m_off, n_off, num_rows, GATHER, BLOCK_M, BLOCK_N, BLOCK_K
+        )
         # An expert without rows leaves an accumulation buffer untouched.
         if is_up:
             if num_rows > 0 or not ACCUMULATE_UP:
@@ -1676,16 +1707,24 @@ def gate_up_wgrad(
     accumulate_gate: bool,
     accumulate_up: bool,
     cfg: GemmTiles,
+    source_rows: torch.Tensor | None = None,
 ) -> None:
-    """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place."""
+    """grad_w_gate[e] (+)= grad_gate[group e].T @ rows[group e], grad_w_up likewise, in place.
+    source_rows: [M] int32, the grouped rows read through it (grouped row r is
+    rows[source_rows[r]], rows [S, H] with a unit column stride: e.g. the tokens received, each
+    once, rather than a copy per pair); None: rows are the grouped rows [M, H]."""
     num_experts, inter, hidden = grad_w_gate.shape
     bm, bn = cfg.block_m, cfg.block_n
     tasks = num_experts * 2 * triton.cdiv(inter, bm) * triton.cdiv(hidden, bn)
     programs = num_programs(rows.device, tasks, cfg)
     use_scratch_allocator(rows.device)
+    gathered_rows(rows, source_rows)
+    x_ptr, x_stride, index = _gather_args(rows, source_rows, group_offsets)
     _gate_up_wgrad_kernel[(programs,)](
         grad_gate_up,
-        rows,
+        x_ptr,
+        x_stride,
+        index,
         group_offsets,
         _desc(grad_w_gate, [1, bm, _epilogue_n(bn, grad_w_gate)]),
         _desc(grad_w_up, [1, bm, _epilogue_n(bn, grad_w_up)]),
@@ -1694,5 +1733,6 @@ def gate_up_wgrad(
         inter,
         ACCUMULATE_GATE=accumulate_gate,
         ACCUMULATE_UP=accumulate_up,
+        GATHER=source_rows is not None,
         **_launch_options(cfg, programs),
     )
