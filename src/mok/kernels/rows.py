@@ -720,7 +720,7 @@ def pair_gradients_kernel(
 
 PAIR_GRADIENT_BLOCK_H = 512
 """`pair_gradients`' column chunk: fixed by H alone, since the router weights' gradient sums in
-slots of it (a launch-independent order)."""
+slots of it (an order that does not follow the program count or the tokens a tile)."""
 PAIR_GRADIENT_PROGRAMS_PER_SM = 4
 """`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): many loads in
 flight. On an H200 at 32768 tokens: 0.61 ms at qwen3-30b-a3b, 2.0 ms at deepseek-v3, i.e.
@@ -743,7 +743,9 @@ def pair_gradients(
     grad_y [T, H], weights [T, k], pair_out [T, k, H] (or `MXRows` [T * k, H], read as the values
     it holds); all contiguous. With dst_row [T, k] int64, pair (t, j) goes to row dst_row[t, j]
     of grad_pairs [R, H] instead (skipped outside [0, R)). `programs` persistent programs of
-    `num_warps` warps take `block_rows` tokens at a time (results do not depend on them)."""
+    `num_warps` warps take `block_rows` tokens at a time. The results do not depend on
+    `programs` (the SM count); the router weights' gradient may change in its last bits with
+    `block_rows` or `num_warps` (a tile's final sum follows its layout), fixed per call site."""
     tokens, top_k = weights.shape
     hidden = grad_y.shape[1]
     mx_out = isinstance(pair_out, MXRows)
