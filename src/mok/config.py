@@ -132,9 +132,12 @@ class MoKConfig:
     activations and gradients) by the pairs this rank received, read on the host after the
     routing, instead of by `recv_pair_capacity`: the memory of an all-to-all with exact sizes
     (the baseline's) for one device synchronization per forward (the host waits for the routing's
-    counts); the same results. Measured at EP 2 (fused backend): the layer's peak at or below
-    the baseline's, against 1.05-1.09x with worst-case sizes. A call under CUDA-graph capture
-    raises. No effect where the exchange sizes exactly already: EP 1, and the collective
+    counts); the same results. Measured at EP 2: the triton backend's peak 1.10-1.16x the
+    baseline's against 1.15-1.29x with worst-case sizes; the fused backend's 0.95-1.00x, about
+    what it reaches without the option (it then keeps the tokens received instead of the grouped
+    rows, and its gate/up weight gradient reads them through an index: 1.3-1.4x that product's
+    time; with the option, the grouped rows at their exact size). A call under CUDA-graph
+    capture raises. No effect where the exchange sizes exactly already: EP 1, and the collective
     exchange (which synchronizes anyway)."""
     peer_timeout_s: float = 10.0
     """Longest time a rank of a fused backend waits on the device for a peer (a barrier, rows in

@@ -13,7 +13,10 @@ Forward, per call:
             on programs that are running, never on programs that need an SM they hold. Once the
             copy is done, comm_sms more programs join the routed products on the SMs it freed
             and claim the tiles still left (`_ClaimsAfterCopy`), so that a product is held for
-            no longer than the copy runs.
+            no longer than the copy runs. For the backward the same programs then pull the
+            tokens received, once each (`received_tokens`): the grouped rows, a copy per pair
+            sized for the worst routing, go with the forward, and the gate/up weight gradient
+            reads the tokens through each grouped row's index.
   combine   the down product's epilogue stores each row's output straight into the token rank's
             pair slot and counts it there (`RowScatter`, the peer-store epilogue); the token rank
             waits for its counts (bounded) and sums its pairs in the contract's order.
