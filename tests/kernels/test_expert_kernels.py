@@ -330,6 +330,33 @@ def test_bad_backward_inputs_raise():
         expert_mlp_backward(grad_out, None)
 
 
+def test_backward_reading_the_rows_through_an_index_matches():
+    """A forward's saved rows swapped for the tokens they were copied from and each grouped row's
+    index (`read_rows_through`, what the fused layer keeps at EP > 1): the same gradients bit for
+    bit, released with the rows, and a mis-sized or int64 index refused before any kernel reads
+    it. Bugs caught: the backward still reading the grouped rows (released) or an index of the
+    wrong rows, and an index whose width the kernels would misread."""
+    case = Case([5, 0, 9], 16, 48, after=3, seed=4)
+    rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randn(7, rows.shape[1], generator=generator)
+    index = torch.randint(0, 7, (rows.shape[0],), generator=generator, dtype=torch.int32)
+    grouped = tokens[index.long()]
+    _, kept = expert_mlp_forward(grouped, offsets, w_gate, w_up, w_down)
+    _, through = expert_mlp_forward(grouped, offsets, w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match="source_rows: expected"):
+        through.read_rows_through(tokens, index.long())
+    with pytest.raises(ValueError, match="source_rows: expected"):
+        through.read_rows_through(tokens, index[:-1])
+    with pytest.raises(ValueError, match="rows read through an index"):
+        through.read_rows_through(tokens[:, :8], index)
+    through.read_rows_through(tokens, index)
+    expected = expert_mlp_backward(grad_out, kept)
+    got = expert_mlp_backward(grad_out, through, release=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert (through.rows, through.source_rows) == (None, None)
+
+
 def test_backward_that_releases_the_saved_activations_matches():
     """`release=True` drops rows, h and the pre-activations after the last product that reads
     each: the same gradients bit for bit, the saved state emptied, and a product that needs a

@@ -740,11 +740,9 @@ class SymmetricExchange:
         them (its staging row). Taken where the grouped rows are sized by the pair capacity and
         the tokens take fewer rows (by default: EP x T tokens against EP x T x k pairs), with the
         overlapped layout's pull dispatch (whose x copies `pull` reads); else None."""
-        s = self.shape
-        rows = routing.rows
-        if not (s.overlapped and s.pull_dispatch) or rows < s.pair_capacity:
-            return None
-        if s.token_capacity >= rows:
+        s, rows = self.shape, routing.rows
+        exact = rows < s.pair_capacity
+        if not (s.overlapped and s.pull_dispatch) or exact or s.token_capacity >= rows:
             return None
         tokens = torch.empty(s.token_capacity, s.hidden, dtype=s.dtype, device=self.device)
         source = self.view.staging_source.local[: s.token_capacity]

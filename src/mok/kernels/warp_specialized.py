@@ -301,8 +301,8 @@ def _gather_layout(block_k, bits, warps):
 @gluon.jit
 def _gathered_starts(gather, row, WG_M: gl.constexpr, BLOCK_K: gl.constexpr):
     """Where the rows [row, row + WG_M) of a tile start in A (elements; negative past num_rows or
-    for a negative index: a row of zeros, `_gather_rows`): read
-    once per task from the index, so that the steps along K issue copies without waiting."""
+    for a negative index: a row of zeros, `_gather_rows`): read once per task from the index, so
+    that the steps along K issue copies without waiting."""
     (a_ptr, a_stride, source_rows_ptr, num_rows, K) = gather
     layout: gl.constexpr = _gather_layout(
         BLOCK_K, a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps()
