@@ -114,6 +114,7 @@ FIELD_LIMITS = {
     ),
     "expert_bias": ([False, True], [(v, "must be a bool") for v in (1, "yes", None)]),
     "exact_buffers": ([False, True], [(v, "must be a bool") for v in (1, "yes", None)]),
+    "keep_grouped_rows": ([False, True], [(v, "must be a bool") for v in (1, "yes", None)]),
 }
 # What an accepted value is stored as (int fields: int).
 STORED_TYPES = {
@@ -129,6 +130,7 @@ STORED_TYPES = {
     "swiglu_up_offset": float,
     "expert_bias": bool,
     "exact_buffers": bool,
+    "keep_grouped_rows": bool,
 }
 
 

@@ -317,7 +317,7 @@ def test_stacked_layers_on_ranks_sharing_one_gpu_match_the_triton_backend_bitwis
         assert_bitwise_equal(outcome)
 
 
-def buffer_lifetimes(rank, world, backend, shared_dir):
+def buffer_lifetimes(rank, world, backend, shared_dir, keep_grouped_rows=False):
     """Rank worker: one call of `backend` at EP `world` over a shared file, with what the
     routed experts' backward still held when its gate/up weight gradient and its rows' gradient
     were launched (the functions the backends import at each call, wrapped; the shared expert's
@@ -352,7 +352,7 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
     kernels.down_data_gradient = first_product
     kernels.gate_up_weight_gradients = weight_gradient
     kernels.gate_up_data_gradient = rows_gradient
-    config = dataclasses.replace(CONFIG, backend=backend)
+    config = dataclasses.replace(CONFIG, backend=backend, keep_grouped_rows=keep_grouped_rows)
     with simulated_symmetric_memory(shared_file_allocator(shared_dir)):
         layer = mok.MoE(config, group=dist.group.WORLD, device=CPU)
         layer.load_global_weights(global_weights(config, 0, CPU))
@@ -364,8 +364,12 @@ def buffer_lifetimes(rank, world, backend, shared_dir):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("backend", ["triton", "fused"])
-def test_backward_drops_each_buffer_after_its_last_product(backend, tmp_path):
+@pytest.mark.parametrize(
+    "backend, keep_grouped_rows",
+    [("triton", False), ("fused", False), ("fused", True)],
+    ids=["triton", "fused", "fused keeping the grouped rows"],
+)
+def test_backward_drops_each_buffer_after_its_last_product(backend, keep_grouped_rows, tmp_path):
     """At EP 2 (the fused backend's pull beside the products): when the gate/up weight gradient
     of the routed experts runs, grad_out [pair_capacity, H] is freed, the saved pre-activations
     and h are released, and no rows' gradient is held; the triton backend runs the rows'
@@ -375,10 +379,13 @@ def test_backward_drops_each_buffer_after_its_last_product(backend, tmp_path):
     once each (fewer rows than the pair capacity), through their index. Bug caught: a reference
     outliving its last product (the pull's closure, the give-back's closure, a local, the saved
     state) that keeps a [pair_capacity, ...] tensor in the backward's peak memory (1.75 GiB each
-    at deepseek-v3, EP 2), and the fused forward saving the grouped rows again."""
+    at deepseek-v3, EP 2), and the fused forward saving the grouped rows again, or not when
+    `keep_grouped_rows` asks it to."""
     fused = backend == "fused"
-    for seen in run_ranks(buffer_lifetimes, 2, args=(backend, tmp_path)):
-        assert seen == ((True, True, True, True), not fused, True, (fused, fused))
+    through = fused and not keep_grouped_rows
+    args = (backend, tmp_path, keep_grouped_rows)
+    for seen in run_ranks(buffer_lifetimes, 2, args=args):
+        assert seen == ((True, True, True, True), not fused, True, (through, through))
 
 
 @pytest.mark.gpu

@@ -183,7 +183,7 @@ class FusedBackend(TritonBackend):
                 routing, x, self.comm_programs, timeout
             )
             self._beside(pull)
-            if need_backward:
+            if need_backward and not config.keep_grouped_rows:
                 tokens = self.exchange.received_tokens(routing, self.comm_programs)
             if tokens is not None:
                 self._beside(tokens.pull)
