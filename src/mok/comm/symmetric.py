@@ -44,6 +44,7 @@ to piggyback on.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -644,17 +645,8 @@ class SymmetricExchange:
         if s.pull_dispatch:
             self.view.x_copy.local[: x.shape[0]].copy_(x)
             self._barrier("dispatch: x copied for pulling")
-            source = self.view.staging_source.local[: s.token_capacity]
-            copy_rows(
-                self.view.staging.local,
-                self.view.x_copy.local,
-                source[:, 1].contiguous(),
-                routing.recv_tokens,
-                self.programs,
-                COPY_ROWS,
-                src_offsets=self.view.x_copy.offsets,
-                src_rank=source[:, 0].contiguous(),
-                **COPY_TILE,
+            self._pull_tokens(
+                self.view.staging.local, self._token_sources(), routing.recv_tokens, self.programs
             )
             waits = {}
         else:
@@ -745,24 +737,32 @@ class SymmetricExchange:
         if not (s.overlapped and s.pull_dispatch) or exact or s.token_capacity >= rows:
             return None
         tokens = torch.empty(s.token_capacity, s.hidden, dtype=s.dtype, device=self.device)
-        source = self.view.staging_source.local[: s.token_capacity]
-        source_row, source_rank = source[:, 1].contiguous(), source[:, 0].contiguous()
-
-        def pull() -> None:
-            copy_rows(
-                tokens,
-                self.view.x_copy.local,
-                source_row,
-                routing.recv_tokens,
-                programs,
-                COPY_ROWS,
-                src_offsets=self.view.x_copy.offsets,
-                src_rank=source_rank,
-                **COPY_TILE,
-            )
-
+        sources = self._token_sources()
+        pull = functools.partial(self._pull_tokens, tokens, sources, routing.recv_tokens, programs)
         index = routing.grouped_to_staging[:rows].to(torch.int32)
         return ReceivedTokens(tokens, index, pull)
+
+    def _token_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, rank) in its sender's copy of x of each staging row (this call's route wrote
+        them; read now, since the next route overwrites them)."""
+        source = self.view.staging_source.local[: self.shape.token_capacity]
+        return source[:, 1].contiguous(), source[:, 0].contiguous()
+
+    def _pull_tokens(self, out: torch.Tensor, sources, count: torch.Tensor, programs: int) -> None:
+        """Load the first `count` staging rows' tokens from their senders' copies of x into `out`
+        [token_capacity, W], on `programs` programs (`sources`: `_token_sources`)."""
+        source_row, source_rank = sources
+        copy_rows(
+            out,
+            self.view.x_copy.local,
+            source_row,
+            count,
+            programs,
+            COPY_ROWS,
+            src_offsets=self.view.x_copy.offsets,
+            src_rank=source_rank,
+            **COPY_TILE,
+        )
 
     def _copied_rows(self, flags: torch.Tensor, epoch: torch.Tensor, timeout_s: float) -> RowsReady:
         """The readiness of grouped rows that a copy beside the products flags per COPY_ROWS."""
