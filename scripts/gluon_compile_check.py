@@ -209,12 +209,13 @@ def cases():
                 + (" claiming" if claims else ""),
                 lambda c=c, g=grads: ws._group_at_b(gate_up, x, offsets, g, (True, False), c),
             )
-        yield (
-            f"wgrad gate_up {dtype} {cfg.block_m}x{cfg.block_n} gather",
-            lambda c=cfg, g=grads: ws._group_at_b(
-                gate_up, x, offsets, g, (True, False), c, source_rows=source_rows
-            ),
-        )
+            yield (
+                f"wgrad gate_up {dtype} {cfg.block_m}x{cfg.block_n} gather"
+                + (" claiming" if claims else ""),
+                lambda c=c, g=grads: ws._group_at_b(
+                    gate_up, x, offsets, g, (True, False), c, source_rows=source_rows
+                ),
+            )
     for limit in (None, 7.0):
         for label, cfg in swiglu.items():
             problem = swiglu_problem(limit)

@@ -84,9 +84,9 @@ def test_held_configs_let_only_their_held_products_claim():
 
 
 def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
-    """The gathering loader is four warps (each would claim its own task) and GATE_UP_DGRAD's
-    zero-filling walks a static stride: both raise before anything launches, instead of
-    computing tiles twice or leaving rows unzeroed."""
+    """The row-tiled kernels' gathering loader and GATE_UP_DGRAD's zero-filling walk a static
+    stride (not built for claims): both raise before anything launches, instead of computing
+    tiles twice or leaving rows unzeroed."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m, hidden, inter, experts = 256, 128, 64, 2
 

@@ -752,12 +752,19 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
     tiles and 64-row ping-pong ones, and every program drew one id past the end. Catches the
     consumers miscounting ring positions across claimed tasks of other group sizes (stale
     tiles), empty experts' tasks (no reduction steps) letting the loader overwrite ids not yet
-    read, and an empty expert's accumulation buffer written by a late program."""
+    read, and an empty expert's accumulation buffer written by a late program. The gate/up one
+    also with its rows read through an index (the four-warp gathering loader): equal to the
+    grouped rows' product, and one claim per task for the whole loader, not one per warp (the
+    counter would end far past the end)."""
     from mok.kernels import warp_specialized as ws
 
     sizes, p, q = WGRAD_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(13)
     a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
+    index = torch.randperm(b.shape[0], generator=torch.Generator().manual_seed(13))
+    source = torch.empty_like(b)
+    source[index.to(b.device)] = b
+    index = index.to(device=b.device, dtype=torch.int32)
     initial = [torch.randn(len(sizes), p, q, generator=gen, device="cuda").to(out_dtype)]
     initial.append(torch.randn_like(initial[0]))
     fp32 = out_dtype == torch.float32
@@ -772,10 +779,15 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
             ws.gate_up_wgrad(a, b, offsets, *grads, True, True, tiles)
             down = initial[0].clone()
             ws.down_wgrad(a[:, :p], b, offsets, down, True, tiles)
+            gathered = [t.clone() for t in initial]
+            ws.gate_up_wgrad(a, source, offsets, *gathered, True, True, tiles, source_rows=index)
             torch.cuda.synchronize()
-            results.append([*grads, down])
+            results.append([*grads, down, *gathered])
+        label = f"{cfg.block_m}x{cfg.block_n}"
         for static, claimed in zip(*results, strict=True):
-            assert torch.equal(static, claimed), f"{cfg.block_m}x{cfg.block_n}"
+            assert torch.equal(static, claimed), label
+        grouped_rows, gathered = results[0][:2], results[1][3:]
+        assert all(torch.equal(g, r) for g, r in zip(gathered, grouped_rows, strict=True)), label
         per_half = len(sizes) * (p // cfg.block_m) * -(-q // cfg.block_n)
-        tasks = [2 * per_half, per_half]
+        tasks = [2 * per_half, per_half, 2 * per_half]
         assert [int(c) for c in claims.counters] == [t + 3 + claims.extra for t in tasks]

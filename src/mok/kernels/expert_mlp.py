@@ -605,8 +605,7 @@ def gate_up_weight_gradients(
     """(grad_w_gate, grad_w_up) [E, I, H]: per expert, grad_gate[e].T @ rows[e] and likewise
     up, one product, from the pre-activations' gradients [M, 2I] and the saved rows (read
     through `saved.source_rows` where set); buffers, sms and claims as in
-    `down_weight_gradient` (claims not taken with rows read through an index: its loader takes
-    tasks by the static stride)."""
+    `down_weight_gradient`."""
     grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
     grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
     rows = _saved_tensor(saved, "rows")
@@ -616,8 +615,6 @@ def gate_up_weight_gradients(
             _zeroed_unless_accumulating(grad_w_gate, acc_gate),
             _zeroed_unless_accumulating(grad_w_up, acc_up),
         )
-    if source_rows is not None:
-        claims = None
     cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
     offsets = saved.group_offsets
     ws_wgrad = cfg.warp_specialized_wgrad

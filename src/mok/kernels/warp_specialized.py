@@ -168,18 +168,13 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _claim_task(counter_ptr):
-    """The launch's next unclaimed task (`grouped_gemm.TileClaims`): one atomic add by the
-    loader warp's first lane, its result shuffled to every lane (a claiming loader is one warp)."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred first; .reg .u32 lane; mov.u32 lane, %laneid; setp.eq.u32 first, lane, 0;"
-        " @first atom.relaxed.gpu.global.add.u32 $0, [$1], 1;"
-        " shfl.sync.idx.b32 $0, $0, 0, 31, 0xffffffff; }",
-        "=r,l",
-        [counter_ptr],
-        dtype=gl.int32,
-        is_pure=False,
-        pack=1,
-    )
+    """The launch's next unclaimed task (`grouped_gemm.TileClaims`): one atomic add for the whole
+    loader, whatever its warps (an atomic on a one-element tensor is made by one thread, which
+    shares its result with the others through shared memory)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    one = gl.arange(0, 1, layout)
+    claimed = gl.atomic_add(counter_ptr + one, gl.full([1], 1, gl.int32, layout), sem="relaxed")
+    return gl.max(claimed, 0)
 
 
 @gluon.jit
@@ -291,11 +286,19 @@ def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr
 
 
 @gluon.constexpr_function
-def _gather_layout(block_k, bits, warps):
-    """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K."""
+def _gather_layout(block_k, bits, warps, row_bytes=512):
+    """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K over
+    row_bytes of a row at a time (a thread then holds block_k / row_bytes of its rows' pieces)."""
     vector = 128 // bits
-    lanes_k = min(block_k // vector, 32)
+    lanes_k = min(block_k // vector, row_bytes // 16, 32)
     return gl.BlockedLayout([1, vector], [32 // lanes_k, lanes_k], [warps, 1], [1, 0])
+
+
+STEP_ROW_BYTES = gl.constexpr(128)
+"""Bytes of a row that one copy instruction of a warp takes in the weight gradient's gathered
+steps (`_gather_step`): four rows of one whole 128-byte line each, which is one row of the
+shared tile's swizzle (no bank conflicts), so that a thread holds few rows, whose addresses it
+computes once for all of its pieces of the row."""
 
 
 @gluon.jit
@@ -388,25 +391,35 @@ def _wait_rows_ready(ready, row, row_end, FLAG_ROWS: gl.constexpr, FLAGS: gl.con
 
 
 @gluon.jit
-def _row_index(gather, row, ROWS: gl.constexpr):
+def _step_index(gather, row, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     """The index of the rows [row, row + ROWS) of `gather` (`_gathered_starts`'s source), -1
-    past num_rows, one per thread (two registers a thread at most): loaded a step ahead of
-    `_gather_indexed_rows`, so that its round trip does not delay the step's copies."""
+    past num_rows, in the layout of `_gather_step`'s copies (one value per row a thread copies):
+    loaded a step ahead of them, so that its round trip does not delay the step's copies."""
     (a_ptr, a_stride, source_rows_ptr, num_rows, K) = gather
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    rows = row + gl.arange(0, ROWS, layout)
+    layout: gl.constexpr = _gather_layout(
+        BLOCK_N, a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps(), STEP_ROW_BYTES
+    )
+    rows = row + gl.arange(0, ROWS, gl.SliceLayout(1, layout))
     return gl.load(source_rows_ptr + rows, mask=rows < num_rows, other=-1)
 
 
 @gluon.jit
-def _gather_indexed_rows(gather, index, k, buf):
-    """`_gather_rows` into `buf` of the rows whose index `_row_index` loaded."""
+def _gather_step(gather, index, k, buf):
+    """Start copying A[index[r], k:+BN] into `buf`'s rows r by cp.async in 16-byte pieces, zeros
+    where the index is negative and for columns past K: one step of the weight gradient's
+    gathered rows, whose index `_step_index` loaded. Offsets in 32 bits (the host checks that
+    A's elements are fewer than 2^31): a row's start costs a multiply, not a 64-bit product."""
     (a_ptr, a_stride, source_rows_ptr, num_rows, K) = gather
+    VECTOR: gl.constexpr = 128 // a_ptr.dtype.element_ty.primitive_bitwidth
     layout: gl.constexpr = _gather_layout(
-        buf.shape[1], a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps()
+        buf.shape[1], a_ptr.dtype.element_ty.primitive_bitwidth, gl.num_warps(), STEP_ROW_BYTES
     )
-    index = gl.convert_layout(index, gl.SliceLayout(1, layout)).to(gl.int64)
-    _gather_rows(gather, gl.where(index >= 0, index * a_stride, -1), k, buf)
+    cols = k + gl.arange(0, buf.shape[1], gl.SliceLayout(0, layout))
+    cols = gl.max_contiguous(gl.multiple_of(cols, VECTOR), VECTOR)
+    # A row stride that is a whole number of vectors (host checks) keeps every start aligned.
+    starts = gl.multiple_of(gl.maximum(index, 0) * a_stride, VECTOR)
+    mask = (index >= 0)[:, None] & gl.max_constancy(cols < K, VECTOR)[None, :]
+    async_copy.async_copy_global_to_shared(buf, a_ptr + starts[:, None] + cols[None, :], mask=mask)
 
 
 @gluon.jit
@@ -1155,8 +1168,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             raise ValueError("RowScatter: rows of 16-byte multiples, out 16-byte aligned")
     if cfg.claims is not None and (gather or mode == GATE_UP_DGRAD.value):
         raise ValueError(
-            "TileClaims: the gathering loader (four warps) and GATE_UP_DGRAD's zeros take "
-            "their tasks by the static stride"
+            "TileClaims: the row-tiled kernels' gathering loader and GATE_UP_DGRAD's zeros "
+            "take their tasks by the static stride"
         )
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
@@ -1449,19 +1462,16 @@ def _copy_step(
     """One reduction step's copies: the A tile in SPLIT parts (one per consumer when the two
     share a tile), then the B tile: by TMA, or with GATHER the group's rows first + k.. read
     through the index by cp.async (gather: `_gather_rows`'s source, whose row count is the
-    group's end, and the index of the step's two halves of rows, `_row_index`), zeros past the
-    group's end: a half at a time, so that a thread holds few row addresses (measured: 13-22 %
-    faster than the whole step at once; the loader has 40 registers a thread)."""
+    group's end, and the index of the step's rows, `_step_index`), zeros past the group's end
+    (`_gather_step`)."""
     BLOCK_K: gl.constexpr = a_bufs.shape[1]
     WG_M: gl.constexpr = a_bufs.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.shape[2]
     BYTES: gl.constexpr = a_bufs.dtype.primitive_bitwidth // 8
-    HALF: gl.constexpr = BLOCK_K // 2
     b_buf = b_bufs.index(slot)
     if GATHER:
-        source, first_half, second_half = gather
-        _gather_indexed_rows(source, first_half, n_off, b_buf.slice(0, HALF))
-        _gather_indexed_rows(source, second_half, n_off, b_buf.slice(HALF, HALF))
+        source, index = gather
+        _gather_step(source, index, n_off, b_buf)
         # Each thread's arrival (counted now, made when its copies landed) comes before the
         # expect below, so the slot cannot complete before the rows did.
         async_copy.mbarrier_arrive(bar)
@@ -1541,16 +1551,13 @@ def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.con
         b_stride, source_rows_ptr = b_gather
         source = (b_ptr, b_stride, source_rows_ptr, first + rows, Q)
         if GATHER:
-            next_first = _row_index(source, first, BLOCK_K // 2)
-            next_second = _row_index(source, first + BLOCK_K // 2, BLOCK_K // 2)
+            next_index = _step_index(source, first, BLOCK_K, BLOCK_N)
         for k in range(0, rows, BLOCK_K):
             if GATHER:
-                gather = (source, next_first, next_second)
+                gather = (source, next_index)
                 # The next step's index, loaded now: its round trip overlaps this step's wait
                 # and copies instead of delaying the next step's.
-                row = first + k + BLOCK_K
-                next_first = _row_index(source, row, BLOCK_K // 2)
-                next_second = _row_index(source, row + BLOCK_K // 2, BLOCK_K // 2)
+                next_index = _step_index(source, first + k + BLOCK_K, BLOCK_K, BLOCK_N)
             else:
                 gather = source
             slot = step % STAGES
@@ -1895,8 +1902,8 @@ def wgrad_supported(
 ) -> bool:
     """Whether `_group_at_b_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
     column strides, a contiguous fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of the
-    tile's rows, and rows 16-byte aligned for TMA (gather: B's rows read through an index, by
-    static task strides: not with `TileClaims`)."""
+    tile's rows, and rows 16-byte aligned for TMA (gather: B's rows read through an index, B's
+    elements fewer than 2^31, the width of its offsets)."""
     num_experts, p, q = grad.shape
     return (
         available(a.device)
@@ -1910,7 +1917,7 @@ def wgrad_supported(
         and (a.stride(0) * a.element_size()) % 16 == 0
         and (p * a.element_size()) % 16 == 0
         and (q * a.element_size()) % 16 == 0
-        and not (gather and cfg.claims is not None)
+        and not (gather and b.numel() >= 2**31)
     )
 
 
@@ -1931,8 +1938,8 @@ def _group_at_b(
         raise ValueError(
             f"gradients [E, {p}, {q}] {grads[0].dtype} from {a.dtype} operands: not taken by the "
             f"Gluon weight-gradient kernel with {bm}-row tiles (`wgrad_supported`: P a multiple "
-            "of the tile's rows, 16-byte rows, contiguous gradients, no TileClaims with gathered "
-            "rows); use the tl kernel"
+            "of the tile's rows, 16-byte rows, contiguous gradients, gathered rows fewer than "
+            "2^31 elements); use the tl kernel"
         )
     if gather:
         gathered_rows(b, source_rows)
