@@ -135,7 +135,7 @@ class MoKConfig:
     counts); the same results. Measured at EP 2: the triton backend's peak 1.10-1.16x the
     baseline's against 1.15-1.29x with worst-case sizes; the fused backend's 0.95-1.00x, about
     what it reaches without the option (it then keeps the tokens received instead of the grouped
-    rows, and its gate/up weight gradient reads them through an index: 1.3-1.4x that product's
+    rows, and its gate/up weight gradient reads them through an index: 1.03-1.08x that product's
     time; with the option, the grouped rows at their exact size). A call under CUDA-graph
     capture raises. No effect where the exchange sizes exactly already: EP 1, and the collective
     exchange (which synchronizes anyway)."""
@@ -143,7 +143,7 @@ class MoKConfig:
     """The `fused` backend at EP > 1 keeps for its backward the tokens received, once each (EP x
     T rows at most), not the grouped rows (a copy per pair, sized for the worst routing: EP x T
     x k rows), and its gate/up weight gradient reads them through each grouped row's index
-    (measured at EP 2's shapes: 1.3-1.4x that product's time; the layer's peak 0.95-0.99x the
+    (measured at EP 2's shapes: 1.03-1.08x that product's time; the layer's peak 0.95-0.99x the
     baseline's). True keeps the grouped rows: that product on TMA tiles, for k times the rows
     held between the passes (the peak 1.05-1.09x the baseline's). The same results. No effect
     where the grouped rows are kept anyway: EP 1, `exact_buffers`, the push dispatch, the
