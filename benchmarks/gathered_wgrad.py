@@ -10,8 +10,11 @@ Rank 0's view: every rank's T tokens routed uniformly (`mok.routing.make_routing
 of rank 0's E / EP experts grouped by expert, then source rank and token; grad_gate_up random
 bf16. Each variant runs the warp-specialized kernel (`warp_specialized.gate_up_wgrad`, bf16
 gradients) on every SM and held to --held-sms (the SMs the fused backward leaves it beside the
-return of grad x), after a bitwise check of every result against the grouped one. CUDA
-events, warm-up, the variants interleaved per iteration, median and min-max.
+return of grad x), and the gathered one also held and joined at once by programs on the other
+SMs that claim the tiles left (`TileClaims`, as the fused backward's programs join it once the
+return is done: here with no return, so its figure is the claims' cost against every SM), after
+a bitwise check of every result against the grouped one. CUDA events, warm-up, the variants
+interleaved per iteration, median and min-max.
 """
 
 from __future__ import annotations
@@ -61,6 +64,28 @@ def owner_inputs(preset_name: str, tokens: int, ep: int, device):
     return token_rows, index, grouped, grad, offsets.to(device), local, inter
 
 
+class JoinedAtOnce:
+    """`TileClaims` whose extension starts at once: `extra` programs on a side stream behind an
+    event recorded before the held launch (not behind the launch), claiming from its counter."""
+
+    def __init__(self, extra: int, device: torch.device) -> None:
+        self.extra = extra
+        self.counters = torch.zeros(1, dtype=torch.int32, device=device)
+        self.stream = torch.cuda.Stream(device)
+        self.inputs_ready = None
+
+    def counter(self) -> torch.Tensor:
+        self.counters.zero_()
+        self.inputs_ready = torch.cuda.current_stream().record_event()
+        return self.counters
+
+    def extend(self, relaunch) -> None:
+        self.stream.wait_event(self.inputs_ready)
+        with torch.cuda.stream(self.stream):
+            relaunch(self.extra)
+        torch.cuda.current_stream().wait_stream(self.stream)
+
+
 def bench(preset_name: str, tokens: int, ep: int, held_sms: int, iters: int, warmup: int):
     device = torch.device("cuda")
     token_rows, index, grouped, grad, offsets, local, inter = owner_inputs(
@@ -75,6 +100,14 @@ def bench(preset_name: str, tokens: int, ep: int, held_sms: int, iters: int, war
         f"grouped rows (TMA), {held_sms} SMs": (grouped, None, held),
         f"tokens (gathered), {held_sms} SMs": (token_rows, index, held),
     }
+    others = torch.cuda.get_device_properties(device).multi_processor_count - held_sms
+    if others > 0:
+        claimed = dataclasses.replace(held, claims=JoinedAtOnce(others, device))
+        variants[f"tokens (gathered), {held_sms} SMs + {others} claiming"] = (
+            token_rows,
+            index,
+            claimed,
+        )
     outputs = {}
 
     def call(name):

@@ -649,22 +649,26 @@ def test_the_environment_can_keep_the_tl_kernels(monkeypatch):
 
 class _JoinedOnAnotherStream:
     """`TileClaims` for the tests: every claiming launch is joined by `extra` more programs on a
-    second stream, started while the first launch still runs (`during`) or once it finished
-    (they then find every task taken). Keeps each launch's counter."""
+    second stream, started while the first launch still runs (`during`: behind an event recorded
+    before that launch, as the fused backend's join is, not behind the launch itself) or once it
+    finished (they then find every task taken). Keeps each launch's counter."""
 
     def __init__(self, extra: int, during: bool) -> None:
         self.extra, self.during = extra, during
         self.stream = torch.cuda.Stream()
         self.counters: list[torch.Tensor] = []
+        self.inputs_ready: torch.cuda.Event | None = None
 
     def counter(self) -> torch.Tensor:
         self.counters.append(torch.zeros(1, dtype=torch.int32, device="cuda"))
+        self.inputs_ready = torch.cuda.current_stream().record_event()
         return self.counters[-1]
 
     def extend(self, relaunch) -> None:
-        if not self.during:
+        if self.during:
+            self.stream.wait_event(self.inputs_ready)
+        else:
             torch.cuda.current_stream().synchronize()
-        self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             relaunch(self.extra)
         torch.cuda.current_stream().wait_stream(self.stream)
