@@ -287,8 +287,9 @@ def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr
 
 @gluon.constexpr_function
 def _gather_layout(block_k, bits, warps, row_bytes=512):
-    """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K over
-    row_bytes of a row at a time (a thread then holds block_k / row_bytes of its rows' pieces)."""
+    """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K,
+    covering at most row_bytes of a row (a thread then holds block_k x bits / 8 / row_bytes
+    pieces of each of its rows, one where the tile's row is no wider)."""
     vector = 128 // bits
     lanes_k = min(block_k // vector, row_bytes // 16, 32)
     return gl.BlockedLayout([1, vector], [32 // lanes_k, lanes_k], [warps, 1], [1, 0])
