@@ -2,7 +2,8 @@
 to keep the single-process reference small), skewed routings, empty experts, no tokens on a rank;
 bitwise identical across runs; no host synchronization in forward or backward.
 
-One GPU (EP = 1) and two GPUs over NCCL (EP = 2, the NVLink exchange).
+One GPU (EP = 1), two GPUs over NCCL (EP = 2, the NVLink exchange), and EP 2 and 3 with the ranks'
+processes sharing one GPU (the NVLink exchange's kernels compiled, symmetric memory by CUDA IPC).
 """
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import mok
+from mok.comm.simulation import simulated_symmetric_memory
 from mok.launch import run_ranks
 from mok.reference import combine, moe_forward
 from mok.reference.expert import swiglu
@@ -19,6 +21,7 @@ from mok.testing import (
     capture_in_graph,
     clamped_share,
     compare_with_reference,
+    cuda_ipc_allocator,
     float64_results,
     global_weights,
     one_call_results,
@@ -61,12 +64,13 @@ def rank_inputs(config, tokens, routing, seed, device):
     return RankInputs(x.to(device), idx.to(device), w.to(device), grad_y.to(device))
 
 
-def check_cases(rank, world, cases, tokens_per_rank):
+def check_cases(rank, world, cases, tokens_per_rank, backend="triton"):
     """Rank worker: errors against the reference, bitwise repeatability, and no host sync."""
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD if world > 1 else None
     results = []
     for index, (name, config, routing) in enumerate(cases):
+        config = config.replace(backend=backend)
         everyone = [
             rank_inputs(config, tokens, routing, 100 * index + r, device)
             for r, tokens in enumerate(tokens_per_rank)
@@ -74,7 +78,7 @@ def check_cases(rank, world, cases, tokens_per_rank):
         full = global_weights(config, index, device)
         layer = mok.MoE(config, group=group, device=device)
         layer.load_global_weights(full)
-        assert layer.workspace(device).backend_name == "triton"
+        assert layer.workspace(device).backend_name == backend
         errors = compare_with_reference(layer, full, everyone, rank)
         first = one_call_results(layer, everyone[rank])
         second = results_without_host_sync(layer, everyone[rank])
@@ -111,6 +115,52 @@ def test_triton_backend_over_nvlink_matches_reference():
     assert_results(results)
     empty_rank = run_ranks(check_cases, 2, args=(CASES[-2:], [0, 131]), backend="nccl")
     assert_results(empty_rank)
+
+
+def sharing_cases() -> list:
+    """Cases for ranks sharing one GPU, 12 routed experts (EP 2, 3 and 4 divide them): a shared
+    expert (deepseek-v3's shape), skewed, half-empty and one-expert routings, the clamp."""
+    configs = dict(preset_configs(num_experts=12))
+    tiny = mok.get_preset("tiny").config(num_experts=12, swiglu_limit=3.0, max_tokens_per_rank=256)
+    return [
+        ("deepseek-v3 zipf", configs["deepseek-v3"], "zipf"),
+        ("qwen3-235b uniform", configs["qwen3-235b-a22b"], "uniform"),
+        ("qwen3-30b half-empty", configs["qwen3-30b-a3b"], "half-empty"),
+        ("qwen3-30b one-expert", configs["qwen3-30b-a3b"], "one-expert"),
+        ("tiny clamp", tiny, "zipf"),
+    ]
+
+
+def check_cases_sharing_one_gpu(rank, world, cases, tokens_per_rank, backend):
+    """`check_cases` with the ranks' processes on one GPU over a gloo group, their symmetric
+    memory one buffer mapped into every process by CUDA IPC."""
+    torch.cuda.set_device(0)
+    with simulated_symmetric_memory(cuda_ipc_allocator):
+        return check_cases(rank, world, cases, tokens_per_rank, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "backend, tokens_per_rank",
+    [("triton", [160, 97]), ("triton", [131, 0, 97]), ("fused", [131, 0, 97])],
+    ids=["triton EP 2", "triton EP 3", "fused EP 3"],
+)
+def test_expert_parallel_on_ranks_sharing_one_gpu_matches_reference(backend, tokens_per_rank):
+    """The NVLink exchange's kernels as compiled for the GPU (the CPU tests run them under the
+    interpreter, the two-GPU tests need a second GPU), against the single-process reference:
+    forward and every gradient, at EP 2 and at EP 3 with no tokens on one rank. The fused
+    backend's EP 2 is the triton backend's bit for bit (test_fused_backend). Bugs caught: a
+    compiled-only error in the exchange (a peer offset, a flag index, a count read past a rank's
+    rows, a loop over ranks specialized for EP 2), which the bitwise comparison of two backends
+    that share the exchange would not see."""
+    world = len(tokens_per_rank)
+    results = run_ranks(
+        check_cases_sharing_one_gpu,
+        world,
+        args=(sharing_cases(), tokens_per_rank, backend),
+        timeout_s=900,
+    )
+    assert_results(results)
 
 
 @pytest.mark.gpu
@@ -267,6 +317,23 @@ def test_make_graphed_callables_replays_the_layer():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_layer_replays_in_a_cuda_graph_over_nvlink():
     for same in run_ranks(graph_replays, 2, backend="nccl"):
+        assert same == [True] * 4
+
+
+def graph_replays_sharing_one_gpu(rank, world, backend):
+    """`graph_replays` with the ranks' processes on one GPU (symmetric memory by CUDA IPC)."""
+    torch.cuda.set_device(0)
+    with simulated_symmetric_memory(cuda_ipc_allocator):
+        return graph_replays(rank, world, backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+def test_layer_replays_in_a_cuda_graph_on_ranks_sharing_one_gpu(backend):
+    """EP 2 captured and replayed: the exchange's epoch-stamped flags, counts and barriers
+    across processes. Catches a flag or count of the captured call that passes for a replay's
+    (an epoch read on the host and baked into the graph), a buffer offset fixed at capture."""
+    for same in run_ranks(graph_replays_sharing_one_gpu, 2, args=(backend,), timeout_s=900):
         assert same == [True] * 4
 
 
