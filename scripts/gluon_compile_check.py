@@ -184,10 +184,15 @@ def cases():
         yield f"gate_up_swiglu waiting {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
     claiming = _StandInClaims()
     for label, cfg in swiglu.items():
-        problem = swiglu_problem(ready=ready)
         claimed = dataclasses.replace(cfg, claims=claiming)
+        problem = swiglu_problem(ready=ready)
         yield (
             f"gate_up_swiglu waiting, claiming {label}",
+            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+        )
+        problem = swiglu_problem(source=source_rows)
+        yield (
+            f"gate_up_swiglu gather, claiming {label}",
             lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():

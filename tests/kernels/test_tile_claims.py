@@ -84,9 +84,8 @@ def test_held_configs_let_only_their_held_products_claim():
 
 
 def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
-    """The row-tiled kernels' gathering loader and GATE_UP_DGRAD's zero-filling walk a static
-    stride (not built for claims): both raise before anything launches, instead of computing
-    tiles twice or leaving rows unzeroed."""
+    """GATE_UP_DGRAD's zero-filling of the rows outside the groups walks a static stride (not
+    built for claims): it raises before anything launches, instead of leaving rows unzeroed."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m, hidden, inter, experts = 256, 128, 64, 2
 
@@ -98,13 +97,6 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
     tiles = gg.RowTiles(
         zeros(3, capacity, dtype=torch.int32), zeros(2, dtype=torch.int32), capacity, cfg.block_m
     )
-    gathered = ws._RowsProblem(
-        ws.ROWS_WT.value,
-        zeros(m, hidden),
-        zeros(experts, inter, hidden),
-        zeros(m, inter),
-        source_rows=zeros(m, dtype=torch.int32),
-    )
     dgrad = ws._RowsProblem(
         ws.GATE_UP_DGRAD.value,
         zeros(m, inter),
@@ -113,9 +105,8 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
         zeros(m, inter),
         zeros(experts, inter, hidden),
     )
-    for problem in (gathered, dgrad):
-        with pytest.raises(ValueError, match="TileClaims"):
-            ws._launch(problem, tiles, cfg)
+    with pytest.raises(ValueError, match="TileClaims"):
+        ws._launch(dgrad, tiles, cfg)
     assert cfg.claims.counters == []
 
 

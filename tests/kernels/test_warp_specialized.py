@@ -685,7 +685,9 @@ def _claiming(cfg: GemmTiles, programs: int, claims) -> GemmTiles:
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("join", list(CLAIM_JOINS))
-@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative", "tl twins"])
+@pytest.mark.parametrize(
+    "tiles", ["ping-pong", "cooperative", "tl twins", "ping-pong gathered", "cooperative gathered"]
+)
 @pytest.mark.parametrize("name", ["several tiles per consumer", "empty and one-row groups"])
 def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     """The gate/up + SwiGLU and down dgrad + SwiGLU products with their tasks claimed (a held
@@ -697,7 +699,9 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     timeout turns into a failure), a loader claiming per lane instead of once per task (the
     counter far past the end), and late programs that recompute taken tiles. The tl twins claim
     per program, compiled (the CPU tests run them under the interpreter, one program at a
-    time)."""
+    time). "gathered": gate/up reads its rows through an index (`source_rows`), its four-warp
+    loader claiming once for all its warps (a claim per warp would skip tasks: rows never
+    computed, and the counter past tasks + programs)."""
     from mok.kernels import warp_specialized as ws
 
     sizes, inter, hidden = DGRAD_CASES[name]
@@ -714,6 +718,12 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
         torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * inter**-0.5
     ).bfloat16()
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    source_rows = None
+    if tiles.endswith(" gathered"):
+        tiles = tiles.removesuffix(" gathered")
+        sources = torch.randn(m + 5, hidden, generator=gen, device="cuda").bfloat16()
+        source_rows = torch.randint(0, m + 5, (m,), generator=gen, device="cuda").int()
+        rows = sources
     kernels = (gg.gate_up_swiglu, gg.down_dgrad_swiglu)
     if tiles == "tl twins":
         swiglu_cfg = dgrad_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
@@ -732,7 +742,9 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
         ("claimed", _claiming(swiglu_cfg, held, claims), _claiming(dgrad_cfg, held, claims)),
     ):
         swiglu_tiles = row_tile_map(offsets, m, swiglu.block_m)
-        h, gate_up = gate_up_swiglu(rows, w_gate, w_up, swiglu_tiles, 0.75, True, swiglu)
+        h, gate_up = gate_up_swiglu(
+            rows, w_gate, w_up, swiglu_tiles, 0.75, True, swiglu, source_rows=source_rows
+        )
         dgrad_tiles = row_tile_map(offsets, m, dgrad.block_m)
         grads = down_dgrad_swiglu(grad_out, w_down, gate_up, dgrad_tiles, 0.75, dgrad)
         torch.cuda.synchronize()
