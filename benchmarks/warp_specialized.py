@@ -129,7 +129,18 @@ def _shape(name: str) -> tuple[int, int, int, int]:
     return shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
 
 
-def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+def gate_up_weights(experts, inter, hidden, gen, scale, fused):
+    """(W_gate and W_up [E, I, H], the native experts' fused [E, 2I, H] weight). `fused`: the two
+    are the halves of that one tensor, as Hugging Face models hold gate_up_proj (what
+    `mok.integrations.transformers` hands the kernels), else tensors of their own."""
+    if fused:
+        both = randn(experts, 2 * inter, hidden, gen=gen, scale=scale)
+        return [both[:, :inter], both[:, inter:]], both
+    weights = [randn(experts, inter, hidden, gen=gen, scale=scale) for _ in range(2)]
+    return weights, torch.cat(weights, 1)
+
+
+def bench(name: str, product: str, tokens: int, dense: float, gen, fused=False) -> list[str]:
     experts, hidden, inter, top_k = _shape(name)
     down = product == "down"
     k_dim = inter if down else hidden
@@ -140,8 +151,9 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
         sets.append((randn(sum(sizes), k_dim, gen=gen), offsets))
     if down:
         weights = [randn(experts, hidden, inter, gen=gen, scale=inter**-0.5)]
+        native_weight = weights[0]
     else:
-        weights = [randn(experts, inter, hidden, gen=gen, scale=hidden**-0.5) for _ in range(2)]
+        weights, native_weight = gate_up_weights(experts, inter, hidden, gen, hidden**-0.5, fused)
     m = sets[0][0].shape[0]
     default = default_config(torch.device("cuda"), hidden, inter, m / experts)
     tl_cfg = default.down if down else default.gate_up
@@ -162,7 +174,6 @@ def bench(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
     # The native experts' GEMM: one [2I] wide product for gate and up (their fused weight).
-    native_weight = weights[0] if down else torch.cat(weights, 1)
     fns[CUTLASS] = lambda i: torch._grouped_mm(
         sets[i][0], native_weight.transpose(1, 2), offs=sets[i][1][1:]
     )
@@ -215,7 +226,7 @@ def _swiglu_grads(grad_h, gate, up):
     return torch.autograd.grad(h, (gate, up), grad_h.float())
 
 
-def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen, fused=False) -> list[str]:
     """gate_up_dgrad: grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; down_dgrad: the gate |
     up gradients from grad_out through W_down[e] and the SwiGLU backward."""
     experts, hidden, inter, top_k = _shape(name)
@@ -231,8 +242,9 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
             sets.append((randn(m, 2 * inter, gen=gen), None, offsets))
     if down:
         weights = [randn(experts, hidden, inter, gen=gen, scale=hidden**-0.5)]
+        native_weight = weights[0]
     else:
-        weights = [randn(experts, inter, hidden, gen=gen, scale=inter**-0.5) for _ in range(2)]
+        weights, native_weight = gate_up_weights(experts, inter, hidden, gen, inter**-0.5, fused)
     m = sets[0][0].shape[0]
     default = default_config(torch.device("cuda"), hidden, inter, m / experts)
     tl_cfg = default.down_dgrad if down else default.gate_up_dgrad
@@ -257,7 +269,6 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
     # The native experts' GEMM: grad_h = grad_out @ W_down[e], or grad_x from the fused [2I] weight.
-    native_weight = weights[0] if down else torch.cat(weights, 1)
     fns[CUTLASS] = lambda i: torch._grouped_mm(sets[i][0], native_weight, offs=sets[i][2][1:])
     results = {label: fn(0) for label, fn in fns.items()}
     a, saved, offsets = sets[0]
@@ -518,6 +529,12 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--products", default="gate_up,down,gate_up_dgrad,down_dgrad,down_wgrad,gate_up_wgrad"
     )
+    parser.add_argument(
+        "--fused-gate-up",
+        action="store_true",
+        help="gate_up and gate_up_dgrad read W_gate and W_up as the halves of one [E, 2I, H] "
+        "tensor, as Hugging Face models hold them (their rows read 'gate_up (fused W)')",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -539,7 +556,13 @@ def main(argv=None) -> int:
     for name in args.presets.split(","):
         for tokens in map(int, args.tokens.split(",")):
             for product in args.products.split(","):
-                rows = RUNNERS[product](name, product, tokens, dense, gen)
+                fused = args.fused_gate_up and product in ("gate_up", "gate_up_dgrad")
+                extra = {"fused": True} if fused else {}
+                rows = RUNNERS[product](name, product, tokens, dense, gen, **extra)
+                if fused:
+                    rows = [
+                        row.replace(f"| {product} |", f"| {product} (fused W) |") for row in rows
+                    ]
                 print("\n".join(rows), flush=True)
                 lines += rows
     if args.out:

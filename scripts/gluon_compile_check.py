@@ -149,7 +149,11 @@ def cases():
         yield f"down gather {label}", lambda p=gathered, c=cfg: ws._launch(p, tiles(c), c)
         # K not a multiple of BLOCK_K (nor of 16 elements): the gather's column mask.
         ragged = ws._RowsProblem(
-            ws.ROWS_WT.value, grad[:, :136], w_down[:, :, :136], x, source_rows=source_rows
+            ws.ROWS_WT.value,
+            grad[:, :136],
+            w_down[:, :, :136].contiguous(),
+            x,
+            source_rows=source_rows,
         )
         yield f"down gather K=136 {label}", lambda p=ragged, c=cfg: ws._launch(p, tiles(c), c)
         yield f"down gather+scatter {label}", lambda p=scattered, c=cfg: ws._launch(p, tiles(c), c)

@@ -135,13 +135,55 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("name", ["N and K not tile multiples", "several tiles per consumer"])
+def test_gate_up_products_read_the_halves_of_one_fused_weight(name, tiles):
+    """W_gate and W_up as the two halves of one [E, 2I, H] tensor (how Hugging Face models hold
+    gate_up_proj) go to the Gluon kernels, forward (gate/up + SwiGLU) and data gradient, equal
+    to the tl twins on the same views bit for bit. Catches an expert's weight rows taken at
+    e * I instead of e * 2I (the other half's or another expert's weights), a descriptor that
+    runs past the fused tensor's storage (the last expert's up half), and a silent copy."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    fused = (
+        torch.randn(len(sizes), 2 * inter, hidden, generator=gen, device="cuda") * hidden**-0.5
+    ).bfloat16()
+    w_gate, w_up = fused[:, :inter], fused[:, inter:]
+    assert ws.supported(rows, w_gate, w_up)
+    assert not ws.supported(rows, w_gate, fused[:, :inter].contiguous())  # rows apart differ
+    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
+    tiles_map = row_tile_map(offsets, m, cfg.block_m)
+    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 0.75, True, cfg)
+    twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
+    twin_h, twin_gate_up = gg.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 0.75, True, twin_cfg)
+    assert torch.equal(h[inside], twin_h[inside])
+    assert torch.equal(gate_up[inside], twin_gate_up[inside])
+    dgrad_cfg = ws.SHORT_DGRAD_TILES if tiles == "ping-pong" else ws.DGRAD_TILES
+    if inter % dgrad_cfg.gate_up.block_k == 0:
+        assert ws.dgrad_supported(gate_up, dgrad_cfg.gate_up, w_gate, w_up)
+        bm = dgrad_cfg.gate_up.block_m
+        grad_x = ws.gate_up_dgrad(
+            gate_up, w_gate, w_up, row_tile_map(offsets, m, bm), dgrad_cfg.gate_up
+        )
+        twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
+        twin = gg.gate_up_dgrad(gate_up, w_gate, w_up, row_tile_map(offsets, m, 128), twin_cfg)
+        assert torch.equal(grad_x[inside], twin[inside])
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     """On Hopper the default config sends both forward products to the Gluon kernels, with the
-    tl path's results bit for bit (h and the saved pre-activations too); W_down whose experts
-    are not contiguous, or W_gate and W_up as views of one [E, 2I, H] tensor, fall back to tl."""
+    tl path's results bit for bit (h and the saved pre-activations too), W_gate and W_up as
+    views of one [E, 2I, H] tensor included; W_down whose experts are not rows of one 2-D view
+    (a slice of wider rows) falls back to tl."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_forward
+    from mok.kernels import warp_specialized as ws
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes, hidden, inter = [400, 0, 129, 700], 256, 192
@@ -161,6 +203,8 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     tl_only = dataclasses.replace(cfg, warp_specialized_down=None, warp_specialized_gate_up=None)
     gluon, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
     tl, tl_saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
+    assert ws.supported(rows, fused[:, :inter], fused[:, inter:])
+    assert not ws.supported(rows, w_down_view)
     fallback, _ = expert_mlp_forward(
         rows, offsets, fused[:, :inter], fused[:, inter:], w_down_view, config=cfg
     )
@@ -580,7 +624,9 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
     assert cfg.warp_specialized_wgrad is not None and cfg.warp_specialized_dgrad is not None
     wgrad_rows = cfg.warp_specialized_wgrad.for_grad(torch.bfloat16).block_m
     assert (hidden % wgrad_rows == 0) == (hidden == 384)  # H 192: W_down's gradient goes to tl
-    assert ws.dgrad_supported(rows, cfg.warp_specialized_dgrad.gate_up, w_gate, w_up, w_down)
+    dgrad = cfg.warp_specialized_dgrad
+    assert ws.dgrad_supported(rows, dgrad.gate_up, w_gate, w_up)
+    assert ws.dgrad_supported(grad_out, dgrad.down, w_down)
     tl_only = dataclasses.replace(
         cfg,
         warp_specialized_wgrad=None,

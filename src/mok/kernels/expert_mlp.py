@@ -63,10 +63,11 @@ class ExpertKernelConfig:
     """grads of W_gate and W_up: I x H tiles, reduction over the expert's rows."""
     warp_specialized_gate_up: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward gate/up + SwiGLU instead
-    of the tl one where it can (Hopper, contiguous W_gate and W_up); None: the tl kernel."""
+    of the tl one where it can (Hopper, `warp_specialized.supported`: contiguous experts, or
+    W_gate and W_up the halves of one fused tensor); None: the tl kernel."""
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
-    of the tl one where it can (Hopper, contiguous W_down); None: always the tl kernel."""
+    of the tl one where it can (Hopper, `warp_specialized.supported`); None: the tl kernel."""
     warp_specialized_dgrad: ws.DgradTiles | None = None
     """Tiles of the warp-specialized Gluon kernels that run both data gradients instead of the
     tl ones where they can (Hopper, `warp_specialized.dgrad_supported`); None: the tl kernels."""

@@ -446,7 +446,7 @@ def _load_partition(
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows) = problem
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -477,14 +477,15 @@ def _load_partition(
             first_starts = _gathered_starts(gather, row, WG_M, BLOCK_K)
             last_starts = _gathered_starts(gather, row + (SPLIT - 1) * WG_M, WG_M, BLOCK_K)
         for k in range(0, K, BLOCK_K):
-            # W_BY_K: W is read as [E * K, N], and K is a multiple of BLOCK_K (`dgrad_supported`),
-            # so that no step reaches into the next expert. Else as [E * N, K]: rows past this
-            # expert's N feed only columns that are not stored.
+            # W is read as rows of its 2-D view (`_expert_rows`), an expert's first row
+            # w_expert_rows after the previous one's. W_BY_K: rows of N, and K is a multiple of
+            # BLOCK_K (`dgrad_supported`), so that no step reaches past this expert's K rows.
+            # Else rows of K: rows past this expert's N feed only columns that are not stored.
             if W_BY_K:
-                w_row = expert * K + k
+                w_row = expert * w_expert_rows + k
                 w_col = n_off
             else:
-                w_row = expert * N + n_off
+                w_row = expert * w_expert_rows + n_off
                 w_col = k
             for product in gl.static_range(1 + PAIRED):
                 slot = step % STAGES
@@ -665,7 +666,7 @@ def _consume(
         fetched,
         target,
     ) = outputs
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
     (limit, limit_below, limit_above) = limits
     (saved_gate_desc, saved_up_desc) = saved
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
@@ -846,7 +847,7 @@ def _second_consumer(
 def _rows_wt_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
-    w_desc,  # [E * N, K], block [BLOCK_N, BLOCK_K]; W_BY_K modes: [E * K, N], block [BK, BN]
+    w_desc,  # W's rows [R, K], block [BLOCK_N, BLOCK_K]; W_BY_K modes: [R, N], block [BK, BN]
     w2_desc,  # the second weight (GATE_UP_SWIGLU, GATE_UP_DGRAD; else w_desc), as w_desc
     out_desc,  # [M, N] out, block [BLOCK_M, BLOCK_N]
     gate_desc,  # [M, N] (row stride 2N) out: pre-activations A @ W.T, or the gradient of gate
@@ -860,6 +861,7 @@ def _rows_wt_kernel(
     capacity,
     N,
     K,
+    w_expert_rows,  # rows of w_desc (and w2_desc) from one expert's first row to the next's
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
     limit_below,  # float, the largest value of the output dtype <= limit
     limit_above,  # float, the smallest value of the output dtype > limit
@@ -974,7 +976,7 @@ def _rows_wt_kernel(
         fetched,
         target,
     )
-    problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims)
+    problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows)
     # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
     gl.warp_specialize(
         [
@@ -1056,13 +1058,35 @@ def available(device: torch.device) -> bool:
     )
 
 
+def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Weights [E, R, C] (R x C per expert: N x K, or K x N where the data gradients read them
+    along K) as the kernels read them: one 2-D view of rows C elements apart, expert e's R rows
+    starting at row e * per_expert, and per_expert; None where W is not so laid out or 16-byte
+    rows cannot hold it. Contiguous experts give [E * R, C] and R. Views of a fused tensor (gate
+    and up as the halves of a [E, 2I, H] gate_up_proj, as Hugging Face models hold them) give
+    (E - 1) * 2I + I rows and 2I, the other half's rows between two experts' (a tile that
+    reaches past an expert's rows reads them, for columns that are never stored)."""
+    experts, rows, columns = w.shape
+    stride = w.stride(0)
+    if experts == 0 or w.stride(2) != 1 or w.stride(1) != columns or stride % columns:
+        return None
+    if stride < rows * columns or columns * w.element_size() % 16 or w.data_ptr() % 16:
+        return None
+    per_expert = stride // columns
+    return w.as_strided(((experts - 1) * per_expert + rows, columns), (columns, 1)), per_expert
+
+
 def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether the kernels here take these operands: 16-bit, on a Hopper GPU, every weight
-    tensor [E, N, K] viewable as [E * N, K] (contiguous experts)."""
+    """Whether the kernels here take these operands: 16-bit, on a Hopper GPU, the weights of one
+    launch (W, and W2 where it has one) each [E, N, K] with its rows in one 2-D view
+    (`_expert_rows`: contiguous experts, or the halves of a fused tensor), 16-byte aligned for
+    TMA, with the same distance between experts' first rows (one launch argument)."""
+    views = [_expert_rows(w) for w in weights]
     return (
         available(rows.device)
         and rows.dtype in _GLUON_DTYPES
-        and all(w.stride() == (w.shape[1] * w.shape[2], w.shape[2], 1) for w in weights)
+        and None not in views
+        and len({per_expert for _, per_expert in views}) == 1
     )
 
 
@@ -1131,10 +1155,9 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     split = _consumer_split(cfg.block_m)
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if by_k else [bn, bk]
-    w_desc = _descriptor(w.reshape(-1, w.shape[2]), w_block)
-    w2_desc = (
-        w_desc if problem.w2 is None else _descriptor(problem.w2.reshape(-1, w.shape[2]), w_block)
-    )
+    w_rows, w_expert_rows = _expert_rows(w)
+    w_desc = _descriptor(w_rows, w_block)
+    w2_desc = w_desc if problem.w2 is None else _descriptor(_expert_rows(problem.w2)[0], w_block)
     a_desc = _descriptor(a, [bm, bk])
     a2_desc = a_desc if problem.a2 is None else _descriptor(problem.a2, [bm, bk])
     out = problem.out
@@ -1188,6 +1211,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             tiles.capacity,
             n,
             k,
+            w_expert_rows,
             0.0 if limit is None else float(limit),
             *limit_edges(limit, a.dtype),
             a,

@@ -1,0 +1,49 @@
+"""`warp_specialized._expert_rows`: the 2-D view through which the Gluon kernels read expert
+weights (a TMA descriptor over its rows, expert e's first row at e * per_expert). Host code: runs
+on the CPU. Bugs caught: a per-expert distance that ignores the fused tensor's other half (gate
+read as up, or another expert's rows), a view whose rows run past the storage, a strided or
+transposed weight taken as rows (the kernels would read the wrong elements), a silent copy."""
+
+import pytest
+import torch
+
+from mok.kernels import warp_specialized as ws
+
+
+def _rows_match(w: torch.Tensor) -> None:
+    rows, per_expert = ws._expert_rows(w)
+    assert rows.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()  # a view
+    assert rows.data_ptr() == w.data_ptr()
+    end = rows.storage_offset() + rows.shape[0] * rows.shape[1]
+    assert end * rows.element_size() <= w.untyped_storage().nbytes()
+    for expert in range(w.shape[0]):
+        first = expert * per_expert
+        assert torch.equal(rows[first : first + w.shape[1]], w[expert])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_contiguous_experts_are_one_row_block_each(dtype):
+    w = torch.randn(3, 40, 64).to(dtype)
+    rows, per_expert = ws._expert_rows(w)
+    assert per_expert == 40 and rows.shape == (120, 64)
+    _rows_match(w)
+
+
+def test_the_halves_of_a_fused_gate_up_tensor_keep_its_expert_distance():
+    fused = torch.randn(4, 2 * 24, 32).bfloat16()  # [E, 2I, H]
+    gate, up = fused[:, :24], fused[:, 24:]
+    for half in (gate, up):
+        rows, per_expert = ws._expert_rows(half)
+        assert per_expert == 48 and rows.shape == (3 * 48 + 24, 32)
+        _rows_match(half)
+
+
+def test_weights_not_laid_out_as_rows_are_refused():
+    w = torch.randn(2, 16, 64).bfloat16()
+    assert ws._expert_rows(w[:, :, :40]) is None  # rows 64 elements apart, 40 wide
+    assert ws._expert_rows(w.transpose(1, 2)) is None  # gpt-oss's [E, H, 2I] read along H
+    assert ws._expert_rows(w[:, ::2]) is None  # every other row
+    assert ws._expert_rows(w[:0]) is None  # no experts
+    assert ws._expert_rows(torch.randn(2, 16, 12).bfloat16()) is None  # 24-byte rows (TMA: 16)
+    overlapping = w.as_strided((2, 16, 64), (8 * 64, 64, 1))  # experts sharing rows
+    assert ws._expert_rows(overlapping) is None
