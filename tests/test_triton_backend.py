@@ -117,11 +117,22 @@ def test_triton_backend_over_nvlink_matches_reference():
     assert_results(empty_rank)
 
 
+SHARING_PEER_TIMEOUT_S = 120.0
+"""The peer timeout of ranks sharing one GPU: a rank's first call compiles its kernels while its
+peers wait, and with a dozen test workers compiling at once that outlasts the default 10 s."""
+
+
 def sharing_cases() -> list:
     """Cases for ranks sharing one GPU, 12 routed experts (EP 2, 3 and 4 divide them): a shared
     expert (deepseek-v3's shape), skewed, half-empty and one-expert routings, the clamp."""
-    configs = dict(preset_configs(num_experts=12))
-    tiny = mok.get_preset("tiny").config(num_experts=12, swiglu_limit=3.0, max_tokens_per_rank=256)
+    patient = SHARING_PEER_TIMEOUT_S
+    configs = {
+        name: config.replace(peer_timeout_s=patient)
+        for name, config in preset_configs(num_experts=12)
+    }
+    tiny = mok.get_preset("tiny").config(
+        num_experts=12, swiglu_limit=3.0, max_tokens_per_rank=256, peer_timeout_s=patient
+    )
     return [
         ("deepseek-v3 zipf", configs["deepseek-v3"], "zipf"),
         ("qwen3-235b uniform", configs["qwen3-235b-a22b"], "uniform"),
@@ -223,7 +234,9 @@ def test_layers_of_one_shape_share_one_exchange():
         assert max(errors) < TOLERANCE, errors
 
 
-def graph_replays(rank, world, backend="triton", overlap=None, precision="bf16"):
+def graph_replays(
+    rank, world, backend="triton", overlap=None, precision="bf16", peer_timeout_s=10.0
+):
     """The layer's forward and backward captured once in a CUDA graph, then replayed with other
     tokens and routings (copied into the captured inputs): per replay, whether y and every
     gradient equal the eager call's bit for bit. `overlap`: the fused backend's schedule
@@ -234,6 +247,7 @@ def graph_replays(rank, world, backend="triton", overlap=None, precision="bf16")
         max_tokens_per_rank=128,
         comm_sms=16,
         precision=precision,
+        peer_timeout_s=peer_timeout_s,
     )
     device = torch.device("cuda", torch.cuda.current_device())
     layer = mok.MoE(config, group=dist.group.WORLD if world > 1 else None, device=device)
@@ -324,7 +338,7 @@ def graph_replays_sharing_one_gpu(rank, world, backend):
     """`graph_replays` with the ranks' processes on one GPU (symmetric memory by CUDA IPC)."""
     torch.cuda.set_device(0)
     with simulated_symmetric_memory(cuda_ipc_allocator):
-        return graph_replays(rank, world, backend)
+        return graph_replays(rank, world, backend, peer_timeout_s=SHARING_PEER_TIMEOUT_S)
 
 
 @pytest.mark.gpu
