@@ -47,3 +47,35 @@ def test_weights_not_laid_out_as_rows_are_refused():
     assert ws._expert_rows(torch.randn(2, 16, 12).bfloat16()) is None  # 24-byte rows (TMA: 16)
     overlapping = w.as_strided((2, 16, 64), (8 * 64, 64, 1))  # experts sharing rows
     assert ws._expert_rows(overlapping) is None
+
+
+def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
+    """Direct callers of the launcher (the library asks `supported` first) get the weight's
+    layout named, not a copy made behind their back nor a wrong descriptor."""
+    from mok.kernels import grouped_gemm as gg
+
+    m, hidden, inter, experts = 128, 64, 32, 2
+    cfg = ws.PING_PONG
+    capacity = m // cfg.block_m + experts + 2
+    tiles = gg.RowTiles(
+        torch.zeros(3, capacity, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        capacity,
+        cfg.block_m,
+    )
+    rows, out = torch.zeros(m, hidden).bfloat16(), torch.zeros(m, inter).bfloat16()
+    wide = torch.zeros(experts, inter, hidden + 8).bfloat16()
+    sliced = ws._RowsProblem(ws.ROWS_WT.value, rows, wide[:, :, :hidden], out)
+    with pytest.raises(ValueError, match="rows of one 2-D view"):
+        ws._launch(sliced, tiles, cfg)
+    fused = torch.zeros(experts, 2 * inter, hidden).bfloat16()
+    mixed = ws._RowsProblem(
+        ws.GATE_UP_SWIGLU.value,
+        rows,
+        fused[:, :inter],
+        out,
+        w2=fused[:, inter:].contiguous(),
+        gate_up=torch.zeros(m, 2 * inter).bfloat16(),
+    )
+    with pytest.raises(ValueError, match="rows apart"):
+        ws._launch(mixed, tiles, cfg)

@@ -1076,6 +1076,19 @@ def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     return w.as_strided(((experts - 1) * per_expert + rows, columns), (columns, 1)), per_expert
 
 
+def _weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """`_expert_rows`, or ValueError naming the weight's layout where the kernels cannot read it
+    (`supported` says so before a launch; this is for direct callers)."""
+    view = _expert_rows(w)
+    if view is None:
+        raise ValueError(
+            f"weights of shape {tuple(w.shape)}, strides {w.stride()}: the kernels read them as "
+            "rows of one 2-D view (unit last stride, rows adjacent within an expert, 16-byte "
+            "aligned); see warp_specialized.supported"
+        )
+    return view
+
+
 def supported(rows: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether the kernels here take these operands: 16-bit, on a Hopper GPU, the weights of one
     launch (W, and W2 where it has one) each [E, N, K] with its rows in one 2-D view
@@ -1155,9 +1168,16 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     split = _consumer_split(cfg.block_m)
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if by_k else [bn, bk]
-    w_rows, w_expert_rows = _expert_rows(w)
-    w_desc = _descriptor(w_rows, w_block)
-    w2_desc = w_desc if problem.w2 is None else _descriptor(_expert_rows(problem.w2)[0], w_block)
+    w_rows, w_expert_rows = _weight_rows(w)
+    w2_desc = w_desc = _descriptor(w_rows, w_block)
+    if problem.w2 is not None:
+        w2_rows, w2_expert_rows = _weight_rows(problem.w2)
+        if w2_expert_rows != w_expert_rows:
+            raise ValueError(
+                f"the two weights' experts are {w_expert_rows} and {w2_expert_rows} rows apart: "
+                "one launch takes one distance"
+            )
+        w2_desc = _descriptor(w2_rows, w_block)
     a_desc = _descriptor(a, [bm, bk])
     a2_desc = a_desc if problem.a2 is None else _descriptor(problem.a2, [bm, bk])
     out = problem.out
