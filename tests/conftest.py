@@ -2,6 +2,7 @@
 ci, the default; dev; long)."""
 
 import os
+import time
 
 import torch
 
@@ -11,6 +12,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from filelock import FileLock, Timeout  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)
@@ -32,3 +34,32 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(mark in item.keywords for mark in marks):
             item.add_marker(skip)
+
+
+GPU_SHARING_SLOTS = 3
+"""How many `shares_gpu` tests may run at once across pytest-xdist's workers. Their ranks hold
+4-8 GiB of GPU memory each: a dozen workers running four such tests beside the others filled an
+H200's 140 GiB, and their kernels' first compiles outlasted the ranks' peer timeouts."""
+
+
+@pytest.fixture(autouse=True)
+def gpu_sharing_slot(request, tmp_path_factory):
+    """For a `shares_gpu` test on a GPU machine: hold one of GPU_SHARING_SLOTS file locks, in the
+    folder every xdist worker of this session shares, while the test runs."""
+    if request.node.get_closest_marker("shares_gpu") is None or not torch.cuda.is_available():
+        yield
+        return
+    folder = tmp_path_factory.getbasetemp().parent
+    locks = [FileLock(folder / f"gpu-sharing-slot-{n}.lock") for n in range(GPU_SHARING_SLOTS)]
+    while True:
+        for lock in locks:
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                yield
+            finally:
+                lock.release()
+            return
+        time.sleep(0.5)

@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from test_triton_backend import SHARING_PEER_TIMEOUT_S
 from test_triton_backend_cpu import CONFIG, SMALL, Scenario, check_verdict, scenario
 
 import mok
@@ -47,6 +48,7 @@ GPU_CONFIG = mok.MoKConfig(
     backend="triton",
     max_tokens_per_rank=512,
     comm_sms=16,
+    peer_timeout_s=SHARING_PEER_TIMEOUT_S,
 )
 
 
@@ -307,6 +309,7 @@ def test_stacked_layers_sharing_an_exchange_match_the_triton_backend_bitwise(tmp
         assert_bitwise_equal(outcome)
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 def test_stacked_layers_on_ranks_sharing_one_gpu_match_the_triton_backend_bitwise():
     """The stacked layers of the test above with the ranks' processes sharing one GPU: real
@@ -388,6 +391,7 @@ def test_backward_drops_each_buffer_after_its_last_product(backend, keep_grouped
         assert seen == ((True, True, True, True), not fused, True, (through, through))
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dispatch", ["pull", "push"])
 def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise(dispatch):
@@ -537,6 +541,7 @@ def exact_buffers_under_capture(rank, world, backend):
     return message, bool(torch.isfinite(after["y"]).all())
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 def test_exact_buffers_on_ranks_sharing_one_gpu():
     """The GPU twin of the interpreter test above (compiled kernels, the copy beside the

@@ -44,7 +44,7 @@ HIDDEN, TOP_K, LOCAL_EXPERTS, TOKENS = 32, 2, 2, 24
 
 WHERE = [
     pytest.param("cpu", marks=pytest.mark.interpreter),
-    pytest.param("one-gpu", marks=pytest.mark.gpu),
+    pytest.param("one-gpu", marks=[pytest.mark.gpu, pytest.mark.shares_gpu]),
     pytest.param(
         "two-gpu",
         marks=[

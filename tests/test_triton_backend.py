@@ -150,6 +150,7 @@ def check_cases_sharing_one_gpu(rank, world, cases, tokens_per_rank, backend):
         return check_cases(rank, world, cases, tokens_per_rank, backend)
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "backend, tokens_per_rank",
@@ -341,6 +342,7 @@ def graph_replays_sharing_one_gpu(rank, world, backend):
         return graph_replays(rank, world, backend, peer_timeout_s=SHARING_PEER_TIMEOUT_S)
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", "fused"])
 def test_layer_replays_in_a_cuda_graph_on_ranks_sharing_one_gpu(backend):

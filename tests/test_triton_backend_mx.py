@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from test_triton_backend import SHARING_PEER_TIMEOUT_S
 from test_triton_backend_cpu import scenario
 
 import mok
@@ -196,12 +197,13 @@ def errors_on_a_shared_gpu(rank, world, case):
     return errors, row.numel() * row.element_size()
 
 
+@pytest.mark.shares_gpu
 @pytest.mark.gpu
 def test_mxfp8_layer_on_ranks_sharing_one_gpu():
     """EP 2 with the NVLink protocol's kernels compiled (x crossing as packed e4m3 rows of
     deepseek-v3's H = 7168: 7392 bytes where bf16 takes 14336), the ranks sharing GPU 0."""
     config = dict((name, c) for name, c, _ in gpu_cases())["deepseek-v3"]
-    case = scenario(config, [96, 61], seed=5)
+    case = scenario(config.replace(peer_timeout_s=SHARING_PEER_TIMEOUT_S), [96, 61], seed=5)
     for errors, row_bytes in run_ranks(errors_on_a_shared_gpu, 2, args=(case,)):
         assert row_bytes == MXRows.row_bytes(7168) == 7392
         for key, error in errors.items():
