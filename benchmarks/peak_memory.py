@@ -4,6 +4,7 @@ counted: the figures of issue 13's memory target.
     python benchmarks/peak_memory.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens 8192]
                                      [--ep 2] [--backends baseline,triton,fused]
                                      [--pair-capacity 1.25 | --exact-buffers]
+                                     [--keep-grouped-rows]
                                      [--precision mxfp8]
                                      [--snapshots DIR]
                                      [--out results.md]
@@ -29,6 +30,8 @@ weights' gradients dropped again):
 `recv_pair_capacity` option: pairs beyond it would be dropped and reported by `check()`.
 --exact-buffers sizes them by the pairs each call received, read on the host (the
 `exact_buffers` option: one synchronization per forward).
+--keep-grouped-rows keeps the grouped rows for the backward (the option of that name) instead of
+the tokens they copy (x at EP 1; the tokens received for the fused backend at EP > 1).
 
 --precision: the backends' (the baseline stays bf16; the fused backend computes bf16 only).
 
@@ -156,6 +159,7 @@ def memory_rank(
     pair_capacity,
     precision,
     exact_buffers,
+    keep_grouped_rows,
 ):
     device = torch.device("cuda", 0 if shared_gpu else rank)
     torch.cuda.set_device(device)
@@ -170,7 +174,9 @@ def memory_rank(
             if pair_capacity is not None:
                 pairs = math.ceil(pair_capacity * tokens * config.top_k)
                 config = config.replace(recv_pair_capacity=pairs)
-            config = config.replace(exact_buffers=exact_buffers)
+            config = config.replace(
+                exact_buffers=exact_buffers, keep_grouped_rows=keep_grouped_rows
+            )
             for backend in backends:
                 label = f"{preset}-{backend}-ep{world}-rank{rank}"
                 snapshot = None if snapshots is None else os.path.join(snapshots, label)
@@ -239,6 +245,7 @@ def main() -> None:
     parser.add_argument("--backends", default="baseline,triton,fused")
     parser.add_argument("--pair-capacity", type=float, default=None)
     parser.add_argument("--exact-buffers", action="store_true")
+    parser.add_argument("--keep-grouped-rows", action="store_true")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "mxfp8"))
     parser.add_argument("--snapshots", default=None, help="folder for CUDA memory snapshots")
     parser.add_argument("--out", default=None, help="also write the table to this file")
@@ -257,6 +264,7 @@ def main() -> None:
         args.pair_capacity,
         args.precision,
         args.exact_buffers,
+        args.keep_grouped_rows,
     )
     if args.ep == 1:
         per_rank = [memory_rank(0, 1, *call)]
@@ -269,6 +277,8 @@ def main() -> None:
         where += f"; receive buffers for {args.pair_capacity} x the mean pairs"
     if args.exact_buffers:
         where += "; per-pair tensors sized by the pairs received (exact_buffers)"
+    if args.keep_grouped_rows:
+        where += "; the grouped rows kept for the backward (keep_grouped_rows)"
     text = f"{torch.cuda.get_device_name(0)}, {where}\n\n" + table(per_rank, args.ep, args.tokens)
     print(text)
     if args.out:

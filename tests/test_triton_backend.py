@@ -9,6 +9,10 @@ processes sharing one GPU (the NVLink exchange's kernels compiled, symmetric mem
 import pytest
 import torch
 import torch.distributed as dist
+from test_triton_backend_cpu import (
+    assert_x_read_in_place_of_the_grouped_rows,
+    without_and_with_grouped_rows,
+)
 
 import mok
 from mok.comm.simulation import simulated_symmetric_memory
@@ -173,6 +177,32 @@ def test_expert_parallel_on_ranks_sharing_one_gpu_matches_reference(backend, tok
         timeout_s=900,
     )
     assert_results(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+def test_one_gpu_backward_reads_x_instead_of_keeping_the_grouped_rows(backend, monkeypatch):
+    """The interpreter test's GPU twin at qwen3-30b-a3b's shape: the gate/up weight gradient is
+    the Gluon kernel gathering x's rows through each grouped row's token (checked: one launch
+    with the index, one without), bitwise its product on TMA tiles of the grouped rows. Bugs
+    caught: a compiled-only error in the gathering loader at EP 1 (x has T rows where the index
+    has T x k), the kernel silently swapped for the tl fallback."""
+    from mok.kernels import warp_specialized as ws
+
+    device = torch.device("cuda")
+    config = dict(preset_configs(num_experts=12))["qwen3-30b-a3b"]
+    config = config.replace(backend=backend, graphs="off")
+    inputs = rank_inputs(config, 250, "zipf", 7, device)
+    launch, gathered = ws.gate_up_wgrad, []
+
+    def recording(*args, source_rows=None, **options):
+        gathered.append(source_rows is not None)
+        return launch(*args, source_rows=source_rows, **options)
+
+    monkeypatch.setattr(ws, "gate_up_wgrad", recording)
+    results, kept = without_and_with_grouped_rows(config, inputs, device, monkeypatch)
+    assert_x_read_in_place_of_the_grouped_rows(results, kept, 250, config)
+    assert gathered == [True, False]
 
 
 @pytest.mark.gpu

@@ -216,6 +216,57 @@ def test_one_process_matches_float64_with_shared_expert_clamp_and_a_bad_id():
     assert_id_error_on_its_rank(case, 0, results)
 
 
+def without_and_with_grouped_rows(config, inputs: RankInputs, device, monkeypatch):
+    """One call's results of `config` in one process, without and with `keep_grouped_rows`,
+    and for each the shape of the rows its routed experts kept and those rows as the gate/up
+    weight gradient reads them ([M, H]: through the index where one is kept)."""
+    import mok.kernels as kernels
+
+    weight_gradients = kernels.gate_up_weight_gradients
+    kept = []
+
+    def recording(grad_gate_up, saved, *args, **options):
+        read = saved.rows if saved.source_rows is None else saved.rows[saved.source_rows.long()]
+        kept.append((tuple(saved.rows.shape), read.clone()))
+        return weight_gradients(grad_gate_up, saved, *args, **options)
+
+    monkeypatch.setattr(kernels, "gate_up_weight_gradients", recording)
+    results = []
+    for keep in (False, True):
+        layer_config = config.replace(keep_grouped_rows=keep)
+        layer = mok.MoE(layer_config, device=device)
+        layer.load_global_weights(global_weights(layer_config, 0, device))
+        results.append(one_call_results(layer, inputs))
+    return results, kept
+
+
+def assert_x_read_in_place_of_the_grouped_rows(results, kept, tokens, config) -> None:
+    """Bitwise the same results; without the option the experts kept x's T rows, with it the
+    T x k grouped rows, and the product read the same rows either way."""
+    without, keeping = results
+    assert without.keys() == keeping.keys()
+    for key, value in without.items():
+        assert torch.equal(value, keeping[key]), key
+    (through_x, read_through_x), (grouped, read_grouped) = kept
+    assert through_x == (tokens, config.hidden_size)
+    assert grouped == (tokens * config.top_k, config.hidden_size)
+    assert torch.equal(read_through_x, read_grouped)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+def test_one_process_backward_reads_x_instead_of_keeping_the_grouped_rows(backend, monkeypatch):
+    """At EP 1 the routed experts keep x and each grouped row's token for the gate/up weight
+    gradient, not the grouped rows (k copies of x's rows), unless `keep_grouped_rows`. Bugs
+    caught: an index naming the pair or another expert's row instead of the row's token (the
+    rows read differ, and so do the weights' gradients), the grouped rows still kept (the memory
+    the default saves), the option ignored, a dropped pair's row read wrongly."""
+    config = CONFIG.replace(backend=backend)
+    case = scenario(config, [29], seed=3, routing="zipf", bad_pair=(0, 4, 2))
+    results, kept = without_and_with_grouped_rows(config, case.ranks[0], CPU, monkeypatch)
+    assert_x_read_in_place_of_the_grouped_rows(results, kept, 29, config)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("tokens", [21, 0])
 def test_functional_api_returns_the_promised_dtypes(tokens):

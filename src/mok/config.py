@@ -140,14 +140,17 @@ class MoKConfig:
     capture raises. No effect where the exchange sizes exactly already: EP 1, and the collective
     exchange (which synchronizes anyway)."""
     keep_grouped_rows: bool = False
-    """The `fused` backend at EP > 1 keeps for its backward the tokens received, once each (EP x
-    T rows at most), not the grouped rows (a copy per pair, sized for the worst routing: EP x T
-    x k rows), and its gate/up weight gradient reads them through each grouped row's index
-    (measured at EP 2's shapes: 1.03-1.08x that product's time; the layer's peak 0.95-0.99x the
-    baseline's). True keeps the grouped rows: that product on TMA tiles, for k times the rows
-    held between the passes (the peak 1.05-1.09x the baseline's). The same results. No effect
-    where the grouped rows are kept anyway: EP 1, `exact_buffers`, the push dispatch, the
-    triton backend."""
+    """Without it, the layer keeps for its backward the tokens its experts read, once each, not
+    the grouped rows (a copy per pair: k times the rows), and its gate/up weight gradient reads
+    them through each grouped row's index. At EP 1 (the triton and fused backends, bf16) those
+    tokens are x itself: the grouped rows (T x k x H, 1 GiB at qwen3-30b-a3b with 32768 tokens)
+    go with the forward. The `fused` backend at EP > 1 keeps the tokens received (EP x T rows at
+    most, where the grouped rows are sized for the worst routing: EP x T x k), measured at EP 2's
+    shapes at 1.03-1.08x that product's time and the layer's peak at 0.95-0.99x the baseline's.
+    True keeps the grouped rows: that product on TMA tiles, for k times the rows held between
+    the passes (at EP 2 the peak 1.05-1.09x the baseline's). The same results. No effect where
+    the grouped rows are kept anyway: MXFP8, the triton backend at EP > 1, and for the fused
+    backend at EP > 1 `exact_buffers` and the push dispatch."""
     peer_timeout_s: float = 10.0
     """Longest time a rank of a fused backend waits on the device for a peer (a barrier, rows in
     flight) before it gives up, records the failure and lets the call finish; `Workspace.check()`

@@ -220,6 +220,8 @@ class FusedBackend(TritonBackend):
             # The backward reads the rows through the tokens received, each once, so that the
             # grouped rows (a copy per pair, sized for the worst routing) go with this forward.
             experts.read_rows_through(tokens.rows, tokens.source_rows)
+        else:
+            self._read_rows_from_x(routing, x, experts)
         column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
         y, pair_out = self.exchange.combine_landed(
             routing, target, column_tiles, router, shared_out, timeout, need_backward

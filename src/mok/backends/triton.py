@@ -256,6 +256,7 @@ class TritonBackend:
                 activation=self._activation(),
                 biases=biases,
             )
+            self._read_rows_from_x(routing, x, experts)
         shared_out, shared = self._shared_forward(x, weights, need_backward)
         y, pair_out = self.exchange.combine(
             routing,
@@ -269,6 +270,18 @@ class TritonBackend:
         if not need_backward:
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+    def _read_rows_from_x(
+        self, routing: ExchangeRouting, x: torch.Tensor, experts: ExpertMLPSaved | None
+    ) -> None:
+        """Unless `keep_grouped_rows`: where the grouped rows are copies of x's rows (EP 1), the
+        saved experts keep x and each grouped row's token instead (`read_rows_through`), so that
+        the grouped rows (k copies of x's rows) go with the forward."""
+        if experts is None or self.workspace.config.keep_grouped_rows:
+            return
+        tokens = self.exchange.tokens_of_grouped_rows(routing)
+        if tokens is not None:
+            experts.read_rows_through(x.contiguous(), tokens)
 
     def _layer_inputs(self, schedule: TritonRouting, x, topk_weights, weights):
         """(x and the weights in the kernels' dtype, the router weights as used (zero for

@@ -117,6 +117,10 @@ class CollectiveExchange:
         """The expert outputs are sent back from wherever the kernels write them."""
         return None
 
+    def tokens_of_grouped_rows(self, routing: Routing) -> None:
+        """None: the grouped rows are the tokens other ranks sent."""
+        return None
+
     def combine(
         self,
         routing: Routing,

@@ -37,6 +37,11 @@ class Exchange(Protocol):
     def expert_output_buffer(self) -> torch.Tensor | None:
         """Where the expert outputs may be written so that combine copies nothing, or None."""
 
+    def tokens_of_grouped_rows(self, routing: ExchangeRouting) -> torch.Tensor | None:
+        """[M] int32: the row of this rank's x that each grouped row of `dispatch` copies (EP 1),
+        so that a backward can read x through it instead of keeping the grouped rows (k copies
+        of x's rows); None where grouped rows hold other ranks' tokens."""
+
     def combine(
         self,
         routing: ExchangeRouting,

@@ -239,6 +239,17 @@ class LocalExchange:
         """The expert outputs stay where the kernels write them."""
         return None
 
+    def tokens_of_grouped_rows(self, routing: LocalRouting) -> torch.Tensor:
+        """[T * k] int32: the token each grouped row copies (one scatter through pair_row)."""
+        pair_row = routing.pair_row.view(-1)
+        count, top_k = pair_row.numel(), routing.top_k
+        token_of_pair = self._constants.get(
+            ("int32 token of pair", count, top_k),
+            lambda: torch.arange(count, dtype=torch.int32, device=self.device) // top_k,
+        )
+        tokens = torch.empty(count, dtype=torch.int32, device=self.device)
+        return tokens.scatter_(0, pair_row, token_of_pair)
+
     def combine(
         self,
         routing: LocalRouting,

@@ -922,6 +922,11 @@ class SymmetricExchange:
         )
         return y, pair_out
 
+    def tokens_of_grouped_rows(self, routing: SymmetricRouting) -> None:
+        """None: the grouped rows are the tokens other ranks sent (`received_tokens` keeps
+        those once each)."""
+        return None
+
     def expert_output_buffer(self) -> torch.Tensor:
         """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
         nothing. Valid until the next `route`."""
