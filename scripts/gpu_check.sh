@@ -29,7 +29,8 @@
 # memory: peak memory per rank, symmetric buffers counted (benchmarks/peak_memory.py): EP 2 on
 # two GPUs or on ranks sharing one (worst-case receive buffers, at 1.25x the mean pairs, and
 # sized by the pairs received with exact_buffers),
-# EP 1, and the MXFP8 layer at EP 1.
+# EP 1 (and at 32768 tokens with the grouped rows kept and not: keep_grouped_rows), and the MXFP8
+# layer at EP 1.
 # fused: the overlapped layer's tests, its benchmark against the triton backend (pull and push;
 # comm_sms 8, 16, 24) at EP = the GPU count, `mok bench` of it with and without exact_buffers,
 # its overlapped schedule forced at EP 1 (the price of
@@ -221,6 +222,10 @@ print(*m())' 2>&1)
           --out "$OUT/peak-memory-ep2-$name.md"
       done
       run memory-ep1 python3 benchmarks/peak_memory.py --ep 1 --out "$OUT/peak-memory-ep1.md"
+      for keep in "" "--keep-grouped-rows"; do
+        run "memory-ep1-32k $keep" python3 benchmarks/peak_memory.py --ep 1 --tokens 32768 \
+          --preset qwen3-30b-a3b,qwen3-235b-a22b $keep
+      done
       run memory-mxfp8 python3 benchmarks/peak_memory.py --ep 1 --backends baseline,triton \
         --precision mxfp8 --out "$OUT/peak-memory-mxfp8.md" ;;
     *) echo "unknown step $step"; status=1 ;;
