@@ -22,6 +22,17 @@ settings.register_profile("long", max_examples=1000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's PyTorch (and the ranks it spawns) takes its share of the
+    cores: by default every process takes them all, and a dozen workers then run the CPU-bound
+    tests at a fraction of their speed."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        share = max(1, len(os.sched_getaffinity(0)) // workers)
+        torch.set_num_threads(share)
+        os.environ["OMP_NUM_THREADS"] = str(share)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         reason, marks = (

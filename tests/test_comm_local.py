@@ -41,17 +41,30 @@ def test_local_exchange_matches_the_collective_one(case, seed):
     assert torch.equal(got.group_offsets, want.group_offsets)
     grouped = local.dispatch(got, x)
     assert torch.equal(grouped, collective.dispatch(want, x))
+    # What a backward reads instead of the grouped rows: each row's token of x.
+    token_of_row = local.tokens_of_grouped_rows(got)
+    assert token_of_row.dtype == torch.int32
+    assert torch.equal(grouped, x[token_of_row.long()])
+    assert collective.tokens_of_grouped_rows(want) is None
 
     expert_out = torch.randn_like(grouped) if grouped.numel() else grouped
     y, pair_out = local.combine(got, expert_out, weights, shared)
     y_want, pair_out_want = collective.combine(want, expert_out, weights, shared)
     assert torch.equal(y, y_want)
-    assert torch.equal(pair_out, pair_out_want)
+    # The local exchange keeps the expert outputs where they are, each pair's at its row.
+    assert pair_out.rows is expert_out
+    assert torch.equal(expert_out[got.pair_row], pair_out_want)
 
     grad_grouped, grad_w = local.combine_backward(got, grad_y, weights, pair_out)
-    grad_grouped_want, grad_w_want = collective.combine_backward(want, grad_y, weights, pair_out)
+    grad_grouped_want, grad_w_want = collective.combine_backward(
+        want, grad_y, weights, pair_out_want
+    )
     assert torch.equal(grad_grouped, grad_grouped_want)
     assert relative_error(grad_w, grad_w_want) < 1e-5
+    # The same gradients from the outputs copied in token order (`combine_landed`'s form).
+    in_token_order = local.combine_backward(got, grad_y, weights, pair_out_want)
+    assert torch.equal(in_token_order[0], grad_grouped)
+    assert torch.equal(in_token_order[1], grad_w)
     extra = torch.randn(tokens, hidden, generator=generator).to(DEVICE)
     grad_x = local.dispatch_backward(got, grad_grouped, extra)
     # Local sums a token's pairs in j order, the collective one in grouped-row order: fp32 rounding.

@@ -321,6 +321,16 @@ def test_pair_gradients_scale_rows_and_dot_outputs(tokens, top_k, hidden, seed, 
         kept = (dst_row >= 0) & (dst_row < rows)
         want[dst_row[kept]] = want_pairs[kept]
         assert torch.equal(grad_pairs, want)
+        # The outputs read where the pairs' gradients go (the grouped rows, in place): the same
+        # bits for every kept pair, zero for the others.
+        grouped = torch.full((rows, hidden), float("nan"), dtype=DTYPE, device=DEVICE)
+        grouped[dst_row[kept]] = pair_out[kept]
+        in_place = torch.full_like(grad_pairs, -7.0)
+        grad_w_in_place = pair_gradients(
+            grad_y, weights, grouped, in_place, programs=3, dst_row=dst_row, out_at_dst=True
+        )
+        assert torch.equal(in_place, want)
+        assert torch.equal(grad_w_in_place, torch.where(kept, grad_w, 0.0))
     else:
         grad_w = pair_gradients(grad_y, weights, pair_out, grad_pairs, programs=3)
         assert torch.equal(grad_pairs.view(tokens, top_k, hidden), want_pairs)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mok.comm.exchange import Exchange, ExchangeRouting
+from mok.comm.exchange import Exchange, ExchangeRouting, GroupedPairOutputs
 from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
@@ -75,7 +75,7 @@ class _Saved:
     valid: torch.Tensor
     experts: ExpertMLPSaved | MXExpertSaved
     shared: ExpertMLPSaved | None
-    pair_out: torch.Tensor | MXRows | None
+    pair_out: torch.Tensor | MXRows | GroupedPairOutputs | None
     """The pairs' outputs, for the router weights' gradient (MXFP8: their cast along H); None
     once backward has read them."""
     dtypes: dict[str, torch.dtype]

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from mok.reference.mx import ScaleRounding
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupedPairOutputs:
+    """The pairs' outputs kept where the expert product wrote them, for the combine's backward:
+    pair (t, j)'s output is row pair_row[t, j] of `rows` [T * k, H] (the local exchange, whose
+    grouped rows are exactly the pairs), so the forward writes no copy of them in token order."""
+
+    rows: torch.Tensor
+
+
 class ExchangeRouting(Protocol):
     """One call's routing, made by `route`; each exchange keeps its own fields besides."""
 
@@ -50,16 +59,17 @@ class Exchange(Protocol):
         shared_out: torch.Tensor | None = None,
         save_pair_out: bool = True,
         pair_out_mx: ScaleRounding | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | GroupedPairOutputs | None]:
         """(y [T, H] in the contract's combine order, the pairs' outputs [T, k, H] or None; with
-        pair_out_mx, their MXFP8 cast along H rounded so, `MXRows` [T * k, H])."""
+        pair_out_mx, their MXFP8 cast along H rounded so, `MXRows` [T * k, H]; or, where the
+        exchange reads them in place, `GroupedPairOutputs`): what `combine_backward` takes."""
 
     def combine_backward(
         self,
         routing: ExchangeRouting,
         grad_y: torch.Tensor,
         topk_weights: torch.Tensor,
-        pair_out: torch.Tensor | MXRows,
+        pair_out: torch.Tensor | MXRows | GroupedPairOutputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients of the grouped expert outputs, gradient of topk_weights [T, k])."""
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from mok.comm.exchange import GroupedPairOutputs
 from mok.errors import MoKTimeoutError
 from mok.kernels.constants import DeviceConstants
 from mok.kernels.grouped_gemm import RowScatter, RowsReady
@@ -258,20 +259,17 @@ class LocalExchange:
         shared_out: torch.Tensor | None = None,
         save_pair_out: bool = True,
         pair_out_mx: ScaleRounding | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
-        """(y [T, H], the pairs' outputs [T, k, H] or None), in the reference's combine order;
-        with pair_out_mx the outputs' MXFP8 cast along H, `MXRows` [T * k, H], from the same
-        pass."""
+    ) -> tuple[torch.Tensor, MXRows | GroupedPairOutputs | None]:
+        """(y [T, H] in the reference's combine order, the pairs' outputs when save_pair_out):
+        expert_out itself (`GroupedPairOutputs`: the backward reads each pair's row in place),
+        or with pair_out_mx the outputs' MXFP8 cast along H, `MXRows` [T * k, H], written by the
+        same pass."""
         tokens, top_k = routing.pair_row.shape
         hidden = expert_out.shape[1]
         y = torch.empty(tokens, hidden, dtype=expert_out.dtype, device=self.device)
         pair_out = None
         if save_pair_out and pair_out_mx is not None:
             pair_out = MXRows.empty(tokens * top_k, hidden, self.device)
-        elif save_pair_out:
-            pair_out = torch.empty(
-                tokens, top_k, hidden, dtype=expert_out.dtype, device=self.device
-            )
         reduce_rows(
             y,
             expert_out,
@@ -283,21 +281,25 @@ class LocalExchange:
             gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
             **LOCAL_SUM,
         )
+        if save_pair_out and pair_out_mx is None:
+            pair_out = GroupedPairOutputs(expert_out)
         return y, pair_out
 
     def combine_backward(self, routing, grad_y, topk_weights, pair_out):
         """(grads of the grouped outputs [T * k, H] in grad_y's dtype, grad of topk_weights
-        [T, k]); pair_out as `combine` saved it."""
+        [T, k]); pair_out as `combine` (or `combine_landed`: [T, k, H]) saved it."""
         grad_grouped = torch.empty(
             routing.pair_row.numel(), grad_y.shape[1], dtype=grad_y.dtype, device=self.device
         )
+        in_place = isinstance(pair_out, GroupedPairOutputs)
         grad_w = pair_gradients(
             grad_y.contiguous(),
             topk_weights.contiguous(),
-            pair_out,
+            pair_out.rows if in_place else pair_out,
             grad_grouped,
             PAIR_GRADIENT_PROGRAMS_PER_SM * self.sms,
             dst_row=routing.pair_row,
+            out_at_dst=in_place,
         )
         return grad_grouped, grad_w
 

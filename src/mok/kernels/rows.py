@@ -665,6 +665,7 @@ def pair_gradients_kernel(
     TOP_K: tl.constexpr,
     K_SLOTS: tl.constexpr,
     SCATTER: tl.constexpr,
+    OUT_AT_DST: tl.constexpr,
     MX_OUT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -677,7 +678,8 @@ def pair_gradients_kernel(
     A tile is BLOCK_ROWS tokens x K_SLOTS (TOP_K rounded up to a power of two) pairs, all moved
     at once (one pass over pair_out; grad_y's row is read per pair, from cache after the first).
     pair_out's rows are out_stride elements apart, or MX_OUT: packed MX rows, `MXRows`,
-    dequantized exactly."""
+    dequantized exactly. OUT_AT_DST (with SCATTER): pair (t, j)'s output is pair_out's row
+    dst_row[t, j], as its gradient goes (zero outside [0, dst_capacity))."""
     BLOCK_PAIRS: tl.constexpr = BLOCK_ROWS * K_SLOTS
     lanes = tl.arange(0, BLOCK_PAIRS)
     slot = lanes % K_SLOTS
@@ -694,6 +696,9 @@ def pair_gradients_kernel(
             dst = tl.load(dst_row_ptr + pair, mask=live, other=-1)
             keep = live & (dst >= 0) & (dst < dst_capacity)
             dst_rows = dst.to(tl.int64)[:, None] * hidden
+            if OUT_AT_DST:
+                out_rows = dst.to(tl.int64)[:, None] * out_stride
+        read = keep if OUT_AT_DST else live
         products = tl.zeros((BLOCK_PAIRS, BLOCK_H), dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             cols = start + tl.arange(0, BLOCK_H)
@@ -709,7 +714,8 @@ def pair_gradients_kernel(
                 scales = tl.load(at, mask=s_here, other=127).to(tl.int32)
                 out = mx_dequantize_tile(codes.to(tl.int32), scales, BLOCK_PAIRS, BLOCK_H)
             else:
-                out = tl.load(pair_out_ptr + out_rows + cols[None, :], mask=here, other=0.0)
+                at = pair_out_ptr + out_rows + cols[None, :]
+                out = tl.load(at, mask=read[:, None] & cols_ok, other=0.0)
             products += grad * out.to(tl.float32)
             scaled = (weight[:, None] * grad).to(grad_pairs_ptr.dtype.element_ty)
             target = grad_pairs_ptr + dst_rows + cols[None, :]
@@ -736,21 +742,32 @@ def pair_gradients(
     dst_row: torch.Tensor | None = None,
     block_rows: int = 2,
     num_warps: int = 8,
+    out_at_dst: bool = False,
 ) -> torch.Tensor:
     """The token side of combine's backward, in one pass: grad_pairs [T * k, H] (written, e.g. into
     a communication buffer) = w[t, j] * grad_y[t] rounded to grad_pairs' dtype, and the returned
     grad of the router weights [T, k] (weights' dtype) = <grad_y[t], pair_out[t, j]> in fp32.
     grad_y [T, H], weights [T, k], pair_out [T, k, H] (or `MXRows` [T * k, H], read as the values
     it holds); all contiguous. With dst_row [T, k] int64, pair (t, j) goes to row dst_row[t, j]
-    of grad_pairs [R, H] instead (skipped outside [0, R)). `programs` persistent programs of
+    of grad_pairs [R, H] instead (skipped outside [0, R)); with `out_at_dst` too, pair_out [R, H]
+    holds pair (t, j)'s output at that row (the grouped rows the expert product wrote, read in
+    place: no copy in token order). `programs` persistent programs of
     `num_warps` warps take `block_rows` tokens at a time. The results do not depend on
     `programs` (the SM count); the router weights' gradient may change in its last bits with
     `block_rows` or `num_warps` (a tile's final sum follows its layout), fixed per call site."""
     tokens, top_k = weights.shape
     hidden = grad_y.shape[1]
     mx_out = isinstance(pair_out, MXRows)
-    if tuple(pair_out.shape) != ((tokens * top_k, hidden) if mx_out else (tokens, top_k, hidden)):
-        raise ValueError(f"pair_gradients: pair_out of shape {tuple(pair_out.shape)}")
+    if out_at_dst and (dst_row is None or mx_out):
+        raise ValueError("pair_gradients: out_at_dst reads bf16 or fp32 rows through dst_row")
+    if out_at_dst:
+        expected = (grad_pairs.shape[0], hidden)
+    else:
+        expected = (tokens * top_k, hidden) if mx_out else (tokens, top_k, hidden)
+    if tuple(pair_out.shape) != expected:
+        raise ValueError(
+            f"pair_gradients: pair_out of shape {tuple(pair_out.shape)}, expected {expected}"
+        )
     grad_weights = torch.empty(tokens, top_k, dtype=weights.dtype, device=weights.device)
     if tokens == 0:
         return grad_weights
@@ -770,6 +787,7 @@ def pair_gradients(
         TOP_K=top_k,
         K_SLOTS=triton.next_power_of_2(top_k),
         SCATTER=scatter,
+        OUT_AT_DST=out_at_dst,
         MX_OUT=mx_out,
         BLOCK_ROWS=block_rows,
         BLOCK_H=min(PAIR_GRADIENT_BLOCK_H, triton.next_power_of_2(hidden)),
