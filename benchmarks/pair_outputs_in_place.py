@@ -20,6 +20,7 @@ import datetime
 import statistics
 
 import torch
+from pair_gradients import alone
 
 from mok.bench import git_commit
 from mok.comm.local import LocalExchange
@@ -31,6 +32,8 @@ from mok.kernels.rows import (
 )
 from mok.presets import get_preset
 from mok.routing import make_routing
+
+from exchange import timed
 
 
 def operands(preset_name: str, tokens: int, device):
@@ -78,15 +81,6 @@ def results(forward, backward) -> list[torch.Tensor]:
     return [y, grad_pairs.clone(), grad_w]
 
 
-def timed(fn, times: list[float]) -> None:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    times.append(start.elapsed_time(end))
-
-
 def spread(times: list[float]) -> str:
     return f"{statistics.median(times):.3f} ({min(times):.3f}-{max(times):.3f})"
 
@@ -123,8 +117,8 @@ def main() -> None:
             for index in range(args.warmup + args.iters):
                 for label, (forward, backward) in runs.items():
                     kept = times[label] if index >= args.warmup else ([], [])
-                    timed(forward, kept[0])
-                    timed(backward, kept[1])
+                    kept[0].extend(timed(forward, 1, 0, alone))
+                    kept[1].extend(timed(backward, 1, 0, alone))
             for label, (forward_ms, backward_ms) in times.items():
                 lines.append(
                     f"| {name} | {tokens} | {label} | {same[label]} | {spread(forward_ms)} "

@@ -42,7 +42,7 @@ class LocalRouting:
     @functools.cached_property
     def grouped_pair(self) -> torch.Tensor:
         """[T * k] int32: the pair t * k + j of each grouped row (the inverse of pair_row); made
-        on first use (only the overlapped layer asks)."""
+        on first use (the overlapped layer's stores, the rows a backward reads through x)."""
         pair_row = self.pair_row.view(-1)
         grouped_pair = torch.empty(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
         pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
@@ -241,15 +241,8 @@ class LocalExchange:
         return None
 
     def tokens_of_grouped_rows(self, routing: LocalRouting) -> torch.Tensor:
-        """[T * k] int32: the token each grouped row copies (one scatter through pair_row)."""
-        pair_row = routing.pair_row.view(-1)
-        count, top_k = pair_row.numel(), routing.top_k
-        token_of_pair = self._constants.get(
-            ("int32 token of pair", count, top_k),
-            lambda: torch.arange(count, dtype=torch.int32, device=self.device) // top_k,
-        )
-        tokens = torch.empty(count, dtype=torch.int32, device=self.device)
-        return tokens.scatter_(0, pair_row, token_of_pair)
+        """[T * k] int32: the token each grouped row copies (its pair's, `grouped_pair`)."""
+        return routing.grouped_pair // routing.top_k
 
     def combine(
         self,
