@@ -7,7 +7,8 @@ Times, for one preset at its default tokens per rank and near-uniform routing, e
   push      dispatch: each token row stored into the staging rows of the ranks that need it;
   pull      combine by loading: each pair's output loaded from its owner into [T * k, H];
   scatter   combine by storing: the owner stores each output row into its token's pair slot;
-and (--local-sum) the local part of combine: y[t] = sum_j w[t, j] * pairs[t, j] over [T, k, H].
+and (--local-sum [--tokens T]) the local part of combine, y[t] = sum_j w[t, j] * out[row[t, j]]
+with the k rows at random places of [T * k, H], also over programs per SM (on 1 GPU too).
 Remote bytes only, per rank and direction (local sum: bytes read and written, GB/s of HBM);
 median over iterations of the slowest rank.
 """
@@ -28,11 +29,13 @@ from mok.presets import get_preset
 
 from exchange import make_inputs, slowest_rank_median, timed
 
+LOCAL_SUM_PROGRAMS_PER_SM = [1, 2, 4]
 TILES = [(8, 2048), (16, 1024), (16, 2048), (32, 512), (32, 1024), (64, 512), (64, 1024)]
 WARPS = [8, 16, 32]
 
 
-def tune(rank, world, preset_name, programs, iters, local_sum):
+def tune(rank, world, preset_name, programs, iters, local_sum, tokens_override):
+    """This rank's table rows (see the module docstring)."""
     preset = get_preset(preset_name)
     tokens, hidden, top_k = preset.default_tokens, preset.hidden_size, preset.top_k
     local = preset.num_experts // world
@@ -41,6 +44,7 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
     ex = SymmetricExchange(dist.group.WORLD, shape, device, programs=programs)
     x, idx, _ = make_inputs(preset, tokens, world, rank, 0)
     routing = ex.route(idx)
+    align = functools.partial(ex._barrier, "tune_rows: ranks aligned before a timed call")
     remote_tokens = int((routing.token_slot[:, [d for d in range(world) if d != rank]] >= 0).sum())
     remote_pairs = int((routing.owner != rank).sum())
     pairs_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=device)
@@ -95,22 +99,8 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
 
     table = []
     if local_sum:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        pairs = torch.randn(tokens, top_k, hidden, device=device).to(torch.bfloat16)
-        weights = torch.rand(tokens, top_k, device=device)
-        rows = torch.arange(tokens * top_k, device=device).view(tokens, top_k)
-        y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
-        moved = (pairs.numel() + y.numel()) * 2
-        for warps, block_rows, cols in itertools.product([4, 8, 16], [4, 8, 16], [256, 512, 1024]):
-            call = functools.partial(
-                reduce_rows,
-                *(y, pairs.view(-1, hidden), rows, sms, block_rows),
-                weight=weights,
-                num_warps=warps,
-                block_h=cols,
-            )
-            ms = slowest_rank_median(timed(call, iters, 3, ex._barrier))
-            table.append(("local-sum", warps, block_rows, cols, ms, moved / ms / 1e6))
+        sum_tokens = tokens_override or tokens
+        table = _tune_local_sum(device, sum_tokens, hidden, top_k, iters, align)
         ex.release()
         return table
     for name, make, remote in (
@@ -119,9 +109,37 @@ def tune(rank, world, preset_name, programs, iters, local_sum):
         ("scatter", scatter, remote_pairs),
     ):
         for warps, (rows, cols) in itertools.product(WARPS, TILES):
-            ms = slowest_rank_median(timed(make(warps, rows, cols), iters, 3, ex._barrier))
+            ms = slowest_rank_median(timed(make(warps, rows, cols), iters, 3, align))
             table.append((name, warps, rows, cols, ms, remote * hidden * 2 / ms / 1e6))
     ex.release()
+    return table
+
+
+def _tune_local_sum(device, tokens, hidden, top_k, iters, barrier):
+    """The local combine's sum y[t] = sum_j w[t, j] * out[row[t, j]] with each token's k rows at
+    random places of [T * k, H] (as the grouped order puts them), for every (programs per SM,
+    warps, rows per tile, columns per step) candidate; GB/s of HBM traffic (rows read, y
+    written)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    pairs = torch.randn(tokens * top_k, hidden, device=device).to(torch.bfloat16)
+    weights = torch.rand(tokens, top_k, device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = torch.randperm(tokens * top_k, device=device, generator=generator).view(tokens, top_k)
+    y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
+    moved = (pairs.numel() + y.numel()) * 2
+    table = []
+    for per_sm, warps, block_rows, cols in itertools.product(
+        LOCAL_SUM_PROGRAMS_PER_SM, [8, 16], [8, 16], [1024, 2048]
+    ):
+        call = functools.partial(
+            reduce_rows,
+            *(y, pairs, rows, per_sm * sms, block_rows),
+            weight=weights,
+            num_warps=warps,
+            block_h=cols,
+        )
+        ms = slowest_rank_median(timed(call, iters, 3, barrier))
+        table.append((f"local-sum x{per_sm}/SM", warps, block_rows, cols, ms, moved / ms / 1e6))
     return table
 
 
@@ -131,10 +149,14 @@ def main() -> None:
     parser.add_argument("--programs", type=int, default=24)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--local-sum", action="store_true", help="tune the local sum of combine")
+    parser.add_argument("--tokens", type=int, help="tokens per rank (default: the preset's)")
     args = parser.parse_args()
     world = torch.cuda.device_count()
     table = run_ranks(
-        tune, world, args=(args.preset, args.programs, args.iters, args.local_sum), backend="nccl"
+        tune,
+        world,
+        args=(args.preset, args.programs, args.iters, args.local_sum, args.tokens),
+        backend="nccl",
     )[0]
     print(f"{args.preset}, {args.programs} programs, {world} GPUs")
     print("| pattern | warps | rows | cols | ms | GB/s |\n| --- | --- | --- | --- | --- | --- |")

@@ -42,7 +42,13 @@ import torch
 
 from mok.config import Graphs, MoKConfig, Precision
 from mok.tree import structural_copy, take_tensors
-from mok.weights import MoEGradients, MoEWeights
+from mok.weights import (
+    MoEGradients,
+    MoEWeights,
+    are_gate_up_halves,
+    gate_up_halves,
+    joined_gate_up,
+)
 
 MAX_FORWARDS = 4
 """Captured forwards per workspace; calls of further keys run eagerly."""
@@ -299,11 +305,23 @@ class GraphCache:
     @staticmethod
     def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
         """The captured gradients copied out: into the caller's buffers for `into`, else cloned
-        (the next replay overwrites the graph's)."""
+        (the next replay overwrites the graph's); gate and up cloned as the halves of one tensor
+        where the graph wrote them so (`joined_gate_up` then takes it whole)."""
         grads = backward.grads
+        whole = _cloned_whole(grads.weights, into)
         weights = {
             name: None if t is None else into[name].copy_(t) if name in into else t.clone()
             for name, t in grads.weights.tensors().items()
+            if not (whole and name in ("gate", "up"))
         }
+        if whole:
+            both = joined_gate_up(grads.weights.gate, grads.weights.up).clone()
+            weights["gate"], weights["up"] = gate_up_halves(both)
         x, topk_weights = grads.x.clone(), grads.topk_weights.clone()
         return MoEGradients(x=x, topk_weights=topk_weights, weights=MoEWeights(**weights))
+
+
+def _cloned_whole(grads: MoEWeights, into: dict) -> bool:
+    """Whether the gate and up gradients are copied out as one tensor: neither goes into a
+    caller's buffer, and the graph wrote them as the halves of one."""
+    return "gate" not in into and "up" not in into and are_gate_up_halves(grads.gate, grads.up)

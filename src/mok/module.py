@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -14,7 +15,14 @@ from mok.config import MoKConfig
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.validation import GRADIENT_BUFFER_DTYPES, expected_weight_shapes
-from mok.weights import ROUTED_FIELDS, WEIGHT_FIELDS, MoEWeights
+from mok.weights import (
+    ROUTED_FIELDS,
+    WEIGHT_FIELDS,
+    MoEWeights,
+    check_gate_up_halves,
+    gate_up_halves,
+    joined_gate_up,
+)
 
 
 def accumulation_target(weight: torch.Tensor | None) -> torch.Tensor | None:
@@ -79,9 +87,21 @@ def _saved_tensor_hooks_active() -> bool:
 class _MoEFunction(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, workspace, fuse_accumulation, grad_enabled, topk_idx, x, topk_weights, *weight_tensors
+        ctx,
+        workspace,
+        fuse_accumulation,
+        grad_enabled,
+        topk_idx,
+        x,
+        topk_weights,
+        gate_up,
+        *weight_tensors,
     ):
         weights = MoEWeights(*weight_tensors)
+        if gate_up is not None:
+            # gate and up came as None: their gradient goes to gate_up whole.
+            gate, up = gate_up_halves(gate_up)
+            weights = dataclasses.replace(weights, gate=gate, up=up)
         # needs_input_grad says which inputs require grad even under torch.no_grad(), where no
         # backward can follow: the caller's grad mode decides.
         need_backward = grad_enabled and any(ctx.needs_input_grad[4:])
@@ -101,6 +121,7 @@ class _MoEFunction(torch.autograd.Function):
             ctx.state = tree.take_tensors(ctx.state, tensors)
             ctx.save_for_backward(*tensors)
         ctx.weight_tensors = weight_tensors if fuse_accumulation else None
+        ctx.joined_gate_up = gate_up is not None
         return y
 
     @staticmethod
@@ -121,7 +142,11 @@ class _MoEFunction(torch.autograd.Function):
         weight_grads = [
             None if name in into else getattr(grads.weights, name) for name in WEIGHT_FIELDS
         ]
-        return (None, None, None, None, grads.x, grads.topk_weights, *weight_grads)
+        grad_gate_up = None
+        if ctx.joined_gate_up:
+            grad_gate_up = joined_gate_up(grads.weights.gate, grads.weights.up)
+            weight_grads[:2] = None, None
+        return (None, None, None, None, grads.x, grads.topk_weights, grad_gate_up, *weight_grads)
 
 
 def moe(
@@ -131,10 +156,17 @@ def moe(
     weights: MoEWeights,
     workspace: functional.Workspace,
     fuse_grad_accumulation: bool = True,
+    gate_up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE layer as one differentiable call: y [T, H] from x [T, H], topk_idx [T, k],
     topk_weights [T, k] and this rank's weights. Collective over the workspace's group; every rank
     must run backward when one does.
+
+    gate_up: the [E, 2I, H] tensor whose halves along dim 1 are weights.gate and weights.up, as
+    Hugging Face models hold them (`gate_up_proj`): the layer reads its halves and autograd
+    receives one gradient for it, written by the kernels as one tensor (no concatenation, and
+    none of autograd's passes that scatter the two halves' gradients into it). Its gradient is
+    not fused into an existing buffer; the other weights' are, as below.
 
     fuse_grad_accumulation: where a weight already has a gradient buffer (`main_grad`, else
     `.grad`; see `accumulation_target`), backward adds the new gradient into it in place (inside
@@ -145,6 +177,9 @@ def moe(
     the summed `.grad`, as DDP-like wrappers need)."""
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
+    if gate_up is not None:
+        check_gate_up_halves(gate_up, weights)
+        weights = dataclasses.replace(weights, gate=None, up=None)
     return _MoEFunction.apply(
         workspace,
         fuse_grad_accumulation,
@@ -152,6 +187,7 @@ def moe(
         topk_idx,
         x,
         topk_weights,
+        gate_up,
         *weights.astuple(),
     )
 

@@ -5,7 +5,9 @@
     mok::moe_backward(workspace_id, ticket, grad_y, topk_weights, names, weights)
         -> [grad x, grad topk_weights, grad of each weight]
 
-(`weights`: the MoEWeights fields that are present, named by the comma-separated `names`)
+(`weights`: the MoEWeights fields that are present, named by the comma-separated `names`; or
+`gate_up` in place of gate and up: the [E, 2I, H] tensor whose halves they are, which then gets
+one gradient)
 
 with autograd registered (`torch.library.register_autograd`) and fake implementations that give
 the outputs' shapes from the inputs'. The compiler sees two opaque nodes; what the layer keeps
@@ -33,7 +35,7 @@ import weakref
 import torch
 
 from mok import functional
-from mok.weights import MoEWeights
+from mok.weights import MoEWeights, check_gate_up_halves, gate_up_halves, joined_gate_up
 
 # Weak: a workspace lives as long as its layer holds it (its buffers are freed with it).
 _workspaces: weakref.WeakValueDictionary[int, functional.Workspace] = weakref.WeakValueDictionary()
@@ -78,8 +80,21 @@ class WorkspaceSlot:
         self.workspace, self.workspace_id = None, 0
 
 
+GATE_UP = "gate_up"
+"""The name of a weight list's [E, 2I, H] tensor whose halves are gate and up."""
+
+
 def _weights(names: str, weights: list[torch.Tensor]) -> MoEWeights:
-    return MoEWeights(**dict(zip(names.split(","), weights, strict=True)))
+    named = dict(zip(names.split(","), weights, strict=True))
+    if GATE_UP in named:
+        named["gate"], named["up"] = gate_up_halves(named.pop(GATE_UP))
+    return MoEWeights(**named)
+
+
+def _weight_gradient(grads: MoEWeights, name: str) -> torch.Tensor:
+    if name == GATE_UP:
+        return joined_gate_up(grads.gate, grads.up)
+    return getattr(grads, name)
 
 
 @torch.library.custom_op("mok::moe_forward", mutates_args=(), tags=_TAGS)
@@ -123,7 +138,7 @@ def moe_backward(
     """Gradients of x, topk_weights and of the weights `names`, from the forward of `ticket`."""
     schedule, saved = _saved.pop(int(ticket.item()))
     grads = functional.backward(_workspaces[workspace_id], schedule, saved, grad_y)
-    named = (getattr(grads.weights, name) for name in names.split(","))
+    named = (_weight_gradient(grads.weights, name) for name in names.split(","))
     return [grads.x, grads.topk_weights, *named]
 
 
@@ -161,9 +176,15 @@ def moe(
     topk_weights: torch.Tensor,
     weights: MoEWeights,
     workspace_id: int,
+    gate_up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`mok.moe` through the custom ops (what `torch.compile` traces): y [T, H]."""
+    """`mok.moe` through the custom ops (what `torch.compile` traces): y [T, H]; gate_up as in
+    `mok.moe` (while tracing, only its shapes are checked)."""
     present = {name: t for name, t in weights.tensors().items() if t is not None}
+    if gate_up is not None:
+        check_gate_up_halves(gate_up, weights, tracing=torch.compiler.is_compiling())
+        del present["gate"], present["up"]
+        present = {GATE_UP: gate_up, **present}
     need_backward = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, *present.values())
     )

@@ -6,6 +6,8 @@ import dataclasses
 
 import torch
 
+from mok.errors import MoKInputError
+
 ROUTED_FIELDS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 """The fields of MoEWeights split over the expert-parallel ranks (leading dimension: experts)."""
 
@@ -75,3 +77,65 @@ class MoEGradients:
     """[T, k], the dtype of topk_weights."""
     weights: MoEWeights
     """Same shapes and dtypes as the layer's weights."""
+
+
+def gate_up_halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) [E, I, H]: the two halves of gate_up [E, 2I, H] along dim 1, as views (the
+    layout of Hugging Face models' `gate_up_proj`)."""
+    inter = gate_up.shape[1] // 2
+    return gate_up[:, :inter], gate_up[:, inter:]
+
+
+def are_gate_up_halves(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether gate and up [E, I, H] are, element for element, the halves of one [E, 2I, H]
+    tensor along dim 1 (up's rows right after gate's in every expert)."""
+    return (
+        gate.dim() == 3
+        and gate.shape == up.shape
+        and gate.stride() == up.stride()
+        and gate.dtype == up.dtype
+        and gate.device == up.device
+        and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+        and gate.stride(0) == 2 * gate.shape[1] * gate.stride(1)
+        and up.data_ptr() == gate.data_ptr() + gate.shape[1] * gate.stride(1) * gate.element_size()
+    )
+
+
+def check_gate_up_halves(gate_up: torch.Tensor, weights: MoEWeights, tracing: bool = False) -> None:
+    """Raise MoKInputError unless weights.gate and weights.up are gate_up's halves along dim 1
+    (`gate_up_halves`); while tracing (fake tensors, no addresses), their shapes only."""
+    gate, up = weights.gate, weights.up
+    expected = (gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+    if gate_up.dim() != 3 or tuple(gate_up.shape) != expected or up.shape != gate.shape:
+        raise MoKInputError(
+            f"gate_up {tuple(gate_up.shape)} must be [E, 2I, H] for gate and up "
+            f"{tuple(gate.shape)} and {tuple(up.shape)}"
+        )
+    if not tracing and not (gate.data_ptr() == gate_up.data_ptr() and are_gate_up_halves(gate, up)):
+        raise MoKInputError("weights.gate and weights.up must be the halves of gate_up (views)")
+
+
+def empty_gate_up_pair(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up): uninitialised [E, I, H] tensors of like's shape and dtype, the halves of one
+    contiguous [E, 2I, H] tensor (`joined_gate_up` gives it back without a copy)."""
+    experts, inter, hidden = like.shape
+    return gate_up_halves(
+        torch.empty(experts, 2 * inter, hidden, dtype=like.dtype, device=like.device)
+    )
+
+
+def joined_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[E, 2I, H]: gate and up [E, I, H] one after the other along dim 1. Where they are the
+    halves of one contiguous tensor (`empty_gate_up_pair`), that tensor itself, no copy; else a
+    concatenation."""
+    base = gate._base
+    if (
+        base is not None
+        and base is up._base
+        and base.is_contiguous()
+        and base.shape == (gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+        and gate.data_ptr() == base.data_ptr()
+        and are_gate_up_halves(gate, up)
+    ):
+        return base
+    return torch.cat((gate, up), dim=1)

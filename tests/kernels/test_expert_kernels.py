@@ -34,6 +34,7 @@ from mok.kernels import (
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.expert import grouped_expert_mlp
 from mok.testing import relative_error
+from mok.weights import are_gate_up_halves, gate_up_halves, joined_gate_up
 
 pytestmark = [
     pytest.mark.skipif(
@@ -355,6 +356,26 @@ def test_backward_reading_the_rows_through_an_index_matches():
     got = expert_mlp_backward(grad_out, through, release=True)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
     assert (through.rows, through.source_rows) == (None, None)
+
+
+def test_weights_that_are_halves_of_one_tensor_get_gradients_in_one_tensor():
+    """w_gate and w_up [E, I, H] as the halves of one [E, 2I, H] tensor (Hugging Face's
+    `gate_up_proj`): the output and every gradient equal those of separate contiguous weights
+    bit for bit, and the fresh gate and up gradients are the halves of one [E, 2I, H] tensor,
+    which `joined_gate_up` hands back without a copy. Catches gradient tiles stored at the
+    separate layout's rows (expert e at e * I: into the other half or the next expert) and the
+    halves' gradients allocated apart (a concatenation per call in the layer)."""
+    case = Case([5, 0, 9], 16, 48, after=3, seed=7)
+    rows, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    halves = gate_up_halves(torch.cat((w_gate, w_up), dim=1))
+    out, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down)
+    out_halves, saved_halves = expert_mlp_forward(rows, offsets, *halves, w_down)
+    assert torch.equal(out_halves[case.valid], out[case.valid])
+    expected = expert_mlp_backward(grad_out, saved)
+    got = expert_mlp_backward(grad_out, saved_halves)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert are_gate_up_halves(got[1], got[2])
+    assert joined_gate_up(got[1], got[2]).data_ptr() == got[1].data_ptr()
 
 
 def test_backward_that_releases_the_saved_activations_matches():

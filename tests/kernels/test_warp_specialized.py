@@ -562,6 +562,49 @@ def test_gathered_gate_up_wgrad_matches_its_twin_bitwise(name, out_dtype, accumu
         assert torch.equal(gathered, first), label
 
 
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", ["uniform", "empty and one-row groups", "long reductions"])
+def test_gate_up_wgrad_writes_the_halves_of_one_fused_gradient(name, out_dtype, accumulate):
+    """The gate/up weight gradients into the halves of one [E, 2P, Q] tensor (as a Hugging Face
+    model's `gate_up_proj` gradient; experts 2P rows apart) equal those into two contiguous
+    [E, P, Q] tensors bit for bit, fresh (the fused tensor NaN before: every element written)
+    or added into what it holds, with the Gluon kernel and the tl twin. Catches tiles stored at
+    the contiguous layout's rows (expert e at e * P: into the other half or the wrong expert),
+    a half left unwritten, and the fused layout refused (the slower tl kernel, silently)."""
+    from mok.kernels import warp_specialized as ws
+    from mok.weights import gate_up_halves
+
+    sizes, p, q = WGRAD_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    a, b, offsets, exact = _wgrad_operands(sizes, p, q, 2, gen)
+    shape = (len(sizes), 2 * p, q)
+    if accumulate:
+        initial = torch.randn(shape, generator=gen, device="cuda").to(out_dtype)
+    else:
+        initial = torch.full(shape, float("nan"), dtype=out_dtype, device="cuda")
+    separate = [half.contiguous() for half in gate_up_halves(initial)]
+    twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    gg.gate_up_wgrad(a, b, offsets, *separate, accumulate, accumulate, twin_cfg)
+    twin_fused = initial.clone()
+    gg.gate_up_wgrad(a, b, offsets, *gate_up_halves(twin_fused), accumulate, accumulate, twin_cfg)
+    assert torch.equal(twin_fused, torch.cat(separate, dim=1)), "tl"
+    fp32 = out_dtype == torch.float32
+    ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
+    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+        if p % cfg.block_m:
+            continue
+        fused = initial.clone()
+        halves = gate_up_halves(fused)
+        assert all(ws.wgrad_supported(a, b, half, cfg) for half in halves)
+        ws.gate_up_wgrad(a, b, offsets, *halves, accumulate, accumulate, cfg)
+        label = f"{cfg.block_m}x{cfg.block_n}"
+        assert torch.equal(fused, twin_fused), label
+        initial_halves = [half.contiguous() for half in gate_up_halves(initial)]
+        _check_wgrad(halves, separate, initial_halves, exact, sizes, accumulate, label)
+
+
 def _check_wgrad(ours, twin, initial, exact, sizes, accumulate, label):
     empty = [e for e, size in enumerate(sizes) if size == 0]
     for j, (mine, theirs) in enumerate(zip(ours, twin, strict=True)):

@@ -59,9 +59,12 @@ def cached(owner: nn.Module) -> Workspace | None:
     return None if slot is None else slot.workspace
 
 
-def compiled_call(owner: nn.Module, x, topk_idx, topk_weights, weights) -> torch.Tensor:
+def compiled_call(
+    owner: nn.Module, x, topk_idx, topk_weights, weights, gate_up=None
+) -> torch.Tensor:
     """y [T, H] of `owner`'s layer through the custom ops of `mok.ops`, what torch.compile
-    traces: on the workspace an eager call made (making one is a collective, outside a trace)."""
+    traces: on the workspace an eager call made (making one is a collective, outside a trace);
+    gate_up as in `mok.moe`."""
     slot = getattr(owner, _SLOT, None)
     if slot is None or slot.workspace is None:
         raise MoKInputError(
@@ -74,4 +77,4 @@ def compiled_call(owner: nn.Module, x, topk_idx, topk_weights, weights) -> torch
             "reference backend records an autograd graph inside the layer, which a custom op "
             "cannot"
         )
-    return ops.moe(x, topk_idx, topk_weights, weights, slot.workspace_id)
+    return ops.moe(x, topk_idx, topk_weights, weights, slot.workspace_id, gate_up)

@@ -191,11 +191,17 @@ def _forward(backend: str):
         weights = _weights(self)
         # Mixed precision with fp32 parameters: the layer computes in bf16, as autocast would.
         hidden_states, weights = cast_for_autocast(hidden_states, weights, torch.bfloat16)
+        gate_up = _gate_up_of(self, weights)
         if torch.compiler.is_compiling():
-            return compiled_call(self, hidden_states, top_k_index, top_k_weights, weights)
+            return compiled_call(
+                self, hidden_states, top_k_index, top_k_weights, weights, gate_up=gate_up
+            )
         workspace = _workspace(self, weights, hidden_states, top_k_index.shape[-1], backend)
-        # Autograd adds the gradients of the two views into gate_up_proj's: no fused accumulation.
-        return moe(hidden_states, top_k_index, top_k_weights, weights, workspace, False)
+        # Autograd adds gate_up_proj's gradient (gpt-oss: the views' gradients into it): no
+        # fused accumulation.
+        return moe(
+            hidden_states, top_k_index, top_k_weights, weights, workspace, False, gate_up=gate_up
+        )
 
     return experts_forward
 
@@ -232,6 +238,16 @@ def _weights(experts: nn.Module) -> MoEWeights:
         up=experts.gate_up_proj[:, inter:],
         down=experts.down_proj,
     )
+
+
+def _gate_up_of(experts: nn.Module, weights: MoEWeights) -> torch.Tensor | None:
+    """experts.gate_up_proj where the layer's gate and up are its halves (`_weights`: not
+    gpt-oss's interleaved layout, and not cast per call by autocast), else None. Passed to the
+    layer, its gradient comes as one tensor from the kernels, not as two views' gradients that
+    autograd scatters into a third."""
+    if _is_gpt_oss(experts) or weights.gate.dtype != experts.gate_up_proj.dtype:
+        return None
+    return experts.gate_up_proj
 
 
 def _baseline_forward(

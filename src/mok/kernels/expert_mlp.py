@@ -43,6 +43,7 @@ from mok.kernels.grouped_gemm import (
     RowTiles,
     TileClaims,
 )
+from mok.weights import are_gate_up_halves, empty_gate_up_pair
 
 
 @dataclasses.dataclass(frozen=True)
@@ -606,9 +607,14 @@ def gate_up_weight_gradients(
     """(grad_w_gate, grad_w_up) [E, I, H]: per expert, grad_gate[e].T @ rows[e] and likewise
     up, one product, from the pre-activations' gradients [M, 2I] and the saved rows (read
     through `saved.source_rows` where set); buffers, sms and claims as in
-    `down_weight_gradient`."""
-    grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
-    grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
+    `down_weight_gradient`. Fresh gradients of weights that are the halves of one [E, 2I, H]
+    tensor are the halves of one such tensor too (`mok.weights.joined_gate_up` returns it)."""
+    if grad_w_gate is None and grad_w_up is None and are_gate_up_halves(saved.w_gate, saved.w_up):
+        grad_w_gate, grad_w_up = empty_gate_up_pair(saved.w_gate)
+        acc_gate = acc_up = False
+    else:
+        grad_w_gate, acc_gate = _grad_buffer("grad_w_gate", grad_w_gate, saved.w_gate)
+        grad_w_up, acc_up = _grad_buffer("grad_w_up", grad_w_up, saved.w_up)
     rows = _saved_tensor(saved, "rows")
     source_rows = saved.source_rows
     if grad_gate_up.shape[0] == 0:

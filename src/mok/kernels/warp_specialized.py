@@ -1694,7 +1694,7 @@ def _wgrad_consume(
     too, to know the ring position of its own. Cooperative (two A parts per step): both consumers
     on every task, each on its part of the tile's rows, sharing the B tile."""
     (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched, b_gather) = operands
-    (first_desc, second_desc, out_bufs) = outputs
+    (first_desc, second_desc, out_bufs, out_rows_per_expert) = outputs
     (
         offsets_ptr,
         num_tasks,
@@ -1731,7 +1731,7 @@ def _wgrad_consume(
         first, rows = _group_rows(offsets_ptr, expert)
         k_steps = gl.cdiv(rows, BLOCK_K)
         if SPLIT > 1 or turn % CONSUMERS == ROLE:
-            row = expert * P + m_idx * BLOCK_M + PART * WG_M
+            row = expert * out_rows_per_expert + m_idx * BLOCK_M + PART * WG_M
             col = n_idx * BLOCK_N
             # The tile to add to loads while the main loop runs. An expert without rows leaves
             # an accumulation buffer untouched.
@@ -1832,11 +1832,12 @@ def _group_at_b_kernel(
     b_stride,  # GATHER: b's row stride (else unused)
     source_rows_ptr,  # GATHER: [M] int32, row r of B's groups is b[source_rows[r]] (else unused)
     offsets_ptr,  # [E + 1] int32
-    first_desc,  # [E * P, Q] out (fp32 or bf16), block [BLOCK_M, BLOCK_N]: half 0's gradient
-    second_desc,  # the same for half 1 (first_desc again when HALVES is 1)
+    first_desc,  # [(E - 1) * S + P, Q] out (fp32 or bf16), block [BLOCK_M, BLOCK_N]: half 0's
+    second_desc,  # gradient, expert e's rows from row e * S; the same for half 1 (or first_desc)
     num_experts,
     P,
     Q,
+    S,  # rows from one expert's gradient to the next's: P, or 2P for the halves of [E, 2P, Q]
     a_stride,
     claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
     ACCUMULATE_FIRST: gl.constexpr,
@@ -1855,8 +1856,9 @@ def _group_at_b_kernel(
 ):
     """Grid: NUM_PROGRAMS (one per SM at most; CLAIM: any, the tasks claimed from claims_ptr),
     num_warps 4. For every expert e and half j:
-    out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as [E * P, Q]
-    (P a multiple of the tile's rows, so that no tile reaches into the next expert). A consumer's
+    out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as 2-D rows,
+    expert e's from row e * S (P a multiple of the tile's rows, so that no tile reaches into the
+    next expert's rows, or into the other half's when S > P). A consumer's
     tile is the descriptors' block, WG_M x BLOCK_N; with SPLIT 2 the two consumers share tiles of
     2 x WG_M rows (cooperative), with SPLIT 1 each has its own (ping-pong). GATHER: B's rows
     are read through their index by a loader of LOADER_WARPS warps (`_copy_step`), the same
@@ -1891,7 +1893,7 @@ def _group_at_b_kernel(
     num_tasks = num_experts * HALVES * per_half
     b_gather = (b_stride, source_rows_ptr)
     operands = (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched, b_gather)
-    outputs = (first_desc, second_desc, out_bufs)
+    outputs = (first_desc, second_desc, out_bufs, S)
     problem = (
         offsets_ptr,
         num_tasks,
@@ -1943,16 +1945,17 @@ def wgrad_supported(
     gather: bool = False,
 ) -> bool:
     """Whether `_group_at_b_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
-    column strides, a contiguous fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of the
-    tile's rows, and rows 16-byte aligned for TMA (gather: B's rows read through an index, B's
-    elements fewer than 2^31, the width of its offsets)."""
+    column strides, an fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of the tile's rows
+    and whose experts each hold P contiguous rows (the experts may lie further apart: the halves
+    of an [E, 2P, Q] tensor), and rows 16-byte aligned for TMA (gather: B's rows read through an
+    index, B's elements fewer than 2^31, the width of its offsets)."""
     num_experts, p, q = grad.shape
     return (
         available(a.device)
         and a.dtype in _GLUON_DTYPES
         and b.dtype == a.dtype
         and grad.dtype in (torch.float32, a.dtype)
-        and grad.is_contiguous()
+        and _experts_of_contiguous_rows(grad)
         and a.stride(-1) == 1
         and b.is_contiguous()
         and p % cfg.block_m == 0
@@ -1961,6 +1964,26 @@ def wgrad_supported(
         and (q * a.element_size()) % 16 == 0
         and not (gather and b.numel() >= 2**31)
     )
+
+
+def _experts_of_contiguous_rows(grad: torch.Tensor) -> bool:
+    """Whether grad [E, P, Q] has a unit column stride, rows Q apart, and experts a whole number
+    of rows apart, at least P, from a 16-byte aligned start (what `_gradient_rows` views)."""
+    _, p, q = grad.shape
+    return (
+        grad.stride(2) == 1
+        and grad.stride(1) == q
+        and grad.stride(0) % q == 0
+        and grad.stride(0) >= p * q
+        and grad.data_ptr() % 16 == 0
+    )
+
+
+def _gradient_rows(grad: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
+    """grad [E, P, Q] (`_experts_of_contiguous_rows`) as the 2-D rows [(E - 1) * S + P, Q] its
+    experts lie in, S = rows_per_expert apart: expert e's row i is row e * S + i."""
+    num_experts, p, q = grad.shape
+    return grad.as_strided(((num_experts - 1) * rows_per_expert + p, q), (q, 1))
 
 
 def _group_at_b(
@@ -1975,13 +1998,16 @@ def _group_at_b(
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     gather = source_rows is not None
-    # A tile of rows past P would land on the next expert's gradient (2-D descriptors over E * P).
-    if not all(wgrad_supported(a, b, g, cfg, gather) for g in grads):
+    # A tile of rows past P would land on the next expert's gradient, or the other half's (2-D
+    # descriptors over the experts' rows).
+    if not all(wgrad_supported(a, b, g, cfg, gather) for g in grads) or any(
+        g.stride() != grads[0].stride() for g in grads
+    ):
         raise ValueError(
             f"gradients [E, {p}, {q}] {grads[0].dtype} from {a.dtype} operands: not taken by the "
             f"Gluon weight-gradient kernel with {bm}-row tiles (`wgrad_supported`: P a multiple "
-            "of the tile's rows, 16-byte rows, contiguous gradients, gathered rows fewer than "
-            "2^31 elements); use the tl kernel"
+            "of the tile's rows, 16-byte rows, each expert's rows contiguous, gathered rows "
+            "fewer than 2^31 elements; every gradient laid out alike); use the tl kernel"
         )
     if gather:
         gathered_rows(b, source_rows)
@@ -1990,7 +2016,8 @@ def _group_at_b(
     halves = len(grads)
     tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
     # The gradients' own dtype (fp32, or A's: `wgrad_supported`) sets their tiles' layout.
-    descs = [_descriptor(g.view(num_experts * p, q), [wg_m, bn]) for g in grads]
+    rows_per_expert = grads[0].stride(0) // q
+    descs = [_descriptor(_gradient_rows(g, rows_per_expert), [wg_m, bn]) for g in grads]
     use_scratch_allocator(a.device)
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
@@ -2005,6 +2032,7 @@ def _group_at_b(
             num_experts,
             p,
             q,
+            rows_per_expert,
             a.stride(0),
             group_offsets if counter is None else counter,
             ACCUMULATE_FIRST=accumulate[0],
