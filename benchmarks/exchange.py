@@ -118,7 +118,7 @@ def bench_preset(rank, world, name, sms, iters, warmup):
     row_bytes = hidden * 2
     dispatch_bytes, combine_bytes = remote_tokens * row_bytes, remote_pairs * row_bytes
 
-    align = functools.partial(push_ex._barrier, "benchmark: ranks aligned before a timed call")
+    align = functools.partial(push_ex._barrier, "release: peers done with the buffers")
     results = {}
 
     def measure(label, make_call):

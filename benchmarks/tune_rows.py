@@ -44,7 +44,7 @@ def tune(rank, world, preset_name, programs, iters, local_sum, tokens_override):
     ex = SymmetricExchange(dist.group.WORLD, shape, device, programs=programs)
     x, idx, _ = make_inputs(preset, tokens, world, rank, 0)
     routing = ex.route(idx)
-    align = functools.partial(ex._barrier, "tune_rows: ranks aligned before a timed call")
+    align = functools.partial(ex._barrier, "release: peers done with the buffers")
     remote_tokens = int((routing.token_slot[:, [d for d in range(world) if d != rank]] >= 0).sum())
     remote_pairs = int((routing.owner != rank).sum())
     pairs_out = torch.empty(tokens * top_k, hidden, dtype=torch.bfloat16, device=device)
