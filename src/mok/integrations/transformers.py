@@ -14,8 +14,9 @@ adds "mok" there:
 
 The model keeps its routers, its shared experts and its parameters: the experts module's own
 `gate_up_proj` and `down_proj` are the layer's weights (gate and up as views of `gate_up_proj`,
-which the Hopper kernels read in place), so `state_dict()` keys, checkpoints and optimizers are
-those of the original model. The backend is
+which the Hopper kernels read in place; the layer also takes `gate_up_proj` whole, so that its
+gradient comes from the kernels as one tensor), so `state_dict()` keys, checkpoints and
+optimizers are those of the original model. The backend is
 the config's `auto` (the `triton` backend on GPUs) unless `register(backend=...)` says otherwise.
 
 Expert parallelism: `shard_experts(model, group)` keeps only this rank's experts in every experts
