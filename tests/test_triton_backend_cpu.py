@@ -268,6 +268,37 @@ def test_one_process_backward_reads_x_instead_of_keeping_the_grouped_rows(backen
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("tokens", [29, 0])
+def test_one_process_forward_reads_x_through_the_index_where_kernels_gather_well(
+    tokens, monkeypatch
+):
+    """At EP 1, where `gathers_rows_well` says so (the warp-specialized kernels' 64-row tiles
+    on Hopper; forced here), the triton backend's gate/up product reads x through each grouped
+    row's token and nothing is copied into grouped order; bit for bit the results of the copy
+    (`keep_grouped_rows` still copies), with x's T rows kept for the backward. Bugs caught: an
+    index naming the pair or its grouped row instead of its token (other rows read, other
+    results), the copy still made (the time and memory this saves), the index not kept (the
+    backward reading x's rows as grouped rows), a dropped pair's row read wrongly, a call
+    without tokens failing."""
+    import mok.kernels.expert_mlp as em
+    from mok.comm.local import LocalExchange
+
+    monkeypatch.setattr(em, "gathers_rows_well", lambda *args: True)
+    dispatch, dispatched = LocalExchange.dispatch, []
+
+    def counting(self, routing, x):
+        dispatched.append(x.shape[0])
+        return dispatch(self, routing, x)
+
+    monkeypatch.setattr(LocalExchange, "dispatch", counting)
+    bad_pair = (0, 4, 2) if tokens else None
+    case = scenario(CONFIG, [tokens], seed=3, routing="zipf", bad_pair=bad_pair)
+    results, kept = without_and_with_grouped_rows(CONFIG, case.ranks[0], CPU, monkeypatch)
+    assert_x_read_in_place_of_the_grouped_rows(results, kept, tokens, CONFIG)
+    assert dispatched == [tokens]  # the call that keeps the grouped rows copies; this one not
+
+
+@pytest.mark.interpreter
 @pytest.mark.parametrize("tokens", [21, 0])
 def test_functional_api_returns_the_promised_dtypes(tokens):
     """Catches the CPU mode's fp32 leaking out (y, gradients of x and weights not bf16; router-

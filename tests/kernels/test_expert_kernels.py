@@ -378,6 +378,31 @@ def test_weights_that_are_halves_of_one_tensor_get_gradients_in_one_tensor():
     assert joined_gate_up(got[1], got[2]).data_ptr() == got[1].data_ptr()
 
 
+def test_forward_reading_the_rows_through_an_index_matches():
+    """The forward given x-like rows [S, H] and each grouped row's index (`source_rows`, what
+    the one-process layer passes where the kernels gather well) instead of the grouped rows:
+    the same output and gradients bit for bit, and the saved experts keep the S rows and the
+    index, not a grouped copy. Bugs caught: grouped rows read in place of rows[index] (other
+    values), the output sized by S instead of the index (rows missing), the index dropped from
+    the saved experts (the backward reading S rows as grouped ones)."""
+    case = Case([5, 0, 9], 16, 48, after=3, seed=8)
+    _, offsets, w_gate, w_up, w_down, grad_out = case.make()
+    generator = torch.Generator().manual_seed(8)
+    m = grad_out.shape[0]
+    tokens = torch.randn(7, w_gate.shape[2], generator=generator)
+    index = torch.randint(0, 7, (m,), generator=generator, dtype=torch.int32)
+    out, copied = expert_mlp_forward(tokens[index.long()], offsets, w_gate, w_up, w_down)
+    out_through, through = expert_mlp_forward(
+        tokens, offsets, w_gate, w_up, w_down, source_rows=index
+    )
+    assert out_through.shape == out.shape
+    assert torch.equal(out_through[case.valid], out[case.valid])
+    assert through.rows is tokens and through.source_rows is index
+    expected = expert_mlp_backward(grad_out, copied)
+    got = expert_mlp_backward(grad_out, through)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_backward_that_releases_the_saved_activations_matches():
     """`release=True` drops rows, h and the pre-activations after the last product that reads
     each: the same gradients bit for bit, the saved state emptied, and a product that needs a

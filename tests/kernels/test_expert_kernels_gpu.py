@@ -175,3 +175,28 @@ def test_no_host_sync():
         expert_mlp_backward(grad_out, saved)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9),
+    reason="the rule names the Hopper kernels' tiles",
+)
+def test_the_forward_gathers_rows_where_it_was_measured_faster():
+    """`gathers_rows_well`: yes at qwen3-30b-a3b's shape (H 2048, ping-pong gate/up tiles), where
+    the gathered gate/up product beat the copy plus the TMA product at 8192 and 32768 tokens; no
+    with cooperative tiles or at H >= 4096, where it did not. Catches the rule turned around or
+    taken where its measurement says the copy is cheaper (deepseek-v3: ~1 ms a layer)."""
+    from mok.kernels.expert_mlp import gathers_rows_well
+
+    def decides(hidden, inter, experts, tokens, top_k):
+        x = torch.empty(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+        w = torch.empty(experts, 2 * inter, hidden, dtype=torch.bfloat16, device="cuda")
+        gate, up = w[:, :inter], w[:, inter:]
+        config = default_config(x.device, hidden, inter, tokens * top_k / experts)
+        return gathers_rows_well(x, gate, up, config)
+
+    assert decides(2048, 768, 128, 32768, 8)  # qwen3-30b-a3b
+    assert decides(2048, 768, 128, 8192, 8)
+    assert not decides(7168, 2048, 256, 8192, 8)  # deepseek-v3: cooperative tiles
+    assert not decides(7168, 2048, 384, 8192, 8)  # kimi-k2: ping-pong, but H = 7168
+    assert not decides(4096, 1536, 128, 8192, 8)  # qwen3-235b-a22b

@@ -244,8 +244,9 @@ class TritonBackend:
             biases = None
             if weights.gate_bias is not None:
                 biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
+            rows, source_rows = self._expert_rows(routing, x, weights, biases)
             expert_out, experts = expert_mlp_forward(
-                self.exchange.dispatch(routing, x),
+                rows,
                 routing.group_offsets,
                 weights.gate,
                 weights.up,
@@ -255,8 +256,10 @@ class TritonBackend:
                 out=self.exchange.expert_output_buffer(),
                 activation=self._activation(),
                 biases=biases,
+                source_rows=source_rows,
             )
-            self._read_rows_from_x(routing, x, experts)
+            if source_rows is None:
+                self._read_rows_from_x(routing, x, experts)
         shared_out, shared = self._shared_forward(x, weights, need_backward)
         y, pair_out = self.exchange.combine(
             routing,
@@ -270,6 +273,30 @@ class TritonBackend:
         if not need_backward:
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+    def _expert_rows(
+        self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, biases
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, source_rows) for the expert MLP: x and each grouped row's token, read in place
+        by the gate/up product, where the grouped rows would be copies of x's rows (EP 1) and
+        the kernels gather faster than the exchange copies (`gathers_rows_well`), unless
+        `keep_grouped_rows`; else the rows dispatched into grouped order, and None."""
+        from mok.kernels import default_config
+        from mok.kernels.expert_mlp import gathers_rows_well
+
+        config = self.workspace.config
+        tokens = self.exchange.tokens_of_grouped_rows(routing)
+        if tokens is not None and not config.keep_grouped_rows and biases is None:
+            x = x.contiguous()
+            experts = weights.gate.shape[0]
+            kernel_config = default_config(
+                x.device, x.shape[1], config.intermediate_size, tokens.shape[0] / experts
+            )
+            if self._activation().plain and gathers_rows_well(
+                x, weights.gate, weights.up, kernel_config
+            ):
+                return x, tokens
+        return self.exchange.dispatch(routing, x), None
 
     def _read_rows_from_x(
         self, routing: ExchangeRouting, x: torch.Tensor, experts: ExpertMLPSaved | None

@@ -115,6 +115,26 @@ def default_config(
     )
 
 
+def gathers_rows_well(
+    rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, config: ExpertKernelConfig
+) -> bool:
+    """Whether `expert_mlp_forward` should read rows [S, H] through an index (`source_rows`)
+    rather than take them copied into grouped order first: where its gate/up product runs the
+    warp-specialized kernel with ping-pong 64-row tiles at H < 4096. Measured on an H200
+    (`benchmarks/warp_specialized.py --products gate_up_sources`, qwen3-30b-a3b, gathered against
+    the copy plus the TMA product): 3.20 against 0.55 + 2.98 ms at 32768 tokens, 0.79 against
+    0.12 + 0.73 ms at 8192. With 128-row tiles the gathered product cost more than the copy
+    saved (deepseek-v3, 8192 tokens: 9.17 against 0.45 + 7.78 ms), and at H = 7168 with 64-row
+    tiles about as much (kimi-k2: 9.58 against 9.05 ms plus a copy of ~0.45)."""
+    tiles = config.warp_specialized_gate_up
+    return (
+        tiles is not None
+        and tiles.block_m == ws.CONSUMER_ROWS
+        and rows.shape[1] < 4096
+        and ws.supported(rows, w_gate, w_up)
+    )
+
+
 @dataclasses.dataclass
 class ExpertMLPSaved:
     """What `expert_mlp_backward` needs from a forward call. A backward that is the only one of
@@ -316,6 +336,7 @@ def expert_mlp_forward(
     down_operand: Callable[[torch.Tensor], torch.Tensor] | None = None,
     activation: Activation = SWIGLU,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    source_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
@@ -343,6 +364,11 @@ def expert_mlp_forward(
       added in fp32 to the pre-activations and the outputs; None: no biases. Other than SwiGLU
       without biases, the products run the tl kernels (the warp-specialized ones compute
       SwiGLU without biases only), and `combine` is not taken.
+    source_rows: [M] int32, each in [0, S): the grouped rows are read through it from rows [S, H]
+      (grouped row r is rows[source_rows[r]]; e.g. x itself and each pair's token at EP 1) by
+      the gate/up product, with no grouped copy; `saved` keeps rows and the index
+      (`ExpertMLPSaved.read_rows_through`). `gathers_rows_well` says where this is faster than
+      copying the rows first.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
@@ -358,7 +384,8 @@ def expert_mlp_forward(
         shapes = ((experts, inter), (experts, inter), (experts, hidden))
         for name, bias, shape in zip(("gate", "up", "down"), biases, shapes, strict=True):
             _check(f"{name} bias", bias, shape, (rows.dtype,), rows.device)
-    m, hidden = rows.shape
+    m = gg.gathered_rows(rows, source_rows)
+    hidden = rows.shape[1]
     if out is not None:
         _check("out", out[:m], (m, hidden), (rows.dtype,), rows.device)
         if not out.is_contiguous():
@@ -370,7 +397,7 @@ def expert_mlp_forward(
         h = torch.empty(0, inter, dtype=rows.dtype, device=rows.device)
         gate_up = torch.empty(0, 2 * inter, dtype=rows.dtype, device=rows.device)
         saved = ExpertMLPSaved(
-            rows,
+            rows[:0],
             group_offsets,
             w_gate,
             w_up,
@@ -403,6 +430,7 @@ def expert_mlp_forward(
         swiglu_limit,
         save_for_backward,
         gate_up_cfg,
+        source_rows=source_rows,
         ready=rows_ready,
     )
     h_in = h if down_operand is None else down_operand(h)
@@ -437,6 +465,7 @@ def expert_mlp_forward(
         config=cfg,
         activation=activation,
         biases=biases,
+        source_rows=source_rows,
     )
     return out, saved
 
