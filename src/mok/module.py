@@ -178,7 +178,7 @@ def moe(
     if not isinstance(weights, MoEWeights):
         raise MoKInputError(f"weights must be a mok.MoEWeights, got {type(weights).__name__}")
     if gate_up is not None:
-        check_gate_up_halves(gate_up, weights)
+        check_gate_up_halves(gate_up, weights, tracing=torch.compiler.is_compiling())
         weights = dataclasses.replace(weights, gate=None, up=None)
     return _MoEFunction.apply(
         workspace,
