@@ -7,8 +7,8 @@ Times, for one preset at its default tokens per rank and near-uniform routing, e
   push      dispatch: each token row stored into the staging rows of the ranks that need it;
   pull      combine by loading: each pair's output loaded from its owner into [T * k, H];
   scatter   combine by storing: the owner stores each output row into its token's pair slot;
-and (--local-sum [--tokens T]) the local part of combine, y[t] = sum_j w[t, j] * out[row[t, j]]
-with the k rows at random places of [T * k, H], also over programs per SM (on 1 GPU too).
+and (--local-sum [--tokens T]) the one-process combine's sum, y[t] = sum_j w[t, j] * out[row[t, j]]
+with the rows where the local exchange places the pairs, also over programs per SM (1 GPU too).
 Remote bytes only, per rank and direction (local sum: bytes read and written, GB/s of HBM);
 median over iterations of the slowest rank.
 """
@@ -22,10 +22,12 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from mok.comm.local import LocalExchange
 from mok.comm.symmetric import SymmetricExchange, default_shape
 from mok.kernels.rows import copy_rows, push_rows, reduce_rows
 from mok.launch import run_ranks
 from mok.presets import get_preset
+from mok.routing import make_routing
 
 from exchange import make_inputs, slowest_rank_median, timed
 
@@ -100,7 +102,7 @@ def tune(rank, world, preset_name, programs, iters, local_sum, tokens_override):
     table = []
     if local_sum:
         sum_tokens = tokens_override or tokens
-        table = _tune_local_sum(device, sum_tokens, hidden, top_k, iters, align)
+        table = _tune_local_sum(preset, device, sum_tokens, iters, align)
         ex.release()
         return table
     for name, make, remote in (
@@ -115,16 +117,17 @@ def tune(rank, world, preset_name, programs, iters, local_sum, tokens_override):
     return table
 
 
-def _tune_local_sum(device, tokens, hidden, top_k, iters, barrier):
-    """The local combine's sum y[t] = sum_j w[t, j] * out[row[t, j]] with each token's k rows at
-    random places of [T * k, H] (as the grouped order puts them), for every (programs per SM,
-    warps, rows per tile, columns per step) candidate; GB/s of HBM traffic (rows read, y
-    written)."""
+def _tune_local_sum(preset, device, tokens, iters, barrier):
+    """The one-process combine's sum y[t] = sum_j w[t, j] * out[pair_row[t, j]], with pair_row
+    as `LocalExchange` places a uniform routing's pairs, for every (programs per SM, warps, rows
+    per tile, columns per step) candidate; GB/s of HBM traffic (rows read, y written)."""
+    hidden, top_k = preset.hidden_size, preset.top_k
     sms = torch.cuda.get_device_properties(device).multi_processor_count
+    generator = torch.Generator().manual_seed(0)
+    idx, weights = make_routing("uniform", tokens, preset.num_experts, top_k, generator)
+    rows = LocalExchange(preset.num_experts, device).route(idx.to(device)).pair_row
+    weights = weights.to(device)
     pairs = torch.randn(tokens * top_k, hidden, device=device).to(torch.bfloat16)
-    weights = torch.rand(tokens, top_k, device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    rows = torch.randperm(tokens * top_k, device=device, generator=generator).view(tokens, top_k)
     y = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=device)
     moved = (pairs.numel() + y.numel()) * 2
     table = []
