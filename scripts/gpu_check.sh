@@ -4,7 +4,7 @@
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
-#                        [e2e-profile]
+#                        [e2e-profile] [e2e-step] [ep1-rows]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -19,7 +19,8 @@
 # e2e-compiled: the same compiled by Inductor, and TorchTitan's own model with and without MoK;
 # e2e-balanced: the GPU-bound run with balanced routing, eager and compiled (and the model's own
 # routing, compiled, beside it; the compiled balanced step profiled); e2e-profile: one compiled
-# step of each profiled, with Chrome traces.
+# step of each profiled, with Chrome traces. e2e-step: the compiled balanced step alone.
+# ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
 # `mok bench --preset tiny` with the layer's own CUDA graphs and without.
@@ -215,6 +216,22 @@ print(*m())' 2>&1)
         --preset qwen3-235b-a22b,deepseek-v3 --out "$OUT/overlap-ep1-overlapped.md"
       run fused-trace python3 benchmarks/profile_layer.py --preset deepseek-v3 --backend fused \
         --trace "$OUT/trace-fused" ;;
+    e2e-step)
+      # The compiled, balanced qwen3-30b-a3b step of issue 15's table alone (two micro-batches
+      # of 32k tokens, Inductor, one step profiled): ~190 s.
+      run e2e-step python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
+        --top-k 8 --moe-intermediate 768 --batch 32 --seq 1024 --accumulate 2 --steps 8 \
+        --warmup 3 --routing balanced --compile inductor --profile 25 --out "$OUT/e2e-step" ;;
+    ep1-rows)
+      # EP 1's data movement around the products: the gate/up product reading rows through an
+      # index against the copy plus TMA tiles, every preset (`gathers_rows_well`'s evidence), and
+      # the one-process combine's sum by tile and programs per SM, alone and in the combine.
+      run ep1-gather python3 benchmarks/warp_specialized.py --products gate_up_sources \
+        --tokens 8192,32768 --out "$OUT/gate-up-sources.md"
+      run ep1-local-sum python3 benchmarks/tune_rows.py --preset qwen3-30b-a3b --local-sum \
+        --tokens 32768
+      run ep1-pair-outputs python3 benchmarks/pair_outputs_in_place.py \
+        --preset qwen3-30b-a3b,deepseek-v3 --tokens 32768 --iters 10 ;;
     memory)
       for sizing in "" "--pair-capacity 1.25" "--exact-buffers"; do
         name=$(echo "${sizing:-worst-case}" | tr -d ' .-')
