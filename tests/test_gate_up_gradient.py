@@ -8,11 +8,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_grad_accumulation import CONFIG, DEVICE, micro_batch
 
 import mok
 from mok import ops
 from mok.functional import create_workspace
-from mok.routing import make_routing
 from mok.testing import global_weights
 from mok.weights import (
     are_gate_up_halves,
@@ -21,15 +21,6 @@ from mok.weights import (
     joined_gate_up,
 )
 
-CONFIG = mok.MoKConfig(
-    hidden_size=32,
-    intermediate_size=16,
-    num_experts=4,
-    top_k=2,
-    shared_intermediate_size=16,
-    max_tokens_per_rank=64,
-)
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = [
     "reference",
     pytest.param("triton", marks=pytest.mark.interpreter) if DEVICE.type == "cpu" else "triton",
@@ -61,13 +52,8 @@ def test_joined_gate_up_hands_back_the_tensor_the_halves_view():
 
 def _inputs(backend: str):
     config = CONFIG.replace(backend=backend)
-    weights = global_weights(config, 0, DEVICE)
-    generator = torch.Generator().manual_seed(1)
-    tokens = 24
-    x = torch.randn(tokens, config.hidden_size, generator=generator).to(DEVICE, torch.bfloat16)
-    idx, w = make_routing("uniform", tokens, config.num_experts, config.top_k, generator)
-    grad_y = torch.randn(tokens, config.hidden_size, generator=generator)
-    return config, weights, x, idx.to(DEVICE), w.to(DEVICE), grad_y.to(DEVICE, torch.bfloat16)
+    x, idx, w, grad_y = micro_batch(1, DEVICE)
+    return config, global_weights(config, 0, DEVICE), x.detach(), idx, w, grad_y
 
 
 def _leaves(weights: mok.MoEWeights) -> mok.MoEWeights:

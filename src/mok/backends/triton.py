@@ -244,7 +244,10 @@ class TritonBackend:
             biases = None
             if weights.gate_bias is not None:
                 biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
-            rows, source_rows = self._expert_rows(routing, x, weights, biases)
+            activation = self._activation()
+            rows, source_rows, kernel_config = self._expert_rows(
+                routing, x, weights, activation, biases
+            )
             expert_out, experts = expert_mlp_forward(
                 rows,
                 routing.group_offsets,
@@ -253,8 +256,9 @@ class TritonBackend:
                 weights.down,
                 config.swiglu_limit,
                 save_for_backward=need_backward,
+                config=kernel_config,
                 out=self.exchange.expert_output_buffer(),
-                activation=self._activation(),
+                activation=activation,
                 biases=biases,
                 source_rows=source_rows,
             )
@@ -275,28 +279,27 @@ class TritonBackend:
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
     def _expert_rows(
-        self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, biases
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows, source_rows) for the expert MLP: x and each grouped row's token, read in place
-        by the gate/up product, where the grouped rows would be copies of x's rows (EP 1) and
-        the kernels gather faster than the exchange copies (`gathers_rows_well`), unless
-        `keep_grouped_rows`; else the rows dispatched into grouped order, and None."""
+        self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, activation, biases
+    ):
+        """(rows, source_rows, kernel config) for the expert MLP: x and each grouped row's
+        token, read in place by the gate/up product, with the tiles that decided it, where the
+        grouped rows would be copies of x's rows (EP 1) and the kernels gather faster than the
+        exchange copies (`gathers_rows_well`), unless `keep_grouped_rows`; else the rows
+        dispatched into grouped order, None and None (the kernels' default tiles)."""
         from mok.kernels import default_config
         from mok.kernels.expert_mlp import gathers_rows_well
 
         config = self.workspace.config
         tokens = self.exchange.tokens_of_grouped_rows(routing)
-        if tokens is not None and not config.keep_grouped_rows and biases is None:
+        if tokens is not None and not config.keep_grouped_rows:
             x = x.contiguous()
-            experts = weights.gate.shape[0]
+            per_expert = tokens.shape[0] / weights.gate.shape[0]
             kernel_config = default_config(
-                x.device, x.shape[1], config.intermediate_size, tokens.shape[0] / experts
+                x.device, x.shape[1], config.intermediate_size, per_expert
             )
-            if self._activation().plain and gathers_rows_well(
-                x, weights.gate, weights.up, kernel_config
-            ):
-                return x, tokens
-        return self.exchange.dispatch(routing, x), None
+            if gathers_rows_well(x, weights.gate, weights.up, kernel_config, activation, biases):
+                return x, tokens, kernel_config
+        return self.exchange.dispatch(routing, x), None, None
 
     def _read_rows_from_x(
         self, routing: ExchangeRouting, x: torch.Tensor, experts: ExpertMLPSaved | None

@@ -48,6 +48,11 @@ class LocalRouting:
         pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
         return grouped_pair.scatter_(0, pair_row, pairs)  # every pair has a row: a permutation
 
+    @functools.cached_property
+    def grouped_token(self) -> torch.Tensor:
+        """[T * k] int32: the token of each grouped row (its pair's); made on first use."""
+        return self.grouped_pair // self.top_k
+
 
 class LocalExchange:
     """Dispatch and combine when one process holds every expert. On the CPU the kernels run under
@@ -241,8 +246,8 @@ class LocalExchange:
         return None
 
     def tokens_of_grouped_rows(self, routing: LocalRouting) -> torch.Tensor:
-        """[T * k] int32: the token each grouped row copies (its pair's, `grouped_pair`)."""
-        return routing.grouped_pair // routing.top_k
+        """[T * k] int32: the token each grouped row copies (`LocalRouting.grouped_token`)."""
+        return routing.grouped_token
 
     def combine(
         self,

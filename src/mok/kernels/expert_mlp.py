@@ -116,7 +116,12 @@ def default_config(
 
 
 def gathers_rows_well(
-    rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, config: ExpertKernelConfig
+    rows: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    config: ExpertKernelConfig,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> bool:
     """Whether `expert_mlp_forward` should read rows [S, H] through an index (`source_rows`)
     rather than take them copied into grouped order first: where its gate/up product runs the
@@ -128,11 +133,17 @@ def gathers_rows_well(
     tiles about as much (kimi-k2: 9.58 against 9.05 ms plus a copy of ~0.45)."""
     tiles = config.warp_specialized_gate_up
     return (
-        tiles is not None
+        _runs_warp_specialized(activation, biases)
+        and tiles is not None
         and tiles.block_m == ws.CONSUMER_ROWS
         and rows.shape[1] < 4096
         and ws.supported(rows, w_gate, w_up)
     )
+
+
+def _runs_warp_specialized(activation: Activation, biases) -> bool:
+    """Whether the warp-specialized kernels compute these experts (SwiGLU without biases)."""
+    return activation.plain and biases is None
 
 
 @dataclasses.dataclass
@@ -375,7 +386,7 @@ def expert_mlp_forward(
     """
     if combine is not None and out is not None:
         raise ValueError("expert_mlp_forward: pass out or combine, not both")
-    plain = activation.plain and biases is None
+    plain = _runs_warp_specialized(activation, biases)
     if combine is not None and not plain:
         raise ValueError("expert_mlp_forward: combine computes SwiGLU experts without biases")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
