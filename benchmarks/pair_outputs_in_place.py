@@ -25,7 +25,8 @@ from pair_gradients import alone
 from mok.bench import git_commit
 from mok.comm.local import LocalExchange
 from mok.kernels.rows import (
-    LOCAL_SUM,
+    LOCAL_EXCHANGE_SUM,
+    LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM,
     PAIR_GRADIENT_PROGRAMS_PER_SM,
     pair_gradients,
     reduce_rows,
@@ -60,7 +61,15 @@ def variants(pair_row, expert_out, weights, grad_y, sms: int):
     programs = PAIR_GRADIENT_PROGRAMS_PER_SM * sms
 
     def forward(gathered):
-        reduce_rows(y, expert_out, pair_row, sms, weight=weights, gathered=gathered, **LOCAL_SUM)
+        reduce_rows(
+            y,
+            expert_out,
+            pair_row,
+            LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM * sms,
+            weight=weights,
+            gathered=gathered,
+            **LOCAL_EXCHANGE_SUM,
+        )
         return y
 
     def backward(pair_out, in_place):

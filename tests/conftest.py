@@ -47,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def release_cached_gpu_memory():
+    """Under pytest-xdist on a GPU machine, hand the caching allocator's free blocks back to the
+    driver after each test: a dozen workers each keeping the high-water mark of its largest test
+    (10-27 GiB seen) left the ranks of a `shares_gpu` test no room to allocate their weights."""
+    yield
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 GPU_SHARING_SLOTS = 3
 """How many `shares_gpu` tests may run at once across pytest-xdist's workers. Their ranks hold
 4-8 GiB of GPU memory each: a dozen workers running four such tests beside the others filled an

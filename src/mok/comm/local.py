@@ -20,7 +20,8 @@ from mok.kernels.placement import PlacementKernels
 from mok.kernels.rows import (
     COPY_ROWS,
     COPY_TILE,
-    LOCAL_SUM,
+    LOCAL_EXCHANGE_SUM,
+    LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM,
     PAIR_GRADIENT_PROGRAMS_PER_SM,
     copy_rows,
     pair_gradients,
@@ -234,10 +235,10 @@ class LocalExchange:
             y,
             target.out,
             own_rows,
-            self.sms,
+            LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM * self.sms,
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
-            **LOCAL_SUM,
+            **LOCAL_EXCHANGE_SUM,
         )
         return y, pair_out if save_pair_out else None
 
@@ -272,12 +273,12 @@ class LocalExchange:
             y,
             expert_out,
             routing.pair_row,
-            self.sms,
+            LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM * self.sms,
             weight=topk_weights.contiguous(),
             init=None if shared_out is None else shared_out.contiguous(),
             gathered=pair_out,
             gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
-            **LOCAL_SUM,
+            **LOCAL_EXCHANGE_SUM,
         )
         if save_pair_out and pair_out_mx is None:
             pair_out = GroupedPairOutputs(expert_out)
@@ -311,9 +312,9 @@ class LocalExchange:
             grad_x,
             grad_grouped,
             routing.pair_row,
-            self.sms,
+            LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM * self.sms,
             tail=None if extra is None else extra.contiguous(),
-            **LOCAL_SUM,
+            **LOCAL_EXCHANGE_SUM,
         )
         return grad_x
 

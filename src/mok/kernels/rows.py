@@ -47,6 +47,14 @@ COPY_ROWS = 32
 LOCAL_SUM = {"block_rows": 16, "num_warps": 16, "block_h": 1024}
 """reduce_rows tiles for sums over local memory (benchmarks/tune_rows.py --local-sum: ~2 TB/s of
 HBM traffic on an H200 for the combine of deepseek-v3 at 8192 tokens)."""
+LOCAL_EXCHANGE_SUM = {"block_rows": 8, "num_warps": 16, "block_h": 1024}
+LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM = 2
+"""reduce_rows tiles and programs per SM for the one-process exchange's sums, which have the GPU to
+themselves (no copy kernel beside them): two 8-row programs per SM keep more loads in flight than
+one 16-row program. With the rows where `LocalExchange` places a uniform routing's pairs, at 32768
+tokens on an H200 (`benchmarks/tune_rows.py --local-sum`): qwen3-30b-a3b 0.415 against 0.552 ms,
+qwen3-235b-a22b 0.760 against 1.101, deepseek-v3 1.228 against 1.847 (3.2-3.4 TB/s of HBM
+traffic). The tiling does not change the sums' order, so the results are bitwise the same."""
 
 
 @triton.jit
