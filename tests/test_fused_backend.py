@@ -207,6 +207,32 @@ def test_one_gpu_matches_the_triton_backend_bitwise(overlap):
 
 
 @pytest.mark.interpreter
+def test_one_process_reads_x_through_the_index_where_kernels_gather_well(monkeypatch):
+    """At EP 1 with the copy-first schedule, where `gathers_rows_well` says so (forced here), the
+    fused backend's gate/up product reads x through each grouped row's token as the triton
+    backend's does: nothing is copied into grouped order, and every result stays bitwise the
+    triton backend's (the down product's stores into the combine's pair slots included). Catches
+    the copy still made (its time and memory), and the gathered rows or the index kept for the
+    backward disagreeing with the peer-store epilogue's combine."""
+    import mok.kernels.expert_mlp as em
+    from mok.comm.local import LocalExchange
+
+    monkeypatch.setattr(em, "gathers_rows_well", lambda *args: True)
+    copies = []
+    for name in ("dispatch", "dispatch_overlapped"):
+        original = getattr(LocalExchange, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            copies.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(LocalExchange, name, counted)
+    outcomes = both_backends(0, 1, cases(CONFIG, 1), CPU)
+    assert_bitwise_equal(outcomes)
+    assert copies == []
+
+
+@pytest.mark.interpreter
 def test_one_process_overlapped_schedule_matches_the_triton_backend_bitwise():
     """The schedule of EP > 1 (the copy flagging its tiles, the products waiting) in one process."""
     assert_bitwise_equal(both_backends(0, 1, cases(CONFIG, 1), CPU, overlap=True))

@@ -22,8 +22,10 @@ Forward, per call:
             waits for its counts (bounded) and sums its pairs in the contract's order.
 Every result is bitwise the triton backend's (the same products on the same rows, the same sums
 in the same order); backward is the triton backend's. At EP 1 the same kernels run on local
-buffers (`LocalExchange`), the copy first on every SM (nothing travels, so nothing is worth
-overlapping: the SMs it would take from the products cost more than the copy).
+buffers (`LocalExchange`) with nothing beside them (nothing travels, so nothing is worth
+overlapping: the SMs a copy would take from the products cost more than the copy): the gate/up
+product reads x through each grouped row's token where the kernels gather faster than the copy
+(`gathers_rows_well`, as the triton backend), else the copy runs first on every SM.
 
 Why it cannot deadlock: the only waits are (1) the barrier every rank passes after copying its x
 (stream order, bounded), (2) a gate/up tile on rows copied by the side stream's programs, which
@@ -102,7 +104,6 @@ class FusedBackend(TritonBackend):
         EP > 1 only; at EP 1 nothing travels and the local expand is cheaper before the products
         than on comm_sms SMs beside them (measured, docs/notes/fused-kernel-plan.md). Tests set
         it at EP 1 to run the overlapped schedule with real concurrency on one GPU."""
-        self.all_sms = 4
         self.comm_stream = None
         self.beside_sms = None
         """SMs of the products that run beside the communication programs (None: the CPU,
@@ -118,7 +119,6 @@ class FusedBackend(TritonBackend):
                 )
             self.comm_stream = torch.cuda.Stream(device)
             self.beside_sms = sms - self.comm_programs
-            self.all_sms = sms
             self.claims = _ClaimsAfterCopy(self, products=4)
 
     @staticmethod
@@ -178,6 +178,7 @@ class FusedBackend(TritonBackend):
         timeout = config.peer_timeout_s
         claims = None
         tokens = None
+        source_rows = kernel_cfg = None
         if self.overlap:
             grouped, pull, ready = self.exchange.dispatch_overlapped(
                 routing, x, self.comm_programs, timeout
@@ -192,14 +193,17 @@ class FusedBackend(TritonBackend):
                 self.claims.start()
                 claims = self.claims
         else:
-            grouped, pull, _ = self.exchange.dispatch_overlapped(routing, x, self.all_sms, timeout)
-            pull()
+            # As the triton backend: x read through each grouped row's token where the kernels
+            # gather faster than the copy, else the grouped rows copied first.
+            grouped, source_rows, kernel_cfg = self._expert_rows(
+                routing, x, weights, self._activation(), None
+            )
             ready, beside = None, None
         shared_out, shared = self._shared_forward(x, weights, need_backward, beside)
-        rows, hidden = grouped.shape
-        kernel_cfg = em.default_config(
-            x.device, hidden, config.intermediate_size, rows / weights.gate.shape[0]
-        )
+        hidden = grouped.shape[1]
+        if kernel_cfg is None:
+            per_expert = grouped.shape[0] / weights.gate.shape[0]
+            kernel_cfg = em.default_config(x.device, hidden, config.intermediate_size, per_expert)
         kernel_cfg = em.with_gate_up_sms(kernel_cfg, beside, claims)
         target = self.exchange.combine_target(routing, hidden, self.dtype)
         _, experts = em.expert_mlp_forward(
@@ -213,6 +217,7 @@ class FusedBackend(TritonBackend):
             config=kernel_cfg,
             rows_ready=ready,
             combine=target,
+            source_rows=source_rows,
         )
         if self.overlap:
             self._join()
@@ -220,7 +225,7 @@ class FusedBackend(TritonBackend):
             # The backward reads the rows through the tokens received, each once, so that the
             # grouped rows (a copy per pair, sized for the worst routing) go with this forward.
             experts.read_rows_through(tokens.rows, tokens.source_rows)
-        else:
+        elif source_rows is None:
             self._read_rows_from_x(routing, x, experts)
         column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
         y, pair_out = self.exchange.combine_landed(
