@@ -47,13 +47,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+CACHED_GPU_BYTES_KEPT = 4 << 30
+"""A worker's caching allocator may keep this much between tests (a dozen workers: ~48 GiB)."""
+
+
 @pytest.fixture(autouse=True)
 def release_cached_gpu_memory():
     """Under pytest-xdist on a GPU machine, hand the caching allocator's free blocks back to the
     driver after each test: a dozen workers each keeping the high-water mark of its largest test
-    (10-27 GiB seen) left the ranks of a `shares_gpu` test no room to allocate their weights."""
+    (10-27 GiB seen) left the ranks of a `shares_gpu` test no room to allocate their weights.
+    Only a cache above `CACHED_GPU_BYTES_KEPT` is released: emptying it after every test made
+    the next test allocate everything again from the driver."""
     yield
-    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 and torch.cuda.is_initialized():
+    if (
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+        and torch.cuda.is_initialized()
+        and torch.cuda.memory_reserved() > CACHED_GPU_BYTES_KEPT
+    ):
         torch.cuda.empty_cache()
 
 
