@@ -1,7 +1,7 @@
 """The warp-specialized Gluon grouped GEMMs against the tl kernels they replace, one GPU.
 
     PYTHONPATH=src python3 benchmarks/warp_specialized.py [--tokens 8192] [--products ...]
-                                                          [--out F]
+                                                          [--routing balanced] [--out F]
 
 Products (--products, default all): the forward's two, gate/up + SwiGLU, h[group e] =
 swiglu(x @ W_gate[e].T, x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate
@@ -15,7 +15,7 @@ bf16 and added into existing fp32 buffers (gradient accumulation into a main-gra
 Not in the default list: gate_up_sources and down_sources, the fused layer's building blocks
 (rows gathered through a dispatch index; down's peer-store epilogue), see `bench_sources`. At
 each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
-k). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
+k; --routing balanced: every expert the same rows, as in the training benchmark). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
 or the fresh gradients, and with fp32 math), then each is timed: CUDA events around each call,
 median and the 10-90 % range over alternating input sets, the kernels interleaved. Beside them
 every product's GEMM through torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, what the native
@@ -140,13 +140,24 @@ def gate_up_weights(experts, inter, hidden, gen, scale, fused):
     return weights, torch.cat(weights, 1)
 
 
-def bench(name: str, product: str, tokens: int, dense: float, gen, fused=False) -> list[str]:
+def group_sizes(routing: str, tokens: int, top_k: int, experts: int, gen) -> list[int]:
+    """Rows per expert: `uniform`, top-k of random logits (`near_uniform_sizes`); `balanced`,
+    tokens x top_k split evenly (what the training benchmark's balanced routing gives)."""
+    if routing == "balanced":
+        share, extra = divmod(tokens * top_k, experts)
+        return [share + (e < extra) for e in range(experts)]
+    return near_uniform_sizes(tokens, top_k, experts, gen)
+
+
+def bench(
+    name: str, product: str, tokens: int, dense: float, gen, fused=False, routing="uniform"
+) -> list[str]:
     experts, hidden, inter, top_k = _shape(name)
     down = product == "down"
     k_dim = inter if down else hidden
     sets = []
     for _ in range(2):
-        sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+        sizes = group_sizes(routing, tokens, top_k, experts, gen)
         offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
         sets.append((randn(sum(sizes), k_dim, gen=gen), offsets))
     if down:
@@ -226,14 +237,16 @@ def _swiglu_grads(grad_h, gate, up):
     return torch.autograd.grad(h, (gate, up), grad_h.float())
 
 
-def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen, fused=False) -> list[str]:
+def bench_dgrad(
+    name: str, product: str, tokens: int, dense: float, gen, fused=False, routing="uniform"
+) -> list[str]:
     """gate_up_dgrad: grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; down_dgrad: the gate |
     up gradients from grad_out through W_down[e] and the SwiGLU backward."""
     experts, hidden, inter, top_k = _shape(name)
     down = product == "down_dgrad"
     sets = []
     for _ in range(2):
-        sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+        sizes = group_sizes(routing, tokens, top_k, experts, gen)
         offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
         m = sum(sizes)
         if down:
@@ -309,14 +322,16 @@ def bench_dgrad(name: str, product: str, tokens: int, dense: float, gen, fused=F
     return lines
 
 
-def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+def bench_wgrad(
+    name: str, product: str, tokens: int, dense: float, gen, routing="uniform"
+) -> list[str]:
     experts, hidden, inter, top_k = _shape(name)
     down = product == "down_wgrad"
     # A [M, halves * P] and B [M, Q] -> gradients [E, P, Q] per half.
     p, q, halves = (hidden, inter, 1) if down else (inter, hidden, 2)
     sets = []
     for _ in range(2):
-        sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+        sizes = group_sizes(routing, tokens, top_k, experts, gen)
         offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
         m = sum(sizes)
         sets.append((randn(m, halves * p, gen=gen), randn(m, q, gen=gen), offsets))
@@ -416,14 +431,16 @@ def bench_wgrad(name: str, product: str, tokens: int, dense: float, gen) -> list
     return lines
 
 
-def bench_sources(name: str, product: str, tokens: int, dense: float, gen) -> list[str]:
+def bench_sources(
+    name: str, product: str, tokens: int, dense: float, gen, routing="uniform"
+) -> list[str]:
     """The building blocks of the fused layer inside the Gluon kernels, with the default tiles:
     gate/up and down with A rows gathered through a dispatch index (token t's rows, top_k times)
     against TMA tiles of rows gathered beforehand, beside the copy that gathering replaces; and
     down's peer-store epilogue (rows scattered to two simulated ranks' buffers on this GPU, with
     readiness counts) against local stores. Results must equal the TMA kernel's bit for bit."""
     experts, hidden, inter, top_k = _shape(name)
-    sizes = near_uniform_sizes(tokens, top_k, experts, gen)
+    sizes = group_sizes(routing, tokens, top_k, experts, gen)
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     m = sum(sizes)
     index = torch.randint(0, tokens, (m,), generator=gen, device="cuda", dtype=torch.int32)
@@ -535,6 +552,12 @@ def main(argv=None) -> int:
         help="gate_up and gate_up_dgrad read W_gate and W_up as the halves of one [E, 2I, H] "
         "tensor, as Hugging Face models hold them (their rows read 'gate_up (fused W)')",
     )
+    parser.add_argument(
+        "--routing",
+        choices=("uniform", "balanced"),
+        default="uniform",
+        help="rows per expert: top-k of random logits, or split evenly",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -544,7 +567,7 @@ def main(argv=None) -> int:
         f"# Warp-specialized Gluon grouped GEMMs vs tl ({datetime.date.today()})",
         "",
         f"- commit {commit}; {torch.cuda.get_device_name()}; torch "
-        f"{torch.__version__}; command: `{' '.join(sys.argv)}`",
+        f"{torch.__version__}; routing {args.routing}; command: `{' '.join(sys.argv)}`",
         f"- cuBLAS dense 8192^3 in this run: {dense:.0f} TFLOP/s",
         "",
         "| preset | product | tokens | rows | kernel | ms (10-90 %) | TFLOP/s | % of dense | "
@@ -558,7 +581,9 @@ def main(argv=None) -> int:
             for product in args.products.split(","):
                 fused = args.fused_gate_up and product in ("gate_up", "gate_up_dgrad")
                 extra = {"fused": True} if fused else {}
-                rows = RUNNERS[product](name, product, tokens, dense, gen, **extra)
+                rows = RUNNERS[product](
+                    name, product, tokens, dense, gen, routing=args.routing, **extra
+                )
                 if fused:
                     rows = [
                         row.replace(f"| {product} |", f"| {product} (fused W) |") for row in rows

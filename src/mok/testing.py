@@ -201,6 +201,30 @@ def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
     return results
 
 
+def one_call_errors(
+    layer, inputs: RankInputs, expected: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """`relative_error` of each of `one_call_results(layer, inputs)` against `expected` (the same
+    keys), computed as the gradients lie in the parameters: no copy of them is made, so that a
+    layer whose weights fill half the GPU can be checked against results already held."""
+    x = inputs.x.detach().clone().requires_grad_(True)
+    weights = inputs.topk_weights.detach().clone().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    y = layer(x, inputs.topk_idx, weights)
+    y.backward(inputs.grad_y)
+    errors = {
+        "y": relative_error(y.detach(), expected["y"]),
+        "grad x": relative_error(x.grad, expected["grad x"]),
+        "grad topk_weights": relative_error(weights.grad, expected["grad topk_weights"]),
+    }
+    del y, x, weights
+    for name, param in layer.named_parameters(recurse=False):
+        grad = torch.zeros_like(param) if param.grad is None else param.grad
+        errors[f"grad {name}"] = relative_error(grad, expected[f"grad {name}"])
+    layer.zero_grad(set_to_none=True)
+    return errors
+
+
 def results_without_host_sync(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
     """`one_call_results` with CUDA's sync debug mode set to raise: a forward or backward that
     synchronizes with the host fails."""
