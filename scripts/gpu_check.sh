@@ -4,7 +4,7 @@
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
-#                        [e2e-profile] [e2e-step] [ep1-rows]
+#                        [e2e-profile] [e2e-step] [e2e-ep] [ep1-rows]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -20,6 +20,8 @@
 # e2e-balanced: the GPU-bound run with balanced routing, eager and compiled (and the model's own
 # routing, compiled, beside it; the compiled balanced step profiled); e2e-profile: one compiled
 # step of each profiled, with Chrome traces. e2e-step: the compiled balanced step alone.
+# e2e-ep: that step's shape at EP = the GPU count (two or more), mok against mok-baseline, eager
+# and compiled (docs/notes/two-gpu-campaign.md lists what else waits for two GPUs).
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
@@ -222,6 +224,19 @@ print(*m())' 2>&1)
       run e2e-step python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
         --top-k 8 --moe-intermediate 768 --batch 32 --seq 1024 --accumulate 2 --steps 8 \
         --warmup 3 --routing balanced --compile inductor --profile 25 --out "$OUT/e2e-step" ;;
+    e2e-ep)
+      # Issue 15's EP row: the GPU-bound qwen3-30b-a3b shape of `e2e-step` at EP = the GPU count
+      # (32k tokens a rank and micro-batch), mok against mok-baseline, eager then compiled.
+      ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+      if [ "$ngpu" -lt 2 ]; then
+        echo "=== e2e-ep: needs two GPUs, $ngpu here" | tee -a "$log"; status=1
+      else
+        shape="--ep $ngpu --layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768"
+        shape="$shape --batch 32 --seq 1024 --accumulate 2 --steps 8 --warmup 3 --routing balanced"
+        run e2e-ep python3 benchmarks/train_e2e.py $shape --out "$OUT/e2e-ep$ngpu"
+        run e2e-ep-compiled python3 benchmarks/train_e2e.py $shape --compile inductor \
+          --out "$OUT/e2e-ep$ngpu-compiled"
+      fi ;;
     ep1-rows)
       # EP 1's data movement around the products: the gate/up product reading rows through an
       # index against the copy plus TMA tiles, every preset (`gathers_rows_well`'s evidence), and

@@ -121,6 +121,8 @@ def run_plan(experts, per_rank, token_capacity, pair_capacity, max_tokens):
     ]
     overflowed = torch.zeros(1, dtype=torch.bool, device=DEVICE)
     most_needed = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    # At EP 1 the inverse of pair_row too, in a buffer whose unwritten entries read -7.
+    grouped = torch.full((2, max(pair_capacity, 1)), -7, dtype=torch.int32, device=DEVICE)
     plans = [
         kernels.place(
             idx,
@@ -134,10 +136,11 @@ def run_plan(experts, per_rank, token_capacity, pair_capacity, max_tokens):
             max_tokens,
             meta=(metas[rank], offsets(metas, rank)),
             source=(sources[rank], offsets(sources, rank)),
+            grouped=(grouped[0], grouped[1]) if ep == 1 else None,
         )
         for rank, idx in enumerate(per_rank)
     ]
-    return tables, plans, metas, sources, overflowed, most_needed
+    return tables, plans, metas, sources, overflowed, most_needed, grouped
 
 
 @st.composite
@@ -169,12 +172,14 @@ EVERY_EXPERT = [every_expert(5, 4, seed=rank) for rank in range(2)]
 @settings(deadline=None)
 @given(plan_cases())
 @example((4, EVERY_EXPERT, 10, 20, 5, placement_kernels.TILE_ELEMENTS))
+# EP 1 with ids out of range and one pair past the capacity: dropped pairs write no grouped row.
+@example((3, [torch.tensor([[0, 2], [5, 1], [2, 2], [-1, 0]])], 4, 5, 4, 16))
 def test_placement_kernels_match_the_layout_oracle(case):
     experts, per_rank, token_capacity, pair_capacity, max_tokens, tile = case
     with pytest.MonkeyPatch.context() as patch:
         # Small tiles: many token blocks and several scan steps over them.
         patch.setattr(placement_kernels, "TILE_ELEMENTS", tile)
-        tables, plans, metas, sources, overflowed, most_needed = run_plan(
+        tables, plans, metas, sources, overflowed, most_needed, grouped = run_plan(
             experts, per_rank, token_capacity, pair_capacity, max_tokens
         )
     table, expected, want_overflow, needed = oracle(
@@ -207,6 +212,22 @@ def test_placement_kernels_match_the_layout_oracle(case):
             [rows.grouped_to_staging, rows.return_rank, rows.return_row, rows.flag_index]
         )
         assert torch.equal(got.cpu(), want["owner_rows"])
+    if len(per_rank) == 1:
+        assert_grouped_rows_invert_pair_row(grouped.cpu(), expected[0]["pair_row"], top_k)
+
+
+def assert_grouped_rows_invert_pair_row(grouped, pair_row, top_k) -> None:
+    """EP 1's grouped_pair / grouped_token: each delivered pair's row names that pair and its
+    token, and rows no pair reaches stay unwritten. Catches a row index off by one, the pair's
+    slot j or the token's k-fold index stored in place of the other, or a dropped pair (id out of
+    range, past the capacity) that still writes."""
+    want = torch.full_like(grouped, -7)
+    tokens = torch.arange(pair_row.shape[0]).repeat_interleave(top_k)
+    rows = pair_row.reshape(-1)
+    delivered = rows >= 0
+    want[0, rows[delivered]] = torch.arange(rows.numel(), dtype=torch.int32)[delivered]
+    want[1, rows[delivered]] = tokens[delivered].to(torch.int32)
+    assert torch.equal(grouped, want)
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 700, 1500])

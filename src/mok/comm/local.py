@@ -6,7 +6,6 @@ summed back in the reference's order. No host synchronization; deterministic.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import torch
@@ -33,26 +32,16 @@ from mok.reference.mx import ScaleRounding
 
 @dataclasses.dataclass(frozen=True)
 class LocalRouting:
-    """One call's routing: pair (t, j) is grouped row pair_row[t, j]."""
+    """One call's routing: pair (t, j) is grouped row pair_row[t, j]; grouped row r holds pair
+    grouped_pair[r] = t * k + j of token grouped_token[r] = t (int32 [T * k] each, the inverse of
+    pair_row, written by the placement kernel in the same pass)."""
 
     top_k: int
     group_offsets: torch.Tensor
     pair_row: torch.Tensor
     recv_pairs: torch.Tensor
-
-    @functools.cached_property
-    def grouped_pair(self) -> torch.Tensor:
-        """[T * k] int32: the pair t * k + j of each grouped row (the inverse of pair_row); made
-        on first use (the overlapped layer's stores, the rows a backward reads through x)."""
-        pair_row = self.pair_row.view(-1)
-        grouped_pair = torch.empty(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
-        pairs = torch.arange(pair_row.numel(), dtype=torch.int32, device=pair_row.device)
-        return grouped_pair.scatter_(0, pair_row, pairs)  # every pair has a row: a permutation
-
-    @functools.cached_property
-    def grouped_token(self) -> torch.Tensor:
-        """[T * k] int32: the token of each grouped row (its pair's); made on first use."""
-        return self.grouped_pair // self.top_k
+    grouped_pair: torch.Tensor
+    grouped_token: torch.Tensor
 
 
 class LocalExchange:
@@ -93,6 +82,7 @@ class LocalExchange:
         topk_idx = topk_idx.contiguous()
         block_counts = kernels.count(topk_idx, self._counts, self._no_offsets, 0)
         pairs = max(tokens * top_k, 1)
+        grouped = torch.empty(2, tokens * top_k, dtype=torch.int32, device=self.device)
         placement = kernels.place(
             topk_idx,
             block_counts,
@@ -102,12 +92,15 @@ class LocalExchange:
             pairs,
             self._overflowed,
             self._most_needed,
+            grouped=(grouped[0], grouped[1]),
         )
         return LocalRouting(
             top_k=top_k,
             group_offsets=placement.group_offsets,
             pair_row=placement.pair_row,
             recv_pairs=placement.recv_pairs,
+            grouped_pair=grouped[0],
+            grouped_token=grouped[1],
         )
 
     def _pairs(self, routing: LocalRouting) -> torch.Tensor:

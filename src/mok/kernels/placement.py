@@ -229,6 +229,8 @@ def place_pairs_kernel(
     meta_offsets_ptr,
     source_ptr,
     source_offsets_ptr,
+    grouped_pair_ptr,
+    grouped_token_ptr,
     TOP_K: tl.constexpr,
     EP: tl.constexpr,
     EP_PAD: tl.constexpr,
@@ -237,12 +239,15 @@ def place_pairs_kernel(
     BLOCK_T: tl.constexpr,
     WRITE_META: tl.constexpr,
     WRITE_SOURCE: tl.constexpr,
+    WRITE_GROUPED: tl.constexpr,
 ):
     """For token block b: token_slot[t, d] (staging row on rank d, -1 if none or past the
     capacity), pair_row[t, j] (grouped row on the owner, -1 if dropped) and owner[t, j].
     WRITE_META: the owner's meta[pair_row] = (staging row, return address return_base +
     t * TOP_K + j, -1 if dropped) for pairs within its capacity. WRITE_SOURCE: rank d's
-    source[token_slot[t, d]] = (rank, t) (pull dispatch)."""
+    source[token_slot[t, d]] = (rank, t) (pull dispatch). WRITE_GROUPED (EP 1, where the owner's
+    rows are this rank's): grouped_pair[pair_row] = t * TOP_K + j and grouped_token[pair_row] =
+    t (int32) for the pairs delivered."""
     block = tl.program_id(0)
     token, _, experts, valid = _load_block(
         idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
@@ -288,6 +293,9 @@ def place_pairs_kernel(
         live = token < tokens
         tl.store(pair_row_ptr + token * TOP_K + j, tl.where(delivered, row, -1), mask=live)
         tl.store(owner_ptr + token * TOP_K + j, owner.to(tl.int64), mask=live)
+        if WRITE_GROUPED:
+            tl.store(grouped_pair_ptr + row, token * TOP_K + j, mask=delivered)
+            tl.store(grouped_token_ptr + row, token, mask=delivered)
         if WRITE_META:
             back = tl.where(delivered, return_base + token.to(tl.int64) * TOP_K + j, -1)
             meta_offset = tl.load(meta_offsets_ptr + owner, mask=in_capacity, other=0)
@@ -487,11 +495,16 @@ class PlacementKernels:
         max_tokens: int = 0,
         meta: tuple[torch.Tensor, torch.Tensor] | None = None,
         source: tuple[torch.Tensor, torch.Tensor] | None = None,
+        grouped: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> DevicePlacement:
         """The placement from the counts table of all ranks (local, after the barrier).
         meta / source: (this rank's buffer, its peer-offset table) of the owners' pair metadata
-        [pair_capacity, 2] and pull sources [token_capacity, 2] (int64) to fill. overflowed ([1]
-        bool) and most_needed ([2] int64) are updated on the device."""
+        [pair_capacity, 2] and pull sources [token_capacity, 2] (int64) to fill. grouped (EP 1
+        only): (grouped_pair, grouped_token), [pair_capacity] int32 each, to fill with each
+        grouped row's pair t * k + j and token t (the inverse of pair_row, made in the same
+        pass). overflowed ([1] bool) and most_needed ([2] int64) are updated on the device."""
+        if grouped is not None and self.ep != 1:
+            raise ValueError("PlacementKernels.place: grouped rows are this rank's only at EP 1")
         tokens = topk_idx.shape[0]
         blocks = self.blocks(tokens)
         ints = torch.empty(
@@ -528,6 +541,7 @@ class PlacementKernels:
             unused = placeholder(self.device)
             meta_buffer, meta_offsets = meta if meta is not None else (unused, unused)
             source_buffer, source_offsets = source if source is not None else (unused, unused)
+            grouped_pair, grouped_token = grouped if grouped is not None else (unused, unused)
             place_pairs_kernel[(blocks,)](
                 topk_idx,
                 tokens,
@@ -546,6 +560,8 @@ class PlacementKernels:
                 meta_offsets,
                 source_buffer,
                 source_offsets,
+                grouped_pair,
+                grouped_token,
                 TOP_K=self.top_k,
                 EP=self.ep,
                 EP_PAD=self.ep_pad,
@@ -554,6 +570,7 @@ class PlacementKernels:
                 BLOCK_T=self.block_tokens,
                 WRITE_META=meta is not None,
                 WRITE_SOURCE=source is not None,
+                WRITE_GROUPED=grouped is not None,
             )
         return DevicePlacement(
             token_slot=token_slot,
