@@ -15,8 +15,9 @@ bf16 and added into existing fp32 buffers (gradient accumulation into a main-gra
 Not in the default list: gate_up_sources and down_sources, the fused layer's building blocks
 (rows gathered through a dispatch index; down's peer-store epilogue), see `bench_sources`. At
 each preset's shape with every expert on this GPU and near-uniform top-k routing (rows = tokens x
-k; --routing balanced: every expert the same rows, as in the training benchmark). The kernels get the same inputs; first their results are compared (bitwise on the groups' rows
-or the fresh gradients, and with fp32 math), then each is timed: CUDA events around each call,
+k; --routing balanced: every expert the same rows, as in the training benchmark). The kernels
+get the same inputs; first their results are compared (bitwise on the groups' rows or the fresh
+gradients, and with fp32 math), then each is timed: CUDA events around each call,
 median and the 10-90 % range over alternating input sets, the kernels interleaved. Beside them
 every product's GEMM through torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, what the native
 experts run), without the epilogue our kernels fuse: its error is of the whole product with that
