@@ -62,6 +62,23 @@ def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
         assert max(abs(a - b) for a, b in zip(result["losses"], reference, strict=True)) < 0.05
 
 
+def test_compiled_expert_parallel_training_follows_the_eager_run(script, tmp_path):
+    """EP 2 on gloo ranks with --compile aot_eager, the CPU's MoK layer on the reference backend
+    (which no custom op can hold): the layer runs eagerly between the compiled graphs, the losses
+    are the eager run's. Catches Dynamo tracing into the layer's eager Python when it falls back
+    (it failed on the group's handle, an object Dynamo cannot read), which ended the run."""
+    args = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--steps", "3", "--warmup", "1", "--seq", "16"]
+    args += ["--batch", "2", "--ep", "2", "--implementations", "mok", "--device", "cpu"]
+    assert script.main([*args, "--out", str(tmp_path / "eager")]) == 0
+    assert script.main([*args, "--compile", "aot_eager", "--out", str(tmp_path / "compiled")]) == 0
+    eager, compiled = (
+        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]["mok"]["losses"]
+        for run in ("eager", "compiled")
+    )
+    assert compiled == eager
+
+
 def test_gradient_accumulation_steps(script, tmp_path):
     """--accumulate 2: two micro-batches a step, their mean loss reported, both sets of
     implementations training alike. Catches the loss summed instead of averaged (the first loss

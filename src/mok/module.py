@@ -149,6 +149,11 @@ class _MoEFunction(torch.autograd.Function):
         return (None, None, None, None, grads.x, grads.topk_weights, grad_gate_up, *weight_grads)
 
 
+# Dynamo never traces this call: the layer's host-side Python (its checks, the group's agreement)
+# cannot be in a graph, and where torch.compile falls back to running a frame eagerly (the
+# reference backend, which no custom op holds), tracing into it failed at EP > 1. Compiled models
+# reach the layer through `mok.ops` instead.
+@torch.compiler.disable
 def moe(
     x: torch.Tensor,
     topk_idx: torch.Tensor,
