@@ -185,15 +185,21 @@ def compare_with_reference(
     return errors
 
 
-def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
-    """y and every gradient (x, topk_weights, each parameter) of one forward and backward of
-    `layer` on `inputs` (a parameter without a gradient counts as zeros); leaves no gradients."""
+def _one_call(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """One forward and backward of `layer` on fresh leaves of `inputs`, gradients set to None
+    first: y, and the gradients of x and topk_weights (the parameters' stay in `.grad`)."""
     x = inputs.x.detach().clone().requires_grad_(True)
     weights = inputs.topk_weights.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     y = layer(x, inputs.topk_idx, weights)
     y.backward(inputs.grad_y)
-    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": weights.grad}
+    return {"y": y.detach(), "grad x": x.grad, "grad topk_weights": weights.grad}
+
+
+def one_call_results(layer, inputs: RankInputs) -> dict[str, torch.Tensor]:
+    """y and every gradient (x, topk_weights, each parameter) of one forward and backward of
+    `layer` on `inputs` (a parameter without a gradient counts as zeros); leaves no gradients."""
+    results = _one_call(layer, inputs)
     for name, param in layer.named_parameters(recurse=False):
         grad = param.grad
         results[f"grad {name}"] = torch.zeros_like(param) if grad is None else grad.clone()
@@ -207,17 +213,9 @@ def one_call_errors(
     """`relative_error` of each of `one_call_results(layer, inputs)` against `expected` (the same
     keys), computed as the gradients lie in the parameters: no copy of them is made, so that a
     layer whose weights fill half the GPU can be checked against results already held."""
-    x = inputs.x.detach().clone().requires_grad_(True)
-    weights = inputs.topk_weights.detach().clone().requires_grad_(True)
-    layer.zero_grad(set_to_none=True)
-    y = layer(x, inputs.topk_idx, weights)
-    y.backward(inputs.grad_y)
     errors = {
-        "y": relative_error(y.detach(), expected["y"]),
-        "grad x": relative_error(x.grad, expected["grad x"]),
-        "grad topk_weights": relative_error(weights.grad, expected["grad topk_weights"]),
+        key: relative_error(value, expected[key]) for key, value in _one_call(layer, inputs).items()
     }
-    del y, x, weights
     for name, param in layer.named_parameters(recurse=False):
         grad = torch.zeros_like(param) if param.grad is None else param.grad
         errors[f"grad {name}"] = relative_error(grad, expected[f"grad {name}"])
