@@ -105,9 +105,6 @@ MAX_REGISTERS = 168
 CONSUMER_ROWS = 64
 """Rows of a tile one consumer warpgroup computes: a program's tile of 64 rows goes to one
 consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."""
-DEFERRED_CHUNK_ROWS = gl.constexpr(8)
-"""Rows of a deferred down dgrad + SwiGLU epilogue done beside one main-loop step of the next
-tile (`_deferred_rows`): 8 of a consumer's 64 rows, 8 elements a thread at 128 columns."""
 CLAIM_SLOTS = gl.constexpr(8)
 """Slots of a claiming program's ring of task ids (`_publish_task`): how many tasks its loader
 may claim ahead of its consumers."""
@@ -145,11 +142,10 @@ SWIGLU_COOPERATIVE = GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=4
 """Cooperative tiles of the gate/up + SwiGLU kernel: 128 x 128 of both products (the tl kernel's
 tile), each consumer on 64 rows; 3 slots of 48 KiB and four 16 KiB epilogue buffers: 208 KiB."""
 DGRAD_SWIGLU_COOPERATIVE = GemmTiles(
-    block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=4
+    block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=5
 )
 """Cooperative tiles of the down dgrad + SwiGLU backward kernel: 128 x 128, each consumer on 64
-rows; 4 slots of 32 KiB, four 16 KiB epilogue buffers and two for the deferred epilogues' grad_h
-(`_consume`): 224 KiB."""
+rows; 5 slots of 32 KiB and four 16 KiB epilogue buffers: 224 KiB."""
 
 
 @gluon.jit
@@ -640,53 +636,6 @@ def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row
 
 
 @gluon.jit
-def _store_deferred(gate_desc, up_desc, gate_buf, up_buf, gate_up_ptr, row, row_end, n_off, N):
-    """Store a deferred epilogue's gate and up gradients, which replaced the saved tiles in
-    their buffers, into the halves of the [M, 2N] gradient."""
-    _store_staged(gate_desc, gate_buf, gate_up_ptr, 2 * N, row, row_end, n_off, N)
-    _store_staged(up_desc, up_buf, gate_up_ptr + N, 2 * N, row, row_end, n_off, N)
-
-
-@gluon.jit
-def _swiglu_backward_rows(
-    grad_h_buf, gate_buf, up_buf, limit, HAS_LIMIT: gl.constexpr, FIRST: gl.constexpr
-):
-    """Rows [FIRST, FIRST + R) of a deferred DOWN_DGRAD_SWIGLU epilogue in shared memory (R =
-    `DEFERRED_CHUNK_ROWS`): grad_h (staged, already rounded like h) against the saved gate and up
-    rows, whose places then hold the gate and up gradients. The same operations as the epilogue
-    in registers (bitwise the same results)."""
-    ROWS: gl.constexpr = DEFERRED_CHUNK_ROWS
-    BLOCK_N: gl.constexpr = gate_buf.type.shape[1]
-    LANES_N: gl.constexpr = BLOCK_N // 8
-    rows_layout: gl.constexpr = gl.BlockedLayout(
-        [1, 8], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0]
-    )
-    grad_h = grad_h_buf.slice(FIRST, ROWS).load(rows_layout).to(gl.float32)
-    gate_rows = gate_buf.slice(FIRST, ROWS)
-    up_rows = up_buf.slice(FIRST, ROWS)
-    gate = gate_rows.load(rows_layout).to(gl.float32)
-    up = up_rows.load(rows_layout).to(gl.float32)
-    grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT)
-    gate_rows.store(grad_gate.to(gate_buf.dtype))
-    up_rows.store(grad_up.to(up_buf.dtype))
-
-
-@gluon.jit
-def _deferred_rows(
-    grad_h_buf, gate_buf, up_buf, limit, HAS_LIMIT: gl.constexpr, first_chunk, end_chunk
-):
-    """Chunks [first_chunk, end_chunk) (run-time bounds) of a deferred epilogue's rows
-    (`_swiglu_backward_rows`); slices of shared memory take constant offsets, hence one guarded
-    copy per chunk."""
-    CHUNKS: gl.constexpr = gate_buf.type.shape[0] // DEFERRED_CHUNK_ROWS
-    for chunk in gl.static_range(CHUNKS):
-        if (chunk >= first_chunk) & (chunk < end_chunk):
-            _swiglu_backward_rows(
-                grad_h_buf, gate_buf, up_buf, limit, HAS_LIMIT, chunk * DEFERRED_CHUNK_ROWS
-            )
-
-
-@gluon.jit
 def _consume(
     operands,
     outputs,
@@ -701,10 +650,7 @@ def _consume(
     """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
     2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of the program,
     rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other.
-    CLAIM: the program's tasks are those its loader claimed (`_program_task`).
-    Cooperative DOWN_DGRAD_SWIGLU defers each tile's epilogue into the next tile's main loop (its
-    grad_h staged in shared memory, done a chunk of rows beside each of a range of the next
-    tile's steps), so that the tensor cores never wait for it; the last tile's runs after."""
+    CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
@@ -715,7 +661,6 @@ def _consume(
         out_ptr,
         gate_up_ptr,
         out_bufs,
-        grad_h_bufs,
         limits,
         saved,
         fetched,
@@ -736,7 +681,6 @@ def _consume(
     TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1  # one task in TAKES is this consumer's
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0  # this consumer's first, in the program
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
-    DEFER: gl.constexpr = MODE == DOWN_DGRAD_SWIGLU and SPLIT > 1
     dtype: gl.constexpr = out_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
@@ -744,21 +688,6 @@ def _consume(
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
     first = ROLE * OUTPUTS
-    if DEFER:
-        gate_buf = out_bufs.index(first)
-        up_buf = out_bufs.index(first + 1)
-        grad_h_buf = grad_h_bufs.index(ROLE)
-    # The deferred epilogue's chunks run beside steps [defer_from, defer_to) of the next tile:
-    # late enough for its saved tiles to have landed, early enough for its stores to leave
-    # before the buffers are refilled at the end of that tile.
-    defer_from = k_steps // 4
-    defer_to = gl.maximum(defer_from + 1, k_steps // 2)
-    CHUNKS: gl.constexpr = WG_M // DEFERRED_CHUNK_ROWS
-    deferred = gl.to_tensor(0)  # a tile's epilogue waits in shared memory
-    deferred_row = gl.to_tensor(0)
-    deferred_row_end = gl.to_tensor(0)
-    deferred_n_off = gl.to_tensor(0)
-    deferred_nth = gl.to_tensor(0)
     nth = FIRST_TASK  # the program's task index
     task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
     while task < num_tasks:
@@ -766,7 +695,7 @@ def _consume(
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
         n_off = n_idx * BLOCK_N
-        if MODE == DOWN_DGRAD_SWIGLU and not DEFER:
+        if MODE == DOWN_DGRAD_SWIGLU:
             # The saved pre-activations load while the main loop runs.
             _fetch_saved(
                 saved_gate_desc,
@@ -808,32 +737,6 @@ def _consume(
                 acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
             step += 1
-            if DEFER:
-                if (deferred != 0) & (k >= defer_from) & (k < defer_to):
-                    if k == defer_from:
-                        mbarrier.wait(fetched.index(ROLE), deferred_nth & 1)
-                    span = defer_to - defer_from
-                    _deferred_rows(
-                        grad_h_buf,
-                        gate_buf,
-                        up_buf,
-                        limit,
-                        HAS_LIMIT,
-                        (k - defer_from) * CHUNKS // span,
-                        (k - defer_from + 1) * CHUNKS // span,
-                    )
-                    if k == defer_to - 1:
-                        _store_deferred(
-                            gate_desc,
-                            up_desc,
-                            gate_buf,
-                            up_buf,
-                            gate_up_ptr,
-                            deferred_row,
-                            deferred_row_end,
-                            deferred_n_off,
-                            N,
-                        )
         if SPLIT == 1:
             mbarrier.arrive(turns.index(1 - ROLE))
         if DUAL:
@@ -843,19 +746,7 @@ def _consume(
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
 
         # Epilogue; the other consumer's main loop runs meanwhile.
-        if DEFER:
-            # grad_h waits for the next tile's main loop, rounded as h was (autograd); the saved
-            # pre-activations come in where the last tile's gradients have left.
-            grad_h_buf.store(acc.to(dtype))
-            _fetch_saved(
-                saved_gate_desc, saved_up_desc, gate_buf, up_buf, fetched.index(ROLE), row, n_off
-            )
-            deferred = gl.to_tensor(1)
-            deferred_row = row
-            deferred_row_end = row_end
-            deferred_n_off = n_off
-            deferred_nth = gl.to_tensor(nth)
-        elif MODE == DOWN_DGRAD_SWIGLU:
+        if MODE == DOWN_DGRAD_SWIGLU:
             # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
             grad_h = acc.to(dtype).to(gl.float32)
             mbarrier.wait(fetched.index(ROLE), nth // TAKES & 1)
@@ -905,21 +796,6 @@ def _consume(
                 )
         nth += TAKES
         task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
-    if DEFER:
-        if deferred != 0:  # the last tile's epilogue, with no main loop left beside it
-            mbarrier.wait(fetched.index(ROLE), deferred_nth & 1)
-            _deferred_rows(grad_h_buf, gate_buf, up_buf, limit, HAS_LIMIT, 0, CHUNKS)
-            _store_deferred(
-                gate_desc,
-                up_desc,
-                gate_buf,
-                up_buf,
-                gate_up_ptr,
-                deferred_row,
-                deferred_row_end,
-                deferred_n_off,
-                N,
-            )
     if MODE == GATE_UP_DGRAD:
         # The rows outside every group get zeros, from no reduction (a static grid: the
         # launcher does not let this mode claim).
@@ -1048,12 +924,6 @@ def _rows_wt_kernel(
     out_bufs = gl.allocate_shared_memory(
         dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
-    if MODE == DOWN_DGRAD_SWIGLU and SPLIT > 1:  # the deferred epilogues' grad_h (`_consume`)
-        grad_h_bufs = gl.allocate_shared_memory(
-            dtype, [CONSUMERS] + out_desc.block_type.shape, out_desc.layout
-        )
-    else:
-        grad_h_bufs = out_bufs
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -1101,7 +971,6 @@ def _rows_wt_kernel(
         out_ptr,
         gate_up_ptr,
         out_bufs,
-        grad_h_bufs,
         limits,
         saved,
         fetched,
