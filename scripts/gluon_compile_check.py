@@ -3,10 +3,11 @@ each one's registers, spills and shared memory (ptxas -v), before any GPU time i
 
 Gluon does not run under TRITON_INTERPRET, but it compiles without a driver: a stand-in driver
 gives the JIT a Hopper target, every launch becomes a compile-only `warmup`, and the PTX of each
-kernel goes through the ptxas that Triton carries. Needs the Triton the GPU machine runs (3.6):
+kernel goes through the ptxas that Triton carries. It runs with the installed Triton (CI's, and
+`tests/kernels/test_gluon_compile.py` there); for the one the GPU machine runs (3.6):
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0
-    PYTHONPATH=/tmp/t36:src python scripts/gluon_compile_check.py
+    PYTHONPATH=/tmp/t36:src python scripts/gluon_compile_check.py [--cases REGEX] [--json PATH]
 
 Exit status 1 if a kernel fails to compile or needs more shared memory than Hopper has; spills
 are reported (a few bytes in an epilogue can be acceptable; a main loop's are not).
@@ -14,8 +15,10 @@ are reported (a few bytes in an epilogue can be acceptable; a main loop's are no
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import json
 import pathlib
 import re
 import subprocess
@@ -319,28 +322,39 @@ def tl_cases():
     )
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", help="only the kernels whose label matches this regex")
+    parser.add_argument("--json", help="also write one row per compiled kernel here")
+    args = parser.parse_args(argv)
     failed = False
+    rows = []
     print(f"triton {triton.__version__}, sm_90a")
     print("| kernel | registers | spill bytes | shared bytes |")
     print("| --- | --- | --- | --- |")
     for label, launch in [*cases(), *tl_cases()]:
+        if args.cases and not re.search(args.cases, label):
+            continue
         compiled = []
         try:
             with compile_only(compiled):
                 launch()
         except Exception as error:  # noqa: BLE001 - report every kernel, then fail
             print(f"| {label} | compile failed: {type(error).__name__}: {str(error)[:3000]} | | |")
+            rows.append({"label": label, "error": f"{type(error).__name__}: {error}"})
             failed = True
             continue
         for _, _, kernel in compiled:
             report = ptxas_report(kernel.asm["ptx"])
             shared = kernel.metadata.shared
             failed |= shared > HOPPER_SHARED_BYTES
+            rows.append({"label": label, **report, "shared": shared})
             print(
                 f"| {label} | {report['registers']} | {report['spill_bytes']} | {shared}"
                 f"{' TOO MUCH' if shared > HOPPER_SHARED_BYTES else ''} |"
             )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 1 if failed else 0
 
 

@@ -89,6 +89,9 @@ from mok.kernels.launch import DeferredDescriptor, fast_launch
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 from mok.reference.expert import limit_edges
 
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+"""Gluon's barrier of a CTA's threads: `thread_barrier` up to Triton 3.6, `barrier` from 3.8."""
+
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
 TIMED_OUT_CODE = gl.constexpr(TIMED_OUT)
@@ -592,7 +595,7 @@ def _scatter_staged(buf, target, row, row_end, n_off, N, RANKS: gl.constexpr):
     counts_at = gl.load(counts_offsets_ptr + peers, mask=signal, other=0)
     # Every thread's stores precede the release adds (this consumer's barrier), which publish them
     # at system scope: the rows may live on another GPU.
-    gl.thread_barrier()
+    _thread_barrier()
     gl.atomic_add(counts_ptr + counts_at + rank, landed, mask=signal, sem="release", scope="sys")
 
 

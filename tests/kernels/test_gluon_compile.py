@@ -1,0 +1,67 @@
+"""The warp-specialized Gluon kernels compile for Hopper on a machine with no GPU.
+
+`scripts/gluon_compile_check.py` runs in its own process (it replaces Triton's active driver),
+compiles each Gluon kernel variant the layer launches to PTX for sm_90a with the installed Triton
+and runs the bundled ptxas on it. Bugs this catches on CPU-only CI, before any GPU sees the
+change: a Gluon edit that does not compile (a wrong layout, a type that differs between a loop's
+iterations, a partition's arguments out of step, an API that a newer Triton renamed), a ring or
+tile change that asks for more shared memory than a Hopper block has, and a change that makes a
+kernel spill registers where it did not. Correctness stays with the GPU tests
+(`test_warp_specialized.py`); the tl kernels run under the interpreter in other CPU tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+ROOT = Path(__file__).resolve().parents[2]
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+GLUON_CASES = r"^(?!tl )(?!.*K=136)"
+"""Every Gluon variant but the repeat of the gathered rows at an odd K: ~40 kernels, ~1 minute
+on two cores."""
+
+KNOWN_SPILL_BYTES = {
+    # ptxas's spill stores and loads, summed (Triton 3.6 and 3.8). The clamped SwiGLU backward's
+    # epilogue (gpt-oss) keeps its masks beside the gradients; the waiting gate/up kernel keeps the
+    # readiness wait's bounds.
+    "down_dgrad_swiglu 64x128 limit=7.0": 1024,
+    "down_dgrad_swiglu 128x128 cooperative limit=7.0": 1024,
+    "gate_up_swiglu waiting 64x128": 64,
+    "gate_up_swiglu waiting 128x128 cooperative": 64,
+}
+
+
+@pytest.mark.skipif(not PTXAS.exists(), reason="Triton without its NVIDIA backend (ptxas)")
+def test_every_gluon_kernel_compiles_for_hopper_within_its_resources(tmp_path):
+    from mok.kernels import warp_specialized as ws
+
+    out = tmp_path / "gluon.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("TRITON_INTERPRET", None)
+    script = ROOT / "scripts" / "gluon_compile_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--cases", GLUON_CASES, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    labels = {row["label"] for row in rows}
+    assert len(labels) >= 30 and all("error" not in row for row in rows)
+    assert any("claiming" in label for label in labels)
+    assert any("scatter" in label for label in labels)
+    assert any(label.startswith("wgrad") for label in labels)
+    for row in rows:
+        assert 0 < row["shared"] <= 232448, row
+        assert row["registers"] <= ws.MAX_REGISTERS, row
+        assert row["spill_bytes"] <= KNOWN_SPILL_BYTES.get(row["label"], 0), row
