@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 GLUON_CASES = r"^(?!tl )(?!.*K=136)"
-"""Every Gluon variant but the repeat of the gathered rows at an odd K: ~40 kernels, ~1 minute
+"""Every Gluon variant but the repeat of the gathered rows at an odd K: 38 labels, ~1 minute
 on two cores."""
 
 KNOWN_SPILL_BYTES = {
