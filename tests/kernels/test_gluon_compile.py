@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 GLUON_CASES = r"^(?!tl )(?!.*K=136)"
-"""Every Gluon variant but the repeat of the gathered rows at an odd K: 38 labels, ~1 minute
-on two cores."""
+"""Every Gluon variant but the repeat of the gathered rows at an odd K: 38 labels, ~90 s
+on two cores with a cold Triton cache."""
 
 KNOWN_SPILL_BYTES = {
     # ptxas's spill stores and loads, summed (Triton 3.6 and 3.8). The clamped SwiGLU backward's
