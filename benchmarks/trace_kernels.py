@@ -12,11 +12,11 @@ beside the same product timed alone (`warp_specialized.py`).
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import re
 import statistics
 import sys
+
+from trace_gaps import gpu_kernels
 
 PRODUCTS = r"enable_3x_kernel|_rows_wt_kernel|_group_at_b_kernel"
 """The expert products: CUTLASS's grouped GEMM (`torch._grouped_mm`) and our Gluon kernels."""
@@ -25,14 +25,11 @@ PRODUCTS = r"enable_3x_kernel|_rows_wt_kernel|_group_at_b_kernel"
 def matching_kernels(path: str, pattern: str) -> list[tuple[str, float]]:
     """(name, milliseconds) of every GPU kernel of the trace at `path` whose name matches, in the
     order they started."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    kernels = sorted(
-        (e for e in events if e.get("cat") == "kernel" and re.search(pattern, e["name"])),
-        key=lambda e: e["ts"],
-    )
-    return [(e["name"], e["dur"] / 1e3) for e in kernels]
+    return [
+        (e["name"], e["dur"] / 1e3)
+        for e in gpu_kernels(path)
+        if e["cat"] == "kernel" and re.search(pattern, e["name"])
+    ]
 
 
 def main(argv=None) -> int:

@@ -62,6 +62,18 @@ def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
         assert max(abs(a - b) for a, b in zip(result["losses"], reference, strict=True)) < 0.05
 
 
+def eager_and_compiled_results(script, tmp_path, args: list[str]) -> tuple[dict, dict]:
+    """The script's results by implementation for `args`, run eagerly, then compiled by
+    aot_eager."""
+    assert script.main([*args, "--out", str(tmp_path / "eager")]) == 0
+    assert script.main([*args, "--compile", "aot_eager", "--out", str(tmp_path / "compiled")]) == 0
+    eager, compiled = (
+        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]
+        for run in ("eager", "compiled")
+    )
+    return eager, compiled
+
+
 def test_compiled_expert_parallel_training_follows_the_eager_run(script, tmp_path):
     """EP 2 on gloo ranks with --compile aot_eager, the CPU's MoK layer on the reference backend
     (which no custom op can hold): the layer runs eagerly between the compiled graphs, the losses
@@ -70,13 +82,8 @@ def test_compiled_expert_parallel_training_follows_the_eager_run(script, tmp_pat
     args = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
     args += ["--moe-intermediate", "32", "--steps", "3", "--warmup", "1", "--seq", "16"]
     args += ["--batch", "2", "--ep", "2", "--implementations", "mok", "--device", "cpu"]
-    assert script.main([*args, "--out", str(tmp_path / "eager")]) == 0
-    assert script.main([*args, "--compile", "aot_eager", "--out", str(tmp_path / "compiled")]) == 0
-    eager, compiled = (
-        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]["mok"]["losses"]
-        for run in ("eager", "compiled")
-    )
-    assert compiled == eager
+    eager, compiled = eager_and_compiled_results(script, tmp_path, args)
+    assert compiled["mok"]["losses"] == eager["mok"]["losses"]
 
 
 def test_gradient_accumulation_steps(script, tmp_path):
@@ -148,12 +155,7 @@ def test_compiled_training_follows_the_eager_run(script, tmp_path):
     args = ["--device", "cpu", "--implementations", "eager,mok", "--steps", "6", "--warmup", "1"]
     args += ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
     args += ["--moe-intermediate", "32", "--batch", "2", "--seq", "16", "--lr", "3e-3"]
-    assert script.main([*args, "--out", str(tmp_path / "eager")]) == 0
-    assert script.main([*args, "--compile", "aot_eager", "--out", str(tmp_path / "compiled")]) == 0
-    eager, compiled = (
-        json.loads((tmp_path / run / "train-e2e.json").read_text())["results"]
-        for run in ("eager", "compiled")
-    )
+    eager, compiled = eager_and_compiled_results(script, tmp_path, args)
     assert compiled["eager"]["losses"] == eager["eager"]["losses"]
     assert compiled["mok"]["max_loss_difference"] < 0.05
     assert compiled["mok"]["losses"][-1] < compiled["mok"]["losses"][0]
