@@ -1,7 +1,8 @@
 """The warp-specialized Gluon grouped GEMMs against the tl kernels they replace, one GPU.
 
     PYTHONPATH=src python3 benchmarks/warp_specialized.py [--tokens 8192] [--products ...]
-                                                          [--routing balanced] [--out F]
+                                                          [--routing balanced] [--gpt-oss]
+                                                          [--out F]
 
 Products (--products, default all): the forward's two, gate/up + SwiGLU, h[group e] =
 swiglu(x @ W_gate[e].T, x @ W_up[e].T) saving the pre-activations for the backward (x [M, H], W_gate
@@ -23,6 +24,9 @@ every product's GEMM through torch._grouped_mm (PyTorch's CUTLASS grouped GEMM, 
 experts run), without the epilogue our kernels fuse: its error is of the whole product with that
 epilogue added untimed in fp32, its time a lower bound for the native path's.
 "% of dense" divides by cuBLAS (torch.mm) at 8192^3 in the same run.
+--gpt-oss: gate_up, down and down_dgrad compute gpt-oss's experts instead (its activation gate *
+sigmoid(1.702 gate) * (up + 1) after the clamp at 7, and biases on gate, up and down), in our
+kernels and, untimed, after the native GEMM for its error.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from mok.bench import git_commit
 from mok.kernels import default_config
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
-from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+from mok.kernels.grouped_gemm import Activation, GemmTiles, row_tile_map
+from mok.reference.expert import swiglu
 from mok.testing import relative_error
 
 PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "kimi-k2")
@@ -116,16 +121,21 @@ def cutlass_line(name, product, tokens, m, timing, flops, dense, error) -> str:
     )
 
 
-SHAPES = {"gpt-oss-120b": (128, 2880, 2880, 4)}
-"""Shapes beside mok's presets, by name: (experts, hidden, intermediate, top_k). gpt-oss-120b's
-is the short-group case with a hidden size off the tiles (256 rows per expert at 8192 tokens,
-H = I = 2880 = 11.25 x 256); the kernels run plain SwiGLU on it (its clamp and biases aside)."""
+GPT_OSS = Activation(1.702, 1.0)
+GPT_OSS_LIMIT = 7.0
+
+
+def activation(gate, up, gpt_oss: bool):
+    """The experts' activation in fp32: SwiGLU, or gpt-oss's (its clamp, alpha and offset)."""
+    if gpt_oss:
+        return swiglu(gate, up, GPT_OSS_LIMIT, GPT_OSS.alpha, GPT_OSS.up_offset)
+    return torch.nn.functional.silu(gate) * up
 
 
 def _shape(name: str) -> tuple[int, int, int, int]:
-    """(experts, hidden, intermediate, top_k) of a preset, or of one of SHAPES."""
-    if name in SHAPES:
-        return SHAPES[name]
+    """(experts, hidden, intermediate, top_k) of a preset (gpt-oss's: the short-group case with a
+    hidden size off the tiles, H = I = 2880 = 11.25 x 256; its activation and biases with
+    --gpt-oss)."""
     shape = mok.PRESETS[name]
     return shape.num_experts, shape.hidden_size, shape.intermediate_size, shape.top_k
 
@@ -151,11 +161,22 @@ def group_sizes(routing: str, tokens: int, top_k: int, experts: int, gen) -> lis
 
 
 def bench(
-    name: str, product: str, tokens: int, dense: float, gen, fused=False, routing="uniform"
+    name: str,
+    product: str,
+    tokens: int,
+    dense: float,
+    gen,
+    fused=False,
+    routing="uniform",
+    gpt_oss=False,
 ) -> list[str]:
     experts, hidden, inter, top_k = _shape(name)
     down = product == "down"
     k_dim = inter if down else hidden
+    n_dim = hidden if down else inter
+    biases = [randn(experts, n_dim, gen=gen) for _ in range(1 if down else 2)] if gpt_oss else None
+    limit = GPT_OSS_LIMIT if gpt_oss else None
+    options = {"activation": GPT_OSS, "biases": biases} if gpt_oss else {}
     sets = []
     for _ in range(2):
         sizes = group_sizes(routing, tokens, top_k, experts, gen)
@@ -180,9 +201,12 @@ def bench(
         tl_kernel = label.startswith("tl")
         if down:
             kernel = gg.down if tl_kernel else ws.rows_wt
-            return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
+            bias = biases[0] if gpt_oss else None
+            return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg, bias=bias)
         kernel = gg.gate_up_swiglu if tl_kernel else ws.gate_up_swiglu
-        return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], None, True, cfg)
+        return lambda i: kernel(
+            sets[i][0], *weights, maps[i, cfg.block_m], limit, True, cfg, **options
+        )
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
     # The native experts' GEMM: one [2I] wide product for gate and up (their fused weight).
@@ -195,7 +219,9 @@ def bench(
     pieces = []
     for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
         products = [rows[a:b].float() @ w[e].float().T for w in weights]
-        pieces.append(products[0] if down else torch.nn.functional.silu(products[0]) * products[1])
+        if gpt_oss:
+            products = [p + bias[e].float() for p, bias in zip(products, biases, strict=True)]
+        pieces.append(products[0] if down else activation(*products, gpt_oss))
     expected = torch.cat(pieces)
     tl_label = next(iter(configs))
     lines = []
@@ -222,8 +248,11 @@ def bench(
         if error > 4e-3:
             raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
     native = results[CUTLASS].float()
+    if gpt_oss:  # the biases and the activation after the native GEMM, untimed
+        expert = torch.repeat_interleave(torch.arange(experts, device="cuda"), offsets.diff())
+        native = native + torch.cat(biases, 1)[expert].float()
     if not down:
-        native = torch.nn.functional.silu(native[:, :inter]) * native[:, inter:]
+        native = activation(native[:, :inter], native[:, inter:], gpt_oss)
     error = relative_error(native, expected)
     lines.append(cutlass_line(name, product, tokens, m, times[CUTLASS], flops, dense, error))
     if error > 4e-3:
@@ -231,15 +260,22 @@ def bench(
     return lines
 
 
-def _swiglu_grads(grad_h, gate, up):
-    """fp32 gradients of silu(gate) * up (no clamp) through autograd."""
+def _swiglu_grads(grad_h, gate, up, gpt_oss=False):
+    """fp32 gradients of the activation (`activation`) through autograd."""
     gate, up = gate.float().requires_grad_(), up.float().requires_grad_()
-    h = torch.nn.functional.silu(gate) * up
+    h = activation(gate, up, gpt_oss)
     return torch.autograd.grad(h, (gate, up), grad_h.float())
 
 
 def bench_dgrad(
-    name: str, product: str, tokens: int, dense: float, gen, fused=False, routing="uniform"
+    name: str,
+    product: str,
+    tokens: int,
+    dense: float,
+    gen,
+    fused=False,
+    routing="uniform",
+    gpt_oss=False,
 ) -> list[str]:
     """gate_up_dgrad: grad_x = grad_gate @ W_gate[e] + grad_up @ W_up[e]; down_dgrad: the gate |
     up gradients from grad_out through W_down[e] and the SwiGLU backward."""
@@ -275,8 +311,9 @@ def bench_dgrad(
         tl_kernel = label.startswith("tl")
         if down:
             kernel = gg.down_dgrad_swiglu if tl_kernel else ws.down_dgrad_swiglu
+            limit, options = (GPT_OSS_LIMIT, {"activation": GPT_OSS}) if gpt_oss else (None, {})
             return lambda i: kernel(
-                sets[i][0], weights[0], sets[i][1], maps[i, cfg.block_m], None, cfg
+                sets[i][0], weights[0], sets[i][1], maps[i, cfg.block_m], limit, cfg, **options
             )
         kernel = gg.gate_up_dgrad if tl_kernel else ws.gate_up_dgrad
         return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
@@ -291,7 +328,7 @@ def bench_dgrad(
     for e, (lo, hi) in enumerate(zip(bounds, bounds[1:], strict=False)):
         if down:
             grad_h = (a[lo:hi].float() @ weights[0][e].float()).bfloat16()
-            pieces.append(torch.cat(_swiglu_grads(grad_h, *saved[lo:hi].chunk(2, 1)), 1))
+            pieces.append(torch.cat(_swiglu_grads(grad_h, *saved[lo:hi].chunk(2, 1), gpt_oss), 1))
         else:
             pieces.append(
                 a[lo:hi, :inter].float() @ weights[0][e].float()
@@ -315,7 +352,7 @@ def bench_dgrad(
             raise AssertionError(f"{name} {product} {label}: error {error:.2e}, {bitwise=}")
     native = results[CUTLASS]
     if down:  # the SwiGLU backward the native path runs after its GEMM (untimed here)
-        native = torch.cat(_swiglu_grads(native, *saved.chunk(2, 1)), 1)
+        native = torch.cat(_swiglu_grads(native, *saved.chunk(2, 1), gpt_oss), 1)
     error = relative_error(native, expected)
     lines.append(cutlass_line(name, product, tokens, m, times[CUTLASS], flops, dense, error))
     if error > 4e-3:
@@ -559,6 +596,11 @@ def main(argv=None) -> int:
         default="uniform",
         help="rows per expert: top-k of random logits, or split evenly",
     )
+    parser.add_argument(
+        "--gpt-oss",
+        action="store_true",
+        help="gate_up, down and down_dgrad with gpt-oss's activation, clamp and biases",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -568,7 +610,8 @@ def main(argv=None) -> int:
         f"# Warp-specialized Gluon grouped GEMMs vs tl ({datetime.date.today()})",
         "",
         f"- commit {commit}; {torch.cuda.get_device_name()}; torch "
-        f"{torch.__version__}; routing {args.routing}; command: `{' '.join(sys.argv)}`",
+        f"{torch.__version__}; routing {args.routing}; command: `{' '.join(sys.argv)}`"
+        + ("; gpt-oss's experts" if args.gpt_oss else ""),
         f"- cuBLAS dense 8192^3 in this run: {dense:.0f} TFLOP/s",
         "",
         "| preset | product | tokens | rows | kernel | ms (10-90 %) | TFLOP/s | % of dense | "
@@ -582,6 +625,8 @@ def main(argv=None) -> int:
             for product in args.products.split(","):
                 fused = args.fused_gate_up and product in ("gate_up", "gate_up_dgrad")
                 extra = {"fused": True} if fused else {}
+                if args.gpt_oss and product in ("gate_up", "down", "down_dgrad"):
+                    extra["gpt_oss"] = True
                 rows = RUNNERS[product](
                     name, product, tokens, dense, gen, routing=args.routing, **extra
                 )

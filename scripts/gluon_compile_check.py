@@ -112,7 +112,7 @@ class _StandInClaims:
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
     from mok.kernels import warp_specialized as ws
-    from mok.kernels.grouped_gemm import GemmTiles, RowScatter, RowsReady, RowTiles
+    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowScatter, RowsReady, RowTiles
 
     def tiles(cfg):
         capacity = triton.cdiv(m, cfg.block_m) + experts + 2
@@ -248,6 +248,40 @@ def cases():
                 f"down_dgrad_swiglu {label} limit={limit}",
                 lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
             )
+    # gpt-oss's experts: its activation, clamp and biases.
+    gpt_oss = Activation(1.702, 1.0)
+    bias_i = torch.zeros(experts, inter, dtype=bf16)
+    bias_h = torch.zeros(experts, hidden, dtype=bf16)
+    for label, cfg in swiglu.items():
+        problem = dataclasses.replace(
+            swiglu_problem(7.0, source=source_rows), activation=gpt_oss, bias=bias_i, bias2=bias_i
+        )
+        yield (
+            f"gate_up_swiglu gpt-oss gather {label}",
+            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+        )
+    for label, cfg in dgrad_swiglu.items():
+        problem = ws._RowsProblem(
+            ws.DOWN_DGRAD_SWIGLU.value,
+            x,
+            w_down,
+            torch.zeros_like(gate_up),
+            gate_up=gate_up,
+            swiglu_limit=7.0,
+            activation=gpt_oss,
+        )
+        yield (
+            f"down_dgrad_swiglu gpt-oss {label}",
+            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+        )
+    for label, cfg in single.items():
+        problem = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x, bias=bias_h)
+        yield f"down bias {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+        problem = dataclasses.replace(problem, source_rows=source_rows, scatter=scatter)
+        yield (
+            f"down bias gather+scatter {label}",
+            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+        )
 
 
 def tl_cases():

@@ -1,6 +1,8 @@
 """The standard PyTorch path (`mok.baseline`) against the single-process reference: forward and
 every gradient, in one process, on 2 gloo ranks (no tokens on a rank, no rows for a rank, empty
-experts, skewed routings) and on CUDA."""
+experts, skewed routings) and on CUDA; plain SwiGLU experts and gpt-oss's (its activation and the
+experts' biases, std 1/sqrt(fan-in): a bias lost, taken from another expert's rows or added
+after the activation moves y and the gradients by ~1e-1, past the tolerance)."""
 
 import dataclasses
 
@@ -28,7 +30,8 @@ TOP1 = TINY.replace(top_k=1, shared_intermediate_size=0)
 ODD = mok.MoKConfig(
     hidden_size=48, intermediate_size=40, num_experts=6, top_k=3, shared_intermediate_size=24
 )
-CONFIGS = {"tiny": TINY, "top1-no-shared": TOP1, "odd-shapes": ODD}
+GPT_OSS_EXPERTS = ODD.replace(swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True)
+CONFIGS = {"tiny": TINY, "top1-no-shared": TOP1, "odd-shapes": ODD, "gpt-oss": GPT_OSS_EXPERTS}
 
 
 def baseline_errors_on_rank(case, rank, group=None, device="cpu"):
@@ -107,6 +110,7 @@ def two_rank_scenarios():
     cases.append(scenario(TOP1, [40, 52], "zipf", 8))
     cases.append(scenario(ODD, [29, 30], "half-empty", 9))
     cases.append(scenario(TINY.replace(swiglu_limit=0.8), [96, 80], "zipf", 10))
+    cases.append(scenario(GPT_OSS_EXPERTS, [33, 0], "half-empty", 11))
     return cases
 
 
@@ -129,6 +133,7 @@ def test_on_cuda_matches_reference():
         scenario(TINY, [200], "half-empty", 1),
         scenario(TINY.replace(swiglu_limit=0.8), [256], "zipf", 2),
         scenario(ODD, [100], "one-expert", 3),
+        scenario(GPT_OSS_EXPERTS, [200], "half-empty", 4),
     ]
     for case in cases:
         assert_close_to_reference(baseline_errors_on_rank(case, 0, device="cuda"), case["config"])

@@ -4,9 +4,10 @@ process (the local exchange) and on 2 or 3 ranks over the NVLink protocol: on th
 shared file standing in for symmetric memory (kernels under the Triton interpreter, the copy
 before the products), and on one GPU with the ranks' processes sharing it (CUDA IPC; the copy on
 its own stream beside the products, with real waits). Covered: the shared expert, the SwiGLU
-clamp, an expert id out of range, a rank without tokens, every pair on one expert, receive
-buffers too small, receive buffers sized by the pairs received (`exact_buffers`), layers stacked
-on one exchange, and when each per-pair buffer of the backward is dropped.
+clamp, gpt-oss's experts (its activation and biases), an expert id out of range, a rank without
+tokens, every pair on one expert, receive buffers too small, receive buffers sized by the pairs
+received (`exact_buffers`), layers stacked on one exchange, and when each per-pair buffer of the
+backward is dropped.
 
 Bugs these catch: a grouped row read before it landed (stale or zero rows: y differs), a row
 stored to the wrong pair slot or rank, a count that completes before the last column tile
@@ -50,6 +51,10 @@ GPU_CONFIG = mok.MoKConfig(
     comm_sms=16,
     peer_timeout_s=SHARING_PEER_TIMEOUT_S,
 )
+
+GPT_OSS_EXPERTS = {"swiglu_alpha": 1.702, "swiglu_up_offset": 1.0, "expert_bias": True}
+"""gpt-oss's activation and biases (a bias lost or added to the wrong expert's rows in the down
+product's peer-store epilogue, or the activation's plain form, changes y and every gradient)."""
 
 
 def both_backends(rank, world, scenarios, device, shared_dir=None, overlap=None):
@@ -110,7 +115,11 @@ def cases(config, world) -> list[Scenario]:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("config", [CONFIG, SMALL], ids=["shared-clamp", "small"])
+@pytest.mark.parametrize(
+    "config",
+    [CONFIG, SMALL, dataclasses.replace(CONFIG, **GPT_OSS_EXPERTS)],
+    ids=["shared-clamp", "small", "gpt-oss"],
+)
 def test_one_process_matches_the_triton_backend_bitwise(config):
     outcomes = both_backends(0, 1, cases(config, 1), CPU)
     assert_bitwise_equal(outcomes)
@@ -118,12 +127,18 @@ def test_one_process_matches_the_triton_backend_bitwise(config):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dispatch", ["pull", "push"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_expert_parallel_matches_the_triton_backend_bitwise(world, dispatch, tmp_path):
+@pytest.mark.parametrize(
+    "world, dispatch, experts",
+    [(2, "pull", "swiglu"), (2, "push", "swiglu"), (3, "pull", "swiglu"), (3, "push", "swiglu")]
+    + [(2, "pull", "gpt-oss")],
+)
+def test_expert_parallel_matches_the_triton_backend_bitwise(world, dispatch, experts, tmp_path):
     """Both dispatches of the overlapped layer (the push: staging, then the expand waiting on
-    the senders' flags beside the products), against the triton backend's same dispatch."""
+    the senders' flags beside the products), against the triton backend's same dispatch; and
+    gpt-oss's experts, whose down bias rides the peer-store epilogue to the token's rank."""
     config = dataclasses.replace(CONFIG, dispatch=dispatch)
+    if experts == "gpt-oss":
+        config = dataclasses.replace(config, **GPT_OSS_EXPERTS)
     per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
     for rank, outcomes in enumerate(per_rank):
         assert outcomes[0][1]["exchange"] == "SymmetricExchange", rank
@@ -196,13 +211,18 @@ def test_fused_says_why_it_cannot_run_without_the_nvlink_exchange():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["swiglu", "gpt-oss"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["beside", "copy-first"])
-def test_one_gpu_matches_the_triton_backend_bitwise(overlap):
+def test_one_gpu_matches_the_triton_backend_bitwise(overlap, experts):
     """The compiled kernels (warp-specialized on Hopper); beside: the copy on its own stream,
     running at the same time as the products that wait for its rows (real concurrency, unlike
-    ranks sharing a GPU, whose kernels take turns)."""
+    ranks sharing a GPU, whose kernels take turns). gpt-oss: its activation and biases in the
+    Gluon epilogues, the down bias in the peer-store one."""
     device = torch.device("cuda", 0)
-    outcomes = both_backends(0, 1, cases(GPU_CONFIG, 1), device, overlap=overlap)
+    config = GPU_CONFIG
+    if experts == "gpt-oss":
+        config = dataclasses.replace(GPU_CONFIG, **GPT_OSS_EXPERTS)
+    outcomes = both_backends(0, 1, cases(config, 1), device, overlap=overlap)
     assert_bitwise_equal(outcomes)
 
 

@@ -242,7 +242,8 @@ def test_the_weights_are_rows_the_hopper_kernels_read_in_place(name):
     same distance apart). Host code, checked on the CPU. Catches a change of the views (a
     transpose, a copy, another split) that would send every adapted model's gate/up products to
     the slower tl kernels, as contiguity checks once did (1.08x / 1.27x slower at qwen3-30b-a3b).
-    gpt-oss's gate and up interleave along I: not rows, the tl kernels run its activation."""
+    gpt-oss's gate and up interleave along I: every other row of gate_up_proj, each expert's I
+    rows 2H elements apart."""
     from mok.kernels import warp_specialized as ws
 
     _, model = build(name, mok_transformers.IMPLEMENTATION)
@@ -251,10 +252,13 @@ def test_the_weights_are_rows_the_hopper_kernels_read_in_place(name):
     for module in modules:
         weights = mok_transformers._weights(module)
         gate, up, down = (ws._expert_rows(w) for w in (weights.gate, weights.up, weights.down))
-        if name == "gpt-oss":
-            assert gate is None and up is None
-            continue
         assert None not in (gate, up, down)
+        if name == "gpt-oss":
+            inter, hidden = weights.gate.shape[1:]
+            assert gate[1] == up[1] == inter and gate[0].stride() == (2 * hidden, 1)
+            assert gate[0].data_ptr() == module.gate_up_proj.data_ptr()
+            assert up[0].data_ptr() == gate[0].data_ptr() + hidden * gate[0].element_size()
+            continue
         inter = weights.gate.shape[1]
         assert gate[1] == up[1] == 2 * inter and down[1] == weights.down.shape[1]
         assert gate[0].data_ptr() == module.gate_up_proj.data_ptr()  # the parameter itself

@@ -9,7 +9,9 @@ One call, on this rank's tokens:
 3. `all_to_all_single` the rows to the ranks that own their experts;
 4. on the owner, reorder the rows from (source rank, local expert) blocks into local-expert-major
    order and run the experts: `torch._grouped_mm` for gate and up, SwiGLU in PyTorch,
-   `torch._grouped_mm` for down;
+   `torch._grouped_mm` for down (gpt-oss's experts: its activation, and each row's expert bias
+   added after the GEMMs, gathered by a `repeat_interleave` of the group sizes, as TorchTitan's
+   gpt-oss experts do);
 5. undo the reorder, `all_to_all_single` the outputs back, undo the sort, and combine the k outputs
    of each token with its router weights, plus the shared expert (plain matmuls).
 Autograd differentiates all of it.
@@ -36,7 +38,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mok.distributed import all_to_all, group_rank_and_size
-from mok.errors import MoKInputError
 from mok.module import MoE
 from mok.reference.expert import swiglu
 from mok.weights import MoEWeights
@@ -49,15 +50,18 @@ def baseline_moe(
     weights: MoEWeights,
     group: dist.ProcessGroup | None = None,
     swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
+    swiglu_up_offset: float = 0.0,
 ) -> torch.Tensor:
     """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
 
     x [T, H] bf16 (T may be 0); topk_idx [T, k] global expert ids in [0, E); topk_weights [T, k]
     (any float dtype); weights holds this rank's E_loc = E / ep experts (expert e lives on rank
-    e // E_loc). Returns y [T, H] in x's dtype.
+    e // E_loc), with the routed experts' biases where it has them. The activation is
+    `mok.reference.expert.swiglu` with swiglu_limit, swiglu_alpha and swiglu_up_offset. Returns
+    y [T, H] in x's dtype.
     """
-    if weights.gate_bias is not None:
-        raise MoKInputError("the baseline computes experts without biases")
+    activation = (swiglu_limit, swiglu_alpha, swiglu_up_offset)
     tokens, top_k = topk_idx.shape
     local_experts = weights.gate.shape[0]
     _, ep_size = group_rank_and_size(group)
@@ -71,7 +75,7 @@ def baseline_moe(
     sent = _GatherRows.apply(x, pair_order, pair_order_inverse, top_k)  # [T*k, H] by expert
 
     if ep_size == 1:
-        expert_out = _experts(sent, counts, weights, swiglu_limit)
+        expert_out = _experts(sent, counts, weights, activation)
         returned = expert_out
     else:
         recv_counts = torch.empty_like(counts)
@@ -83,7 +87,7 @@ def baseline_moe(
         grouped_order = _source_to_expert_major(recv_counts, received.shape[0])
         grouped_order_inverse = _inverse_permutation(grouped_order)
         grouped = _GatherRows.apply(received, grouped_order, grouped_order_inverse, 1)
-        expert_out = _experts(grouped, recv_counts.sum(0), weights, swiglu_limit)
+        expert_out = _experts(grouped, recv_counts.sum(0), weights, activation)
         back = _GatherRows.apply(expert_out, grouped_order_inverse, grouped_order, 1)
         returned = all_to_all(back, send_splits, recv_splits, group)
 
@@ -91,7 +95,7 @@ def baseline_moe(
     pair_out = pair_out.view(tokens, top_k, x.shape[1])
     router = topk_weights.to(x.dtype).unsqueeze(1)  # [T, 1, k]
     if weights.has_shared_expert:
-        shared = _mlp(x, weights.shared_gate, weights.shared_up, weights.shared_down, swiglu_limit)
+        shared = _mlp(x, weights.shared_gate, weights.shared_up, weights.shared_down, activation)
         return torch.baddbmm(shared.unsqueeze(1), router, pair_out).squeeze(1)
     return torch.bmm(router, pair_out).squeeze(1)
 
@@ -104,13 +108,16 @@ class BaselineMoE(MoE):
     def forward(
         self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        if not self.config.plain_swiglu:
-            raise MoKInputError(
-                "the baseline computes SwiGLU experts without biases (swiglu_alpha=1, "
-                "swiglu_up_offset=0, expert_bias=False)"
-            )
+        config = self.config
         return baseline_moe(
-            x, topk_idx, topk_weights, self.weights, self.group, self.config.swiglu_limit
+            x,
+            topk_idx,
+            topk_weights,
+            self.weights,
+            self.group,
+            config.swiglu_limit,
+            config.swiglu_alpha,
+            config.swiglu_up_offset,
         )
 
 
@@ -158,23 +165,34 @@ def _experts(
     rows: torch.Tensor,
     group_sizes: torch.Tensor,
     weights: MoEWeights,
-    swiglu_limit: float | None,
+    activation: tuple[float | None, float, float],
 ) -> torch.Tensor:
-    """Rows [R, H] grouped by local expert (group_sizes [E_loc] on the device) -> outputs [R, H]."""
+    """Rows [R, H] grouped by local expert (group_sizes [E_loc] on the device) -> outputs [R, H];
+    activation: swiglu's (limit, alpha, up_offset)."""
+    biases = weights.expert_biases()
     if rows.shape[0] == 0:
         # torch._grouped_mm cannot differentiate a call with no rows on CUDA (its weight gradient
         # has a zero-length reduction: pytorch/pytorch#192497). Skip the GEMMs, but keep rows and
         # weights in the graph: the weights get zero gradients, and the backward all_to_all still
         # runs on this rank as on the others.
-        untouched = [weights.gate, weights.up, weights.down]
+        untouched = [weights.gate, weights.up, weights.down, *(biases or ())]
         return rows * 0 + sum(w[:0].sum() for w in untouched)
     ends = group_sizes.cumsum(0).to(torch.int32)
     gate = torch._grouped_mm(rows, weights.gate.transpose(1, 2), offs=ends)
     up = torch._grouped_mm(rows, weights.up.transpose(1, 2), offs=ends)
-    h = swiglu(gate, up, swiglu_limit)
-    return torch._grouped_mm(h, weights.down.transpose(1, 2), offs=ends)
+    if biases is not None:
+        experts = torch.arange(group_sizes.shape[0], device=rows.device)
+        # output_size: the row count is known, so no host synchronization.
+        row_expert = torch.repeat_interleave(experts, group_sizes, output_size=rows.shape[0])
+        gate = gate + biases[0][row_expert]
+        up = up + biases[1][row_expert]
+    h = swiglu(gate, up, *activation)
+    out = torch._grouped_mm(h, weights.down.transpose(1, 2), offs=ends)
+    if biases is not None:
+        out = out + biases[2][row_expert]
+    return out
 
 
-def _mlp(x, w_gate, w_up, w_down, swiglu_limit):
+def _mlp(x, w_gate, w_up, w_down, activation):
     """The shared expert: x [T, H], w_gate, w_up [I_s, H], w_down [H, I_s] -> [T, H]."""
-    return F.linear(swiglu(F.linear(x, w_gate), F.linear(x, w_up), swiglu_limit), w_down)
+    return F.linear(swiglu(F.linear(x, w_gate), F.linear(x, w_up), *activation), w_down)

@@ -77,6 +77,7 @@ class BenchSpec:
     warmup: int = 5
     check_tokens: int = 1024
     swiglu_limit: float | None = None
+    """The SwiGLU clamp; None: the preset's (gpt-oss's 7, else none)."""
     seed: int = 0
     progress: bool = True
     dense_tflops: float | None = None
@@ -113,9 +114,10 @@ class BenchSpec:
         pairs = None
         if self.pair_capacity_factor is not None:
             pairs = max(1, math.ceil(self.pair_capacity_factor * tokens * preset.top_k))
+        clamp = {} if self.swiglu_limit is None else {"swiglu_limit": self.swiglu_limit}
         return preset.config(
             backend=self.backend,
-            swiglu_limit=self.swiglu_limit,
+            **clamp,
             max_tokens_per_rank=tokens,
             recv_pair_capacity=pairs,
             exact_buffers=self.exact_buffers,

@@ -151,7 +151,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1024,
         help="tokens per rank of the correctness check before timing",
     )
-    bench.add_argument("--swiglu-limit", type=_positive_float, default=None)
+    bench.add_argument(
+        "--swiglu-limit",
+        type=_positive_float,
+        default=None,
+        metavar="L",
+        help="clamp the experts' pre-activations at L (default: the preset's; gpt-oss's 7)",
+    )
     bench.add_argument(
         "--pair-capacity-factor",
         type=_positive_float,
@@ -278,7 +284,8 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
                     f"{torch.cuda.device_count()}"
                 )
             for precision in args.precision:
-                config = PRESETS[name].config(swiglu_limit=args.swiglu_limit, precision=precision)
+                clamp = {} if args.swiglu_limit is None else {"swiglu_limit": args.swiglu_limit}
+                config = PRESETS[name].config(precision=precision, **clamp)
                 if args.backend != "auto":
                     backend = BACKENDS[Backend(args.backend)]
                     reason = backend.unavailable_reason(config, torch.device(device), None)

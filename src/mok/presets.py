@@ -19,6 +19,9 @@ class Preset:
     shared_intermediate_size: int = 0
     default_tokens: int = 8192
     """Tokens per rank the benchmark uses unless told otherwise."""
+    expert_options: tuple[tuple[str, object], ...] = ()
+    """MoKConfig fields of the experts' activation and biases where they are not plain SwiGLU
+    without biases (gpt-oss's), as (name, value) pairs."""
 
     def config(self, **overrides) -> MoKConfig:
         """The MoKConfig of this layer; `overrides` set other fields (precision, backend, ...)."""
@@ -28,9 +31,20 @@ class Preset:
             num_experts=self.num_experts,
             top_k=self.top_k,
             shared_intermediate_size=self.shared_intermediate_size,
+            **dict(self.expert_options),
         )
         fields.update(overrides)
         return MoKConfig(**fields)
+
+
+GPT_OSS_EXPERTS = (
+    ("swiglu_limit", 7.0),
+    ("swiglu_alpha", 1.702),
+    ("swiglu_up_offset", 1.0),
+    ("expert_bias", True),
+)
+"""gpt-oss's experts: gate * sigmoid(1.702 * gate) * (up + 1) after the clamp at 7, with biases on
+gate, up and down."""
 
 
 PRESETS: dict[str, Preset] = {
@@ -42,6 +56,8 @@ PRESETS: dict[str, Preset] = {
         Preset("deepseek-v3", 7168, 2048, 256, 8, shared_intermediate_size=2048),
         Preset("kimi-k2", 7168, 2048, 384, 8, shared_intermediate_size=2048),
         Preset("mixtral-8x7b", 4096, 14336, 8, 2),
+        Preset("gpt-oss-20b", 2880, 2880, 32, 4, expert_options=GPT_OSS_EXPERTS),
+        Preset("gpt-oss-120b", 2880, 2880, 128, 4, expert_options=GPT_OSS_EXPERTS),
     )
 }
 

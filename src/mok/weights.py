@@ -39,6 +39,12 @@ class MoEWeights:
     def has_shared_expert(self) -> bool:
         return self.shared_gate is not None
 
+    def expert_biases(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate_bias, up_bias, down_bias) of the routed experts, or None without them."""
+        if self.gate_bias is None:
+            return None
+        return (self.gate_bias, self.up_bias, self.down_bias)
+
     def tensors(self) -> dict[str, torch.Tensor | None]:
         """Field name -> tensor (None where absent), in declaration order."""
         return dict(zip(WEIGHT_FIELDS, self.astuple(), strict=True))

@@ -34,6 +34,8 @@ KNOWN_SPILL_BYTES = {
     # readiness wait's bounds.
     "down_dgrad_swiglu 64x128 limit=7.0": 1024,
     "down_dgrad_swiglu 128x128 cooperative limit=7.0": 1024,
+    "down_dgrad_swiglu gpt-oss 64x128": 1024,
+    "down_dgrad_swiglu gpt-oss 128x128 cooperative": 1024,
     "gate_up_swiglu waiting 64x128": 64,
     "gate_up_swiglu waiting 128x128 cooperative": 64,
 }

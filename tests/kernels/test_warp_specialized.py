@@ -282,15 +282,17 @@ def test_gathered_rows_wt_and_gate_up_equal_the_rows_gathered_first(name, tiles)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("gather", [False, True], ids=["tma rows", "gathered rows"])
 @pytest.mark.parametrize("tiles", ["64x256", "128x256"])
 @pytest.mark.parametrize("name", list(SOURCE_CASES))
-def test_rows_wt_scatter_matches_its_twin(name, tiles, gather):
+def test_rows_wt_scatter_matches_its_twin(name, tiles, gather, bias):
     """The peer-store epilogue against the tl twin's (`grouped_gemm.down_scatter`): the same rows
     in the same places of two simulated ranks' buffers (one GPU), nothing else written, and the
     same readiness counts. Bugs caught: a row to the wrong rank or row, dropped rows (-1) stored,
     a tail tile storing past its group, a count added by every thread of a row instead of once
-    per tile and rank, or missing for the second consumer's rows."""
+    per tile and rank, or missing for the second consumer's rows; with an expert bias (gpt-oss),
+    the bias lost or taken from another expert before the store."""
     from mok.kernels import warp_specialized as ws
 
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -302,6 +304,8 @@ def test_rows_wt_scatter_matches_its_twin(name, tiles, gather):
     tiles_map = row_tile_map(offsets, m, cfg.block_m)
     weights = torch.randn(offsets.numel() - 1, n, k, generator=gen, device="cuda") * k**-0.5
     weights = weights.bfloat16()
+    experts = offsets.numel() - 1
+    expert_bias = torch.randn(experts, n, generator=gen, device="cuda").bfloat16() if bias else None
     ep, rank, capacity = 2, 1, m + 8
     dest_rank = torch.randint(0, ep, (m,), generator=gen, device="cuda", dtype=torch.int32)
     order = torch.randperm(2 * capacity, generator=gen, device="cuda")
@@ -322,10 +326,14 @@ def test_rows_wt_scatter_matches_its_twin(name, tiles, gather):
         )
         source = index if gather else None
         if kernel == "gluon":
-            ws.rows_wt_scatter(rows, weights, tiles_map, scatter, cfg, source_rows=source)
+            ws.rows_wt_scatter(
+                rows, weights, tiles_map, scatter, cfg, source_rows=source, bias=expert_bias
+            )
         else:
             twin_cfg = GemmTiles(cfg.block_m, cfg.block_n, 64, num_warps=8, num_stages=3)
-            gg.down_scatter(rows, weights, tiles_map, twin_cfg, scatter, source_rows=source)
+            gg.down_scatter(
+                rows, weights, tiles_map, twin_cfg, scatter, source_rows=source, bias=expert_bias
+            )
         results.append((buffers, counts))
     (buffers, counts), (twin_buffers, twin_counts) = results
     # Rows two grouped rows share (an index collision) differ by who wrote last; compare the rest.
@@ -433,6 +441,128 @@ def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     assert relative_error(ours[inside], torch.cat(expected)) < 4e-3
     if limit is not None and sum(sizes) > 100:
         assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
+
+
+GPT_OSS = gg.Activation(1.702, 1.0)
+GPT_OSS_CASES = ["uniform", "empty and one-row groups", "several tiles per consumer"]
+
+
+def _gpt_oss_formula(gate, up, limit):
+    """gpt-oss's activation on fp32 gate and up, as its model code writes it."""
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(1.702 * gate) * (up + 1)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("gather", [False, True], ids=["tma rows", "gathered rows"])
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("name", GPT_OSS_CASES)
+def test_gpt_oss_forward_products_match_their_twins_bitwise(name, tiles, gather):
+    """gpt-oss's experts in the Gluon epilogues: gate/up with its activation (alpha 1.702, up
+    offset 1, the clamp at 7 active on many elements) and the gate and up biases, then down with
+    its bias, equal to the tl twins bit for bit (h, the saved pre-activations, the outputs) and
+    to the formula in fp32. Catches a bias taken from another expert or column tile, added
+    after the activation or to the other pre-activation, alpha on the wrong operand, the offset
+    added before the clamp, and the plain SwiGLU run in its place."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = CASES[name]
+    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
+    down_cfg = ws.PING_PONG if tiles == "ping-pong" else ws.COOPERATIVE
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    experts = len(sizes)
+    rows = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    source_rows = None
+    if gather:
+        source_rows = torch.randint(0, m, (m,), generator=gen, device="cuda", dtype=torch.int32)
+    w_gate, w_up = (
+        (
+            torch.randn(experts, inter, hidden, generator=gen, device="cuda") * 4 * hidden**-0.5
+        ).bfloat16()
+        for _ in range(2)
+    )
+    w_down = torch.randn(experts, hidden, inter, generator=gen, device="cuda") * inter**-0.5
+    w_down = w_down.bfloat16()
+    gate_bias, up_bias = (
+        torch.randn(experts, inter, generator=gen, device="cuda").bfloat16() for _ in range(2)
+    )
+    down_bias = torch.randn(experts, hidden, generator=gen, device="cuda").bfloat16()
+    tiles_map = row_tile_map(offsets, m, cfg.block_m)
+    options = {"source_rows": source_rows, "activation": GPT_OSS, "biases": (gate_bias, up_bias)}
+    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 7.0, True, cfg, **options)
+    twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
+    twin_h, twin_gate_up = gg.gate_up_swiglu(
+        rows, w_gate, w_up, tiles_map, 7.0, True, twin_cfg, **options
+    )
+    assert torch.equal(h[inside], twin_h[inside])
+    assert torch.equal(gate_up[inside], twin_gate_up[inside])
+    down_map = row_tile_map(offsets, m, down_cfg.block_m)
+    out = ws.rows_wt(h, w_down, down_map, down_cfg, bias=down_bias)
+    twin_down_cfg = GemmTiles(down_cfg.block_m, 128, 64, num_warps=4, num_stages=3)
+    twin_out = gg.down(h, w_down, down_map, twin_down_cfg, bias=down_bias)
+    assert torch.equal(out[inside], twin_out[inside])
+    grouped = rows if source_rows is None else rows[source_rows.long()]
+    bounds = offsets.tolist()
+    want_h, want_out = [], []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        gate = grouped[a:b].float() @ w_gate[e].float().T + gate_bias[e].float()
+        up = grouped[a:b].float() @ w_up[e].float().T + up_bias[e].float()
+        want_h.append(_gpt_oss_formula(gate, up, 7.0))
+        want_out.append(h[a:b].float() @ w_down[e].float().T + down_bias[e].float())
+    assert relative_error(h[inside], torch.cat(want_h)) < 4e-3
+    assert relative_error(out[inside], torch.cat(want_out)) < 4e-3
+    assert (gate_up[inside].float().abs() > 7.0).float().mean() > 0.05  # the clamp is active
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("name", GPT_OSS_CASES)
+def test_gpt_oss_down_dgrad_matches_its_twin_bitwise(name, tiles):
+    """The gate | up gradients through W_down and gpt-oss's activation backward (clamp at 7)
+    equal the tl kernel's bit for bit and autograd's of the formula in fp32. Catches the plain
+    SwiGLU backward run in its place, alpha missing from the sigmoid's derivative, the up offset
+    missing from the gate's gradient, and the clamp masks of the plain form."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, inter, hidden = DGRAD_CASES[name]
+    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    gen = torch.Generator(device="cuda").manual_seed(32)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    gate_up = (torch.randn(m, 2 * inter, generator=gen, device="cuda") * 6).bfloat16()
+    w_down = (
+        torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * hidden**-0.5
+    ).bfloat16()
+    ours = ws.down_dgrad_swiglu(
+        grad_out,
+        w_down,
+        gate_up,
+        row_tile_map(offsets, m, cfg.block_m),
+        7.0,
+        cfg,
+        activation=GPT_OSS,
+    )
+    twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=4)
+    twin = gg.down_dgrad_swiglu(
+        grad_out,
+        w_down,
+        gate_up,
+        row_tile_map(offsets, m, 128),
+        7.0,
+        twin_cfg,
+        activation=GPT_OSS,
+    )
+    assert torch.equal(ours[inside], twin[inside])
+    bounds = offsets.tolist()
+    expected = []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        grad_h = (grad_out[a:b].float() @ w_down[e].float()).bfloat16().float()
+        gate, up = (t.float().requires_grad_() for t in gate_up[a:b].chunk(2, 1))
+        h = _gpt_oss_formula(gate, up, 7.0)
+        expected.append(torch.cat(torch.autograd.grad(h, (gate, up), grad_h), 1))
+    assert relative_error(ours[inside], torch.cat(expected)) < 4e-3
+    assert (gate_up[inside].float().abs() > 7.0).float().mean() > 0.05  # the clamp is active
 
 
 WGRAD_CASES = {

@@ -128,11 +128,6 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
-        if not config.plain_swiglu:
-            return (
-                "its kernels compute SwiGLU experts without biases so far (swiglu_alpha=1, "
-                "swiglu_up_offset=0, expert_bias=False); the triton backend computes the others"
-            )
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)
@@ -195,9 +190,7 @@ class FusedBackend(TritonBackend):
         else:
             # As the triton backend: x read through each grouped row's token where the kernels
             # gather faster than the copy, else the grouped rows copied first.
-            grouped, source_rows, kernel_cfg = self._expert_rows(
-                routing, x, weights, self._activation(), None
-            )
+            grouped, source_rows, kernel_cfg = self._expert_rows(routing, x, weights)
             ready, beside = None, None
         shared_out, shared = self._shared_forward(x, weights, need_backward, beside)
         hidden = grouped.shape[1]
@@ -217,6 +210,8 @@ class FusedBackend(TritonBackend):
             config=kernel_cfg,
             rows_ready=ready,
             combine=target,
+            activation=self._activation(),
+            biases=weights.expert_biases(),
             source_rows=source_rows,
         )
         if self.overlap:

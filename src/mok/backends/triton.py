@@ -241,13 +241,8 @@ class TritonBackend:
                 out=self.exchange.expert_output_buffer(),
             )
         else:
-            biases = None
-            if weights.gate_bias is not None:
-                biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
             activation = self._activation()
-            rows, source_rows, kernel_config = self._expert_rows(
-                routing, x, weights, activation, biases
-            )
+            rows, source_rows, kernel_config = self._expert_rows(routing, x, weights)
             expert_out, experts = expert_mlp_forward(
                 rows,
                 routing.group_offsets,
@@ -259,7 +254,7 @@ class TritonBackend:
                 config=kernel_config,
                 out=self.exchange.expert_output_buffer(),
                 activation=activation,
-                biases=biases,
+                biases=weights.expert_biases(),
                 source_rows=source_rows,
             )
             if source_rows is None:
@@ -278,9 +273,7 @@ class TritonBackend:
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
-    def _expert_rows(
-        self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, activation, biases
-    ):
+    def _expert_rows(self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights):
         """(rows, source_rows, kernel config) for the expert MLP: x and each grouped row's
         token, read in place by the gate/up product, with the tiles that decided it, where the
         grouped rows would be copies of x's rows (EP 1) and the kernels gather faster than the
@@ -297,7 +290,7 @@ class TritonBackend:
             kernel_config = default_config(
                 x.device, x.shape[1], config.intermediate_size, per_expert
             )
-            if gathers_rows_well(x, weights.gate, weights.up, kernel_config, activation, biases):
+            if gathers_rows_well(x, weights.gate, weights.up, kernel_config):
                 return x, tokens, kernel_config
         return self.exchange.dispatch(routing, x), None, None
 

@@ -74,6 +74,19 @@ def _is_gpt_oss(experts: nn.Module) -> bool:
     )
 
 
+def _activation_options(experts: nn.Module) -> dict:
+    """The MoKConfig fields of the module's experts' activation and biases: gpt-oss's limit,
+    alpha, up offset 1 and biases; none (SwiGLU without biases) otherwise."""
+    if not _is_gpt_oss(experts):
+        return {}
+    return dict(
+        swiglu_limit=float(experts.limit),
+        swiglu_alpha=float(experts.alpha),
+        swiglu_up_offset=1.0,
+        expert_bias=True,
+    )
+
+
 def unsupported_reason(experts: nn.Module) -> str | None:
     """Why MoK cannot run this transformers experts module, or None."""
     if not getattr(experts, "has_gate", True) or not hasattr(experts, "gate_up_proj"):
@@ -153,16 +166,8 @@ def _workspace(
     sharding = getattr(experts, _GROUP, None)
     group = None if sharding is None else sharding[0]
     _, ep = group_rank_and_size(group)
-    activation = {}
     if backend == "auto" and any(w.stride(-1) != 1 for w in (weights.gate, weights.down)):
         backend = "reference"  # the triton kernels read K-contiguous weights only
-    if _is_gpt_oss(experts):
-        activation = dict(
-            swiglu_limit=float(experts.limit),
-            swiglu_alpha=float(experts.alpha),
-            swiglu_up_offset=1.0,
-            expert_bias=True,
-        )
     config = MoKConfig(
         hidden_size=hidden_size,
         intermediate_size=inter,
@@ -170,7 +175,7 @@ def _workspace(
         top_k=top_k,
         backend=backend,
         max_tokens_per_rank=hidden.shape[0] if sharding is None else sharding[3],
-        **activation,
+        **_activation_options(experts),
     )
     return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
@@ -259,7 +264,11 @@ def _baseline_forward(
 ) -> torch.Tensor:
     """The routed experts through `mok.baseline` (the standard expert-parallel path)."""
     _raise_if_unsupported(self)
-    return baseline_moe(hidden_states, top_k_index, top_k_weights, _weights(self), _group(self))
+    activation = _activation_options(self)
+    activation.pop("expert_bias", None)  # the baseline adds the biases `_weights` holds
+    return baseline_moe(
+        hidden_states, top_k_index, top_k_weights, _weights(self), _group(self), **activation
+    )
 
 
 def register(backend: str = "auto") -> None:

@@ -25,7 +25,6 @@ program in a fixed order, so results are bitwise reproducible.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -116,12 +115,7 @@ def default_config(
 
 
 def gathers_rows_well(
-    rows: torch.Tensor,
-    w_gate: torch.Tensor,
-    w_up: torch.Tensor,
-    config: ExpertKernelConfig,
-    activation: Activation = SWIGLU,
-    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    rows: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, config: ExpertKernelConfig
 ) -> bool:
     """Whether `expert_mlp_forward` should read rows [S, H] through an index (`source_rows`)
     rather than take them copied into grouped order first: where its gate/up product runs the
@@ -133,17 +127,11 @@ def gathers_rows_well(
     tiles about as much (kimi-k2: 9.58 against 9.05 ms plus a copy of ~0.45)."""
     tiles = config.warp_specialized_gate_up
     return (
-        _runs_warp_specialized(activation, biases)
-        and tiles is not None
+        tiles is not None
         and tiles.block_m == ws.CONSUMER_ROWS
         and rows.shape[1] < 4096
         and ws.supported(rows, w_gate, w_up)
     )
-
-
-def _runs_warp_specialized(activation: Activation, biases) -> bool:
-    """Whether the warp-specialized kernels compute these experts (SwiGLU without biases)."""
-    return activation.plain and biases is None
 
 
 @dataclasses.dataclass
@@ -372,9 +360,8 @@ def expert_mlp_forward(
       dtype and layout; the MXFP8 layer's cast of h); `saved.h` stays h.
     activation: gate * sigmoid(alpha * gate) * (up + up_offset) after the clamp (SwiGLU by
       default; gpt-oss's otherwise). biases: (gate, up [E, I], down [E, H]) of the rows' dtype,
-      added in fp32 to the pre-activations and the outputs; None: no biases. Other than SwiGLU
-      without biases, the products run the tl kernels (the warp-specialized ones compute
-      SwiGLU without biases only), and `combine` is not taken.
+      added in fp32 to the pre-activations and the outputs (and to the rows `combine` stores);
+      None: no biases.
     source_rows: [M] int32, each in [0, S): the grouped rows are read through it from rows [S, H]
       (grouped row r is rows[source_rows[r]]; e.g. x itself and each pair's token at EP 1) by
       the gate/up product, with no grouped copy; `saved` keeps rows and the index
@@ -386,9 +373,6 @@ def expert_mlp_forward(
     """
     if combine is not None and out is not None:
         raise ValueError("expert_mlp_forward: pass out or combine, not both")
-    plain = _runs_warp_specialized(activation, biases)
-    if combine is not None and not plain:
-        raise ValueError("expert_mlp_forward: combine computes SwiGLU experts without biases")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
     if biases is not None:
         experts, inter, hidden = w_gate.shape
@@ -424,15 +408,10 @@ def expert_mlp_forward(
         return None if combine else out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
     ws_gate_up = cfg.warp_specialized_gate_up
-    if plain and ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
+    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
         gate_up_cfg, gate_up_swiglu = ws_gate_up, ws.gate_up_swiglu
     else:
-        gate_up_cfg = cfg.gate_up
-        gate_up_swiglu = functools.partial(
-            gg.gate_up_swiglu,
-            activation=activation,
-            biases=None if biases is None else biases[:2],
-        )
+        gate_up_cfg, gate_up_swiglu = cfg.gate_up, gg.gate_up_swiglu
     h, gate_up = gate_up_swiglu(
         rows,
         w_gate,
@@ -443,23 +422,24 @@ def expert_mlp_forward(
         gate_up_cfg,
         source_rows=source_rows,
         ready=rows_ready,
+        activation=activation,
+        biases=None if biases is None else biases[:2],
     )
     h_in = h if down_operand is None else down_operand(h)
-    down_cfg = down_tiles(cfg, h_in, w_down) if biases is None else cfg.down
+    down_cfg = down_tiles(cfg, h_in, w_down)
     row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
     warp_specialized = down_cfg is cfg.warp_specialized_down
-    if biases is not None:
-        out = gg.down(h_in, w_down, row_tiles, down_cfg, out, bias=biases[2])
-    elif combine is not None:
+    down_bias = None if biases is None else biases[2]
+    if combine is not None:
         if warp_specialized:
-            ws.rows_wt_scatter(h_in, w_down, row_tiles, combine, down_cfg)
+            ws.rows_wt_scatter(h_in, w_down, row_tiles, combine, down_cfg, bias=down_bias)
         else:
-            gg.down_scatter(h_in, w_down, row_tiles, down_cfg, combine)
+            gg.down_scatter(h_in, w_down, row_tiles, down_cfg, combine, bias=down_bias)
         out = None
     elif warp_specialized:
-        out = ws.rows_wt(h_in, w_down, row_tiles, down_cfg, out)
+        out = ws.rows_wt(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
     else:
-        out = gg.down(h_in, w_down, row_tiles, down_cfg, out)
+        out = gg.down(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
     del h_in
     if not save_for_backward:
         return out, None
@@ -559,15 +539,10 @@ def down_data_gradient(
     if dgrad_sms is not None:
         cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
     ws_dgrad = cfg.warp_specialized_dgrad
-    if (
-        saved.activation.plain
-        and ws_dgrad
-        and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down)
-    ):
+    if ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
         down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
     else:
-        down_cfg = cfg.down_dgrad
-        down_dgrad = functools.partial(gg.down_dgrad_swiglu, activation=saved.activation)
+        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu
     return down_dgrad(
         grad_out,
         saved.w_down,
@@ -576,6 +551,7 @@ def down_data_gradient(
         saved.swiglu_limit,
         down_cfg,
         ready=rows_ready,
+        activation=saved.activation,
     )
 
 

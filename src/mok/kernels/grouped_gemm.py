@@ -1579,12 +1579,13 @@ def down_scatter(
     cfg: GemmTiles,
     scatter: RowScatter,
     source_rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """`down`'s rows h @ W_down[e].T stored through the peer-store epilogue instead: row r to row
-    scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then that rank's readiness count
-    of this rank grows (`scatter_row_tile`)."""
+    """`down`'s rows h @ W_down[e].T (+ bias[e]) stored through the peer-store epilogue instead:
+    row r to row scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then that rank's
+    readiness count of this rank grows (`scatter_row_tile`)."""
     out = scatter.out
-    _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter)
+    _launch_down(h, w_down, tiles, cfg, out, source_rows, scatter, bias)
 
 
 def down_dgrad_swiglu(

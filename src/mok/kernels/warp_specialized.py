@@ -74,6 +74,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mok.kernels.grouped_gemm import (
+    SWIGLU,
+    Activation,
     GemmTiles,
     RowScatter,
     RowsReady,
@@ -263,13 +265,23 @@ def _drop_claim_ring(claims):
 
 
 @gluon.jit
-def _swiglu(gate, up, limit, HAS_LIMIT: gl.constexpr):
-    """`grouped_gemm.swiglu_tile` (PLAIN), operation for operation (the twins agree bit for bit)."""
+def _sigmoid(x):
+    """`tl.sigmoid`'s formula, operation for operation."""
+    return 1 / (1 + gl.exp(-x))
+
+
+@gluon.jit
+def _swiglu(gate, up, activation, HAS_LIMIT: gl.constexpr, PLAIN: gl.constexpr):
+    """`grouped_gemm.swiglu_tile`, operation for operation (the twins agree bit for bit):
+    silu(gate) * up when PLAIN, else gate * sigmoid(alpha * gate) * (up + up_offset)."""
+    limit, alpha, up_offset = activation[0], activation[3], activation[4]
     if HAS_LIMIT:
         gate = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         up = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
         up = gl.minimum(up, limit, propagate_nan=tl.PropagateNan.ALL)
-    return gate * (1 / (1 + gl.exp(-gate))) * up
+    if PLAIN:
+        return gate * _sigmoid(gate) * up
+    return gate * _sigmoid(alpha * gate) * (up + up_offset)
 
 
 @gluon.jit
@@ -286,6 +298,16 @@ def _saved_preactivations(gate, up, limit, below, above, HAS_LIMIT: gl.constexpr
         kept_up = gl.minimum(kept_up, below, propagate_nan=tl.PropagateNan.ALL)
         up = gl.where(up > limit, high_up, gl.where(up < -limit, low_up, kept_up))
     return gate, up
+
+
+@gluon.jit
+def _add_expert_bias(acc, bias_ptr, expert, n_off, N, layout: gl.constexpr):
+    """`grouped_gemm.add_expert_bias`: acc [BM, BN] fp32 (in `layout`) + the expert's bias
+    (bias [E, N]) over its columns n_off + [0, BN)."""
+    BLOCK_N: gl.constexpr = acc.shape[1]
+    cols = n_off + gl.arange(0, BLOCK_N, gl.SliceLayout(0, layout))
+    bias = gl.load(bias_ptr + expert * N + cols, mask=cols < N, other=0.0)
+    return acc + bias.to(gl.float32)[None, :]
 
 
 @gluon.constexpr_function
@@ -600,17 +622,23 @@ def _scatter_staged(buf, target, row, row_end, n_off, N, RANKS: gl.constexpr):
 
 
 @gluon.jit
-def _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT: gl.constexpr):
-    """`grouped_gemm.swiglu_backward_tile` (PLAIN), operation for operation (bitwise the same)."""
+def _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT: gl.constexpr, PLAIN: gl.constexpr):
+    """`grouped_gemm.swiglu_backward_tile`, operation for operation (bitwise the same)."""
+    limit, alpha, up_offset = activation[0], activation[3], activation[4]
     g = gate
     u = up
     if HAS_LIMIT:
         g = gl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
         u = gl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL)
         u = gl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL)
-    sig = 1 / (1 + gl.exp(-g))
-    grad_up = grad_h * (g * sig)
-    grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
+    if PLAIN:
+        sig = _sigmoid(g)
+        grad_up = grad_h * (g * sig)
+        grad_gate = grad_h * u * (sig * (1.0 + g * (1.0 - sig)))
+    else:
+        sig = _sigmoid(alpha * g)
+        grad_up = grad_h * (g * sig)
+        grad_gate = grad_h * (u + up_offset) * (sig * (1.0 + alpha * g * (1.0 - sig)))
     if HAS_LIMIT:
         grad_gate = gl.where(gate <= limit, grad_gate, 0.0)
         grad_up = gl.where((up >= -limit) & (up <= limit), grad_up, 0.0)
@@ -645,6 +673,8 @@ def _consume(
     problem,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
@@ -664,13 +694,15 @@ def _consume(
         out_ptr,
         gate_up_ptr,
         out_bufs,
-        limits,
+        activation,
+        biases,
         saved,
         fetched,
         target,
     ) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
-    (limit, limit_below, limit_above) = limits
+    limit, limit_below, limit_above = activation[0], activation[1], activation[2]
+    (bias_ptr, bias2_ptr) = biases
     (saved_gate_desc, saved_up_desc) = saved
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
@@ -756,7 +788,7 @@ def _consume(
             # Rows past row_end hold other groups' values: they reach only rows never stored.
             gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
             up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
-            grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, limit, HAS_LIMIT)
+            grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT, PLAIN)
             _store_pair(
                 gate_desc,
                 up_desc,
@@ -771,9 +803,14 @@ def _consume(
                 N,
             )
         else:
+            if HAS_BIAS:
+                expert = gl.load(table_ptr + m_idx)
+                acc = _add_expert_bias(acc, bias_ptr, expert, n_off, N, acc_layout)
+                if DUAL:
+                    acc2 = _add_expert_bias(acc2, bias2_ptr, expert, n_off, N, acc_layout)
             tma.store_wait(0)  # this consumer's previous stores have left its buffers
             if DUAL:
-                value = _swiglu(acc, acc2, limit, HAS_LIMIT).to(dtype)
+                value = _swiglu(acc, acc2, activation, HAS_LIMIT, PLAIN).to(dtype)
             else:
                 value = acc.to(dtype)
             out_bufs.index(first).store(value)
@@ -824,11 +861,25 @@ def _first_consumer(
     problem,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
 ):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM, 0)
+    _consume(
+        operands,
+        outputs,
+        problem,
+        MODE,
+        HAS_LIMIT,
+        PLAIN,
+        HAS_BIAS,
+        GATHER,
+        SCATTER_RANKS,
+        CLAIM,
+        0,
+    )
 
 
 @gluon.jit
@@ -838,11 +889,25 @@ def _second_consumer(
     problem,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
 ):
-    _consume(operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM, 1)
+    _consume(
+        operands,
+        outputs,
+        problem,
+        MODE,
+        HAS_LIMIT,
+        PLAIN,
+        HAS_BIAS,
+        GATHER,
+        SCATTER_RANKS,
+        CLAIM,
+        1,
+    )
 
 
 @fast_launch
@@ -868,6 +933,10 @@ def _rows_wt_kernel(
     limit,  # float, the SwiGLU clamp when HAS_LIMIT
     limit_below,  # float, the largest value of the output dtype <= limit
     limit_above,  # float, the smallest value of the output dtype > limit
+    alpha,  # float: the activation gate * sigmoid(alpha * gate) * (up + up_offset) unless PLAIN
+    up_offset,
+    bias_ptr,  # HAS_BIAS: [E, N] added to the product (ROWS_WT) or to gate (GATE_UP_SWIGLU)
+    bias2_ptr,  # HAS_BIAS: [E, N] added to up (GATE_UP_SWIGLU)
     a_ptr,  # GATHER: [S, K] the A rows, read through source_rows (else a placeholder)
     a_stride,
     source_rows_ptr,  # GATHER: [M] int32, grouped row r reads A row source_rows[r]
@@ -887,6 +956,8 @@ def _rows_wt_kernel(
     claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
     SAVE_PREACT: gl.constexpr,
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
@@ -903,11 +974,14 @@ def _rows_wt_kernel(
     tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
     ping-pong) or both consumers' (SPLIT 2, cooperative).
     For every group's rows, by MODE:
-    ROWS_WT            out = A @ W[e].T
-    GATE_UP_SWIGLU     out = swiglu(A @ W[e].T, A @ W2[e].T), with SAVE_PREACT both products saved
+    ROWS_WT            out = A @ W[e].T (+ bias[e])
+    GATE_UP_SWIGLU     out = act(A @ W[e].T (+ bias[e]), A @ W2[e].T (+ bias2[e])), with
+                       SAVE_PREACT both pre-activations saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
-    DOWN_DGRAD_SWIGLU  gate | up gradients = swiglu_backward(A @ W[e], saved gate, saved up)
+    DOWN_DGRAD_SWIGLU  gate | up gradients = act_backward(A @ W[e], saved gate, saved up)
+    act: SwiGLU when PLAIN, else gpt-oss's form (`_swiglu`); the clamp with HAS_LIMIT; the
+    biases (fp32 adds) with HAS_BIAS.
     The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
     epilogue: local stores, or with SCATTER_RANKS (ROWS_WT) the peer-store epilogue with
     readiness counts (`_scatter_staged`). WAIT_FLAGS > 0: every task waits for its A rows to land
@@ -956,7 +1030,7 @@ def _rows_wt_kernel(
         turns,
         gather,
     )
-    limits = (limit, limit_below, limit_above)
+    activation = (limit, limit_below, limit_above, alpha, up_offset)
     saved = (saved_gate_desc, saved_up_desc)
     target = (
         scatter_out_ptr,
@@ -974,7 +1048,8 @@ def _rows_wt_kernel(
         out_ptr,
         gate_up_ptr,
         out_bufs,
-        limits,
+        activation,
+        (bias_ptr, bias2_ptr),
         saved,
         fetched,
         target,
@@ -985,11 +1060,33 @@ def _rows_wt_kernel(
         [
             (
                 _first_consumer,
-                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM),
+                (
+                    operands,
+                    outputs,
+                    problem,
+                    MODE,
+                    HAS_LIMIT,
+                    PLAIN,
+                    HAS_BIAS,
+                    GATHER,
+                    SCATTER_RANKS,
+                    CLAIM,
+                ),
             ),
             (
                 _second_consumer,
-                (operands, outputs, problem, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS, CLAIM),
+                (
+                    operands,
+                    outputs,
+                    problem,
+                    MODE,
+                    HAS_LIMIT,
+                    PLAIN,
+                    HAS_BIAS,
+                    GATHER,
+                    SCATTER_RANKS,
+                    CLAIM,
+                ),
             ),
             (
                 _load_partition,
@@ -1063,20 +1160,26 @@ def available(device: torch.device) -> bool:
 
 def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """Weights [E, R, C] (R x C per expert: N x K, or K x N where the data gradients read them
-    along K) as the kernels read them: one 2-D view of rows C elements apart, expert e's R rows
-    starting at row e * per_expert, and per_expert; None where W is not so laid out or 16-byte
-    rows cannot hold it. Contiguous experts give [E * R, C] and R. Views of a fused tensor (gate
-    and up as the halves of a [E, 2I, H] gate_up_proj, as Hugging Face models hold them) give
-    (E - 1) * 2I + I rows and 2I, the other half's rows between two experts' (a tile that
-    reaches past an expert's rows reads them, for columns that are never stored)."""
+    along K) as the kernels read them: one 2-D view of rows of C elements, evenly spaced, expert
+    e's R rows starting at row e * per_expert, and per_expert; None where W is not so laid out or
+    TMA cannot read it (16-byte aligned rows and row starts). Contiguous experts give [E * R, C]
+    and R. Views of a fused tensor (gate and up as the halves of a [E, 2I, H] gate_up_proj, as
+    Hugging Face models hold them) give (E - 1) * 2I + I rows and 2I, the other half's rows
+    between two experts' (a tile that reaches past an expert's rows reads them, for columns that
+    are never stored). gpt-oss's interleaved gate and up (every other row of [E, 2I, H]) give
+    rows 2H elements apart, E * I of them, and I."""
     experts, rows, columns = w.shape
-    stride = w.stride(0)
-    if experts == 0 or w.stride(2) != 1 or w.stride(1) != columns or stride % columns:
+    stride, row_stride = w.stride(0), w.stride(1)
+    if experts == 0 or w.stride(2) != 1 or row_stride < columns or stride % row_stride:
         return None
-    if stride < rows * columns or columns * w.element_size() % 16 or w.data_ptr() % 16:
+    size = w.element_size()
+    if stride < rows * row_stride or (columns * size) % 16 or (row_stride * size) % 16:
         return None
-    per_expert = stride // columns
-    return w.as_strided(((experts - 1) * per_expert + rows, columns), (columns, 1)), per_expert
+    if w.data_ptr() % 16:
+        return None
+    per_expert = stride // row_stride
+    view = w.as_strided(((experts - 1) * per_expert + rows, columns), (row_stride, 1))
+    return view, per_expert
 
 
 def _weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -1148,6 +1251,9 @@ class _RowsProblem:
     source_rows: torch.Tensor | None = None  # [M] int32: A is [S, K], read through this index
     scatter: RowScatter | None = None  # ROWS_WT: out's rows to the ranks' buffers instead
     ready: RowsReady | None = None  # the A rows land while the product runs
+    activation: Activation = SWIGLU  # GATE_UP_SWIGLU, DOWN_DGRAD_SWIGLU
+    bias: torch.Tensor | None = None  # [E, N]: ROWS_WT's outputs' bias, GATE_UP_SWIGLU's gate's
+    bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
 
 
 def _consumer_split(block_m: int) -> int:
@@ -1215,6 +1321,18 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             raise ValueError("RowScatter: rows of 16-byte multiples, out 16-byte aligned")
     if cfg.claims is not None and mode == GATE_UP_DGRAD.value:
         raise ValueError("TileClaims: GATE_UP_DGRAD's zeros take their tasks by the static stride")
+    biases = [b for b in (problem.bias, problem.bias2) if b is not None]
+    for bias in biases:
+        if bias.shape != (w.shape[0], n) or bias.dtype != a.dtype:
+            raise ValueError(
+                f"expert bias of shape {tuple(bias.shape)} {bias.dtype}: expected "
+                f"[{w.shape[0]}, {n}] {a.dtype}"
+            )
+    if len(biases) != (0 if problem.bias is None else 1 + (mode == GATE_UP_SWIGLU.value)):
+        raise ValueError("expert biases: one for ROWS_WT, gate's and up's for GATE_UP_SWIGLU")
+    # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
+    bias, bias2 = (None if b is None else b.contiguous() for b in (problem.bias, problem.bias2))
+    activation = problem.activation
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
         _rows_wt_kernel[(programs,)](
@@ -1237,6 +1355,10 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             w_expert_rows,
             0.0 if limit is None else float(limit),
             *limit_edges(limit, a.dtype),
+            float(activation.alpha),
+            float(activation.up_offset),
+            tiles.table if bias is None else bias,
+            tiles.table if bias2 is None else bias2,
             a,
             a.stride(0) if gather else 0,
             problem.source_rows if gather else tiles.table,
@@ -1246,6 +1368,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             tiles.counts if counter is None else counter,
             MODE=mode,
             HAS_LIMIT=limit is not None,
+            PLAIN=activation.plain,
+            HAS_BIAS=problem.bias is not None,
             SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
             GROUP_M=cfg.group_m,
             NUM_PROGRAMS=programs if counter is None else 1,
@@ -1272,16 +1396,20 @@ def rows_wt(
     cfg: GemmTiles = PING_PONG,
     out: torch.Tensor | None = None,
     source_rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [M, N] = rows[group e] @ weights[e].T (rows [M, K], weights [E, N, K], `supported`);
-    rows outside the groups are left unwritten. The result of `grouped_gemm.down`. With
-    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, K], read in place)."""
+    """out [M, N] = rows[group e] @ weights[e].T (rows [M, K], weights [E, N, K], `supported`),
+    plus bias[e] (bias [E, N], the rows' dtype, added in fp32) where given; rows outside the
+    groups are left unwritten. The result of `grouped_gemm.down`. With `source_rows` [M] int32,
+    grouped row r is rows[source_rows[r]] (rows [S, K], read in place)."""
     m = gathered_rows(rows, source_rows)
     if out is None:
         out = torch.empty(m, weights.shape[1], dtype=rows.dtype, device=rows.device)
     out = out[:m]
     if m:
-        problem = _RowsProblem(ROWS_WT.value, rows, weights, out, source_rows=source_rows)
+        problem = _RowsProblem(
+            ROWS_WT.value, rows, weights, out, source_rows=source_rows, bias=bias
+        )
         _launch(problem, tiles, cfg)
     return out
 
@@ -1293,15 +1421,22 @@ def rows_wt_scatter(
     scatter: RowScatter,
     cfg: GemmTiles = PING_PONG,
     source_rows: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> None:
-    """`rows_wt`'s rows stored by the peer-store epilogue instead: grouped row r to row
-    scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then one release add per
+    """`rows_wt`'s rows (with its `bias`) stored by the peer-store epilogue instead: grouped row
+    r to row scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then one release add per
     destination rank and tile to that rank's count of this rank. The result of
     `grouped_gemm.down_scatter` (the same values and counts)."""
     m = gathered_rows(rows, source_rows)
     if m:
         problem = _RowsProblem(
-            ROWS_WT.value, rows, weights, scatter.out, source_rows=source_rows, scatter=scatter
+            ROWS_WT.value,
+            rows,
+            weights,
+            scatter.out,
+            source_rows=source_rows,
+            scatter=scatter,
+            bias=bias,
         )
         _launch(problem, tiles, cfg)
     else:
@@ -1318,12 +1453,16 @@ def gate_up_swiglu(
     cfg: GemmTiles = SWIGLU_PING_PONG,
     source_rows: torch.Tensor | None = None,
     ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """h [M, I] = swiglu(rows @ W_gate[e].T, rows @ W_up[e].T) per group, and when `save_preact`
-    the pre-activations gate | up [M, 2I] as `grouped_gemm.saved_preactivations` saves them: the
-    results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left unwritten. With
-    `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, H], read in place).
-    With `ready`, a tile reads its rows only once their flags say they landed (`RowsReady`)."""
+    """h [M, I] = act(rows @ W_gate[e].T, rows @ W_up[e].T) per group (`activation`: SwiGLU or
+    gpt-oss's; `biases` (gate, up [E, I], the rows' dtype) added in fp32 first), and when
+    `save_preact` the pre-activations gate | up [M, 2I] as `grouped_gemm.saved_preactivations`
+    saves them: the results of `grouped_gemm.gate_up_swiglu`. Rows outside the groups are left
+    unwritten. With `source_rows` [M] int32, grouped row r is rows[source_rows[r]] (rows [S, H],
+    read in place). With `ready`, a tile reads its rows only once their flags say they landed
+    (`RowsReady`)."""
     m = gathered_rows(rows, source_rows)
     inter = w_gate.shape[1]
     h = torch.empty(m, inter, dtype=rows.dtype, device=rows.device)
@@ -1341,6 +1480,9 @@ def gate_up_swiglu(
             swiglu_limit=swiglu_limit,
             source_rows=source_rows,
             ready=ready,
+            activation=activation,
+            bias=None if biases is None else biases[0],
+            bias2=None if biases is None else biases[1],
         )
         _launch(problem, tiles, cfg)
     return h, gate_up
@@ -1381,11 +1523,13 @@ def down_dgrad_swiglu(
     swiglu_limit: float | None,
     cfg: GemmTiles = DGRAD_SWIGLU_PING_PONG,
     ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
 ) -> torch.Tensor:
     """Gradients of the pre-activations gate | up [M, 2I] from grad_out [M, H] through W_down
-    ([E, H, I], `dgrad_supported`) and the SwiGLU backward on the saved gate | up [M, 2I]; rows
-    outside the groups unwritten. The result of `grouped_gemm.down_dgrad_swiglu`. With `ready`,
-    a tile reads its grad_out rows only once their flags say they landed (`RowsReady`)."""
+    ([E, H, I], `dgrad_supported`) and the activation's backward (SwiGLU or gpt-oss's) on the
+    saved gate | up [M, 2I]; rows outside the groups unwritten. The result of
+    `grouped_gemm.down_dgrad_swiglu`. With `ready`, a tile reads its grad_out rows only once
+    their flags say they landed (`RowsReady`)."""
     m = grad_out.shape[0]
     inter = w_down.shape[2]
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
@@ -1398,6 +1542,7 @@ def down_dgrad_swiglu(
             gate_up=gate_up,
             swiglu_limit=swiglu_limit,
             ready=ready,
+            activation=activation,
         )
         _launch(problem, tiles, cfg)
     return grad_gate_up

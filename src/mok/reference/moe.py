@@ -122,9 +122,7 @@ def moe_forward(
             grouped, sizes, weights.gate, weights.up, weights.down, swiglu_limit, mx_rounding
         )
     else:
-        biases = None
-        if weights.gate_bias is not None:
-            biases = (weights.gate_bias, weights.up_bias, weights.down_bias)
+        biases = weights.expert_biases()
         expert_rows = grouped_expert_mlp(
             grouped,
             sizes,
