@@ -24,6 +24,10 @@ TOLERANCE = 1.5e-2
 # With a SwiGLU clamp, pre-activations whose bf16 rounding lands on the other side of the limit
 # switch their gradient on or off: the gradients upstream of the clamp differ by up to ~7e-2 here.
 CLAMPED_GRADIENT_TOLERANCE = 1.5e-1
+# The experts' biases' gradients are sums over an expert's rows that the indexing's backward
+# accumulates in bf16 on CUDA (as TorchTitan's gpt-oss experts do): 1.7e-2 at ~100 rows an
+# expert on an H200. A gradient summed over the wrong rows is O(1).
+BIAS_GRADIENT_TOLERANCE = 5e-2
 
 TINY = mok.get_preset("tiny").config()
 TOP1 = TINY.replace(top_k=1, shared_intermediate_size=0)
@@ -51,6 +55,8 @@ def assert_close_to_reference(errors, config):
     for name, error in errors.items():
         clamped_gradient = config.swiglu_limit is not None and name.startswith("grad")
         limit = CLAMPED_GRADIENT_TOLERANCE if clamped_gradient else TOLERANCE
+        if name.endswith("_bias"):
+            limit = max(limit, BIAS_GRADIENT_TOLERANCE)
         assert error <= limit, (config, name, error)
 
 

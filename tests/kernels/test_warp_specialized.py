@@ -178,8 +178,9 @@ def test_gate_up_products_read_the_halves_of_one_fused_weight(name, tiles):
 def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     """On Hopper the default config sends both forward products to the Gluon kernels, with the
     tl path's results bit for bit (h and the saved pre-activations too), W_gate and W_up as
-    views of one [E, 2I, H] tensor included; W_down whose experts are not rows of one 2-D view
-    (a slice of wider rows) falls back to tl."""
+    views of one [E, 2I, H] tensor included, and W_down as a slice of wider rows (rows spaced
+    evenly, read in place); where those rows' spacing is not a multiple of 16 bytes (TMA cannot
+    read them), W_down falls back to tl."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_forward
@@ -194,8 +195,10 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
         for _ in range(2)
     )
     padded = torch.randn(4, hidden, inter + 16, generator=gen, device="cuda") * inter**-0.5
-    w_down_view = padded.bfloat16()[:, :, :inter]
+    w_down_view = padded.bfloat16()[:, :, :inter]  # rows 416 bytes apart
     w_down = w_down_view.contiguous()
+    odd_rows = torch.empty(4, hidden, inter + 4, device="cuda").bfloat16()[:, :, :inter]
+    odd_rows.copy_(w_down)  # rows 392 bytes apart
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     fused = torch.cat([w_gate, w_up], 1)  # [E, 2I, H]: gate and up as views of one tensor
     cfg = default_config(rows.device, hidden, inter, m / 4)
@@ -204,11 +207,12 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     gluon, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
     tl, tl_saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
     assert ws.supported(rows, fused[:, :inter], fused[:, inter:])
-    assert not ws.supported(rows, w_down_view)
-    fallback, _ = expert_mlp_forward(
+    assert ws.supported(rows, w_down_view) and not ws.supported(rows, odd_rows)
+    in_place, _ = expert_mlp_forward(
         rows, offsets, fused[:, :inter], fused[:, inter:], w_down_view, config=cfg
     )
-    assert torch.equal(gluon, tl) and torch.equal(fallback, tl)
+    fallback, _ = expert_mlp_forward(rows, offsets, w_gate, w_up, odd_rows, config=cfg)
+    assert torch.equal(gluon, tl) and torch.equal(in_place, tl) and torch.equal(fallback, tl)
     assert torch.equal(saved.h, tl_saved.h) and torch.equal(saved.gate_up, tl_saved.gate_up)
 
 
