@@ -376,8 +376,8 @@ def bench_wgrad(
     m = sets[0][0].shape[0]
     default = default_config(torch.device("cuda"), hidden, inter, m / experts)
     tl_cfg = default.down_wgrad if down else default.gate_up_wgrad
-    # The Gluon kernel takes gradients whose P is a multiple of its tile's rows (`wgrad_supported`).
-    gluon = {label: cfg for label, cfg in GLUON_TILES["wgrad"].items() if p % cfg.block_m == 0}
+    # The Gluon kernel takes gradients whose P is a multiple of 64 rows (`wgrad_supported`).
+    gluon = {label: cfg for label, cfg in GLUON_TILES["wgrad"].items() if p % ws.CONSUMER_ROWS == 0}
     configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **gluon}
 
     def run(label, cfg, i, grads, accumulate):

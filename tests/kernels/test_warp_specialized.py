@@ -179,8 +179,8 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     """On Hopper the default config sends both forward products to the Gluon kernels, with the
     tl path's results bit for bit (h and the saved pre-activations too), W_gate and W_up as
     views of one [E, 2I, H] tensor included, and W_down as a slice of wider rows (rows spaced
-    evenly, read in place); where those rows' spacing is not a multiple of 16 bytes (TMA cannot
-    read them), W_down falls back to tl."""
+    evenly, read in place); where the experts lie a whole number of rows plus 16 bytes apart (no
+    one 2-D view holds their rows), W_down falls back to tl."""
     import dataclasses
 
     from mok.kernels import default_config, expert_mlp_forward
@@ -197,8 +197,10 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     padded = torch.randn(4, hidden, inter + 16, generator=gen, device="cuda") * inter**-0.5
     w_down_view = padded.bfloat16()[:, :, :inter]  # rows 416 bytes apart
     w_down = w_down_view.contiguous()
-    odd_rows = torch.empty(4, hidden, inter + 4, device="cuda").bfloat16()[:, :, :inter]
-    odd_rows.copy_(w_down)  # rows 392 bytes apart
+    gap = hidden * inter + 8  # elements from one expert's first row to the next's
+    odd_rows = torch.empty(4 * gap, device="cuda").bfloat16()
+    odd_rows = odd_rows.as_strided(w_down.shape, (gap, inter, 1))
+    odd_rows.copy_(w_down)
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     fused = torch.cat([w_gate, w_up], 1)  # [E, 2I, H]: gate and up as views of one tensor
     cfg = default_config(rows.device, hidden, inter, m / 4)
@@ -613,7 +615,9 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     a descriptor remade while copies with the old one were in flight, rows past a group's end
     entering the sum (NaN), a tail step not zero-filled, gate and up swapped, a gradient tile
     stored into the next expert, an empty expert's accumulation buffer overwritten, and with
-    shared tiles a slot released before both consumers read it or their rows swapped."""
+    shared tiles a slot released before both consumers read it or their rows swapped; where P is
+    not a multiple of the 128-row tile (64, 192), the second consumer's rows past P fetched or
+    stored (into the next expert's gradient)."""
     from mok.kernels import warp_specialized as ws
 
     sizes, p, q = WGRAD_CASES[name]
@@ -636,9 +640,6 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
     for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        if p % cfg.block_m:  # a tile would reach into the next expert: refused
-            assert not ws.wgrad_supported(a, b, initial[0], cfg)
-            continue
         assert ws.wgrad_supported(a, b, initial[0], cfg)
         ours = [t.clone() for t in initial[:halves]]
         if product == "down":
@@ -683,8 +684,6 @@ def test_gathered_gate_up_wgrad_matches_its_twin_bitwise(name, out_dtype, accumu
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
     for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        if p % cfg.block_m:
-            continue
         assert ws.wgrad_supported(a, source, initial[0], cfg, gather=True)
         gathered, first = initial.clone(), initial.clone()
         ws.gate_up_wgrad(
@@ -727,8 +726,6 @@ def test_gate_up_wgrad_writes_the_halves_of_one_fused_gradient(name, out_dtype, 
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
     for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        if p % cfg.block_m:
-            continue
         fused = initial.clone()
         halves = gate_up_halves(fused)
         assert all(ws.wgrad_supported(a, b, half, cfg) for half in halves)
@@ -827,14 +824,14 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 def test_the_wgrad_kernel_refuses_gradients_off_its_tiles():
-    """Bug caught: a direct call with P not a multiple of the tile's rows writing a tile's last
-    rows into the next expert's gradient instead of raising."""
+    """Bug caught: a direct call with P not a multiple of a consumer's 64 rows writing a tile's
+    last rows into the next expert's gradient instead of raising."""
     from mok.kernels import warp_specialized as ws
 
-    a = torch.randn(300, 192, device="cuda").bfloat16()
+    a = torch.randn(300, 160, device="cuda").bfloat16()
     b = torch.randn(300, 128, device="cuda").bfloat16()
     offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
-    grad = torch.zeros(2, 192, 128, device="cuda").bfloat16()
+    grad = torch.zeros(2, 160, 128, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="wgrad_supported"):
         ws.down_wgrad(a, b, offsets, grad, False, ws.WGRAD_TILES.single)
     assert not grad.any()
@@ -1009,8 +1006,6 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
     for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        if p % cfg.block_m:  # refused (`wgrad_supported`)
-            continue
         claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
         results = []
         for tiles in (cfg, _claiming(cfg, 3, claims)):

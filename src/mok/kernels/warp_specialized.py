@@ -1879,11 +1879,16 @@ def _wgrad_consume(
         first, rows = _group_rows(offsets_ptr, expert)
         k_steps = gl.cdiv(rows, BLOCK_K)
         if SPLIT > 1 or turn % CONSUMERS == ROLE:
-            row = expert * out_rows_per_expert + m_idx * BLOCK_M + PART * WG_M
+            part_row = m_idx * BLOCK_M + PART * WG_M
+            row = expert * out_rows_per_expert + part_row
             col = n_idx * BLOCK_N
+            # Where P is not a multiple of BLOCK_M, the second consumer's rows of the last tile
+            # lie wholly past P (P is a multiple of WG_M): their A columns are TMA's zeros, and
+            # nothing is fetched or stored for them (the rows there are another expert's).
+            inside = part_row < P
             # The tile to add to loads while the main loop runs. An expert without rows leaves
             # an accumulation buffer untouched.
-            if rows > 0:
+            if rows > 0 and inside:
                 if half == 0:
                     if ACCUMULATE_FIRST:
                         _fetch_wgrad_tile(first_desc, buf, bar, row, col)
@@ -1912,12 +1917,12 @@ def _wgrad_consume(
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
             # Epilogue (ping-pong: while the other consumer's main loop runs).
             if half == 0:
-                if rows > 0 or not ACCUMULATE_FIRST:
+                if inside and (rows > 0 or not ACCUMULATE_FIRST):
                     loads = _store_wgrad_tile(
                         first_desc, buf, bar, acc, row, col, loads, ACCUMULATE_FIRST
                     )
             else:
-                if rows > 0 or not ACCUMULATE_SECOND:
+                if inside and (rows > 0 or not ACCUMULATE_SECOND):
                     loads = _store_wgrad_tile(
                         second_desc, buf, bar, acc, row, col, loads, ACCUMULATE_SECOND
                     )
@@ -2005,8 +2010,9 @@ def _group_at_b_kernel(
     """Grid: NUM_PROGRAMS (one per SM at most; CLAIM: any, the tasks claimed from claims_ptr),
     num_warps 4. For every expert e and half j:
     out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as 2-D rows,
-    expert e's from row e * S (P a multiple of the tile's rows, so that no tile reaches into the
-    next expert's rows, or into the other half's when S > P). A consumer's
+    expert e's from row e * S (P a multiple of WG_M: a consumer's rows lie wholly inside P or
+    wholly past it, and those past it are neither fetched nor stored, so that no tile reaches
+    into the next expert's rows, or into the other half's when S > P). A consumer's
     tile is the descriptors' block, WG_M x BLOCK_N; with SPLIT 2 the two consumers share tiles of
     2 x WG_M rows (cooperative), with SPLIT 1 each has its own (ping-pong). GATHER: B's rows
     are read through their index by a loader of LOADER_WARPS warps (`_copy_step`), the same
@@ -2035,7 +2041,7 @@ def _group_at_b_kernel(
         claims = (ids, full, free, claims_ptr)
     else:
         claims = (ready, ready, empty, claims_ptr)  # never read
-    m_tiles = P // BLOCK_M
+    m_tiles = gl.cdiv(P, BLOCK_M)
     n_tiles = gl.cdiv(Q, BLOCK_N)
     per_half = m_tiles * n_tiles
     num_tasks = num_experts * HALVES * per_half
@@ -2093,8 +2099,9 @@ def wgrad_supported(
     gather: bool = False,
 ) -> bool:
     """Whether `_group_at_b_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
-    column strides, an fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of the tile's rows
-    and whose experts each hold P contiguous rows (the experts may lie further apart: the halves
+    column strides, an fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of a consumer's
+    rows (64: a tile of two consumers' rows may end past P, gpt-oss's 2880) and whose experts
+    each hold P contiguous rows (the experts may lie further apart: the halves
     of an [E, 2P, Q] tensor), and rows 16-byte aligned for TMA (gather: B's rows read through an
     index, B's elements fewer than 2^31, the width of its offsets)."""
     num_experts, p, q = grad.shape
@@ -2106,7 +2113,7 @@ def wgrad_supported(
         and _experts_of_contiguous_rows(grad)
         and a.stride(-1) == 1
         and b.is_contiguous()
-        and p % cfg.block_m == 0
+        and p % CONSUMER_ROWS == 0
         and (a.stride(0) * a.element_size()) % 16 == 0
         and (p * a.element_size()) % 16 == 0
         and (q * a.element_size()) % 16 == 0
@@ -2146,15 +2153,15 @@ def _group_at_b(
     num_experts, p, q = grads[0].shape
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     gather = source_rows is not None
-    # A tile of rows past P would land on the next expert's gradient, or the other half's (2-D
-    # descriptors over the experts' rows).
+    # A consumer's rows straddling P would land on the next expert's gradient, or the other
+    # half's (2-D descriptors over the experts' rows).
     if not all(wgrad_supported(a, b, g, cfg, gather) for g in grads) or any(
         g.stride() != grads[0].stride() for g in grads
     ):
         raise ValueError(
             f"gradients [E, {p}, {q}] {grads[0].dtype} from {a.dtype} operands: not taken by the "
             f"Gluon weight-gradient kernel with {bm}-row tiles (`wgrad_supported`: P a multiple "
-            "of the tile's rows, 16-byte rows, each expert's rows contiguous, gathered rows "
+            f"of {CONSUMER_ROWS}, 16-byte rows, each expert's rows contiguous, gathered rows "
             "fewer than 2^31 elements; every gradient laid out alike); use the tl kernel"
         )
     if gather:
@@ -2162,7 +2169,7 @@ def _group_at_b(
     split = _consumer_split(bm)
     wg_m = CONSUMER_ROWS
     halves = len(grads)
-    tasks = num_experts * halves * (p // bm) * triton.cdiv(q, bn)
+    tasks = num_experts * halves * triton.cdiv(p, bm) * triton.cdiv(q, bn)
     # The gradients' own dtype (fp32, or A's: `wgrad_supported`) sets their tiles' layout.
     rows_per_expert = grads[0].stride(0) // q
     descs = [_descriptor(_gradient_rows(g, rows_per_expert), [wg_m, bn]) for g in grads]
