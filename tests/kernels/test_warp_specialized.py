@@ -1022,6 +1022,6 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
             assert torch.equal(static, claimed), label
         grouped_rows, gathered = results[0][:2], results[1][3:]
         assert all(torch.equal(g, r) for g, r in zip(gathered, grouped_rows, strict=True)), label
-        per_half = len(sizes) * (p // cfg.block_m) * -(-q // cfg.block_n)
+        per_half = len(sizes) * -(-p // cfg.block_m) * -(-q // cfg.block_n)
         tasks = [2 * per_half, per_half, 2 * per_half]
         assert [int(c) for c in claims.counters] == [t + 3 + claims.extra for t in tasks]
