@@ -285,9 +285,9 @@ def cases():
 
 
 def tl_cases():
-    """(label, callable) for the tl kernels that only the triton backend's non-SwiGLU experts
-    (gpt-oss: its activation, expert biases, bias gradients) run on Hopper, and the combine's
-    backward on the token side."""
+    """(label, callable) for tl kernels that run on Hopper: gpt-oss's products where its weights
+    are not rows the Gluon kernels read, the bias gradients, the claiming twins, and the
+    combine's backward on the token side."""
     from mok.kernels import grouped_gemm as gg
     from mok.kernels.grouped_gemm import Activation, GemmTiles, RowTiles
     from mok.kernels.rows import pair_gradients
