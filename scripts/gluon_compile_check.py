@@ -112,7 +112,14 @@ class _StandInClaims:
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
     from mok.kernels import warp_specialized as ws
-    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowScatter, RowsReady, RowTiles
+    from mok.kernels.grouped_gemm import (
+        SWIGLU,
+        Activation,
+        GemmTiles,
+        RowScatter,
+        RowsReady,
+        RowTiles,
+    )
 
     def tiles(cfg):
         capacity = triton.cdiv(m, cfg.block_m) + experts + 2
@@ -182,6 +189,17 @@ def cases():
             ready=ready,
         )
 
+    def dgrad_problem(limit=None, activation=SWIGLU):
+        return ws._RowsProblem(
+            ws.DOWN_DGRAD_SWIGLU.value,
+            x,
+            w_down,
+            torch.zeros_like(gate_up),
+            gate_up=gate_up,
+            swiglu_limit=limit,
+            activation=activation,
+        )
+
     flags = torch.zeros(m // 32, dtype=torch.int32)
     ready = RowsReady(flags, 32, flags[:1], torch.zeros(4, dtype=torch.int64), 1.0, 0)
     for label, cfg in swiglu.items():
@@ -203,9 +221,7 @@ def cases():
             lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():
-        problem = ws._RowsProblem(
-            ws.DOWN_DGRAD_SWIGLU.value, x, w_down, torch.zeros_like(gate_up), gate_up=gate_up
-        )
+        problem = dgrad_problem()
         claimed = dataclasses.replace(cfg, claims=claiming)
         yield (
             f"down_dgrad_swiglu claiming {label}",
@@ -236,14 +252,7 @@ def cases():
                 lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
             )
         for label, cfg in dgrad_swiglu.items():
-            problem = ws._RowsProblem(
-                ws.DOWN_DGRAD_SWIGLU.value,
-                x,
-                w_down,
-                torch.zeros_like(gate_up),
-                gate_up=gate_up,
-                swiglu_limit=limit,
-            )
+            problem = dgrad_problem(limit)
             yield (
                 f"down_dgrad_swiglu {label} limit={limit}",
                 lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
@@ -261,15 +270,7 @@ def cases():
             lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():
-        problem = ws._RowsProblem(
-            ws.DOWN_DGRAD_SWIGLU.value,
-            x,
-            w_down,
-            torch.zeros_like(gate_up),
-            gate_up=gate_up,
-            swiglu_limit=7.0,
-            activation=gpt_oss,
-        )
+        problem = dgrad_problem(7.0, gpt_oss)
         yield (
             f"down_dgrad_swiglu gpt-oss {label}",
             lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
