@@ -183,8 +183,9 @@ def test_expert_parallel_layer_splits_the_biases_with_the_experts(backend, toler
 
 def test_which_implementations_compute_it():
     """The triton and fused backends and the baseline compute gpt-oss's experts (the baseline's
-    values: `tests/test_baseline.py`); MXFP8 is refused by name. Catches a backend refusing
-    them, or `auto` picking one that does not compute them."""
+    values: `tests/test_baseline.py`), the triton backend in MXFP8 too (its values:
+    `tests/test_triton_backend_mx.py`). Catches a backend refusing them, or `auto` picking one
+    that does not compute them."""
     # A device the triton and fused backends run on (the CPU only under the interpreter).
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert TritonBackend.unavailable_reason(GPT_OSS, device, None) is None
@@ -196,5 +197,6 @@ def test_which_implementations_compute_it():
     x = torch.randn(3, 32).bfloat16()
     y = baseline(x, torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2))
     assert y.shape == x.shape and y.isfinite().all()
-    with pytest.raises(mok.MoKConfigError, match="mxfp8"):
-        GPT_OSS.replace(precision="mxfp8")
+    mx = GPT_OSS.replace(precision="mxfp8", intermediate_size=32)
+    assert TritonBackend.unavailable_reason(mx, device, None) is None
+    assert "bf16 only" in FusedBackend.unavailable_reason(mx, device, None)

@@ -69,34 +69,54 @@ def saved_preactivations(gate, up, limit):
     return expert.saved_preactivations(gate, up, limit, torch.bfloat16)
 
 
-def run(fn, rows, weights, grad, sizes, limit=None):
-    leaves = [t.clone().requires_grad_(True) for t in (rows, *weights)]
-    out = fn(leaves[0], sizes, *leaves[1:], limit)
+def run(fn, rows, weights, grad, sizes, limit=None, biases=None, **activation):
+    """(out, gradients of rows, the weights and the biases, in that order) of one call."""
+    leaves = [t.clone().requires_grad_(True) for t in (rows, *weights, *(biases or ()))]
+    bias_leaves = tuple(leaves[4:]) if biases is not None else None
+    out = fn(leaves[0], sizes, *leaves[1:4], limit, biases=bias_leaves, **activation)
     out.backward(grad)
     return out.detach(), [t.grad for t in leaves]
 
 
-@pytest.mark.parametrize("limit", [None, 1.0])
-def test_every_gemm_reads_its_operands_as_the_table_says(limit):
+GPT_OSS = {"alpha": 1.702, "up_offset": 1.0}
+
+
+def expert_biases(sizes, seed=5):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(len(sizes), INTER), (len(sizes), INTER), (len(sizes), H)]
+    return [(torch.randn(shape, generator=gen) / 4).bfloat16() for shape in shapes]
+
+
+@pytest.mark.parametrize("limit, gpt_oss", [(None, False), (1.0, False), (None, True), (1.0, True)])
+def test_every_gemm_reads_its_operands_as_the_table_says(limit, gpt_oss):
+    """gpt_oss: its activation and the experts' biases, added in fp32 to the MX products and
+    never cast, their gradients the fp32 sums of the bf16 gradients (caught besides: a bias
+    quantized, added after the bf16 rounding, or its gradient summed from fp32 values)."""
     sizes = [40, 0, 7, 33]
     rows, (w_gate, w_up, w_down), grad = problem(sizes)
-    out, (g_rows, g_gate, g_up, g_down) = run(
-        mx_grouped_expert_mlp, rows, [w_gate, w_up, w_down], grad, sizes, limit
+    activation = GPT_OSS if gpt_oss else {}
+    biases = expert_biases(sizes) if gpt_oss else None
+    weights = [w_gate, w_up, w_down]
+    out, (g_rows, g_gate, g_up, g_down, *g_biases) = run(
+        mx_grouped_expert_mlp, rows, weights, grad, sizes, limit, biases, **activation
     )
+    act = (limit, activation.get("alpha", 1.0), activation.get("up_offset", 0.0))
     start = 0
     for e, size in enumerate(sizes):
         r, g = rows[start : start + size], grad[start : start + size]
         if size == 0:
             assert not g_gate[e].any() and not g_up[e].any() and not g_down[e].any()
+            assert all(not t[e].any() for t in g_biases)
             continue
         x_q = q(r, 1)
-        gate_f = x_q @ q(w_gate[e], 1).T
-        up_f = x_q @ q(w_up[e], 1).T
-        h_q = q(swiglu(gate_f, up_f, limit).bfloat16(), 1)
-        assert torch.equal(out[start : start + size], (h_q @ q(w_down[e], 1).T).bfloat16())
+        b_gate, b_up, b_down = (0.0,) * 3 if biases is None else (b[e].float() for b in biases)
+        gate_f = x_q @ q(w_gate[e], 1).T + b_gate
+        up_f = x_q @ q(w_up[e], 1).T + b_up
+        h_q = q(swiglu(gate_f, up_f, *act).bfloat16(), 1)
+        assert torch.equal(out[start : start + size], (h_q @ q(w_down[e], 1).T + b_down).bfloat16())
         saved = [t.float().requires_grad_(True) for t in saved_preactivations(gate_f, up_f, limit)]
         grad_h = (q(g, 1) @ q(w_down[e], 0)).bfloat16().float()
-        grads = torch.autograd.grad(swiglu(*saved, limit), saved, grad_h)
+        grads = torch.autograd.grad(swiglu(*saved, *act), saved, grad_h)
         grad_gate, grad_up = (t.bfloat16() for t in grads)
         want_rows = q(grad_gate, 1) @ q(w_gate[e], 0) + q(grad_up, 1) @ q(w_up[e], 0)
         assert torch.equal(g_rows[start : start + size], want_rows.bfloat16())
@@ -104,6 +124,9 @@ def test_every_gemm_reads_its_operands_as_the_table_says(limit):
         x_t = q_tokens(x_q)
         assert torch.equal(g_gate[e], (q_tokens(grad_gate).T @ x_t).bfloat16())
         assert torch.equal(g_up[e], (q_tokens(grad_up).T @ x_t).bfloat16())
+        if biases is not None:
+            for ours, summed in zip(g_biases, (grad_gate, grad_up, g), strict=True):
+                assert torch.equal(ours[e], summed.float().sum(0).bfloat16())
         start += size
 
 

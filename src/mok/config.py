@@ -203,11 +203,6 @@ class MoKConfig:
         for name in ("expert_bias", "exact_buffers", "keep_grouped_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise MoKConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.precision is Precision.MXFP8 and not self.plain_swiglu:
-            raise MoKConfigError(
-                "precision='mxfp8' computes plain SwiGLU experts without biases so far "
-                "(swiglu_alpha=1, swiglu_up_offset=0, expert_bias=False)"
-            )
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
@@ -221,11 +216,6 @@ class MoKConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_intermediate_size > 0
-
-    @property
-    def plain_swiglu(self) -> bool:
-        """Experts are SwiGLU without biases (alpha 1, no up offset, no expert biases)."""
-        return self.swiglu_alpha == 1.0 and self.swiglu_up_offset == 0.0 and not self.expert_bias
 
     def local_experts(self, ep_size: int) -> int:
         """E_loc: experts each of `ep_size` ranks owns; expert e lives on rank e // E_loc."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mok.kernels.grouped_gemm import SWIGLU, Activation
 from mok.kernels.mx_expert_mlp import (
     MXWeightCache,
     MXWeightValues,
@@ -51,28 +52,66 @@ def problem(sizes, hidden=64, inter=96, seed=7):
     return rows, (w_gate, w_up, w_down), grad_out, offsets
 
 
-@pytest.mark.parametrize("limit", [None, 2.0])
-@pytest.mark.parametrize("rounding", ["rceil", "floor"])
-def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
+def biases_of(experts, hidden=64, inter=96, seed=11):
+    """gate, up [E, I] and down [E, H] biases, bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(experts, inter), (experts, inter), (experts, hidden)]
+    return [(torch.randn(shape, generator=gen) / 4).bfloat16() for shape in shapes]
+
+
+GPT_OSS = Activation(alpha=1.702, up_offset=1.0)
+
+
+@pytest.mark.parametrize(
+    "limit, rounding, gpt_oss",
+    [
+        (None, "rceil", False),
+        (2.0, "rceil", False),
+        (None, "floor", False),
+        (2.0, "floor", False),
+        (2.0, "rceil", True),
+    ],
+)
+def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding, gpt_oss):
+    """gpt_oss: its activation and the experts' biases (caught besides: the activation or a bias
+    dropped on the MX path, a bias gradient missing or summed over another expert's rows)."""
     sizes = [29, 0, 48, 11]
     rows, weights, grad_out, offsets = problem(sizes)
     m, experts = sum(sizes), len(sizes)
-    leaves = [t.to(DTYPE).requires_grad_(True) for t in (rows[:m], *weights)]
-    want = mx_grouped_expert_mlp(*leaves[:1], sizes, *leaves[1:], limit, rounding)
+    biases = biases_of(experts) if gpt_oss else []
+    activation = GPT_OSS if gpt_oss else SWIGLU
+    leaves = [t.to(DTYPE).requires_grad_(True) for t in (rows[:m], *weights, *biases)]
+    want = mx_grouped_expert_mlp(
+        leaves[0],
+        sizes,
+        *leaves[1:4],
+        limit,
+        rounding,
+        biases=tuple(leaves[4:]) if gpt_oss else None,
+        alpha=activation.alpha,
+        up_offset=activation.up_offset,
+    )
     want.backward(grad_out[:m].to(DTYPE))
 
     on_device = [w.to(DEVICE, DTYPE) for w in weights]
     casts = MXWeightValues.of(*on_device, ScaleRounding(rounding))
     out, saved = mx_expert_mlp_forward(
-        rows.to(DEVICE, DTYPE), offsets.to(DEVICE), casts, limit, rounding
+        rows.to(DEVICE, DTYPE),
+        offsets.to(DEVICE),
+        casts,
+        limit,
+        rounding,
+        activation=activation,
+        biases=tuple(b.to(DEVICE, DTYPE) for b in biases) if gpt_oss else None,
     )
     assert relative_error(out[:m], want.detach()) < TOLERANCE
-    grad_rows, grad_gate, grad_up, grad_down = mx_expert_mlp_backward(
-        grad_out.to(DEVICE, DTYPE), saved
-    )
+    grads = mx_expert_mlp_backward(grad_out.to(DEVICE, DTYPE), saved)
+    grad_rows = grads.rows
     assert relative_error(grad_rows[:m], leaves[0].grad) < TOLERANCE
     assert bool((grad_rows[m:] == 0).all())
-    for ours, leaf in zip((grad_gate, grad_up, grad_down), leaves[1:], strict=True):
+    assert (grads.biases is not None) == gpt_oss
+    routed = (grads.gate, grads.up, grads.down, *(grads.biases or ()))
+    for ours, leaf in zip(routed, leaves[1:], strict=True):
         for e in range(experts):
             if sizes[e]:
                 assert relative_error(ours[e], leaf.grad[e]) < TOLERANCE, e
@@ -81,15 +120,23 @@ def test_mx_expert_mlp_is_the_reference_forward_and_backward(limit, rounding):
 
 
 def test_gradient_buffers_are_added_into():
+    """The weights' and the biases' buffers (gradient accumulation)."""
     rows, weights, grad_out, offsets = problem([40, 24])
     on_device = [w.to(DEVICE, DTYPE) for w in weights]
+    biases = tuple(b.to(DEVICE, DTYPE) for b in biases_of(2))
     casts = MXWeightValues.of(*on_device, ScaleRounding.RCEIL)
     rows, grad_out, offsets = rows.to(DEVICE, DTYPE), grad_out.to(DEVICE, DTYPE), offsets.to(DEVICE)
-    _, saved = mx_expert_mlp_forward(rows, offsets, casts)
-    fresh = mx_expert_mlp_backward(grad_out, saved)[1:]
-    _, saved = mx_expert_mlp_forward(rows, offsets, casts)
-    buffers = [torch.ones_like(w, dtype=torch.float32) for w in on_device]
-    added = mx_expert_mlp_backward(grad_out, saved, *buffers)[1:]
+
+    def backward(*buffers):
+        _, saved = mx_expert_mlp_forward(rows, offsets, casts, activation=GPT_OSS, biases=biases)
+        grads = mx_expert_mlp_backward(
+            grad_out, saved, *buffers[:3], grad_bias_buffers=buffers[3:] or (None,) * 3
+        )
+        return (grads.gate, grads.up, grads.down, *grads.biases)
+
+    fresh = backward()
+    buffers = [torch.ones_like(w, dtype=torch.float32) for w in (*on_device, *biases)]
+    added = backward(*buffers)
     for total, buffer, alone in zip(added, buffers, fresh, strict=True):
         assert total is buffer
         assert relative_error(total - 1, alone.float()) < 2.0**-8
@@ -124,7 +171,8 @@ def test_backward_that_releases_the_saved_casts_matches(limit):
     _, released = mx_expert_mlp_forward(rows, offsets, casts, limit)
     expected = mx_expert_mlp_backward(grad_out, kept)
     got = mx_expert_mlp_backward(grad_out, released, release=True)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got[:4], expected[:4], strict=True))
+    assert got.biases is None and expected.biases is None
     assert (released.x, released.h, released.gate_up) == (None, None, None)
     with pytest.raises(ValueError, match="'rows' is not a saved cast"):
         kept.release("rows")

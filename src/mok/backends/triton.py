@@ -239,6 +239,8 @@ class TritonBackend:
                 rounding,
                 save_for_backward=need_backward,
                 out=self.exchange.expert_output_buffer(),
+                activation=self._activation(),
+                biases=weights.expert_biases(),
             )
         else:
             activation = self._activation()
@@ -369,11 +371,19 @@ class TritonBackend:
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         if isinstance(saved.experts, MXExpertSaved):
             buffers = (into.get("gate"), into.get("up"), into.get("down"))
-            grad_rows, *routed = mx_expert_mlp_backward(
-                grad_out, saved.experts, *buffers, release=True
+            bias_names = ("gate_bias", "up_bias", "down_bias")
+            routed = mx_expert_mlp_backward(
+                grad_out,
+                saved.experts,
+                *buffers,
+                release=True,
+                grad_bias_buffers=tuple(into.get(name) for name in bias_names),
             )
             del grad_out
-            grads = dict(zip(("gate", "up", "down"), routed, strict=True))
+            grad_rows = routed.rows
+            grads = {"gate": routed.gate, "up": routed.up, "down": routed.down}
+            if routed.biases is not None:
+                grads.update(zip(bias_names, routed.biases, strict=True))
         else:
             grads = {}
             grad_gate_up = self._down_gradients(grad_out, saved.experts, into, grads)

@@ -11,6 +11,9 @@ GEMM's reduction dimension, and the bf16 kernels run unchanged:
     backward   Q_H(grad out) -> down dgrad + SwiGLU backward (bf16 grads) -> Q_I(grads)
                -> gate/up dgrad;  Q_T of grad out, Q_I(h), grads, Q_H(rows) -> weight gradients
 
+gpt-oss's activation and expert biases go to the bf16 kernels as they are: the biases, never
+cast, added in fp32 in the epilogues; their gradients summed from the bf16 gradients.
+
 The weights' casts (both layouts from one pass, `MXWeightValues`) are made once per weight
 update when the caller keeps an `MXWeightCache`. The casts of the grouped rows
 (`mx_group_casts`) touch only the rows inside the groups and make every cast of a tensor in one
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -32,10 +36,12 @@ from mok.kernels.expert_mlp import (
     cached_row_tiles,
     down_data_gradient,
     down_weight_gradient,
+    expert_bias_gradients,
     expert_mlp_forward,
     gate_up_data_gradient,
     gate_up_weight_gradients,
 )
+from mok.kernels.grouped_gemm import SWIGLU, Activation
 from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
 from mok.reference.mx import ScaleRounding
 
@@ -119,6 +125,9 @@ class MXExpertSaved:
     swiglu_limit: float | None
     rounding: ScaleRounding
     config: ExpertKernelConfig
+    activation: Activation = SWIGLU
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """The experts' biases (gate, up [E, I]; down [E, H]; never cast), or None."""
 
     def release(self, *names: str) -> None:
         """Drop the saved casts `names` ("x", "h", "gate_up"; None afterwards), as
@@ -137,13 +146,17 @@ def mx_expert_mlp_forward(
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
     save_for_backward: bool = True,
     out: torch.Tensor | None = None,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, MXExpertSaved | None]:
     """out [M, H] of `mok.reference.mx_expert.mx_grouped_expert_mlp` for rows [M, H] grouped by
     `group_offsets` ([E + 1] int32 on the device) through the weights' casts (`MXWeightValues`;
     H and I multiples of 32). rows: bf16 values (fp32 under the interpreter), cast here, or
     their cast along H already made (`MXRows`, as the layer dispatches them). out: as in
-    `expert_mlp_forward`. Returns (out in the weights' dtype, rows outside the groups unwritten;
-    saved or None). Only rows inside the groups are cast. Never synchronizes with the host."""
+    `expert_mlp_forward`. activation, biases (gate, up [E, I], down [E, H] in the weights' dtype):
+    as in `expert_mlp_forward`, the biases added in fp32 to the MX products. Returns (out in the
+    weights' dtype, rows outside the groups unwritten; saved or None). Only rows inside the
+    groups are cast. Never synchronizes with the host."""
     rounding = ScaleRounding(rounding)
     dtype = weights.gate.dtype
     m = rows.shape[0]
@@ -172,6 +185,8 @@ def mx_expert_mlp_forward(
         save_for_backward=save_for_backward,
         out=out,
         down_operand=down_operand,
+        activation=activation,
+        biases=biases,
     )
     if not save_for_backward:
         return out, None
@@ -190,8 +205,22 @@ def mx_expert_mlp_forward(
         swiglu_limit=swiglu_limit,
         rounding=rounding,
         config=bf16_saved.config,
+        activation=activation,
+        biases=biases,
     )
     return out, saved
+
+
+class MXExpertGradients(NamedTuple):
+    """The gradients `mx_expert_mlp_backward` returns."""
+
+    rows: torch.Tensor
+    """[M, H], zero outside the groups."""
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """The biases' (gate, up, down) when the forward had biases, else None."""
 
 
 def mx_expert_mlp_backward(
@@ -201,15 +230,18 @@ def mx_expert_mlp_backward(
     grad_w_up: torch.Tensor | None = None,
     grad_w_down: torch.Tensor | None = None,
     release: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad rows [M, H], grad W_gate, grad W_up, grad W_down) of `mx_expert_mlp_forward` given
-    grad_out [M, H] (bf16 values): the reference's MXFP8 backward. The weight-gradient buffers
-    as in `expert_mlp_backward` (added into when given). grad rows is zero outside the groups;
-    an expert without rows gets zero weight gradients. Each operand is cast in one pass that
-    makes every cast of it the backward reads (grad_out and the SwiGLU gradients: along their
-    columns for the data gradients, along the tokens for the weight gradients). The products go
-    in `expert_mlp_backward`'s order, each cast dropped after its last product; release: `saved`
-    serves this backward only, each saved cast released once its values are made."""
+    grad_bias_buffers: tuple[torch.Tensor | None, ...] = (None, None, None),
+) -> MXExpertGradients:
+    """The gradients of `mx_expert_mlp_forward` given grad_out [M, H] (bf16 values): the
+    reference's MXFP8 backward. The weight-gradient buffers as in `expert_mlp_backward` (added
+    into when given), the biases' (gate, up, down) as in `expert_bias_gradients`: fp32 sums of
+    the bf16 gradients (grad_out's and the pre-activations', never cast). grad rows is zero
+    outside the groups; an expert without rows gets zero weight and bias gradients. Each operand
+    is cast in one pass that makes every cast of it the backward reads (grad_out and the SwiGLU
+    gradients: along their columns for the data gradients, along the tokens for the weight
+    gradients). The products go in `expert_mlp_backward`'s order, each cast dropped after its
+    last product; release: `saved` serves this backward only, each saved cast released once its
+    values are made."""
     rounding, w = saved.rounding, saved.weights
     m = grad_out.shape[0]
     dtype = grad_out.dtype
@@ -232,10 +264,15 @@ def mx_expert_mlp_backward(
         row_tiles=saved.row_tiles,
         swiglu_limit=saved.swiglu_limit,
         config=saved.config,
+        activation=saved.activation,
+        biases=saved.biases,
     )
     del gate_up
     grads = down_data_gradient(g.values, through)
     through.release("gate_up")
+    grad_biases = None
+    if saved.biases is not None:
+        grad_biases = expert_bias_gradients(grad_out, grads, through, *grad_bias_buffers)
     through.h = mx_group_casts(
         saved.h, tiles, rounding, token_values=True, dtype=dtype
     ).token_values
@@ -258,4 +295,5 @@ def mx_expert_mlp_backward(
     grad_w_gate, grad_w_up = gate_up_weight_gradients(grads_tokens, through, grad_w_gate, grad_w_up)
     through.release("rows")
     del grads_tokens
-    return gate_up_data_gradient(grads_cols, through), grad_w_gate, grad_w_up, grad_w_down
+    grad_rows = gate_up_data_gradient(grads_cols, through)
+    return MXExpertGradients(grad_rows, grad_w_gate, grad_w_up, grad_w_down, grad_biases)

@@ -117,22 +117,19 @@ def moe_forward(
     grouped = received[routing.recv_to_grouped]
     activation = {"alpha": swiglu_alpha, "up_offset": swiglu_up_offset}
     sizes = routing.group_sizes
-    if precision == "mxfp8":
-        expert_rows = mx_grouped_expert_mlp(
-            grouped, sizes, weights.gate, weights.up, weights.down, swiglu_limit, mx_rounding
-        )
-    else:
-        biases = weights.expert_biases()
-        expert_rows = grouped_expert_mlp(
-            grouped,
-            sizes,
-            weights.gate,
-            weights.up,
-            weights.down,
-            swiglu_limit,
-            biases=biases,
-            **activation,
-        )
+    experts = mx_grouped_expert_mlp if precision == "mxfp8" else grouped_expert_mlp
+    options = {"rounding": mx_rounding} if precision == "mxfp8" else {}
+    expert_rows = experts(
+        grouped,
+        sizes,
+        weights.gate,
+        weights.up,
+        weights.down,
+        swiglu_limit,
+        biases=weights.expert_biases(),
+        **activation,
+        **options,
+    )
     returned = all_to_all(
         expert_rows[routing.grouped_to_recv], routing.send_splits, routing.recv_splits, group
     )

@@ -10,6 +10,7 @@ W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
     forward    gate, up = Q_H(r) @ Q_H(W_gate).T, Q_H(r) @ Q_H(W_up).T        (fp32)
                h        = bf16(swiglu(gate, up))                               (the bf16 layer's)
                out      = bf16(Q_I(h) @ Q_I(W_down).T)
+               (gpt-oss: its activation in swiglu; biases added in fp32 to gate, up and out)
                saved    Q_H(r), Q_I(h), Q_I(bf16(gate)), Q_I(bf16(up))  (under a clamp L the
                         pre-activations stay bf16, `expert.saved_preactivations`)
     backward   g        = grad out (bf16)
@@ -18,6 +19,7 @@ W_gate, W_up [I, H], W_down [H, I], Q_d(t) = dequantize(quantize(t, along d)):
                grad r   = bf16(Q_I(grad gate) @ Q_I(W_gate) + Q_I(grad up) @ Q_I(W_up))
                grad W_down = Q_T(g).T @ Q_T(Q_I(h))
                grad W_gate = Q_T(grad gate).T @ Q_T(Q_H(r)); grad W_up alike
+               grad b_gate = fp32 sum over the rows of grad gate (bf16); b_up, b_down alike
 
 Q_T quantizes along the rows (tokens) of one expert's group: blocks of 32 rows from the group's
 first, the last one padded with zeros. The saved activations are MX casts (about half their bf16
@@ -59,22 +61,28 @@ def quantized_rows(
 
 
 class _MXExpert(torch.autograd.Function):
-    """One expert in MXFP8 (see the module docstring); rows and weights in bf16."""
+    """One expert in MXFP8 (see the module docstring); rows, weights and biases in bf16."""
 
     @staticmethod
-    def forward(ctx, rows, w_gate, w_up, w_down, limit, rounding):
+    def forward(ctx, rows, w_gate, w_up, w_down, b_gate, b_up, b_down, activation, rounding):
+        limit, alpha, up_offset = activation
         dtype = rows.dtype
         x_q = quantized(rows, -1, rounding)
         gate = x_q @ quantized(w_gate, -1, rounding).T
         up = x_q @ quantized(w_up, -1, rounding).T
-        h_q = quantized(swiglu(gate, up, limit).to(dtype), -1, rounding)
-        out = (h_q @ quantized(w_down, -1, rounding).T).to(dtype)
+        if b_gate is not None:
+            gate, up = gate + b_gate.float(), up + b_up.float()
+        h_q = quantized(swiglu(gate, up, limit, alpha, up_offset).to(dtype), -1, rounding)
+        out = h_q @ quantized(w_down, -1, rounding).T
+        if b_down is not None:
+            out = out + b_down.float()
         gate, up = saved_preactivations(gate, up, limit, dtype)
         if limit is None:
             gate, up = quantized(gate, -1, rounding), quantized(up, -1, rounding)
         ctx.save_for_backward(x_q, gate, up, h_q, w_gate, w_up, w_down)
-        ctx.limit, ctx.rounding, ctx.dtype = limit, rounding, dtype
-        return out
+        ctx.activation, ctx.rounding, ctx.dtype = activation, rounding, dtype
+        ctx.bias_dtypes = None if b_gate is None else (b_gate.dtype, b_up.dtype, b_down.dtype)
+        return out.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -87,7 +95,7 @@ class _MXExpert(torch.autograd.Function):
             gate_ = gate.float().requires_grad_(True)
             up_ = up.float().requires_grad_(True)
             grad_gate, grad_up = torch.autograd.grad(
-                swiglu(gate_, up_, ctx.limit), [gate_, up_], grad_h
+                swiglu(gate_, up_, *ctx.activation), [gate_, up_], grad_h
             )
         grad_gate, grad_up = grad_gate.to(dtype), grad_up.to(dtype)
         grad_rows = quantized(grad_gate, -1, rounding) @ quantized(w_gate, 0, rounding)
@@ -96,11 +104,19 @@ class _MXExpert(torch.autograd.Function):
         grad_w_down = quantized_rows(grad_out, rounding).T @ quantized_rows(h_q, rounding)
         grad_w_gate = quantized_rows(grad_gate, rounding).T @ x_t
         grad_w_up = quantized_rows(grad_up, rounding).T @ x_t
+        grad_biases = (None, None, None)
+        if ctx.bias_dtypes is not None:
+            summed = (grad_gate, grad_up, grad_out)
+            grad_biases = tuple(
+                grad.float().sum(0).to(bias_dtype)
+                for grad, bias_dtype in zip(summed, ctx.bias_dtypes, strict=True)
+            )
         return (
             grad_rows.to(dtype),
             grad_w_gate.to(w_gate.dtype),
             grad_w_up.to(w_up.dtype),
             grad_w_down.to(w_down.dtype),
+            *grad_biases,
             None,
             None,
         )
@@ -114,13 +130,33 @@ def mx_grouped_expert_mlp(
     w_down: torch.Tensor,
     swiglu_limit: float | None = None,
     rounding: mx.ScaleRounding | str = mx.ScaleRounding.RCEIL,
+    *,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
 ) -> torch.Tensor:
     """`mok.reference.expert.grouped_expert_mlp` in MXFP8: rows [M, H] bf16 grouped by expert
-    through w_gate, w_up [E, I, H] and w_down [E, H, I] (H and I multiples of 32). Differentiable
-    with the MXFP8 backward of the module docstring."""
+    through w_gate, w_up [E, I, H] and w_down [E, H, I] (H and I multiples of 32), with the
+    activation's `alpha` and `up_offset` and the experts' `biases` (b_gate, b_up [E, I], b_down
+    [E, H] or None: added in fp32 to the MX products, never cast; their gradients are the fp32
+    sums of the bf16 gradients of the pre-activations and of the output). Differentiable with
+    the MXFP8 backward of the module docstring."""
     rounding = mx.ScaleRounding(rounding)
 
-    def expert(chunk, gate, up, down, limit):
-        return _MXExpert.apply(chunk, gate, up, down, limit, rounding)
+    def expert(chunk, gate, up, down, limit, biases=None, alpha=1.0, up_offset=0.0):
+        own = (None, None, None) if biases is None else biases
+        activation = (limit, alpha, up_offset)
+        return _MXExpert.apply(chunk, gate, up, down, *own, activation, rounding)
 
-    return grouped_expert_mlp(rows, group_sizes, w_gate, w_up, w_down, swiglu_limit, expert)
+    return grouped_expert_mlp(
+        rows,
+        group_sizes,
+        w_gate,
+        w_up,
+        w_down,
+        swiglu_limit,
+        expert,
+        biases=biases,
+        alpha=alpha,
+        up_offset=up_offset,
+    )
