@@ -1379,7 +1379,7 @@ class Activation:
 SWIGLU = Activation()
 
 
-def _bias_arg(bias: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+def bias_arg(bias: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
     """An expert bias [E, N] (contiguous), or a placeholder the kernel never reads."""
     return fallback if bias is None else bias.contiguous()
 
@@ -1483,7 +1483,7 @@ def gate_up_swiglu(
             *limit_edges(swiglu_limit, gate_up.dtype),
             *ready_args(ready, tiles),
             tiles.counts if counter is None else counter,
-            *(_bias_arg(b, tiles.table) for b in (biases or (None, None))),
+            *(bias_arg(b, tiles.table) for b in (biases or (None, None))),
             float(activation.alpha),
             float(activation.up_offset),
             HAS_LIMIT=swiglu_limit is not None,
@@ -1542,7 +1542,7 @@ def _launch_down(
         tiles.capacity,
         hidden,
         inter,
-        _bias_arg(bias, tiles.table),
+        bias_arg(bias, tiles.table),
         GATHER=source_rows is not None,
         SCATTER=scatter is not None,
         HAS_BIAS=bias is not None,

@@ -80,6 +80,7 @@ from mok.kernels.grouped_gemm import (
     RowScatter,
     RowsReady,
     RowTiles,
+    bias_arg,
     gathered_rows,
     launch_persistent,
     num_programs,
@@ -1331,7 +1332,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     if len(biases) != (0 if problem.bias is None else 1 + (mode == GATE_UP_SWIGLU.value)):
         raise ValueError("expert biases: one for ROWS_WT, gate's and up's for GATE_UP_SWIGLU")
     # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
-    bias, bias2 = (None if b is None else b.contiguous() for b in (problem.bias, problem.bias2))
+    bias, bias2 = (bias_arg(b, tiles.table) for b in (problem.bias, problem.bias2))
     activation = problem.activation
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
@@ -1357,8 +1358,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             *limit_edges(limit, a.dtype),
             float(activation.alpha),
             float(activation.up_offset),
-            tiles.table if bias is None else bias,
-            tiles.table if bias2 is None else bias2,
+            bias,
+            bias2,
             a,
             a.stride(0) if gather else 0,
             problem.source_rows if gather else tiles.table,
