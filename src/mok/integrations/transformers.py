@@ -17,7 +17,8 @@ The model keeps its routers, its shared experts and its parameters: the experts 
 which the Hopper kernels read in place; the layer also takes `gate_up_proj` whole, so that its
 gradient comes from the kernels as one tensor), so `state_dict()` keys, checkpoints and
 optimizers are those of the original model. The backend is
-the config's `auto` (the `triton` backend on GPUs) unless `register(backend=...)` says otherwise.
+the config's `auto` (the `triton` backend on GPUs) unless `register(backend=...)` says otherwise;
+the precision bf16 unless `register(precision="mxfp8")` (the routed experts in MXFP8).
 
 Expert parallelism: `shard_experts(model, group)` keeps only this rank's experts in every experts
 module (rank r of ep holds experts [r * E / ep, (r + 1) * E / ep), as `mok.MoE` does), and the
@@ -26,8 +27,8 @@ module is sliced to this rank's experts. Every rank must then run the model's Mo
 `register()` also adds "mok-baseline": the standard expert-parallel PyTorch path (`mok.baseline`)
 on the same weights, to compare with.
 
-Supported, in bf16 (also fp32 parameters under `torch.autocast(dtype=torch.bfloat16)`, which
-the layer casts per call as autocast casts a matmul's): SwiGLU experts with concatenated
+Supported, in bf16 or MXFP8 (also fp32 parameters under `torch.autocast(dtype=torch.bfloat16)`,
+which the layer casts per call as autocast casts a matmul's): SwiGLU experts with concatenated
 [gate; up] weights and no biases, and gpt-oss's experts (transposed, interleaved gate/up
 weights, per-expert biases, its activation (up + 1) * gate * sigmoid(1.702 gate) with its
 clamp). The triton kernels read weights with a unit last stride, which gpt-oss's transposed
@@ -45,9 +46,9 @@ import torch
 from torch import nn
 
 from mok.baseline import baseline_moe
-from mok.config import MoKConfig
+from mok.config import MoKConfig, Precision
 from mok.distributed import expert_parallel_group, group_rank_and_size
-from mok.errors import MoKInputError
+from mok.errors import MoKConfigError, MoKInputError
 from mok.functional import Workspace
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import cast_for_autocast, moe
@@ -159,9 +160,15 @@ def _group(experts: nn.Module):
 
 
 def _workspace(
-    experts: nn.Module, weights: MoEWeights, hidden: torch.Tensor, top_k: int, backend: str
+    experts: nn.Module,
+    weights: MoEWeights,
+    hidden: torch.Tensor,
+    top_k: int,
+    backend: str,
+    precision: str,
 ) -> Workspace:
-    """The module's workspace for this device, shape (its `weights`) and call size."""
+    """The module's workspace for this device, shape (its `weights`), call size, backend and
+    precision."""
     local_experts, inter, hidden_size = weights.gate.shape
     sharding = getattr(experts, _GROUP, None)
     group = None if sharding is None else sharding[0]
@@ -174,13 +181,14 @@ def _workspace(
         num_experts=local_experts * ep,
         top_k=top_k,
         backend=backend,
+        precision=precision,
         max_tokens_per_rank=hidden.shape[0] if sharding is None else sharding[3],
         **_activation_options(experts),
     )
     return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
 
-def _forward(backend: str):
+def _forward(backend: str, precision: str):
     def experts_forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
@@ -202,7 +210,8 @@ def _forward(backend: str):
             return compiled_call(
                 self, hidden_states, top_k_index, top_k_weights, weights, gate_up=gate_up
             )
-        workspace = _workspace(self, weights, hidden_states, top_k_index.shape[-1], backend)
+        top_k = top_k_index.shape[-1]
+        workspace = _workspace(self, weights, hidden_states, top_k, backend, precision)
         # Autograd adds gate_up_proj's gradient (gpt-oss: the views' gradients into it): no
         # fused accumulation.
         return moe(
@@ -271,10 +280,15 @@ def _baseline_forward(
     )
 
 
-def register(backend: str = "auto") -> None:
+def register(backend: str = "auto", precision: str = "bf16") -> None:
     """Add "mok" to transformers' experts implementations (idempotent; a later call with another
-    backend replaces the earlier one)."""
+    backend or precision replaces the earlier one). precision: the layer's ("bf16"; "mxfp8":
+    the routed experts in MXFP8, which needs the hidden and expert intermediate sizes to be
+    multiples of 32)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _forward(backend))
+    precisions = [p.value for p in Precision]
+    if precision not in precisions:
+        raise MoKConfigError(f"precision must be one of {precisions}, got {precision!r}")
+    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _forward(backend, precision))
     ALL_EXPERTS_FUNCTIONS.register(BASELINE_IMPLEMENTATION, _baseline_forward)
