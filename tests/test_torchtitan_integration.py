@@ -85,6 +85,29 @@ def test_routed_experts_through_mok_match_float64_to_bf16_rounding():
         assert error <= 2 * relative_error(theirs[name], want) + 5e-3, name
 
 
+def test_routed_experts_in_mxfp8_are_mxfp8_close_to_float64():
+    """`use_mok(precision="mxfp8")`: the routed experts' output and weight gradients lie further
+    from float64 than bf16's (e4m3 has 3 mantissa bits to bf16's 7), and far below O(1).
+    Catches the precision not reaching the layer (bf16-level errors)."""
+    base = build_layer()
+    bf16, mx = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16()
+    mok_torchtitan.use_mok(bf16)
+    mok_torchtitan.use_mok(mx, precision="mxfp8")
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    grad = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    exact = results(copy.deepcopy(base).double(), x.double(), grad.double())
+    ours_bf16 = results(bf16, x.bfloat16(), grad.bfloat16())
+    ours_mx = results(mx, x.bfloat16(), grad.bfloat16())
+    experts = [name for name in exact if "inner_experts" in name]
+    assert len(experts) == 3
+    for name in ["y", *experts]:
+        error = relative_error(ours_mx[name], exact[name])
+        assert 2 * relative_error(ours_bf16[name], exact[name]) < error < 0.1, (name, error)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        mok_torchtitan.use_mok(mx, precision="fp8")
+
+
 def test_a_float32_layer_under_autocast_runs_through_mok():
     """Mixed precision with fp32 parameters (TorchTitan without FSDP's bf16 parameters, under
     torch.autocast): MoK behind the fp32 layer's experts computes in bf16 and is within bf16

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mok.config import MoKConfig
+from mok.config import MoKConfig, Precision
 from mok.distributed import expert_parallel_group, group_rank_and_size
-from mok.errors import MoKInputError
+from mok.errors import MoKConfigError, MoKInputError
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
@@ -67,7 +67,7 @@ class _MoKRoutedExperts(nn.Module):
 
     def _workspace(self, weights: MoEWeights, tokens: int, top_k: int, device: torch.device):
         """The module's workspace for its weights' shape and a call of `tokens` tokens."""
-        group, backend, max_tokens = self._mok
+        group, backend, max_tokens, precision = self._mok
         _, ep = group_rank_and_size(group)
         local_experts, hidden_dim, dim = weights.gate.shape
         config = MoKConfig(
@@ -76,6 +76,7 @@ class _MoKRoutedExperts(nn.Module):
             num_experts=local_experts * ep,
             top_k=top_k,
             backend=backend,
+            precision=precision,
             max_tokens_per_rank=max_tokens or tokens,
         )
         return workspace_for(self, config, group, device, max_tokens is not None)
@@ -105,11 +106,17 @@ def use_mok(
     group=None,
     backend: str = "auto",
     max_tokens_per_rank: int = MIN_TOKENS,
+    precision: str = "bf16",
 ) -> int:
     """Run every TorchTitan RoutedExperts of `model` through MoK (expert parallelism over `group`,
-    a ProcessGroup or a one-dimensional DeviceMesh, when given). Returns how many were switched."""
+    a ProcessGroup or a one-dimensional DeviceMesh, when given), at `precision` ("bf16";
+    "mxfp8": the routed experts in MXFP8, dim and hidden_dim multiples of 32). Returns how many
+    were switched."""
     from torchtitan.models.common.moe import RoutedExperts
 
+    precisions = [p.value for p in Precision]
+    if precision not in precisions:
+        raise MoKConfigError(f"precision must be one of {precisions}, got {precision!r}")
     group = expert_parallel_group(group)
     switched = 0
     for module in model.modules():
@@ -122,6 +129,7 @@ def use_mok(
                     f"{type(module).__name__} already has its forward wrapped"
                 )
             module.__class__ = type("MoKRoutedExperts", (_MoKRoutedExperts, type(module)), {})
-            module._mok = (group, backend, None if group is None else max_tokens_per_rank)
+            max_tokens = None if group is None else max_tokens_per_rank
+            module._mok = (group, backend, max_tokens, precision)
             switched += 1
     return switched
