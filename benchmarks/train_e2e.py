@@ -13,12 +13,12 @@ implementation starts from the same weights and sees the same batches of a synth
 task (a fixed random successor table, followed 90 % of the time: the loss falls, so curves have
 something to agree on). AdamW (fused by default: --optimizer), bf16 weights (--weights
 fp32-autocast: fp32 weights, each step under torch.autocast to bf16, as a trainer's bf16 mixed
-precision runs). Implementations
-(--implementations): at EP 1 the native transformers experts (`grouped_mm` on GPUs, `eager` on
-the CPU) and `mok`; at EP > 1 (one rank per GPU, or gloo ranks on the CPU; `shard_experts` keeps
-each rank's experts, the other parameters are replicated and their gradients averaged over the
-ranks) the standard expert-parallel path `mok-baseline` and `mok`; the script spawns its ranks,
-or joins a torchrun job.
+precision runs). Implementations (--implementations): at EP 1 the native transformers experts
+(`grouped_mm` on GPUs, `eager` on the CPU) and `mok`; at EP > 1 (one rank per GPU, or gloo ranks
+on the CPU; `shard_experts` keeps each rank's experts, the other parameters are replicated and
+their gradients averaged over the ranks) the standard expert-parallel path `mok-baseline` and
+`mok`; the script spawns its ranks, or joins a torchrun job. `mok-mxfp8` is `mok` with the routed
+experts in MXFP8.
 --routing balanced replaces the routers' choice of experts by a fixed random one of the same size,
 weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
 experts, which a training run that balances its experts does not.
@@ -48,6 +48,21 @@ from mok.bench import git_commit
 from mok.launch import init_from_env, run_ranks
 
 VOCAB = 512
+MXFP8_IMPLEMENTATION = "mok-mxfp8"
+"""--implementations name of `mok` with the routed experts in MXFP8 (transformers models and
+TorchTitan's)."""
+
+
+def precision_of(implementation: str) -> str:
+    """The layer precision an implementation name asks for."""
+    return "mxfp8" if implementation == MXFP8_IMPLEMENTATION else "bf16"
+
+
+def transformers_implementation(implementation: str) -> str:
+    """The experts implementation to set on a transformers model for `implementation`, with
+    "mok" registered at its precision."""
+    mok_transformers.register(precision=precision_of(implementation))
+    return "mok" if implementation == MXFP8_IMPLEMENTATION else implementation
 
 
 def model_config(args):
@@ -386,11 +401,12 @@ def train_titan(args) -> dict:
     results = {}
     for implementation in args.implementations.split(","):
         model = copy.deepcopy(initial)
-        if implementation == "mok":
-            mok_torchtitan.use_mok(model)
+        if implementation in ("mok", MXFP8_IMPLEMENTATION):
+            mok_torchtitan.use_mok(model, precision=precision_of(implementation))
         elif implementation != "torchtitan":
             raise SystemExit(
-                f"--framework torchtitan runs torchtitan and mok, not {implementation}"
+                f"--framework torchtitan runs torchtitan, mok and {MXFP8_IMPLEMENTATION}, "
+                f"not {implementation}"
             )
         results[implementation] = train(model.to(device), args, device, label=implementation)
         del model
@@ -420,7 +436,7 @@ def train_rank(rank: int, world: int, args) -> dict:
             raise SystemExit(f"--routing balanced found no router in the {args.arch} model")
         if group is not None:
             mok_transformers.shard_experts(model, group, args.batch * args.seq)
-        model.to(device).set_experts_implementation(implementation)
+        model.to(device).set_experts_implementation(transformers_implementation(implementation))
         results[implementation] = train(model, args, device, rank, world, group, implementation)
         del model
     return results
@@ -580,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--implementations",
         default=None,
         help="experts implementations, the first the reference of the ratios (default: the "
-        "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok)",
+        "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
+        f"{MXFP8_IMPLEMENTATION}: mok with the routed experts in MXFP8",
     )
     parser.add_argument(
         "--compile",
