@@ -4,7 +4,7 @@
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
-#                        [e2e-profile] [e2e-step] [e2e-ep] [ep1-rows]
+#                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -20,6 +20,7 @@
 # e2e-balanced: the GPU-bound run with balanced routing, eager and compiled (and the model's own
 # routing, compiled, beside it; the compiled balanced step profiled); e2e-profile: one compiled
 # step of each profiled, with Chrome traces. e2e-step: the compiled balanced step alone.
+# e2e-mxfp8: eager training with MoK's routed experts in MXFP8 beside bf16 MoK and the native.
 # e2e-ep: that step's shape at EP = the GPU count (two or more), mok against mok-baseline, eager
 # and compiled (docs/notes/two-gpu-campaign.md lists what else waits for two GPUs).
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
@@ -224,6 +225,12 @@ print(*m())' 2>&1)
       run e2e-step python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
         --top-k 8 --moe-intermediate 768 --batch 32 --seq 1024 --accumulate 2 --steps 8 \
         --warmup 3 --routing balanced --compile inductor --profile 25 --out "$OUT/e2e-step" ;;
+    e2e-mxfp8)
+      # Training with MoK's routed experts in MXFP8 beside bf16 MoK and the native grouped_mm
+      # experts: qwen3-30b-a3b's layer shape, 4 layers, 8k tokens a step, balanced routing, eager.
+      run e2e-mxfp8 python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
+        --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 --steps 20 --warmup 5 \
+        --routing balanced --implementations grouped_mm,mok,mok-mxfp8 --out "$OUT/e2e-mxfp8" ;;
     e2e-ep)
       # Issue 15's EP row: the GPU-bound qwen3-30b-a3b shape of `e2e-step` at EP = the GPU count
       # (32k tokens a rank and micro-batch), mok against mok-baseline, eager then compiled.
