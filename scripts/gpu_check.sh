@@ -229,7 +229,7 @@ print(*m())' 2>&1)
       # Training with MoK's routed experts in MXFP8 beside bf16 MoK and the native grouped_mm
       # experts: qwen3-30b-a3b's layer shape, 4 layers, 8k tokens a step, balanced routing, eager.
       run e2e-mxfp8 python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
-        --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 --steps 20 --warmup 5 \
+        --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 --steps 12 --warmup 4 \
         --routing balanced --implementations grouped_mm,mok,mok-mxfp8 --out "$OUT/e2e-mxfp8" ;;
     e2e-ep)
       # Issue 15's EP row: the GPU-bound qwen3-30b-a3b shape of `e2e-step` at EP = the GPU count
