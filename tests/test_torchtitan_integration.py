@@ -65,18 +65,24 @@ def results(layer, x, grad):
     return {"y": y.detach().double(), "grad x": x.grad.double(), **grads}
 
 
+def bf16_inputs_and_float64_results(base):
+    """(x, grad) of the tests' call in bf16, and `base`'s results in float64 on them."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    grad = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
+    exact = results(copy.deepcopy(base).double(), x.double(), grad.double())
+    return x.bfloat16(), grad.bfloat16(), exact
+
+
 def test_routed_experts_through_mok_match_float64_to_bf16_rounding():
     base = build_layer()
     native = copy.deepcopy(base).bfloat16()
     ours = copy.deepcopy(base).bfloat16()
     assert mok_torchtitan.use_mok(ours) == 1
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in base.named_parameters()]
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
-    grad = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
-    exact = results(copy.deepcopy(base).double(), x.double(), grad.double())
-    theirs = results(native, x.bfloat16(), grad.bfloat16())
-    mine = results(ours, x.bfloat16(), grad.bfloat16())
+    x, grad, exact = bf16_inputs_and_float64_results(base)
+    theirs = results(native, x, grad)
+    mine = results(ours, x, grad)
     assert mine["routed_experts.inner_experts.w1_EFD"].abs().sum() > 0
     for name, want in exact.items():
         # bf16 roundings of h and of the outputs: ~5e-3; a swapped gate/up or score is O(1).
@@ -93,12 +99,9 @@ def test_routed_experts_in_mxfp8_are_mxfp8_close_to_float64():
     bf16, mx = copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16()
     mok_torchtitan.use_mok(bf16)
     mok_torchtitan.use_mok(mx, precision="mxfp8")
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
-    grad = torch.randn(3, 7, 64, generator=generator).to(DEVICE)
-    exact = results(copy.deepcopy(base).double(), x.double(), grad.double())
-    ours_bf16 = results(bf16, x.bfloat16(), grad.bfloat16())
-    ours_mx = results(mx, x.bfloat16(), grad.bfloat16())
+    x, grad, exact = bf16_inputs_and_float64_results(base)
+    ours_bf16 = results(bf16, x, grad)
+    ours_mx = results(mx, x, grad)
     experts = [name for name in exact if "inner_experts" in name]
     assert len(experts) == 3
     for name in ["y", *experts]:

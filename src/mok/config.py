@@ -176,14 +176,14 @@ class MoKConfig:
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
-        object.__setattr__(self, "precision", _parse_enum(Precision, self.precision, "precision"))
-        object.__setattr__(self, "backend", _parse_enum(Backend, self.backend, "backend"))
+        object.__setattr__(self, "precision", parse_enum(Precision, self.precision, "precision"))
+        object.__setattr__(self, "backend", parse_enum(Backend, self.backend, "backend"))
         object.__setattr__(
-            self, "validation", _parse_enum(Validation, self.validation, "validation")
+            self, "validation", parse_enum(Validation, self.validation, "validation")
         )
-        object.__setattr__(self, "dispatch", _parse_enum(Dispatch, self.dispatch, "dispatch"))
-        object.__setattr__(self, "graphs", _parse_enum(Graphs, self.graphs, "graphs"))
-        rounding = _parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
+        object.__setattr__(self, "dispatch", parse_enum(Dispatch, self.dispatch, "dispatch"))
+        object.__setattr__(self, "graphs", parse_enum(Graphs, self.graphs, "graphs"))
+        rounding = parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
@@ -239,7 +239,8 @@ class MoKConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _parse_enum(enum_type, value, name):
+def parse_enum(enum_type, value, name):
+    """`enum_type(value)`, or MoKConfigError naming `name` and the allowed values."""
     try:
         return enum_type(value)
     except ValueError:

@@ -8,7 +8,8 @@ import torch
 
 from mok.errors import MoKInputError
 
-ROUTED_FIELDS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
+EXPERT_BIAS_FIELDS = ("gate_bias", "up_bias", "down_bias")
+ROUTED_FIELDS = ("gate", "up", "down", *EXPERT_BIAS_FIELDS)
 """The fields of MoEWeights split over the expert-parallel ranks (leading dimension: experts)."""
 
 

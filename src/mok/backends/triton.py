@@ -44,7 +44,7 @@ from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.kernels._triton_compat import interpreting
 from mok.kernels.constants import DeviceConstants
-from mok.weights import MoEGradients, MoEWeights
+from mok.weights import EXPERT_BIAS_FIELDS, MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
     from mok.comm.symmetric import ExchangeShape
@@ -371,19 +371,18 @@ class TritonBackend:
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         if isinstance(saved.experts, MXExpertSaved):
             buffers = (into.get("gate"), into.get("up"), into.get("down"))
-            bias_names = ("gate_bias", "up_bias", "down_bias")
             routed = mx_expert_mlp_backward(
                 grad_out,
                 saved.experts,
                 *buffers,
                 release=True,
-                grad_bias_buffers=tuple(into.get(name) for name in bias_names),
+                grad_bias_buffers=tuple(into.get(name) for name in EXPERT_BIAS_FIELDS),
             )
             del grad_out
             grad_rows = routed.rows
             grads = {"gate": routed.gate, "up": routed.up, "down": routed.down}
             if routed.biases is not None:
-                grads.update(zip(bias_names, routed.biases, strict=True))
+                grads.update(zip(EXPERT_BIAS_FIELDS, routed.biases, strict=True))
         else:
             grads = {}
             grad_gate_up = self._down_gradients(grad_out, saved.experts, into, grads)
@@ -406,10 +405,9 @@ class TritonBackend:
         grads["down"] = down_weight_gradient(grad_out, experts, into.get("down"))
         experts.release("h")
         if experts.biases is not None:
-            names = ("gate_bias", "up_bias", "down_bias")
-            buffers = [into.get(name) for name in names]
+            buffers = [into.get(name) for name in EXPERT_BIAS_FIELDS]
             gradients = expert_bias_gradients(grad_out, grad_gate_up, experts, *buffers)
-            grads.update(zip(names, gradients, strict=True))
+            grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up
 
     @staticmethod

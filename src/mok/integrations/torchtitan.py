@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mok.config import MoKConfig, Precision
+from mok.config import MoKConfig, Precision, parse_enum
 from mok.distributed import expert_parallel_group, group_rank_and_size
-from mok.errors import MoKConfigError, MoKInputError
+from mok.errors import MoKInputError
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
@@ -114,9 +114,7 @@ def use_mok(
     were switched."""
     from torchtitan.models.common.moe import RoutedExperts
 
-    precisions = [p.value for p in Precision]
-    if precision not in precisions:
-        raise MoKConfigError(f"precision must be one of {precisions}, got {precision!r}")
+    precision = parse_enum(Precision, precision, "precision")
     group = expert_parallel_group(group)
     switched = 0
     for module in model.modules():

@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from mok.baseline import baseline_moe
-from mok.config import MoKConfig, Precision
+from mok.config import MoKConfig, Precision, parse_enum
 from mok.distributed import expert_parallel_group, group_rank_and_size
-from mok.errors import MoKConfigError, MoKInputError
+from mok.errors import MoKInputError
 from mok.functional import Workspace
 from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
 from mok.module import cast_for_autocast, moe
@@ -287,8 +287,6 @@ def register(backend: str = "auto", precision: str = "bf16") -> None:
     multiples of 32)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    precisions = [p.value for p in Precision]
-    if precision not in precisions:
-        raise MoKConfigError(f"precision must be one of {precisions}, got {precision!r}")
+    precision = parse_enum(Precision, precision, "precision")
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _forward(backend, precision))
     ALL_EXPERTS_FUNCTIONS.register(BASELINE_IMPLEMENTATION, _baseline_forward)
