@@ -18,7 +18,7 @@ precision runs). Implementations (--implementations): at EP 1 the native transfo
 on the CPU; `shard_experts` keeps each rank's experts, the other parameters are replicated and
 their gradients averaged over the ranks) the standard expert-parallel path `mok-baseline` and
 `mok`; the script spawns its ranks, or joins a torchrun job. `mok-mxfp8` is `mok` with the routed
-experts in MXFP8.
+experts in MXFP8, `mok-unfused` `mok` with gradient accumulation left to autograd.
 --routing balanced replaces the routers' choice of experts by a fixed random one of the same size,
 weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
 experts, which a training run that balances its experts does not.
@@ -48,21 +48,23 @@ from mok.bench import git_commit
 from mok.launch import init_from_env, run_ranks
 
 VOCAB = 512
-MXFP8_IMPLEMENTATION = "mok-mxfp8"
-"""--implementations name of `mok` with the routed experts in MXFP8 (transformers models and
-TorchTitan's)."""
-
-
-def precision_of(implementation: str) -> str:
-    """The layer precision an implementation name asks for."""
-    return "mxfp8" if implementation == MXFP8_IMPLEMENTATION else "bf16"
+MOK_VARIANTS = {
+    "mok": {},
+    "mok-mxfp8": {"precision": "mxfp8"},
+    "mok-unfused": {"fuse_grad_accumulation": False},
+}
+"""--implementations names that run MoK (transformers models and TorchTitan's), with the options
+of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8, `mok-unfused`
+the micro-batches' weight gradients added by autograd instead of by the layer's kernels."""
 
 
 def transformers_implementation(implementation: str) -> str:
     """The experts implementation to set on a transformers model for `implementation`, with
-    "mok" registered at its precision."""
-    mok_transformers.register(precision=precision_of(implementation))
-    return "mok" if implementation == MXFP8_IMPLEMENTATION else implementation
+    "mok" registered with its options."""
+    if implementation not in MOK_VARIANTS:
+        return implementation
+    mok_transformers.register(**MOK_VARIANTS[implementation])
+    return "mok"
 
 
 def model_config(args):
@@ -401,11 +403,11 @@ def train_titan(args) -> dict:
     results = {}
     for implementation in args.implementations.split(","):
         model = copy.deepcopy(initial)
-        if implementation in ("mok", MXFP8_IMPLEMENTATION):
-            mok_torchtitan.use_mok(model, precision=precision_of(implementation))
+        if implementation in MOK_VARIANTS:
+            mok_torchtitan.use_mok(model, **MOK_VARIANTS[implementation])
         elif implementation != "torchtitan":
             raise SystemExit(
-                f"--framework torchtitan runs torchtitan, mok and {MXFP8_IMPLEMENTATION}, "
+                f"--framework torchtitan runs torchtitan and {', '.join(MOK_VARIANTS)}, "
                 f"not {implementation}"
             )
         results[implementation] = train(model.to(device), args, device, label=implementation)
@@ -597,7 +599,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="experts implementations, the first the reference of the ratios (default: the "
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
-        f"{MXFP8_IMPLEMENTATION}: mok with the routed experts in MXFP8",
+        "mok-mxfp8: mok with the routed experts in MXFP8; mok-unfused: mok with the "
+        "micro-batches' weight gradients added by autograd",
     )
     parser.add_argument(
         "--compile",

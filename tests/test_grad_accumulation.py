@@ -11,6 +11,7 @@ import torch
 import mok
 from mok.routing import make_routing
 from mok.testing import global_weights, relative_error
+from mok.weights import MoEWeights, gate_up_halves
 
 CONFIG = mok.MoKConfig(
     hidden_size=32,
@@ -138,6 +139,60 @@ def test_existing_grad_is_added_into_without_autograd(backend):
         assert relative_error(got.grad, want.grad) < tolerance, name
 
 
+def joined_step(layer: mok.MoE, gate_up, others: dict, seed: int, fuse: bool) -> None:
+    """One micro-batch of `layer`'s workspace through `mok.moe(gate_up=...)`: gate and up the
+    halves of the [E, 2I, H] parameter gate_up (the layout of transformers' `gate_up_proj`),
+    the other weights the parameters `others`."""
+    x, idx, w, grad_y = micro_batch(seed, DEVICE)
+    gate, up = gate_up_halves(gate_up)
+    weights = MoEWeights(gate=gate, up=up, **others)
+    mok.moe(x, idx, w, weights, layer.workspace(DEVICE), fuse, gate_up=gate_up).backward(grad_y)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gate_up_taken_whole_has_its_gradient_added_into_its_halves(backend):
+    """gate and up as the halves of one parameter (transformers' `gate_up_proj`): the second
+    micro-batch's gradients go into the halves of gate_up's .grad in place, autograd receives
+    none for it, and the sum is autograd's own to bf16 rounding; an fp32 main_grad of gate_up
+    holds the fp32 sums bitwise, gate's in its first half. Catches the halves swapped or both
+    added into one, the joined gradient also handed to autograd (added twice), a fresh tensor in
+    place of .grad."""
+    if backend == "triton" and DEVICE.type == "cpu" and not _interpreting():
+        pytest.skip("the triton backend needs a GPU or the interpreter")
+    layer = layer_of(backend, DEVICE)
+    initial = {name: p.detach() for name, p in layer.named_parameters(recurse=False)}
+
+    def parameters():
+        gate_up = torch.nn.Parameter(torch.cat((initial["gate"], initial["up"]), dim=1))
+        others = {n: torch.nn.Parameter(p.clone()) for n, p in initial.items() if n[:4] != "gate"}
+        others.pop("up")
+        return gate_up, others
+
+    (fused, fused_others), (plain, plain_others) = parameters(), parameters()
+    received = []
+    fused.register_hook(lambda grad: received.append(grad is not None) or None)
+    for seed in (1, 2):
+        joined_step(layer, fused, fused_others, seed, fuse=True)
+        if seed == 1:
+            pointer = fused.grad.data_ptr()
+        joined_step(layer, plain, plain_others, seed, fuse=False)
+    assert received == [True, False]
+    assert fused.grad.data_ptr() == pointer
+    tolerance = 1e-2 if _interpreting() else 4e-3
+    assert relative_error(fused.grad, plain.grad) < tolerance
+    for name, param in fused_others.items():
+        assert relative_error(param.grad, plain_others[name].grad) < tolerance, name
+
+    main, _ = parameters()
+    main.main_grad = torch.zeros_like(main, dtype=torch.float32)
+    for seed in (1, 2):
+        joined_step(layer, main, {n: p.detach() for n, p in plain_others.items()}, seed, True)
+    first, second = fresh_fp32_gradients(layer, 1, DEVICE), fresh_fp32_gradients(layer, 2, DEVICE)
+    assert main.grad is None
+    expected = torch.cat((first["gate"] + second["gate"], first["up"] + second["up"]), dim=1)
+    assert torch.equal(main.main_grad, expected)
+
+
 def _interpreting() -> bool:
     from mok.kernels._triton_compat import interpreting
 
@@ -174,6 +229,8 @@ def test_accumulation_buffers_are_checked():
         ({"up": torch.zeros_like(layer.up, dtype=torch.float16)}, "dtype float16"),
         ({"bias": torch.zeros(3)}, "not a weight of this layer"),
         ({"down": torch.zeros(16, 32, 4).transpose(0, 2)}, "contiguous"),
+        # Rows 64 elements apart: the kernels would write each row's second half into the next.
+        ({"gate": torch.zeros(4, 16, 64)[:, :, :32]}, "each expert's rows contiguous"),
     ]
     for buffers, message in bad:
         with pytest.raises(mok.MoKInputError, match=message):

@@ -91,6 +91,34 @@ def test_routed_experts_through_mok_match_float64_to_bf16_rounding():
         assert error <= 2 * relative_error(theirs[name], want) + 5e-3, name
 
 
+def test_gradient_accumulation_adds_into_the_experts_own_gradients():
+    """Two micro-batches: with `use_mok`'s fused accumulation the second one's gradients of w1,
+    w3 and w2 are added into their .grad by the layer (autograd receives none) and equal the
+    unfused run's to bf16 rounding. Catches the adapter not fusing (autograd's extra pass), a
+    gradient added twice or into another weight's buffer."""
+    base = build_layer()
+    layers = {fuse: copy.deepcopy(base).bfloat16() for fuse in (True, False)}
+    experts_names = ("w1_EFD", "w3_EFD", "w2_EDF")
+    received = {fuse: {name: [] for name in experts_names} for fuse in layers}
+    for fuse, layer in layers.items():
+        mok_torchtitan.use_mok(layer, fuse_grad_accumulation=fuse)
+        for name in experts_names:
+            getattr(layer.routed_experts.inner_experts, name).register_hook(
+                lambda grad, seen=received[fuse][name]: seen.append(grad is not None) or None
+            )
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x = torch.randn(3, 7, 64, generator=generator).to(DEVICE, torch.bfloat16)
+            layer(x).float().square().mean().backward()
+    for name in experts_names:
+        assert received[True][name] == [True, False], name
+        assert received[False][name] == [True, True], name
+    for (name, got), (_, want) in zip(
+        layers[True].named_parameters(), layers[False].named_parameters(), strict=True
+    ):
+        assert relative_error(got.grad, want.grad) < 4e-3, name
+
+
 def test_routed_experts_in_mxfp8_are_mxfp8_close_to_float64():
     """`use_mok(precision="mxfp8")`: the routed experts' output and weight gradients lie further
     from float64 than bf16's (e4m3 has 3 mantissa bits to bf16's 7), and far below O(1).

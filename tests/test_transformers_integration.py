@@ -190,6 +190,47 @@ def test_gpt_oss_experts_run_the_triton_kernels_on_their_own_parameters():
         assert torch.equal(getattr(experts, name), value), name
 
 
+def accumulated_gradients(name: str, fuse: bool):
+    """(expert parameters' gradients after two micro-batches of the MoK model, and per expert
+    parameter of the first MoE layer whether autograd received a gradient for it in each)."""
+    mok_transformers.register(fuse_grad_accumulation=fuse)
+    try:
+        _, model = build(name, mok_transformers.IMPLEMENTATION)
+        experts = model.model.layers[-1].mlp.experts
+        received = {n: [] for n, _ in experts.named_parameters() if n in _EXPERT_PARAMETERS}
+        for param_name in received:
+            getattr(experts, param_name).register_hook(
+                lambda grad, n=param_name: received[n].append(grad is not None) or None
+            )
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            ids = torch.randint(0, 97, (3, 11), generator=generator).to(DEVICE)
+            model(ids).logits.float().square().mean().backward()
+    finally:
+        mok_transformers.register()
+    grads = {n: p.grad for n, p in model.named_parameters() if n.split(".")[-1] in received}
+    return grads, received
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
+def test_gradient_accumulation_adds_into_the_models_own_gradients(name):
+    """Two micro-batches: with `register()`'s fused accumulation the second one's gradients of
+    the parameters MoK reads whole (Qwen3-MoE's gate_up_proj and down_proj, gpt-oss's
+    down_proj_bias) are added into their .grad by the layer, autograd receiving none, and every
+    expert gradient equals the unfused run's to bf16 rounding (gpt-oss's views still go through
+    autograd). Catches the adapter not fusing, gate_up_proj's halves swapped or added twice, a
+    view's gradient dropped."""
+    fused, fused_received = accumulated_gradients(name, fuse=True)
+    plain, plain_received = accumulated_gradients(name, fuse=False)
+    whole = {"gate_up_proj", "down_proj"} if name == "qwen3-moe" else {"down_proj_bias"}
+    for param_name, seen in fused_received.items():
+        assert seen == ([True, False] if param_name in whole else [True, True]), param_name
+        assert plain_received[param_name] == [True, True], param_name
+    assert fused.keys() == plain.keys() and fused
+    for param_name, grad in fused.items():
+        assert relative_error(grad, plain[param_name]) < 4e-3, param_name
+
+
 @pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
 def test_mxfp8_experts_are_mxfp8_close_to_float64(name):
     """`register(precision="mxfp8")`: the routed experts in MXFP8 (gpt-oss's activation and

@@ -121,6 +121,7 @@ class _MoEFunction(torch.autograd.Function):
             ctx.state = tree.take_tensors(ctx.state, tensors)
             ctx.save_for_backward(*tensors)
         ctx.weight_tensors = weight_tensors if fuse_accumulation else None
+        ctx.gate_up = gate_up if fuse_accumulation else None
         ctx.joined_gate_up = gate_up is not None
         return y
 
@@ -137,6 +138,12 @@ class _MoEFunction(torch.autograd.Function):
                 buffer = accumulation_target(weight)
                 if buffer is not None:
                     into[name] = buffer
+            buffer = accumulation_target(ctx.gate_up)
+            if buffer is not None:
+                # The kernels add gate's and up's gradients into the halves of gate_up's (a
+                # main_grad of another shape is passed whole: functional.backward rejects it).
+                halves = gate_up_halves(buffer) if buffer.dim() == 3 else (buffer, buffer)
+                into["gate"], into["up"] = halves
         grads = functional.backward(workspace, schedule, saved, grad_y, accumulate_into=into)
         # A weight whose gradient went into its buffer gets none from autograd (no extra pass).
         weight_grads = [
@@ -144,7 +151,8 @@ class _MoEFunction(torch.autograd.Function):
         ]
         grad_gate_up = None
         if ctx.joined_gate_up:
-            grad_gate_up = joined_gate_up(grads.weights.gate, grads.weights.up)
+            if "gate" not in into:
+                grad_gate_up = joined_gate_up(grads.weights.gate, grads.weights.up)
             weight_grads[:2] = None, None
         return (None, None, None, None, grads.x, grads.topk_weights, grad_gate_up, *weight_grads)
 
@@ -170,8 +178,8 @@ def moe(
     gate_up: the [E, 2I, H] tensor whose halves along dim 1 are weights.gate and weights.up, as
     Hugging Face models hold them (`gate_up_proj`): the layer reads its halves and autograd
     receives one gradient for it, written by the kernels as one tensor (no concatenation, and
-    none of autograd's passes that scatter the two halves' gradients into it). Its gradient is
-    not fused into an existing buffer; the other weights' are, as below.
+    none of autograd's passes that scatter the two halves' gradients into it). Where gate_up
+    already has a gradient buffer, the kernels add into its halves, as below.
 
     fuse_grad_accumulation: where a weight already has a gradient buffer (`main_grad`, else
     `.grad`; see `accumulation_target`), backward adds the new gradient into it in place (inside

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mok.config import MoKConfig
-from mok.weights import MoEWeights
+from mok.weights import MoEWeights, has_contiguous_expert_rows
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 _AUTOCAST_HINT = "torch.autocast(device_type, dtype=torch.bfloat16), which casts them per call"
@@ -140,8 +140,10 @@ GRADIENT_BUFFER_DTYPES = (torch.float32, torch.bfloat16)
 def check_accumulation_buffers(
     config: MoKConfig, buffers, local_experts: int, device: torch.device
 ) -> str | None:
-    """`buffers` (weight field -> tensor) must name weights the layer has, each a contiguous fp32
-    or bf16 tensor of that weight's shape on `device`: the gradient is added into it in place."""
+    """`buffers` (weight field -> tensor) must name weights the layer has, each an fp32 or bf16
+    tensor of that weight's shape on `device`, contiguous or (routed weights) with each expert's
+    rows contiguous, as the halves of gate_up's gradient are: the gradient is added into it in
+    place."""
     if not isinstance(buffers, dict):
         return (
             f"accumulate_into must be a dict of weight name -> tensor, got {type(buffers).__name__}"
@@ -153,8 +155,11 @@ def check_accumulation_buffers(
         # mok.MoE passes a parameter's main_grad (or .grad) here: name both.
         label = f"the gradient buffer of weights.{name} (accumulate_into[{name!r}] or main_grad)"
         problem = _check_tensor(label, buffer, shapes[name], device, GRADIENT_BUFFER_DTYPES)
-        if problem is None and not buffer.is_contiguous():
-            problem = f"{label} must be contiguous (the gradient is added into it in place)"
+        if problem is None and not (buffer.is_contiguous() or has_contiguous_expert_rows(buffer)):
+            problem = (
+                f"{label} must be contiguous, or each expert's rows contiguous (a half of "
+                "gate_up's [E, 2I, H] gradient): the gradient is added into it in place"
+            )
         if problem:
             return problem
     return None

@@ -122,6 +122,23 @@ def check_gate_up_halves(gate_up: torch.Tensor, weights: MoEWeights, tracing: bo
         raise MoKInputError("weights.gate and weights.up must be the halves of gate_up (views)")
 
 
+def has_contiguous_expert_rows(tensor: torch.Tensor) -> bool:
+    """Whether tensor [E, P, Q] has a unit column stride, rows Q apart, and experts a whole
+    number of rows apart, at least P, from a 16-byte aligned start: a contiguous tensor, or
+    either half of a contiguous [E, 2P, Q] one (`gate_up_halves`). The weight-gradient kernels
+    write and add into such a tensor in place."""
+    if tensor.dim() != 3:
+        return False
+    _, p, q = tensor.shape
+    return (
+        tensor.stride(2) == 1
+        and tensor.stride(1) == q
+        and tensor.stride(0) % q == 0
+        and tensor.stride(0) >= p * q
+        and tensor.data_ptr() % 16 == 0
+    )
+
+
 def empty_gate_up_pair(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate, up): uninitialised [E, I, H] tensors of like's shape and dtype, the halves of one
     contiguous [E, 2I, H] tensor (`joined_gate_up` gives it back without a copy)."""

@@ -650,6 +650,37 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name", ["empty and one-row groups", "uniform"])
+def test_gate_up_wgrad_adds_into_the_halves_of_one_gradient(name, out_dtype):
+    """gate's and up's gradients added into the halves of one [E, 2P, Q] buffer (a model's
+    `gate_up_proj.grad` under fused accumulation), by the Gluon kernel and by its tl twin: bit
+    for bit what each adds into two separate buffers. Catches a half's tiles stored or read at
+    the other half's rows (the experts taken as P rows apart instead of 2P), an empty expert's
+    rows overwritten."""
+    from mok.kernels import warp_specialized as ws
+
+    sizes, p, q = WGRAD_CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
+    joined = torch.randn(len(sizes), 2 * p, q, generator=gen, device="cuda").to(out_dtype)
+    twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    kernels = {
+        "gluon": lambda gate, up: ws.gate_up_wgrad(a, b, offsets, gate, up, True, True),
+        "tl": lambda gate, up: gg.gate_up_wgrad(a, b, offsets, gate, up, True, True, twin_cfg),
+    }
+    for kernel_name, kernel in kernels.items():
+        separate = [joined[:, :p].clone(), joined[:, p:].clone()]
+        kernel(*separate)
+        halves = joined.clone()
+        assert ws.wgrad_supported(a, b, halves[:, :p], ws.WGRAD_TILES.for_grad(out_dtype))
+        kernel(halves[:, :p], halves[:, p:])
+        assert torch.equal(halves[:, :p], separate[0]), kernel_name
+        assert torch.equal(halves[:, p:], separate[1]), kernel_name
+        assert not torch.equal(halves, joined), kernel_name  # something was added
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("name", list(WGRAD_CASES))

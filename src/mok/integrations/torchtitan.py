@@ -62,7 +62,7 @@ class _MoKRoutedExperts(nn.Module):
             y = compiled_call(self, x, ids, scores, weights)
         else:
             workspace = self._workspace(weights, x.shape[0], top_k, x.device)
-            y = moe(x, ids, scores, weights, workspace, False)
+            y = moe(x, ids, scores, weights, workspace, self._mok_fuse_grad_accumulation)
         return y.to(x_BLD.dtype).view(batch, length, dim)
 
     def _workspace(self, weights: MoEWeights, tokens: int, top_k: int, device: torch.device):
@@ -107,11 +107,14 @@ def use_mok(
     backend: str = "auto",
     max_tokens_per_rank: int = MIN_TOKENS,
     precision: str = "bf16",
+    fuse_grad_accumulation: bool = True,
 ) -> int:
     """Run every TorchTitan RoutedExperts of `model` through MoK (expert parallelism over `group`,
     a ProcessGroup or a one-dimensional DeviceMesh, when given), at `precision` ("bf16";
-    "mxfp8": the routed experts in MXFP8, dim and hidden_dim multiples of 32). Returns how many
-    were switched."""
+    "mxfp8": the routed experts in MXFP8, dim and hidden_dim multiples of 32).
+    fuse_grad_accumulation: as `mok.moe`'s, in eager mode, for w1, w3 and w2 where they are
+    plain parameters (a DTensor's local shard is not a leaf: autograd adds its gradient).
+    Returns how many were switched."""
     from torchtitan.models.common.moe import RoutedExperts
 
     precision = parse_enum(Precision, precision, "precision")
@@ -129,5 +132,6 @@ def use_mok(
             module.__class__ = type("MoKRoutedExperts", (_MoKRoutedExperts, type(module)), {})
             max_tokens = None if group is None else max_tokens_per_rank
             module._mok = (group, backend, max_tokens, precision)
+            module._mok_fuse_grad_accumulation = fuse_grad_accumulation
             switched += 1
     return switched

@@ -188,7 +188,7 @@ def _workspace(
     return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
 
-def _forward(backend: str, precision: str):
+def _forward(backend: str, precision: str, fuse_grad_accumulation: bool):
     def experts_forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
@@ -212,10 +212,16 @@ def _forward(backend: str, precision: str):
             )
         top_k = top_k_index.shape[-1]
         workspace = _workspace(self, weights, hidden_states, top_k, backend, precision)
-        # Autograd adds gate_up_proj's gradient (gpt-oss: the views' gradients into it): no
-        # fused accumulation.
+        # Fused accumulation reaches the parameters read whole (gate_up_proj, down_proj, a
+        # bias); autograd adds the gradients of gpt-oss's views into theirs.
         return moe(
-            hidden_states, top_k_index, top_k_weights, weights, workspace, False, gate_up=gate_up
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            weights,
+            workspace,
+            fuse_grad_accumulation,
+            gate_up=gate_up,
         )
 
     return experts_forward
@@ -280,13 +286,19 @@ def _baseline_forward(
     )
 
 
-def register(backend: str = "auto", precision: str = "bf16") -> None:
-    """Add "mok" to transformers' experts implementations (idempotent; a later call with another
-    backend or precision replaces the earlier one). precision: the layer's ("bf16"; "mxfp8":
-    the routed experts in MXFP8, which needs the hidden and expert intermediate sizes to be
-    multiples of 32)."""
+def register(
+    backend: str = "auto", precision: str = "bf16", fuse_grad_accumulation: bool = True
+) -> None:
+    """Add "mok" to transformers' experts implementations (idempotent; a later call with other
+    options replaces the earlier one). precision: the layer's ("bf16"; "mxfp8": the routed
+    experts in MXFP8, which needs the hidden and expert intermediate sizes to be multiples of
+    32). fuse_grad_accumulation: as `mok.moe`'s, in eager mode: once `gate_up_proj` or
+    `down_proj` has a `.grad` (gradient accumulation over micro-batches), the kernels add into
+    it in place; False where a tensor hook on them must see each micro-batch's gradient."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     precision = parse_enum(Precision, precision, "precision")
-    ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _forward(backend, precision))
+    ALL_EXPERTS_FUNCTIONS.register(
+        IMPLEMENTATION, _forward(backend, precision, fuse_grad_accumulation)
+    )
     ALL_EXPERTS_FUNCTIONS.register(BASELINE_IMPLEMENTATION, _baseline_forward)

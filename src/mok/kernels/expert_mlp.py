@@ -42,7 +42,7 @@ from mok.kernels.grouped_gemm import (
     RowTiles,
     TileClaims,
 )
-from mok.weights import are_gate_up_halves, empty_gate_up_pair
+from mok.weights import are_gate_up_halves, empty_gate_up_pair, has_contiguous_expert_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -466,8 +466,11 @@ def _grad_buffer(name: str, buffer, weight: torch.Tensor) -> tuple[torch.Tensor,
     if buffer is None:
         return torch.empty_like(weight, memory_format=torch.contiguous_format), False
     _check(name, buffer, tuple(weight.shape), (torch.float32, torch.bfloat16), weight.device)
-    if not buffer.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (the gradient is added into it in place)")
+    if not (buffer.is_contiguous() or has_contiguous_expert_rows(buffer)):
+        raise ValueError(
+            f"{name} must be contiguous, or each expert's rows contiguous (a half of an "
+            "[E, 2I, H] gradient): the gradient is added into it in place"
+        )
     return buffer, True
 
 
@@ -483,9 +486,11 @@ def expert_mlp_backward(
     four products in the order that holds the least memory at once (`down_data_gradient`,
     `down_weight_gradient`, `gate_up_weight_gradients`, `gate_up_data_gradient`).
 
-    grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 contiguous buffers of the weights'
-      shapes; the gradient is ADDED into a given buffer in place (in fp32, rounded once) and the
-      buffer is returned. Otherwise a fresh tensor of the weights' dtype is returned.
+    grad_w_gate, grad_w_up, grad_w_down: optional fp32 or bf16 buffers of the weights'
+      shapes, contiguous or each expert's rows contiguous (`has_contiguous_expert_rows`: the
+      halves of a gate_up gradient); the gradient is ADDED into a given buffer in place (in
+      fp32, rounded once) and the buffer is returned. Otherwise a fresh tensor of the weights'
+      dtype is returned.
     release: `saved` serves this backward only: each of its tensors is released after the last
       product that reads it (`ExpertMLPSaved.release`).
     Returns (grad_rows [M, H], grad_w_gate, grad_w_up, grad_w_down). grad_rows is zero outside the

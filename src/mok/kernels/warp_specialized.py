@@ -91,6 +91,7 @@ from mok.kernels.grouped_gemm import (
 from mok.kernels.launch import DeferredDescriptor, fast_launch
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 from mok.reference.expert import limit_edges
+from mok.weights import has_contiguous_expert_rows
 
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 """Gluon's barrier of a CTA's threads: `thread_barrier` up to Triton 3.6, `barrier` from 3.8."""
@@ -2111,7 +2112,7 @@ def wgrad_supported(
         and a.dtype in _GLUON_DTYPES
         and b.dtype == a.dtype
         and grad.dtype in (torch.float32, a.dtype)
-        and _experts_of_contiguous_rows(grad)
+        and has_contiguous_expert_rows(grad)
         and a.stride(-1) == 1
         and b.is_contiguous()
         and p % CONSUMER_ROWS == 0
@@ -2122,21 +2123,8 @@ def wgrad_supported(
     )
 
 
-def _experts_of_contiguous_rows(grad: torch.Tensor) -> bool:
-    """Whether grad [E, P, Q] has a unit column stride, rows Q apart, and experts a whole number
-    of rows apart, at least P, from a 16-byte aligned start (what `_gradient_rows` views)."""
-    _, p, q = grad.shape
-    return (
-        grad.stride(2) == 1
-        and grad.stride(1) == q
-        and grad.stride(0) % q == 0
-        and grad.stride(0) >= p * q
-        and grad.data_ptr() % 16 == 0
-    )
-
-
 def _gradient_rows(grad: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
-    """grad [E, P, Q] (`_experts_of_contiguous_rows`) as the 2-D rows [(E - 1) * S + P, Q] its
+    """grad [E, P, Q] (`has_contiguous_expert_rows`) as the 2-D rows [(E - 1) * S + P, Q] its
     experts lie in, S = rows_per_expert apart: expert e's row i is row e * S + i."""
     num_experts, p, q = grad.shape
     return grad.as_strided(((num_experts - 1) * rows_per_expert + p, q), (q, 1))
