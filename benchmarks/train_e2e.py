@@ -18,7 +18,8 @@ precision runs). Implementations (--implementations): at EP 1 the native transfo
 on the CPU; `shard_experts` keeps each rank's experts, the other parameters are replicated and
 their gradients averaged over the ranks) the standard expert-parallel path `mok-baseline` and
 `mok`; the script spawns its ranks, or joins a torchrun job. `mok-mxfp8` is `mok` with the routed
-experts in MXFP8, `mok-unfused` `mok` with gradient accumulation left to autograd.
+experts in MXFP8 (`mok-mxfp8-keep`: the weights' casts kept between steps), `mok-unfused` `mok`
+with gradient accumulation left to autograd.
 --routing balanced replaces the routers' choice of experts by a fixed random one of the same size,
 weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
 experts, which a training run that balances its experts does not.
@@ -51,11 +52,14 @@ VOCAB = 512
 MOK_VARIANTS = {
     "mok": {},
     "mok-mxfp8": {"precision": "mxfp8"},
+    "mok-mxfp8-keep": {"precision": "mxfp8", "mx_weight_casts": "keep"},
     "mok-unfused": {"fuse_grad_accumulation": False},
 }
 """--implementations names that run MoK (transformers models and TorchTitan's), with the options
-of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8, `mok-unfused`
-the micro-batches' weight gradients added by autograd instead of by the layer's kernels."""
+of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8 (the weights'
+casts made by each pass, as training defaults to), `mok-mxfp8-keep` with both casts of the
+weights kept until the weights change, `mok-unfused` the micro-batches' weight gradients added by
+autograd instead of by the layer's kernels."""
 
 
 def transformers_implementation(implementation: str) -> str:
@@ -599,8 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="experts implementations, the first the reference of the ratios (default: the "
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
-        "mok-mxfp8: mok with the routed experts in MXFP8; mok-unfused: mok with the "
-        "micro-batches' weight gradients added by autograd",
+        "mok-mxfp8: mok with the routed experts in MXFP8 (mok-mxfp8-keep: their weights' "
+        "casts kept between steps); mok-unfused: mok with the micro-batches' weight gradients "
+        "added by autograd",
     )
     parser.add_argument(
         "--compile",

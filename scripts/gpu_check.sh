@@ -227,10 +227,15 @@ print(*m())' 2>&1)
         --warmup 3 --routing balanced --compile inductor --profile 25 --out "$OUT/e2e-step" ;;
     e2e-mxfp8)
       # Training with MoK's routed experts in MXFP8 beside bf16 MoK and the native grouped_mm
-      # experts: qwen3-30b-a3b's layer shape, 4 layers, 8k tokens a step, balanced routing, eager.
-      run e2e-mxfp8 python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
-        --top-k 8 --moe-intermediate 768 --batch 8 --seq 1024 --steps 12 --warmup 4 \
-        --routing balanced --implementations grouped_mm,mok,mok-mxfp8 --out "$OUT/e2e-mxfp8" ;;
+      # experts: qwen3-30b-a3b's layer shape, 4 layers, 8k tokens a step, balanced routing, eager;
+      # the weights' casts made per pass (the default) and kept between steps. Then 2 micro-batches
+      # a step, where the kept casts serve both.
+      shape="--layers 4 --hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --seq 1024"
+      shape="$shape --routing balanced --steps 12 --warmup 4"
+      run e2e-mxfp8 python3 benchmarks/train_e2e.py $shape --batch 8 \
+        --implementations grouped_mm,mok,mok-mxfp8,mok-mxfp8-keep --out "$OUT/e2e-mxfp8"
+      run e2e-mxfp8-accumulate python3 benchmarks/train_e2e.py $shape --batch 8 --accumulate 2 \
+        --implementations mok,mok-mxfp8,mok-mxfp8-keep --out "$OUT/e2e-mxfp8-accumulate" ;;
     e2e-ep)
       # Issue 15's EP row: the GPU-bound qwen3-30b-a3b shape of `e2e-step` at EP = the GPU count
       # (32k tokens a rank and micro-batch), mok against mok-baseline, eager then compiled.

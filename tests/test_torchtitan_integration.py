@@ -139,6 +139,19 @@ def test_routed_experts_in_mxfp8_are_mxfp8_close_to_float64():
         mok_torchtitan.use_mok(mx, precision="fp8")
 
 
+def test_other_config_fields_reach_the_layer():
+    """`use_mok(**config_options)`: a MoKConfig field reaches the layer's config; one the
+    adapter sets itself raises. Catches options dropped on the way to the workspace."""
+    from mok.integrations._workspaces import cached
+
+    layer = build_layer().bfloat16()
+    mok_torchtitan.use_mok(layer, validation="local")
+    layer(torch.randn(2, 5, 64, device=DEVICE, dtype=torch.bfloat16))
+    assert cached(layer.routed_experts).config.validation.value == "local"
+    with pytest.raises(ValueError, match="'top_k' is taken from the model"):
+        mok_torchtitan.use_mok(build_layer(), top_k=1)
+
+
 def test_a_float32_layer_under_autocast_runs_through_mok():
     """Mixed precision with fp32 parameters (TorchTitan without FSDP's bf16 parameters, under
     torch.autocast): MoK behind the fp32 layer's experts computes in bf16 and is within bf16

@@ -253,6 +253,25 @@ def test_mxfp8_experts_are_mxfp8_close_to_float64(name):
         mok_transformers.register(precision="fp8")
 
 
+def test_other_config_fields_reach_every_layer():
+    """`register(**config_options)`: a MoKConfig field the user sets reaches the layers'
+    configs; a name that is no field, or one the adapter takes from the model, raises. Catches
+    options dropped on the way to the workspace, or a user's hidden size overriding the
+    model's."""
+    mok_transformers.register(validation="local", mx_weight_casts="per_pass")
+    try:
+        _, model = build("qwen3-moe", mok_transformers.IMPLEMENTATION)
+        model(torch.randint(0, 97, (2, 5)).to(DEVICE))
+        config = cached(model.model.layers[0].mlp.experts).config
+    finally:
+        mok_transformers.register()
+    assert config.validation.value == "local" and config.mx_weight_casts.value == "per_pass"
+    with pytest.raises(MoKConfigError, match="'nope' is not a MoKConfig field"):
+        mok_transformers.register(nope=1)
+    with pytest.raises(MoKConfigError, match="'hidden_size' is taken from the model"):
+        mok_transformers.register(hidden_size=8)
+
+
 def check_experts_against_float64(name, return_errors=False, tolerance=8e-3):
     """The body of the float64 comparison above; returns the MoK model, or with
     `return_errors` MoK's relative error of each result (the native comparison skipped:

@@ -114,6 +114,82 @@ def test_mxfp8_layer_with_exact_buffers_matches_the_reference(tmp_path):
             assert error <= TOLERANCE, (key, error)
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BF16 = torch.bfloat16
+
+
+def train_twice(policy: str) -> tuple[list[torch.Tensor], mok.MoE]:
+    """Two training steps of the MXFP8 layer with `mx_weight_casts=policy`, an in-place update
+    of the weights between them (as an optimizer step): y and every gradient of both."""
+    layer = mok.MoE(dataclasses.replace(CONFIG, mx_weight_casts=policy), device=DEVICE)
+    layer.load_global_weights(global_weights(CONFIG, 3, DEVICE))
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        # Magnitudes spread over powers of two: a block's scale then depends on its direction,
+        # so a cast along the wrong dimension has other values (uniform weights would not tell).
+        for param in layer.parameters():
+            param.mul_(torch.exp2(torch.randint(-4, 4, param.shape, generator=generator)).to(param))
+    results = []
+    for _ in range(2):
+        x = torch.randn(40, CONFIG.hidden_size, generator=generator).to(DEVICE, BF16)
+        x.requires_grad_()
+        idx = torch.randint(0, CONFIG.num_experts, (40, CONFIG.top_k), generator=generator)
+        w = torch.rand(40, CONFIG.top_k, generator=generator).to(DEVICE, BF16).requires_grad_()
+        layer.zero_grad(set_to_none=True)
+        y = layer(x, idx.to(DEVICE), w)
+        y.backward(torch.randn(y.shape, generator=generator).to(DEVICE, BF16))
+        results += [y.detach(), x.grad, w.grad, *(p.grad for p in layer.parameters())]
+        with torch.no_grad():
+            for param in layer.parameters():
+                param.mul_(0.5)
+    return results, layer
+
+
+def kept_casts(layer: mok.MoE):
+    """The MXWeightValues the layer's triton backend keeps between calls, or None."""
+    return layer.workspace(DEVICE).backend.mx_weights._values
+
+
+@pytest.mark.interpreter
+def test_each_weight_cast_policy_gives_the_same_training_steps():
+    """`mx_weight_casts`: keep (both layouts kept until the weights change), per_pass (each pass
+    casts what it reads) and auto give the same y and gradients bit for bit over two steps with
+    an update between; after a training call only keep holds casts, and auto keeps the forward's
+    layout alone after a call without backward. Catches a pass reading the other layout (the
+    forward's cast in a data gradient: e4m3 error), casts of the weights before the update, a
+    training step that keeps two copies of the weights under auto."""
+    expected, kept = train_twice("keep")
+    assert kept_casts(kept) is not None and kept_casts(kept).has_backward
+    for policy in ("per_pass", "auto"):
+        got, layer = train_twice(policy)
+        for want, value in zip(expected, got, strict=True):
+            assert torch.equal(value, want), policy
+        assert kept_casts(layer) is None, policy
+    x = torch.randn(8, CONFIG.hidden_size, device=DEVICE, dtype=BF16)
+    idx = torch.zeros(8, CONFIG.top_k, dtype=torch.int64, device=DEVICE)
+    w = torch.ones(8, CONFIG.top_k, device=DEVICE, dtype=BF16)
+    with torch.no_grad():
+        layer(x, idx, w)
+    assert kept_casts(layer) is not None and not kept_casts(layer).has_backward
+    layer(x.requires_grad_(), idx, w)  # training again: the evaluation's casts are dropped
+    assert kept_casts(layer) is None
+
+
+@pytest.mark.interpreter
+def test_weights_changed_between_forward_and_backward_raise_per_pass():
+    """Casting per pass, the backward casts the weights again: changed in place since the
+    forward, they would give the gradient of another layer. It raises, naming the weight."""
+    layer = mok.MoE(dataclasses.replace(CONFIG, mx_weight_casts="per_pass"), device=DEVICE)
+    layer.load_global_weights(global_weights(CONFIG, 3, DEVICE))
+    x = torch.randn(16, CONFIG.hidden_size, device=DEVICE, dtype=BF16, requires_grad=True)
+    idx = torch.randint(0, CONFIG.num_experts, (16, CONFIG.top_k), device=DEVICE)
+    y = layer(x, idx, torch.rand(16, CONFIG.top_k, device=DEVICE, dtype=BF16))
+    with torch.no_grad():
+        layer.down.add_(1.0)
+    with pytest.raises(mok.MoKInputError, match="weights.down was changed in place"):
+        y.backward(torch.ones_like(y))
+
+
 # On GPUs both backends round at the contract's bf16 points; they differ where the fp32 sums run
 # in another order (the reference's fp32 matmuls, the kernels' bf16 MMAs of the same exact
 # operands) and where such a difference moves an e4m3 rounding of h or of the SwiGLU gradients

@@ -6,7 +6,15 @@ The layers, bottom up: `mok.reference` (plain PyTorch, the oracle) -> kernels ->
 """
 
 from mok.backends import symmetric_buffer_bytes
-from mok.config import Backend, Dispatch, Graphs, MoKConfig, Precision, Validation
+from mok.config import (
+    Backend,
+    Dispatch,
+    Graphs,
+    MoKConfig,
+    MXWeightCasts,
+    Precision,
+    Validation,
+)
 from mok.errors import (
     BackendUnavailableError,
     MoKCapacityError,
@@ -44,6 +52,7 @@ __all__ = [
     "MoKTimeoutError",
     "Dispatch",
     "Graphs",
+    "MXWeightCasts",
     "Precision",
     "Validation",
     "SavedForward",

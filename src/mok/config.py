@@ -90,6 +90,23 @@ class Graphs(str, enum.Enum):
     """Every call launches its kernels."""
 
 
+class MXWeightCasts(str, enum.Enum):
+    """When the routed weights' MXFP8 casts are made (precision "mxfp8", `triton` backend). The
+    products read each weight as the values of its cast along their reduction dimension: one
+    layout in forward, the other in backward, each the weight's size in bf16."""
+
+    AUTO = "auto"
+    """`per_pass` for calls that will run backward (training), `keep` for the forward layout
+    of calls that will not (evaluation, inference with fixed weights)."""
+    KEEP = "keep"
+    """Both layouts made in one pass over each weight and kept until the weights change (an
+    optimizer step): a step's forward and backward and every micro-batch of it reuse them, for
+    two bf16 copies of every routed weight held between steps (beside the weights themselves)."""
+    PER_PASS = "per_pass"
+    """Each pass casts the layout it reads and drops it after: no copy of the weights is held
+    between passes, for one more read of the weights a step (and a cast per micro-batch)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Shape, numerics and tunables of one MoE layer; validated on construction.
@@ -173,6 +190,9 @@ class MoKConfig:
     default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`."""
     graphs: Graphs = Graphs.AUTO
     """Whether calls replay CUDA graphs of the layer: `auto` for small layers; see `Graphs`."""
+    mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
+    """When the routed weights' MXFP8 casts are made and how long they are kept (precision
+    "mxfp8"): see `MXWeightCasts`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -183,6 +203,8 @@ class MoKConfig:
         )
         object.__setattr__(self, "dispatch", parse_enum(Dispatch, self.dispatch, "dispatch"))
         object.__setattr__(self, "graphs", parse_enum(Graphs, self.graphs, "graphs"))
+        weight_casts = parse_enum(MXWeightCasts, self.mx_weight_casts, "mx_weight_casts")
+        object.__setattr__(self, "mx_weight_casts", weight_casts)
         rounding = parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):

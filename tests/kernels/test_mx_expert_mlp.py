@@ -155,6 +155,14 @@ def test_the_weight_cache_casts_once_per_weight_update():
     copies = [w.clone() for w in weights]  # equal values, other tensors: never served old casts
     cache.get(*copies, ScaleRounding.FLOOR)
     assert cache.casts == 4
+    # The forward's layout alone (a call with no backward), then a call that needs both.
+    cache.clear()
+    forward_only = cache.get(*weights, ScaleRounding.RCEIL, backward=False)
+    assert not forward_only.has_backward and cache.casts == 5
+    assert torch.equal(forward_only.down, second.down)
+    assert cache.get(*weights, ScaleRounding.RCEIL).has_backward and cache.casts == 6
+    assert cache.get(*weights, ScaleRounding.RCEIL, backward=False).has_backward
+    assert cache.casts == 6
 
 
 @pytest.mark.parametrize("limit", [None, 2.0], ids=["casts saved", "bf16 pre-activations"])

@@ -190,12 +190,20 @@ def test_cast_values_are_the_reference_cast_dequantized(rounding, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_cast_values_in_one_pass(rounding, dtype):
     """A weight's forward and backward operand values from one read (experts stacked: a block
-    along N never mixes two experts' rows). Catches the two layouts swapped or transposed."""
+    along N never mixes two experts' rows), or one of them alone. Catches the two layouts
+    swapped or transposed, a layout asked for alone left unwritten."""
     x = blocks_of_every_kind(dtype, seed=5)[:, :96].reshape(2, 32, 96).contiguous()
     along_k, along_n = mx_quantized_values_both(x.to(DEVICE), rounding)
     for ours, dim in ((along_k, -1), (along_n, -2)):
         want = torch.stack([reference_values(e, dim, rounding, dtype) for e in x])
         assert_same_values(ours.cpu(), want)
+    # One layout alone (a pass that casts what it reads): the same values, the other not made.
+    only_k, none = mx_quantized_values_both(x.to(DEVICE), rounding, colwise=False)
+    assert none is None
+    assert_same_values(only_k.cpu(), along_k.cpu())
+    none, only_n = mx_quantized_values_both(x.to(DEVICE), rounding, rowwise=False)
+    assert none is None
+    assert_same_values(only_n.cpu(), along_n.cpu())
 
 
 def assert_same_rows(rows: MXRows, x: torch.Tensor, rounding: str) -> None:

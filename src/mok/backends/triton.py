@@ -118,7 +118,7 @@ class TritonBackend:
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import MXWeightCache
 
-            # The routed weights' MX casts, made once per weight update.
+            # The routed weights' MX casts kept between calls (`MoKConfig.mx_weight_casts`).
             self.mx_weights = MXWeightCache()
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
@@ -230,7 +230,7 @@ class TritonBackend:
             rounding = pair_out_mx = config.mx_rounding
             packed = mx_quantize_rows(x, rounding).as_rows(self.dtype)
             grouped = MXRows.from_rows(self.exchange.dispatch(routing, packed), x.shape[1])
-            casts = self.mx_weights.get(given.gate, given.up, given.down, rounding, self.dtype)
+            casts = self._mx_weight_casts(given, rounding, need_backward)
             expert_out, experts = mx_expert_mlp_forward(
                 grouped,
                 routing.group_offsets,
@@ -274,6 +274,19 @@ class TritonBackend:
         if not need_backward:
             return y, None
         return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+    def _mx_weight_casts(self, weights: MoEWeights, rounding, need_backward: bool):
+        """The routed weights' MXFP8 casts for this call, as `MoKConfig.mx_weight_casts` says."""
+        from mok.config import MXWeightCasts
+        from mok.kernels.mx_expert_mlp import MXWeightsCastPerPass
+
+        policy = self.workspace.config.mx_weight_casts
+        routed = (weights.gate, weights.up, weights.down)
+        if policy is MXWeightCasts.PER_PASS or (policy is MXWeightCasts.AUTO and need_backward):
+            self.mx_weights.clear()  # casts an evaluation kept are stale by the next step
+            return MXWeightsCastPerPass(*routed, rounding, self.dtype)
+        both = policy is MXWeightCasts.KEEP
+        return self.mx_weights.get(*routed, rounding, self.dtype, backward=both)
 
     def _expert_rows(self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights):
         """(rows, source_rows, kernel config) for the expert MLP: x and each grouped row's

@@ -3,18 +3,33 @@ must not copy a workspace, whose buffers and group belong to the original)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
 from mok import ops
 from mok.config import MoKConfig
-from mok.errors import MoKInputError
+from mok.errors import MoKConfigError, MoKInputError
 from mok.functional import Workspace, create_workspace
 
 MIN_TOKENS = 8192
 """Tokens per call a workspace is first sized for, without a fixed size; a larger call makes a
 larger one."""
 _SLOT = "_mok_workspace"
+
+
+def checked_config_options(options: dict, set_by_adapter: tuple[str, ...]) -> dict:
+    """`options` (MoKConfig fields an adapter's user sets: `mx_weight_casts`, `validation`,
+    `graphs`, `comm_sms`, ...), refused with MoKConfigError where they name no field or one the
+    adapter takes from the model (`set_by_adapter`); values are checked when the config is made."""
+    fields = {field.name for field in dataclasses.fields(MoKConfig)}
+    for name in options:
+        if name not in fields:
+            raise MoKConfigError(f"{name!r} is not a MoKConfig field")
+        if name in set_by_adapter:
+            raise MoKConfigError(f"{name!r} is taken from the model; it cannot be set here")
+    return dict(options)
 
 
 def _slot(owner: nn.Module) -> ops.WorkspaceSlot:

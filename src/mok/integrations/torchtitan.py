@@ -32,9 +32,25 @@ from torch import nn
 from mok.config import MoKConfig, Precision, parse_enum
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
-from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
+from mok.integrations._workspaces import (
+    MIN_TOKENS,
+    checked_config_options,
+    compiled_call,
+    workspace_for,
+)
 from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
+
+_SET_BY_ADAPTER = (
+    "hidden_size",
+    "intermediate_size",
+    "num_experts",
+    "top_k",
+    "backend",
+    "precision",
+    "max_tokens_per_rank",
+)
+"""MoKConfig fields the adapter sets from the model and its own arguments."""
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
@@ -78,6 +94,7 @@ class _MoKRoutedExperts(nn.Module):
             backend=backend,
             precision=precision,
             max_tokens_per_rank=max_tokens or tokens,
+            **self._mok_config_options,
         )
         return workspace_for(self, config, group, device, max_tokens is not None)
 
@@ -108,16 +125,20 @@ def use_mok(
     max_tokens_per_rank: int = MIN_TOKENS,
     precision: str = "bf16",
     fuse_grad_accumulation: bool = True,
+    **config_options,
 ) -> int:
     """Run every TorchTitan RoutedExperts of `model` through MoK (expert parallelism over `group`,
     a ProcessGroup or a one-dimensional DeviceMesh, when given), at `precision` ("bf16";
     "mxfp8": the routed experts in MXFP8, dim and hidden_dim multiples of 32).
     fuse_grad_accumulation: as `mok.moe`'s, in eager mode, for w1, w3 and w2 where they are
     plain parameters (a DTensor's local shard is not a leaf: autograd adds its gradient).
-    Returns how many were switched."""
+    config_options: other `MoKConfig` fields of every layer (`mx_weight_casts`, `validation`,
+    `graphs`, ...; not those taken from the model: MoKConfigError). Returns how many were
+    switched."""
     from torchtitan.models.common.moe import RoutedExperts
 
     precision = parse_enum(Precision, precision, "precision")
+    options = checked_config_options(config_options, _SET_BY_ADAPTER)
     group = expert_parallel_group(group)
     switched = 0
     for module in model.modules():
@@ -133,5 +154,6 @@ def use_mok(
             max_tokens = None if group is None else max_tokens_per_rank
             module._mok = (group, backend, max_tokens, precision)
             module._mok_fuse_grad_accumulation = fuse_grad_accumulation
+            module._mok_config_options = options
             switched += 1
     return switched

@@ -50,7 +50,12 @@ from mok.config import MoKConfig, Precision, parse_enum
 from mok.distributed import expert_parallel_group, group_rank_and_size
 from mok.errors import MoKInputError
 from mok.functional import Workspace
-from mok.integrations._workspaces import MIN_TOKENS, compiled_call, workspace_for
+from mok.integrations._workspaces import (
+    MIN_TOKENS,
+    checked_config_options,
+    compiled_call,
+    workspace_for,
+)
 from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
 
@@ -166,9 +171,10 @@ def _workspace(
     top_k: int,
     backend: str,
     precision: str,
+    options: dict,
 ) -> Workspace:
-    """The module's workspace for this device, shape (its `weights`), call size, backend and
-    precision."""
+    """The module's workspace for this device, shape (its `weights`), call size, backend,
+    precision and the user's other config `options`."""
     local_experts, inter, hidden_size = weights.gate.shape
     sharding = getattr(experts, _GROUP, None)
     group = None if sharding is None else sharding[0]
@@ -184,11 +190,28 @@ def _workspace(
         precision=precision,
         max_tokens_per_rank=hidden.shape[0] if sharding is None else sharding[3],
         **_activation_options(experts),
+        **options,
     )
     return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
 
-def _forward(backend: str, precision: str, fuse_grad_accumulation: bool):
+_SET_BY_ADAPTER = (
+    "hidden_size",
+    "intermediate_size",
+    "num_experts",
+    "top_k",
+    "backend",
+    "precision",
+    "max_tokens_per_rank",
+    "swiglu_limit",
+    "swiglu_alpha",
+    "swiglu_up_offset",
+    "expert_bias",
+)
+"""MoKConfig fields the adapter sets from the model and its own arguments."""
+
+
+def _forward(backend: str, precision: str, fuse_grad_accumulation: bool, options: dict):
     def experts_forward(
         self: nn.Module,
         hidden_states: torch.Tensor,
@@ -211,7 +234,7 @@ def _forward(backend: str, precision: str, fuse_grad_accumulation: bool):
                 self, hidden_states, top_k_index, top_k_weights, weights, gate_up=gate_up
             )
         top_k = top_k_index.shape[-1]
-        workspace = _workspace(self, weights, hidden_states, top_k, backend, precision)
+        workspace = _workspace(self, weights, hidden_states, top_k, backend, precision, options)
         # Fused accumulation reaches the parameters read whole (gate_up_proj, down_proj, a
         # bias); autograd adds the gradients of gpt-oss's views into theirs.
         return moe(
@@ -287,18 +310,24 @@ def _baseline_forward(
 
 
 def register(
-    backend: str = "auto", precision: str = "bf16", fuse_grad_accumulation: bool = True
+    backend: str = "auto",
+    precision: str = "bf16",
+    fuse_grad_accumulation: bool = True,
+    **config_options,
 ) -> None:
     """Add "mok" to transformers' experts implementations (idempotent; a later call with other
     options replaces the earlier one). precision: the layer's ("bf16"; "mxfp8": the routed
     experts in MXFP8, which needs the hidden and expert intermediate sizes to be multiples of
     32). fuse_grad_accumulation: as `mok.moe`'s, in eager mode: once `gate_up_proj` or
     `down_proj` has a `.grad` (gradient accumulation over micro-batches), the kernels add into
-    it in place; False where a tensor hook on them must see each micro-batch's gradient."""
+    it in place; False where a tensor hook on them must see each micro-batch's gradient.
+    config_options: other `MoKConfig` fields of every layer (`mx_weight_casts`, `validation`,
+    `graphs`, ...; not those taken from the model: MoKConfigError)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     precision = parse_enum(Precision, precision, "precision")
+    options = checked_config_options(config_options, _SET_BY_ADAPTER)
     ALL_EXPERTS_FUNCTIONS.register(
-        IMPLEMENTATION, _forward(backend, precision, fuse_grad_accumulation)
+        IMPLEMENTATION, _forward(backend, precision, fuse_grad_accumulation, options)
     )
     ALL_EXPERTS_FUNCTIONS.register(BASELINE_IMPLEMENTATION, _baseline_forward)

@@ -516,36 +516,40 @@ def _mx_quantize_both_kernel(
     VALUES_BF16_BITS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    ROWWISE: tl.constexpr = True,
+    COLWISE: tl.constexpr = True,
 ):
     """Grid: (rows // BLOCK_ROWS, cdiv(cols, BLOCK_COLS)). Both MXFP8 casts of x from one read of
-    each tile: along cols (a weight's reduction dimension in forward) and along rows (its
-    reduction dimension in backward), as e4m3 bytes and scales or, with VALUES, as the values
-    they represent (fp32, or bf16 bits when VALUES_BF16_BITS). rows a multiple of BLOCK_ROWS,
-    cols of 32."""
+    each tile (or the one of ROWWISE, COLWISE asked for): along cols (a weight's reduction
+    dimension in forward) and along rows (its reduction dimension in backward), as e4m3 bytes
+    and scales or, with VALUES, as the values they represent (fp32, or bf16 bits when
+    VALUES_BF16_BITS). rows a multiple of BLOCK_ROWS, cols of 32."""
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     offsets = r.to(tl.int64)[:, None] * cols + c[None, :]
     tile = _load_fp32(x_ptr + offsets, mask, BF16_BITS)
 
-    data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-    if VALUES:
-        values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
-        _store_values(rowwise_ptr, offsets, values, mask, VALUES_BF16_BITS)
-    else:
-        tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
-        _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, cols // 32, BLOCK_COLS)
+    if ROWWISE:
+        data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+        if VALUES:
+            values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
+            _store_values(rowwise_ptr, offsets, values, mask, VALUES_BF16_BITS)
+        else:
+            tl.store(rowwise_ptr + offsets, data.to(tl.uint8), mask=mask)
+            _store_row_scales(rowwise_scales_ptr, scales, r, rows, cols, cols // 32, BLOCK_COLS)
 
-    data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-    if VALUES:
-        values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
-        _store_values(colwise_ptr, offsets, values_t, mask, VALUES_BF16_BITS)
-    else:
-        tl.store(colwise_ptr + offsets, data_t.to(tl.uint8), mask=mask)
-        b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
-        block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
-        block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
-        tl.store(colwise_scales_ptr + block_offsets, scales_t.to(tl.uint8), mask=block_mask)
+    if COLWISE:
+        data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
+        if VALUES:
+            values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
+            _store_values(colwise_ptr, offsets, values_t, mask, VALUES_BF16_BITS)
+        else:
+            tl.store(colwise_ptr + offsets, data_t.to(tl.uint8), mask=mask)
+            b = tl.program_id(0) * (BLOCK_ROWS // 32) + tl.arange(0, BLOCK_ROWS // 32)
+            block_mask = (b < rows // 32)[:, None] & (c < cols)[None, :]
+            block_offsets = b.to(tl.int64)[:, None] * cols + c[None, :]
+            tl.store(colwise_scales_ptr + block_offsets, scales_t.to(tl.uint8), mask=block_mask)
 
 
 def _check_both(x: torch.Tensor) -> None:
@@ -561,7 +565,9 @@ def _check_both(x: torch.Tensor) -> None:
         )
 
 
-def _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, values) -> None:
+def _launch_both(
+    x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, values, layouts=(True, True)
+) -> None:
     cols = x.shape[-1]
     flat = x.reshape(-1, cols)
     rows = flat.shape[0]
@@ -588,6 +594,8 @@ def _launch_both(x, rowwise, rowwise_scales, colwise, colwise_scales, rounding, 
         VALUES_BF16_BITS=values_bits,
         BLOCK_ROWS=block_rows,
         BLOCK_COLS=block_cols,
+        ROWWISE=layouts[0],
+        COLWISE=layouts[1],
     )
 
 
@@ -610,15 +618,30 @@ def mx_quantize_both(
 
 
 def mx_quantized_values_both(
-    x: torch.Tensor, rounding: ScaleRounding | str = ScaleRounding.RCEIL
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    rounding: ScaleRounding | str = ScaleRounding.RCEIL,
+    rowwise: bool = True,
+    colwise: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(values of x's MXFP8 cast along its last dimension, along the one before), each of x's
     shape and dtype, from one pass over x: what a weight is to the bf16 GEMMs of the forward and
-    of the data gradients. x as in `mx_quantize_both`."""
+    of the data gradients; rowwise or colwise False: that cast is not made (None). x as in
+    `mx_quantize_both`."""
     _check_both(x)
-    rowwise, colwise = torch.empty_like(x), torch.empty_like(x)
-    _launch_both(x, rowwise, x, colwise, x, rounding, values=True)
-    return rowwise, colwise
+    along_last = torch.empty_like(x) if rowwise else None
+    along_previous = torch.empty_like(x) if colwise else None
+    # A cast not asked for is never stored: x stands in for its output.
+    _launch_both(
+        x,
+        x if along_last is None else along_last,
+        x,
+        x if along_previous is None else along_previous,
+        x,
+        rounding,
+        values=True,
+        layouts=(rowwise, colwise),
+    )
+    return along_last, along_previous
 
 
 @fast_launch

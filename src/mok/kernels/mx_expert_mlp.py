@@ -14,8 +14,9 @@ GEMM's reduction dimension, and the bf16 kernels run unchanged:
 gpt-oss's activation and expert biases go to the bf16 kernels as they are: the biases, never
 cast, added in fp32 in the epilogues; their gradients summed from the bf16 gradients.
 
-The weights' casts (both layouts from one pass, `MXWeightValues`) are made once per weight
-update when the caller keeps an `MXWeightCache`. The casts of the grouped rows
+The weights' casts come from an `MXWeightCasts`: made ahead (`MXWeightValues`, both layouts
+from one pass), once per weight update when the caller keeps an `MXWeightCache`; or by each pass
+in the layout it reads, dropped after it (`MXWeightsCastPerPass`). The casts of the grouped rows
 (`mx_group_casts`) touch only the rows inside the groups and make every cast of a tensor in one
 pass. Saved for the backward, as MXFP8 bytes and scales (about half their bf16 bytes): x, h and
 the pre-activations (bf16 under a clamp). Measured against a tl design that dequantizes e4m3
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
+from mok.errors import MoKInputError
 from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
@@ -46,28 +48,93 @@ from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_valu
 from mok.reference.mx import ScaleRounding
 
 
+class MXWeightCasts(Protocol):
+    """Where the MXFP8 products get the routed weights' casts (as values: the weights' dtype and
+    shapes) that each pass reads."""
+
+    def forward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_gate [E, I, H], W_up cast along H; W_down [E, H, I] cast along I): the forward's."""
+        ...
+
+    def backward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(W_gate, W_up cast along I (their dim 1): grad x's; W_down cast along H: grad h's)."""
+        ...
+
+
+def _weight_values(weights, rounding: ScaleRounding, forward: bool, backward: bool) -> list:
+    """[(values along the last dimension or None, along dim 1 or None)] per weight, one pass
+    per weight."""
+    return [
+        mx_quantized_values_both(w.contiguous(), rounding, rowwise=forward, colwise=backward)
+        for w in weights
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class MXWeightValues:
-    """The routed weights' MXFP8 casts as values (the weights' dtype and shapes)."""
+    """The routed weights' MXFP8 casts as values (the weights' dtype and shapes), made ahead:
+    the forward's layout and, unless made for the forward only, the backward's."""
 
     gate: torch.Tensor
     """W_gate [E, I, H] cast along H: the forward's."""
     up: torch.Tensor
     down: torch.Tensor
     """W_down [E, H, I] cast along I."""
-    gate_along_i: torch.Tensor
+    gate_along_i: torch.Tensor | None
     """W_gate cast along I (its dim 1): grad x's."""
-    up_along_i: torch.Tensor
-    down_along_h: torch.Tensor
+    up_along_i: torch.Tensor | None
+    down_along_h: torch.Tensor | None
     """W_down cast along H (its dim 1): grad h's."""
 
     @classmethod
-    def of(cls, w_gate, w_up, w_down, rounding: ScaleRounding) -> MXWeightValues:
-        """Both casts of each weight, one pass per weight."""
-        gate, gate_t = mx_quantized_values_both(w_gate.contiguous(), rounding)
-        up, up_t = mx_quantized_values_both(w_up.contiguous(), rounding)
-        down, down_t = mx_quantized_values_both(w_down.contiguous(), rounding)
-        return cls(gate, up, down, gate_t, up_t, down_t)
+    def of(
+        cls, w_gate, w_up, w_down, rounding: ScaleRounding, backward: bool = True
+    ) -> MXWeightValues:
+        """Both casts of each weight (backward False: the forward's only), one pass per weight."""
+        casts = _weight_values((w_gate, w_up, w_down), rounding, True, backward)
+        return cls(*(c[0] for c in casts), *(c[1] for c in casts))
+
+    @property
+    def has_backward(self) -> bool:
+        return self.gate_along_i is not None
+
+    def forward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.gate, self.up, self.down
+
+    def backward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.has_backward:
+            raise ValueError("these weight casts were made for the forward only")
+        return self.gate_along_i, self.up_along_i, self.down_along_h
+
+
+class MXWeightsCastPerPass:
+    """The routed weights, cast by each pass that reads them, in the layout it reads, and
+    dropped after it: no cast outlives a pass (`MoKConfig.mx_weight_casts`). The backward casts
+    the weights the forward read; one changed in place in between raises MoKInputError, as
+    autograd refuses a saved tensor changed in place."""
+
+    def __init__(self, w_gate, w_up, w_down, rounding: ScaleRounding, dtype=None) -> None:
+        self.weights = (w_gate, w_up, w_down)
+        self.rounding, self.dtype = rounding, dtype
+        self.versions = tuple(w._version for w in self.weights)
+
+    def _values(self, forward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        weights = (w.to(self.dtype or w.dtype) for w in self.weights)
+        casts = _weight_values(weights, self.rounding, forward, not forward)
+        return tuple(c[0 if forward else 1] for c in casts)
+
+    def forward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._values(forward=True)
+
+    def backward_values(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        names = ("gate", "up", "down")
+        for name, w, version in zip(names, self.weights, self.versions, strict=True):
+            if w._version != version:
+                raise MoKInputError(
+                    f"weights.{name} was changed in place between the MXFP8 forward and its "
+                    "backward: the backward would cast other weights than the forward read"
+                )
+        return self._values(forward=False)
 
 
 class MXWeightCache:
@@ -84,20 +151,25 @@ class MXWeightCache:
         self.casts = 0
         """How many times the weights were cast (tests, benchmarks)."""
 
-    def get(self, w_gate, w_up, w_down, rounding: ScaleRounding, dtype=None) -> MXWeightValues:
-        """The casts of the weights converted to `dtype` (None: as they are)."""
+    def get(
+        self, w_gate, w_up, w_down, rounding: ScaleRounding, dtype=None, backward: bool = True
+    ) -> MXWeightValues:
+        """The casts of the weights converted to `dtype` (None: as they are); backward False:
+        the forward's layout is enough (the backward's too where kept already)."""
         weights = (w_gate, w_up, w_down)
         if w_gate.is_cuda and torch.cuda.is_current_stream_capturing():
-            return MXWeightValues.of(*(w.to(dtype or w.dtype) for w in weights), rounding)
+            converted = (w.to(dtype or w.dtype) for w in weights)
+            return MXWeightValues.of(*converted, rounding, backward)
         key = (rounding, dtype) + tuple(
             (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype) for w in weights
         )
         same = len(self._refs) == 3 and all(
             ref() is w for ref, w in zip(self._refs, weights, strict=True)
         )
-        if not same or key != self._key:
+        if not same or key != self._key or (backward and not self._values.has_backward):
             self._values = None  # the old casts' memory first
-            self._values = MXWeightValues.of(*(w.to(dtype or w.dtype) for w in weights), rounding)
+            converted = (w.to(dtype or w.dtype) for w in weights)
+            self._values = MXWeightValues.of(*converted, rounding, backward)
             self._key, self._refs = key, tuple(weakref.ref(w) for w in weights)
             self.casts += 1
         return self._values
@@ -121,7 +193,7 @@ class MXExpertSaved:
     side of the limit, and the backward's clamp decisions must be the forward's)."""
     group_offsets: torch.Tensor
     row_tiles: dict
-    weights: MXWeightValues
+    weights: MXWeightCasts
     swiglu_limit: float | None
     rounding: ScaleRounding
     config: ExpertKernelConfig
@@ -141,7 +213,7 @@ class MXExpertSaved:
 def mx_expert_mlp_forward(
     rows: torch.Tensor | MXRows,
     group_offsets: torch.Tensor,
-    weights: MXWeightValues,
+    weights: MXWeightCasts,
     swiglu_limit: float | None = None,
     rounding: ScaleRounding | str = ScaleRounding.RCEIL,
     save_for_backward: bool = True,
@@ -158,7 +230,8 @@ def mx_expert_mlp_forward(
     weights' dtype, rows outside the groups unwritten; saved or None). Only rows inside the
     groups are cast. Never synchronizes with the host."""
     rounding = ScaleRounding(rounding)
-    dtype = weights.gate.dtype
+    w_gate, w_up, w_down = weights.forward_values()
+    dtype = w_gate.dtype
     m = rows.shape[0]
     tiles: dict = {}
     cast_tiles = cached_row_tiles(tiles, group_offsets, m, GROUP_ROWS)
@@ -178,9 +251,9 @@ def mx_expert_mlp_forward(
     out, bf16_saved = expert_mlp_forward(
         x_values,
         group_offsets,
-        weights.gate,
-        weights.up,
-        weights.down,
+        w_gate,
+        w_up,
+        w_down,
         swiglu_limit,
         save_for_backward=save_for_backward,
         out=out,
@@ -188,9 +261,10 @@ def mx_expert_mlp_forward(
         activation=activation,
         biases=biases,
     )
+    inter = w_gate.shape[1]
+    del w_gate, w_up, w_down  # casts made for this pass go with it
     if not save_for_backward:
         return out, None
-    inter = weights.gate.shape[1]
     h = h_codes[0] if h_codes else MXRows.empty(0, inter, x_values.device)  # no rows: no products
     gate_up = bf16_saved.gate_up
     if swiglu_limit is None:
@@ -242,7 +316,8 @@ def mx_expert_mlp_backward(
     gradients). The products go in `expert_mlp_backward`'s order, each cast dropped after its
     last product; release: `saved` serves this backward only, each saved cast released once its
     values are made."""
-    rounding, w = saved.rounding, saved.weights
+    rounding = saved.rounding
+    w_gate, w_up, w_down = saved.weights.backward_values()
     m = grad_out.shape[0]
     dtype = grad_out.dtype
     tiles = cached_row_tiles(saved.row_tiles, saved.group_offsets, m, GROUP_ROWS)
@@ -256,9 +331,9 @@ def mx_expert_mlp_backward(
     through = ExpertMLPSaved(
         rows=None,
         group_offsets=saved.group_offsets,
-        w_gate=w.gate_along_i,
-        w_up=w.up_along_i,
-        w_down=w.down_along_h,
+        w_gate=w_gate,
+        w_up=w_up,
+        w_down=w_down,
         h=None,
         gate_up=gate_up,
         row_tiles=saved.row_tiles,
