@@ -13,7 +13,7 @@ from test_grad_accumulation import CONFIG, DEVICE, micro_batch
 import mok
 from mok import ops
 from mok.functional import create_workspace
-from mok.testing import global_weights
+from mok.testing import global_weights, relative_error
 from mok.weights import (
     are_gate_up_halves,
     empty_gate_up_pair,
@@ -71,7 +71,7 @@ def _with_gate_up(weights: mok.MoEWeights) -> tuple[mok.MoEWeights, torch.Tensor
 def test_gate_up_gets_the_gradients_of_gate_and_up_in_one_tensor(backend, monkeypatch):
     """`mok.moe(..., gate_up=)`: the same output, x gradient and weight gradients as separate
     gate and up leaves, bit for bit, with gate_up.grad = [grad gate; grad up]; a second call adds
-    into it as autograd does (fused accumulation is for the other weights). The triton backend
+    into it in place (fused accumulation into its halves). The triton backend
     hands back its gradient buffer itself (no concatenation). Catches gate and up swapped in the
     joined gradient, a gradient lost (None) for gate_up, reading other rows than its halves, and
     a backend that writes the halves into separate tensors (a copy per call; on GPUs: under the
@@ -100,9 +100,12 @@ def test_gate_up_gets_the_gradients_of_gate_and_up_in_one_tensor(backend, monkey
     assert torch.equal(fused.down.grad, separate.down.grad)
     assert torch.equal(fused.shared_gate.grad, separate.shared_gate.grad)
     assert joins == [backend == "triton" and DEVICE.type == "cuda"]
-    first = gate_up.grad.clone()
+    first, pointer = gate_up.grad.clone(), gate_up.grad.data_ptr()
     mok.moe(x, idx, w, fused, layer.workspace(DEVICE), True, gate_up=gate_up).backward(grad_y)
-    assert torch.equal(gate_up.grad, first + first)
+    # Added into the halves of gate_up.grad in place (fused accumulation): one rounding of the
+    # fp32 sum, which under the interpreter's truncating bf16 stores may differ from 2x by a step.
+    assert gate_up.grad.data_ptr() == pointer
+    assert relative_error(gate_up.grad, first + first) < 1e-2
 
 
 @pytest.mark.parametrize("backend", BACKENDS[1:])
