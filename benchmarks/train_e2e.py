@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -416,6 +417,7 @@ def train_titan(args) -> dict:
             )
         results[implementation] = train(model.to(device), args, device, label=implementation)
         del model
+        results[implementation]["left_gib"] = memory_left(device)
     return results
 
 
@@ -445,7 +447,15 @@ def train_rank(rank: int, world: int, args) -> dict:
         model.to(device).set_experts_implementation(transformers_implementation(implementation))
         results[implementation] = train(model, args, device, rank, world, group, implementation)
         del model
+        results[implementation]["left_gib"] = memory_left(device)
     return results
+
+
+def memory_left(device: torch.device) -> float | None:
+    """GiB still allocated on the GPU once a run's model is gone (garbage collected first, so
+    that the next run's peak starts clean and what a run leaks shows); None on the CPU."""
+    gc.collect()
+    return torch.cuda.memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def run(args) -> dict:
@@ -511,6 +521,10 @@ def markdown(args, results, header) -> str:
             f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
             f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} | {load} |"
         )
+    left = [(name, r.get("left_gib")) for name, r in results.items()]
+    if any(value is not None for _, value in left):
+        held = ", ".join(f"{name} {value:.2f}" for name, value in left if value is not None)
+        lines += ["", f"GiB still allocated after each run (its model deleted, gc run): {held}"]
     return "\n".join(lines) + "\n"
 
 
