@@ -188,6 +188,44 @@ def test_fsdp2_with_checkpointing_and_compile_on_gloo():
     _check(results, dp=2, ep=2)
 
 
+def _mxfp8_data_parallel_run(rank: int, world: int, weight_casts: str) -> dict:
+    """One forward+backward of the block in MXFP8 (triton backend) with its experts under FSDP2
+    over `world` data-parallel ranks (EP 1): the full gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = CONFIG.replace(
+        precision="mxfp8",
+        backend="triton",
+        hidden_size=64,
+        intermediate_size=32,
+        mx_weight_casts=weight_casts,
+    )
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "ep"))
+    block = build_block(config, mesh["ep"], "cpu")
+    fully_shard(block.moe, mesh=mesh["dp"])  # re-gathered for backward, freed after forward
+    fully_shard(block, mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("all",)))
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(20, config.hidden_size, generator=generator).bfloat16().requires_grad_(True)
+    y = block(x)
+    y.backward(torch.randn(y.shape, generator=generator).bfloat16())
+    return {name: param.grad.full_tensor() for name, param in block.named_parameters()}
+
+
+@pytest.mark.interpreter
+def test_mxfp8_weights_cast_per_pass_under_fsdp2():
+    """FSDP2 frees the experts' gathered weights after forward and gathers them again for
+    backward, where MXFP8's default casts them per pass: the backward must not take the gather
+    for a change in place (its check of the weights' versions raising would stop every MXFP8
+    run under FSDP2), and its gradients are those of the casts kept from forward, bit for bit."""
+    per_pass = run_ranks(_mxfp8_data_parallel_run, 2, args=("per_pass",), backend="gloo")
+    kept = run_ranks(_mxfp8_data_parallel_run, 2, args=("keep",), backend="gloo")
+    for ours, theirs in zip(per_pass, kept, strict=True):
+        assert ours.keys() == theirs.keys()
+        for name, grad in ours.items():
+            assert torch.equal(grad, theirs[name]), name
+
+
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_fsdp2_over_an_expert_parallel_mesh_on_two_gpus():
