@@ -310,10 +310,19 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
     assert BenchSpec(validation="local").config().validation is mok.Validation.LOCAL
 
 
-@pytest.mark.parametrize("graphs", ["auto", "on", "off"])
-def test_bench_passes_the_graphs_option_to_the_layer(monkeypatch, graphs):
-    """--graphs reaches the backend's config (default auto). Catches the option parsed but
-    dropped on the way to the layer (every run would time the default)."""
+@pytest.mark.parametrize(
+    ("option", "value", "field", "kind"),
+    [
+        *(("--graphs", value, "graphs", mok.Graphs) for value in ("auto", "on", "off")),
+        *(
+            ("--mx-weight-casts", value, "mx_weight_casts", mok.MXWeightCasts)
+            for value in ("auto", "keep", "per_pass")
+        ),
+    ],
+)
+def test_bench_passes_config_options_to_the_layer(monkeypatch, option, value, field, kind):
+    """--graphs and --mx-weight-casts reach the backend's config (default auto). Catches an
+    option parsed but dropped on the way to the layer (every run would time the default)."""
     from mok import cli
 
     captured = []
@@ -327,12 +336,12 @@ def test_bench_passes_the_graphs_option_to_the_layer(monkeypatch, graphs):
 
     monkeypatch.setattr(cli, "run_bench", run_bench)
     with pytest.raises(Captured):
-        main(["bench", "--no-progress", "--device", "cpu", "--graphs", graphs])
+        main(["bench", "--no-progress", "--device", "cpu", option, value])
     (spec,) = captured
-    assert spec.config().graphs is mok.Graphs(graphs)
-    assert BenchSpec().config().graphs is mok.Graphs.AUTO
+    assert getattr(spec.config(), field) is kind(value)
+    assert getattr(BenchSpec().config(), field) is kind.AUTO
     with pytest.raises(SystemExit):
-        main(["bench", "--graphs", "sometimes"])
+        main(["bench", option, "sometimes"])
 
 
 @pytest.mark.parametrize(

@@ -99,6 +99,10 @@ class BenchSpec:
     graphs: str = "auto"
     """`MoKConfig.graphs` of the backend's layer: whether its calls replay their own CUDA graphs
     ("auto": small layers; "on"; "off")."""
+    mx_weight_casts: str = "auto"
+    """`MoKConfig.mx_weight_casts` of the backend's layer in MXFP8: "auto" casts the weights in
+    every timed pass (a training step's cost; the timed passes run with gradients), "keep" once
+    (the weights never change between iterations)."""
     cuda_graph: bool = False
     """Time the backend's layer replayed from one CUDA graph per pass, captured on the timed
     inputs (it never synchronizes with the host, so it can be captured); the baseline, which
@@ -124,6 +128,7 @@ class BenchSpec:
             validation=self.validation,
             precision=self.precision,
             graphs=self.graphs,
+            mx_weight_casts=self.mx_weight_casts,
         )
 
 
@@ -631,6 +636,11 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         )
         + f"; the backend's input validation {first.validation} (`--validation`)"
         + f"; the backend's own CUDA graphs {first.graphs} (`--graphs`)"
+        + (
+            f"; MXFP8 weights' casts {first.mx_weight_casts} (`--mx-weight-casts`)"
+            if any(result.spec.precision == "mxfp8" for result in results)
+            else ""
+        )
         + (
             "; the backend's passes replayed from CUDA graphs captured on the timed inputs "
             "(`--cuda-graph`; the baseline eager)"

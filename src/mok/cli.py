@@ -22,7 +22,7 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend, Graphs, Precision, Validation
+from mok.config import Backend, Graphs, MXWeightCasts, Precision, Validation
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -195,6 +195,14 @@ def _parser() -> argparse.ArgumentParser:
         "layers, bound by the host; on; off: every call launches its kernels)",
     )
     bench.add_argument(
+        "--mx-weight-casts",
+        choices=[c.value for c in MXWeightCasts],
+        default=MXWeightCasts.AUTO.value,
+        help="with --precision mxfp8: when the layer casts its weights (auto: in every timed "
+        "pass, as a training step does; keep: once, the weights being fixed between iterations; "
+        "per_pass)",
+    )
+    bench.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
@@ -325,6 +333,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             accumulate_grads=args.accumulate_grads,
             validation=args.validation,
             graphs=args.graphs,
+            mx_weight_casts=args.mx_weight_casts,
             precision=precision,
             cuda_graph=args.cuda_graph,
         )
