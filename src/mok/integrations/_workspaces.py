@@ -19,15 +19,28 @@ larger one."""
 _SLOT = "_mok_workspace"
 
 
-def checked_config_options(options: dict, set_by_adapter: tuple[str, ...]) -> dict:
+SET_BY_ADAPTERS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_experts",
+    "top_k",
+    "backend",
+    "precision",
+    "max_tokens_per_rank",
+)
+"""MoKConfig fields every adapter sets from the model and its own arguments."""
+
+
+def checked_config_options(options: dict, also_set: tuple[str, ...] = ()) -> dict:
     """`options` (MoKConfig fields an adapter's user sets: `mx_weight_casts`, `validation`,
     `graphs`, `comm_sms`, ...), refused with MoKConfigError where they name no field or one the
-    adapter takes from the model (`set_by_adapter`); values are checked when the config is made."""
+    adapter takes from the model (`SET_BY_ADAPTERS`, and that adapter's `also_set`); values are
+    checked when the config is made."""
     fields = {field.name for field in dataclasses.fields(MoKConfig)}
     for name in options:
         if name not in fields:
             raise MoKConfigError(f"{name!r} is not a MoKConfig field")
-        if name in set_by_adapter:
+        if name in SET_BY_ADAPTERS or name in also_set:
             raise MoKConfigError(f"{name!r} is taken from the model; it cannot be set here")
     return dict(options)
 

@@ -41,17 +41,6 @@ from mok.integrations._workspaces import (
 from mok.module import cast_for_autocast, moe
 from mok.weights import MoEWeights
 
-_SET_BY_ADAPTER = (
-    "hidden_size",
-    "intermediate_size",
-    "num_experts",
-    "top_k",
-    "backend",
-    "precision",
-    "max_tokens_per_rank",
-)
-"""MoKConfig fields the adapter sets from the model and its own arguments."""
-
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
     return parameter.to_local() if hasattr(parameter, "to_local") else parameter
@@ -138,7 +127,7 @@ def use_mok(
     from torchtitan.models.common.moe import RoutedExperts
 
     precision = parse_enum(Precision, precision, "precision")
-    options = checked_config_options(config_options, _SET_BY_ADAPTER)
+    options = checked_config_options(config_options)
     group = expert_parallel_group(group)
     switched = 0
     for module in model.modules():

@@ -195,20 +195,8 @@ def _workspace(
     return workspace_for(experts, config, group, hidden.device, fixed_tokens=sharding is not None)
 
 
-_SET_BY_ADAPTER = (
-    "hidden_size",
-    "intermediate_size",
-    "num_experts",
-    "top_k",
-    "backend",
-    "precision",
-    "max_tokens_per_rank",
-    "swiglu_limit",
-    "swiglu_alpha",
-    "swiglu_up_offset",
-    "expert_bias",
-)
-"""MoKConfig fields the adapter sets from the model and its own arguments."""
+_ACTIVATION_FIELDS = ("swiglu_limit", "swiglu_alpha", "swiglu_up_offset", "expert_bias")
+"""MoKConfig fields the adapter also takes from the model (`_activation_options`)."""
 
 
 def _forward(backend: str, precision: str, fuse_grad_accumulation: bool, options: dict):
@@ -326,7 +314,7 @@ def register(
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     precision = parse_enum(Precision, precision, "precision")
-    options = checked_config_options(config_options, _SET_BY_ADAPTER)
+    options = checked_config_options(config_options, _ACTIVATION_FIELDS)
     ALL_EXPERTS_FUNCTIONS.register(
         IMPLEMENTATION, _forward(backend, precision, fuse_grad_accumulation, options)
     )
