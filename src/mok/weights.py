@@ -108,6 +108,18 @@ def are_gate_up_halves(gate: torch.Tensor, up: torch.Tensor) -> bool:
     )
 
 
+def whole_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous [E, 2I, H] tensor whose halves along dim 1 gate and up [E, I, H] are
+    (`gate_up_halves`), as a view of their storage; None where they are not such halves."""
+    if not are_gate_up_halves(gate, up):
+        return None
+    experts, inter, hidden = gate.shape
+    whole_strides = (2 * inter * hidden, hidden, 1)
+    if gate.stride() != whole_strides:
+        return None
+    return gate.as_strided((experts, 2 * inter, hidden), whole_strides)
+
+
 def check_gate_up_halves(gate_up: torch.Tensor, weights: MoEWeights, tracing: bool = False) -> None:
     """Raise MoKInputError unless weights.gate and weights.up are gate_up's halves along dim 1
     (`gate_up_halves`); while tracing (fake tensors, no addresses), their shapes only."""

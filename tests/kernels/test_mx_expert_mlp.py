@@ -22,12 +22,14 @@ import torch
 from mok.kernels.grouped_gemm import SWIGLU, Activation
 from mok.kernels.mx_expert_mlp import (
     MXWeightCache,
+    MXWeightsCastPerPass,
     MXWeightValues,
     mx_expert_mlp_backward,
     mx_expert_mlp_forward,
 )
 from mok.reference.mx import ScaleRounding
 from mok.reference.mx_expert import mx_grouped_expert_mlp
+from mok.weights import are_gate_up_halves, gate_up_halves
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -184,3 +186,35 @@ def test_backward_that_releases_the_saved_casts_matches(limit):
     assert (released.x, released.h, released.gate_up) == (None, None, None)
     with pytest.raises(ValueError, match="'rows' is not a saved cast"):
         kept.release("rows")
+
+
+@pytest.mark.parametrize("casts_of", ["made ahead", "per pass"])
+def test_gate_and_up_halves_of_one_tensor_are_cast_whole(casts_of):
+    """W_gate and W_up as the halves of one [E, 2I, H] tensor (a model's gate_up_proj) are cast
+    as that one tensor, their casts halves of one tensor too (no copy of each half), and the
+    layer gives the same results bit for bit as with separate contiguous weights. Bugs caught: a
+    block along I straddling the halves, the halves' casts swapped or taken from the wrong
+    layout, a product misreading the casts' expert stride (2I rows)."""
+    sizes = [29, 0, 48, 11]
+    rows, weights, grad_out, offsets = problem(sizes)
+    separate = [w.to(DEVICE, DTYPE) for w in weights]
+    gate_up = torch.cat(separate[:2], dim=1)
+    halves = (*gate_up_halves(gate_up), separate[2])
+    assert are_gate_up_halves(*halves[:2])
+    rows, grad_out, offsets = rows.to(DEVICE, DTYPE), grad_out.to(DEVICE, DTYPE), offsets.to(DEVICE)
+
+    def casts(w_gate, w_up, w_down):
+        if casts_of == "per pass":
+            return MXWeightsCastPerPass(w_gate, w_up, w_down, ScaleRounding.FLOOR)
+        return MXWeightValues.of(w_gate, w_up, w_down, ScaleRounding.FLOOR)
+
+    whole, apart = casts(*halves), casts(*separate)
+    for layout in ("forward_values", "backward_values"):
+        got, want = getattr(whole, layout)(), getattr(apart, layout)()
+        assert are_gate_up_halves(*got[:2])
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), layout
+    results = []
+    for weight_casts in (whole, apart):
+        out, saved = mx_expert_mlp_forward(rows, offsets, weight_casts, rounding="floor")
+        results.append((out[: sum(sizes)], *mx_expert_mlp_backward(grad_out, saved)[:4]))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -46,6 +46,7 @@ from mok.kernels.expert_mlp import (
 from mok.kernels.grouped_gemm import SWIGLU, Activation
 from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
 from mok.reference.mx import ScaleRounding
+from mok.weights import gate_up_halves, whole_gate_up
 
 
 class MXWeightCasts(Protocol):
@@ -62,12 +63,21 @@ class MXWeightCasts(Protocol):
 
 
 def _weight_values(weights, rounding: ScaleRounding, forward: bool, backward: bool) -> list:
-    """[(values along the last dimension or None, along dim 1 or None)] per weight, one pass
-    per weight."""
-    return [
-        mx_quantized_values_both(w.contiguous(), rounding, rowwise=forward, colwise=backward)
-        for w in weights
-    ]
+    """[(values along the last dimension or None, along dim 1 or None)] per weight (gate, up,
+    down), one pass per weight. Gate and up that are the halves of one contiguous [E, 2I, H]
+    tensor (a model's fused gate_up_proj) are cast whole, in place of a copy of each half: a
+    block of 32 along dim 1 never straddles the halves (I is a multiple of 32), so the casts'
+    halves are the halves' casts, and the products read them as views."""
+    w_gate, w_up, w_down = weights
+
+    def cast(w):
+        return mx_quantized_values_both(w, rounding, rowwise=forward, colwise=backward)
+
+    whole = whole_gate_up(w_gate, w_up)
+    if whole is None:
+        return [cast(w.contiguous()) for w in (w_gate, w_up, w_down)]
+    halves = [(None, None) if c is None else gate_up_halves(c) for c in cast(whole)]
+    return [(halves[0][0], halves[1][0]), (halves[0][1], halves[1][1]), cast(w_down.contiguous())]
 
 
 @dataclasses.dataclass(frozen=True)
