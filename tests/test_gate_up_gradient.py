@@ -19,6 +19,7 @@ from mok.weights import (
     empty_gate_up_pair,
     gate_up_halves,
     joined_gate_up,
+    whole_gate_up,
 )
 
 BACKENDS = [
@@ -48,6 +49,21 @@ def test_joined_gate_up_hands_back_the_tensor_the_halves_view():
     # Halves of a tensor with more than the two halves' rows (not gate_up's [E, 2I, H]).
     wider = torch.randn(3, 12, 8)
     assert not are_gate_up_halves(wider[:, :4], wider[:, 4:8])
+
+
+def test_whole_gate_up_is_a_view_of_contiguous_halves_only():
+    """`whole_gate_up` (what the MXFP8 weight casts cast in one piece) hands back the [E, 2I, H]
+    tensor of two halves that tile it exactly, and None otherwise. Catches a view that takes up
+    before gate, joins unrelated tensors, or spans the padding of rows wider than H (its cast
+    would read and write memory that is not the weights)."""
+    gate_up = torch.randn(3, 8, 32)
+    whole = whole_gate_up(*gate_up_halves(gate_up))
+    assert whole.data_ptr() == gate_up.data_ptr() and torch.equal(whole, gate_up)
+    assert whole_gate_up(*reversed(gate_up_halves(gate_up))) is None
+    assert whole_gate_up(*(half.clone() for half in gate_up_halves(gate_up))) is None
+    padded = torch.randn(3, 8, 40)[:, :, :32]  # halves of a gate_up whose rows are 40 apart
+    assert are_gate_up_halves(*gate_up_halves(padded))
+    assert whole_gate_up(*gate_up_halves(padded)) is None
 
 
 def _inputs(backend: str):
