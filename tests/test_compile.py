@@ -30,13 +30,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = CONFIG.replace(backend="triton")
 
 
-def run_block(compiler: str | None, fuse: bool, micro_batches: int = 2, wrap=None) -> dict:
+def run_block(
+    compiler: str | None, fuse: bool, micro_batches: int = 2, wrap=None, config=TRITON
+) -> dict:
     """y, grad x of each micro-batch (forwards first, then backwards, so two saved states are in
     flight) and every parameter's accumulated gradient; `wrap(block)`: the module run instead."""
     torch.manual_seed(0)
-    block = Block(TRITON, device=DEVICE)
+    block = Block(config, device=DEVICE)
     block.moe.fuse_grad_accumulation = fuse
-    block.moe.load_global_weights(global_weights(TRITON, 1, DEVICE))
+    block.moe.load_global_weights(global_weights(config, 1, DEVICE))
     block.moe.workspace(torch.device(DEVICE))
     if wrap is not None:
         block = wrap(block)
@@ -57,13 +59,22 @@ def run_block(compiler: str | None, fuse: bool, micro_batches: int = 2, wrap=Non
     return results
 
 
-def test_compiled_block_equals_eager_bitwise():
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+def test_compiled_block_equals_eager_bitwise(precision):
     """aot_eager keeps every operation of eager: only the layer's own path differs (the custom
     ops), so results must be equal bit for bit. Eager without fused accumulation, since the
-    compiled layer hands its weight gradients to autograd (summed in bf16, as eager then does)."""
+    compiled layer hands its weight gradients to autograd (summed in bf16, as eager then does).
+    mxfp8 (sizes multiples of 32; the weights cast per pass, the backward checking they did not
+    change in place): caught besides, an MX saved state handed to the wrong backward, or the
+    compiled backward casting other weights than its forward read."""
+    config = TRITON
+    if precision == "mxfp8":
+        config = TRITON.replace(
+            precision="mxfp8", intermediate_size=32, shared_intermediate_size=32
+        )
     torch._dynamo.reset()
-    eager = run_block(None, fuse=False)
-    compiled = run_block("aot_eager", fuse=False)
+    eager = run_block(None, fuse=False, config=config)
+    compiled = run_block("aot_eager", fuse=False, config=config)
     for name, value in eager.items():
         assert torch.equal(compiled[name], value), name
     assert not ops._saved  # every forward's state was used by its backward and dropped
