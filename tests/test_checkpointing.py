@@ -78,6 +78,11 @@ def block_gradients(config, rank, world, mode: str, device, micro_batches: int =
     return grads
 
 
+def in_mxfp8(config: mok.MoKConfig) -> mok.MoKConfig:
+    """config with MXFP8 routed experts: its sizes raised to the multiples of 32 MXFP8 needs."""
+    return config.replace(precision="mxfp8", intermediate_size=32, shared_intermediate_size=32)
+
+
 def assert_bitwise_equal(plain: dict, checkpointed: dict) -> None:
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
@@ -100,9 +105,7 @@ def test_checkpointed_block_has_the_same_gradients(backend, mode):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = CONFIG.replace(backend=backend.split()[0])
     if backend.endswith("mxfp8"):
-        config = config.replace(
-            precision="mxfp8", intermediate_size=32, shared_intermediate_size=32
-        )
+        config = in_mxfp8(config)
     plain = block_gradients(config, 0, 1, "plain", device)
     assert_bitwise_equal(plain, block_gradients(config, 0, 1, mode, device))
 

@@ -14,7 +14,7 @@ import functools
 
 import pytest
 import torch
-from test_checkpointing import CONFIG, Block
+from test_checkpointing import CONFIG, Block, in_mxfp8
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -67,11 +67,7 @@ def test_compiled_block_equals_eager_bitwise(precision):
     mxfp8 (sizes multiples of 32; the weights cast per pass, the backward checking they did not
     change in place): caught besides, an MX saved state handed to the wrong backward, or the
     compiled backward casting other weights than its forward read."""
-    config = TRITON
-    if precision == "mxfp8":
-        config = TRITON.replace(
-            precision="mxfp8", intermediate_size=32, shared_intermediate_size=32
-        )
+    config = in_mxfp8(TRITON) if precision == "mxfp8" else TRITON
     torch._dynamo.reset()
     eager = run_block(None, fuse=False, config=config)
     compiled = run_block("aot_eager", fuse=False, config=config)
