@@ -81,7 +81,7 @@ def group_casts(device) -> None:
         read_bytes = packed_bytes(cols) if packed else 2
         uses.append((name, a, asks, (read_bytes + write_bytes) * m * cols))
     default = dict(mx.GROUP_CAST_TILES)
-    for block_cols in (64, 256, 512):
+    for block_cols in (64, 128, 256, 512):
         for warps in (4, 8):
             for per_sm in (4,):
                 tile = {"block_cols": block_cols, "num_warps": warps, "programs_per_sm": per_sm}

@@ -218,15 +218,32 @@ def e4m3_values(codes):
 
 
 @triton.jit
+def mx_quantize_block_rows(tile, RCEIL: tl.constexpr):
+    """(e4m3 bytes [32, C], scale bytes [C]) of an fp32 tile of 32 rows cast as one block along
+    its rows per column: `mx_quantize_columns` of 32 rows, reducing a whole axis."""
+    amax, has_nan = _block_amax(tile, 0)
+    byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
+    scaled = tile * factor[None, :]
+    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
+    return e4m3_bytes(scaled), byte
+
+
+@triton.jit
+def mx_scale_factor(scale_bytes):
+    """2^(scale - 127) of e8m0 scale bytes (int32), NaN for 255: what a block's e4m3 values are
+    multiplied by."""
+    factor = _power_of_two(tl.minimum(scale_bytes, 254) - 127)
+    return tl.where(scale_bytes == 255, float("nan"), factor)
+
+
+@triton.jit
 def mx_dequantize_tile(codes, scale_bytes, ROWS: tl.constexpr, COLS: tl.constexpr):
     """The fp32 tile [ROWS, COLS] of e4m3 bytes `codes` (int32) x 2^(scale - 127) per block of 32
     along the columns (scale_bytes [ROWS, COLS // 32], int32; 255 is NaN): what an MX operand is
     before a bf16 MMA. Exact, and exactly representable in bf16 whenever the product is normal
     (`docs/mxfp8.md`), so rounding it to bf16 changes nothing there."""
     values = e4m3_values(codes).reshape(ROWS, COLS // 32, 32)
-    factor = _power_of_two(tl.minimum(scale_bytes, 254) - 127)
-    factor = tl.where(scale_bytes == 255, float("nan"), factor)
-    return (values * factor[:, :, None]).reshape(ROWS, COLS)
+    return (values * mx_scale_factor(scale_bytes)[:, :, None]).reshape(ROWS, COLS)
 
 
 @triton.jit
@@ -234,9 +251,7 @@ def mx_dequantize_columns(codes, scale_bytes, ROWS: tl.constexpr, COLS: tl.const
     """`mx_dequantize_tile` for blocks of 32 along the rows: codes [ROWS, COLS], scale_bytes
     [ROWS // 32, COLS] (an operand quantized along its first dimension)."""
     values = e4m3_values(codes).reshape(ROWS // 32, 32, COLS)
-    factor = _power_of_two(tl.minimum(scale_bytes, 254) - 127)
-    factor = tl.where(scale_bytes == 255, float("nan"), factor)
-    return (values * factor[:, None, :]).reshape(ROWS, COLS)
+    return (values * mx_scale_factor(scale_bytes)[:, None, :]).reshape(ROWS, COLS)
 
 
 @triton.jit
@@ -681,51 +696,54 @@ def _mx_group_cast_kernel(
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
         row = tl.load(table_ptr + capacity + task // c_tiles)
         row_end = tl.load(table_ptr + 2 * capacity + task // c_tiles)
-        r = row + tl.arange(0, BLOCK_ROWS)
         c = task % c_tiles * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         s = task % c_tiles * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
-        rows = r.to(tl.int64)[:, None]
-        mask = (r < row_end)[:, None] & (c < cols)[None, :]
-        s_mask = (r < row_end)[:, None] & (s < cols // 32)[None, :]
-        if MX_IN:
-            data = tl.load(a_ptr + rows * a_stride + c[None, :], mask=mask, other=0).to(tl.int32)
-            scales_at = a_ptr + rows * a_stride + cols + s[None, :]
-            scales = tl.load(scales_at, mask=s_mask, other=127).to(tl.int32)
-            tile = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
-        else:
-            tile = _load_fp32(a_ptr + rows * a_stride + c[None, :], mask, BF16_BITS)
-            if VALUES or CODES:
-                data, scales = mx_quantize_tile(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-        dense = rows * cols + c[None, :]
-        # The bytes are stored before the values: the other order miscompiles with Triton 3.6 on
-        # sm_90 (an H200 returned ~64 % of the values wrong; docs/notes/mxfp8-casts.md).
-        if CODES:
-            tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
-            scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
-            tl.store(scales_to, scales.to(tl.uint8), mask=s_mask)
-        if VALUES:
+        # One MX block of rows at a time: a block's reduction along the tokens is then a whole
+        # axis of the tile, with no reshape along the rows.
+        for block in tl.static_range(BLOCK_ROWS // 32):
+            r = row + block * 32 + tl.arange(0, 32)
+            rows = r.to(tl.int64)[:, None]
+            mask = (r < row_end)[:, None] & (c < cols)[None, :]
+            s_mask = (r < row_end)[:, None] & (s < cols // 32)[None, :]
             if MX_IN:
-                _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
+                data = tl.load(a_ptr + rows * a_stride + c[None, :], mask=mask, other=0)
+                scales_at = a_ptr + rows * a_stride + cols + s[None, :]
+                scales = tl.load(scales_at, mask=s_mask, other=127).to(tl.int32)
+                tile = mx_dequantize_tile(data.to(tl.int32), scales, 32, BLOCK_COLS)
             else:
-                values = mx_dequantize_tile(data, scales, BLOCK_ROWS, BLOCK_COLS)
-                _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
-        if TOKENS:
-            data_t, scales_t = mx_quantize_columns(tile, BLOCK_ROWS, BLOCK_COLS, RCEIL)
-            values_t = mx_dequantize_columns(data_t, scales_t, BLOCK_ROWS, BLOCK_COLS)
-            _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
+                tile = _load_fp32(a_ptr + rows * a_stride + c[None, :], mask, BF16_BITS)
+                if VALUES or CODES:
+                    data, scales = mx_quantize_tile(tile, 32, BLOCK_COLS, RCEIL)
+            dense = rows * cols + c[None, :]
+            # The bytes are stored before the values: the other order miscompiles with Triton
+            # 3.6 on sm_90 (an H200 returned ~64 % of the values wrong; docs/notes/mxfp8-casts.md).
+            if CODES:
+                tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
+                scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
+                tl.store(scales_to, scales.to(tl.uint8), mask=s_mask)
+            if VALUES:
+                if MX_IN:
+                    _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
+                else:
+                    values = mx_dequantize_tile(data, scales, 32, BLOCK_COLS)
+                    _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
+            if TOKENS:
+                data_t, scales_t = mx_quantize_block_rows(tile, RCEIL)
+                values_t = e4m3_values(data_t) * mx_scale_factor(scales_t)[None, :]
+                _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
 
 
 GROUP_ROWS = 64
 """Rows per tile of `mx_group_casts` (a multiple of 32): its `RowTiles` block_m."""
 GROUP_CAST_TILES = {
-    "from values": {"block_cols": 64, "programs_per_sm": 4, "num_warps": 4},
+    "from values": {"block_cols": 128, "programs_per_sm": 4, "num_warps": 4},
     "from bytes": {"block_cols": 256, "programs_per_sm": 4, "num_warps": 8},
     "from bytes, tokens": {"block_cols": 256, "programs_per_sm": 4, "num_warps": 4},
 }
 """Columns per tile, programs per SM and warps of `mx_group_casts` on GPUs, by what it reads
 (bf16 values, or packed MX bytes whose values it casts along the tokens or not). H200 sweep,
-`benchmarks/mx_casts.py`: 1.8-2.7 TB/s from values, 3.1 from bytes, 1.05 from bytes to tokens
-(that cast's 32-row reductions cross warps)."""
+`benchmarks/mx_casts.py` (2026-12-04): 2.0-2.5 TB/s from values, 3.0 from bytes, 1.15 from bytes
+to tokens (that cast's 32-row reductions cross warps)."""
 
 
 @dataclasses.dataclass(frozen=True)
