@@ -1,8 +1,9 @@
 """Bandwidth of the MXFP8 cast kernels by tile shape, on deepseek-v3's shapes at EP 1 (one GPU):
 the weights' two-layout cast ([64 experts x 2048, 7168] bf16 -> two bf16 value tensors), the
 row cast of x before its dispatch ([8192, 7168] -> packed MX rows), and the casts of the grouped
-rows (`mx_group_casts`, 65536 rows in 256 groups) in each of the layer's uses. Reads + writes per
-CUDA-event time, median of 5, random data.
+rows (`mx_group_casts`, 65536 rows in 256 groups) in each of the layer's uses: its tl kernel at
+its tiles, then its Gluon kernel at each register layout of a sweep, each checked bit for bit
+against the tl kernel first. Reads + writes per CUDA-event time, median of 5, random data.
 
     python benchmarks/mx_casts.py
 """
@@ -61,13 +62,42 @@ def weight_casts(device) -> None:
             print(f"| both layouts of a weight | {tile} | {warps} | {gbs:.0f} |")
 
 
+GLUON_LAYOUTS = {
+    # (vector, row lanes, blocks per thread): at most 64 values a thread.
+    "from values": [
+        (2, 1, 1),
+        (2, 2, 1),
+        (2, 2, 2),
+        (4, 2, 1),
+        (4, 4, 1),
+        (4, 4, 2),
+        (8, 4, 1),
+        (8, 8, 1),
+        (8, 8, 2),
+    ],
+    "from bytes": [
+        (4, 2, 1),
+        (4, 4, 1),
+        (4, 4, 2),
+        (8, 4, 1),
+        (8, 8, 1),
+        (8, 8, 2),
+        (16, 8, 1),
+        (16, 16, 1),
+        (16, 16, 2),
+    ],
+}
+
+
 def group_casts(device) -> None:
-    """Every use of `mx_group_casts` in the MX layer, at each tile of a small sweep."""
+    """Every use of `mx_group_casts` in the MX layer: the tl twin at its tiles, then the Gluon
+    kernel at each layout of a sweep (4 warps, 4 programs an SM), checked bit for bit against
+    the twin first."""
     m, groups = 65536, 256
     offsets = torch.linspace(0, m, groups + 1, device=device).to(torch.int32)
     tiles = row_tile_map(offsets, m, mx.GROUP_ROWS)
     packed_bytes = lambda cols: mx.MXRows.row_bytes(cols) / cols  # noqa: E731
-    uses = []
+    default = dict(mx.GLUON_GROUP_CAST_TILES)
     for name, cols, packed, asks, write_bytes in (
         ("grad out: along H + tokens", 7168, False, {"values": True, "token_values": True}, 4),
         ("SwiGLU grads: along I + tokens", 4096, False, {"values": True, "token_values": True}, 4),
@@ -79,23 +109,39 @@ def group_casts(device) -> None:
         values = torch.randn(m, cols, device=device).bfloat16()
         a = mx.mx_quantize_rows(values) if packed else values
         read_bytes = packed_bytes(cols) if packed else 2
-        uses.append((name, a, asks, (read_bytes + write_bytes) * m * cols))
-    default = dict(mx.GROUP_CAST_TILES)
-    for block_cols in (64, 128, 256, 512):
-        for warps in (4, 8):
-            for per_sm in (4,):
-                tile = {"block_cols": block_cols, "num_warps": warps, "programs_per_sm": per_sm}
-                mx.GROUP_CAST_TILES = dict.fromkeys(default, tile)
-                for name, a, asks, moved in uses:
-                    dtype = torch.bfloat16 if isinstance(a, mx.MXRows) else None
+        moved = (read_bytes + write_bytes) * m * cols
+        dtype = torch.bfloat16 if packed else None
+        reads = "from bytes" if packed else "from values"
+        tl_tiles = "from bytes, tokens" if packed and "token_values" in asks else reads
 
-                    def cast(a=a, asks=asks, d=dtype):
-                        return mx.mx_group_casts(a, tiles, **asks, dtype=d)
+        def cast(kernel, a=a, asks=asks, d=dtype):
+            return mx.mx_group_casts(a, tiles, **asks, dtype=d, kernel=kernel)
 
-                    ms = _ms(cast)
-                    label = f"64 x {block_cols}, {per_sm}/SM"
-                    print(f"| {name} | {label} | {warps} | {moved / ms / 1e6:.0f} |", flush=True)
-    mx.GROUP_CAST_TILES = default
+        twin = cast("tl")
+        ms = _ms(lambda: cast("tl"))
+        print(f"| {name} | tl | {mx.GROUP_CAST_TILES[tl_tiles]} | {moved / ms / 1e6:.0f} |")
+        for vector, row_lanes, per_thread in GLUON_LAYOUTS[reads]:
+            tile = {
+                "vector": vector,
+                "row_lanes": row_lanes,
+                "blocks_per_thread": per_thread,
+                "num_warps": 4,
+            }
+            mx.GLUON_GROUP_CAST_TILES = {**default, reads: tile}
+            ours = cast("gluon")
+            for field in ("values", "token_values"):
+                if getattr(twin, field) is not None:
+                    same = torch.equal(getattr(ours, field), getattr(twin, field))
+                    assert same, f"{name}: {field} differ from the twin's at {tile}"
+            if twin.codes is not None:
+                assert torch.equal(
+                    ours.codes.packed[:, : cols + cols // 32],
+                    twin.codes.packed[:, : cols + cols // 32],
+                )
+            ms = _ms(lambda: cast("gluon"))
+            layout = f"vector {vector}, {row_lanes} row lanes, {per_thread} block(s) a thread"
+            print(f"| {name} | gluon | {layout} | {moved / ms / 1e6:.0f} |", flush=True)
+        mx.GLUON_GROUP_CAST_TILES = default
 
 
 def main() -> None:
@@ -106,6 +152,7 @@ def main() -> None:
     ms = _ms(lambda: mx.mx_quantize_rows(x))
     moved = (2 + mx.MXRows.row_bytes(7168) / 7168) * x.numel()
     print(f"| x before the dispatch (packed rows) | 16 x 512 | 4 | {moved / ms / 1e6:.0f} |")
+    print("\n| grouped rows' cast | kernel | tile | GB/s |\n| --- | --- | --- | --- |")
     group_casts(device)
 
 

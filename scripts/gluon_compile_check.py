@@ -58,6 +58,7 @@ def compile_only(compiled: list):
     """Within: kernel launches compile and record (name, CompiledKernel) instead of running, with
     the persistent grid of an H200 (one program per SM)."""
     from mok.kernels import grouped_gemm as gg
+    from mok.kernels import mx
     from mok.kernels import warp_specialized as ws
 
     def warmup(self, grid):
@@ -74,6 +75,10 @@ def compile_only(compiled: list):
             mock.patch.object(JITFunction, "__getitem__", warmup),
             mock.patch.object(ws, "num_programs", lambda device, tasks, cfg: H200_SMS),
             mock.patch.object(gg, "num_programs", lambda device, tasks, cfg: H200_SMS),
+            mock.patch.object(mx, "num_programs", lambda device, tasks, cfg: H200_SMS),
+            mock.patch.object(
+                mx, "_group_cast_kernel_is_gluon", lambda kernel, device, token_values: True
+            ),
             mock.patch.object(gg, "use_scratch_allocator", lambda device: None),
             mock.patch.object(ws, "available", lambda device: True),
         ):
@@ -285,6 +290,35 @@ def cases():
         )
 
 
+def cast_cases():
+    """(label, callable) for the Gluon MXFP8 casts of grouped rows, in each use the MXFP8 layer
+    makes of them (`benchmarks/mx_casts.py` names them) and with fp32 values and FLOOR scales."""
+    from mok.kernels import mx
+    from mok.kernels.grouped_gemm import RowTiles
+
+    m, cols = 1024, 768
+    capacity = m // mx.GROUP_ROWS + 6
+    table = torch.zeros(3, capacity, dtype=torch.int32)
+    tiles = RowTiles(table, torch.zeros(2, dtype=torch.int32), capacity, mx.GROUP_ROWS)
+    values = torch.zeros(m, cols, dtype=torch.bfloat16)
+    packed = mx.MXRows.empty(m, cols, torch.device("cpu"))
+    bf16 = torch.bfloat16
+    uses = {
+        "values + tokens": (values, {"values": True, "token_values": True}),
+        "values + codes": (values, {"values": True, "codes": True}),
+        "codes": (values, {"codes": True}),
+        "fp32 values + tokens, FLOOR": (values.float(), {"values": True, "token_values": True}),
+        "values from bytes": (packed, {"values": True, "dtype": bf16}),
+        "tokens from bytes": (packed, {"token_values": True, "dtype": bf16}),
+    }
+    for label, (a, asks) in uses.items():
+        rounding = "floor" if "FLOOR" in label else "rceil"
+        yield (
+            f"gluon cast {label}",
+            lambda a=a, k=asks, r=rounding: mx.mx_group_casts(a, tiles, r, **k),
+        )
+
+
 def tl_cases():
     """(label, callable) for tl kernels that run on Hopper: gpt-oss's products where its weights
     are not rows the Gluon kernels read, the bias gradients, the claiming twins, and the
@@ -367,7 +401,7 @@ def main(argv=None) -> int:
     print(f"triton {triton.__version__}, sm_90a")
     print("| kernel | registers | spill bytes | shared bytes |")
     print("| --- | --- | --- | --- |")
-    for label, launch in [*cases(), *tl_cases()]:
+    for label, launch in [*cases(), *cast_cases(), *tl_cases()]:
         if args.cases and not re.search(args.cases, label):
             continue
         compiled = []

@@ -1,4 +1,5 @@
-"""The warp-specialized Gluon kernels compile for Hopper on a machine with no GPU.
+"""The Gluon kernels (the warp-specialized products, the MXFP8 casts of grouped rows) compile for
+Hopper on a machine with no GPU.
 
 `scripts/gluon_compile_check.py` runs in its own process (it replaces Triton's active driver),
 compiles each Gluon kernel variant the layer launches to PTX for sm_90a with the installed Triton
@@ -42,6 +43,9 @@ KNOWN_SPILL_BYTES = {
     "gate_up_swiglu waiting, claiming 64x128": 64,
     "gate_up_swiglu waiting, claiming 128x128 cooperative": 64,
     "gate_up_swiglu gather, claiming 128x128 cooperative": 16,
+    # Triton 3.8 only (none under 3.6): the cast to packed bytes alone, a use that "auto" leaves
+    # to the tl twin.
+    "gluon cast codes": 16,
 }
 
 
@@ -67,7 +71,12 @@ def test_every_gluon_kernel_compiles_for_hopper_within_its_resources(tmp_path):
     assert any("claiming" in label for label in labels)
     assert any("scatter" in label for label in labels)
     assert any(label.startswith("wgrad") for label in labels)
+    assert any(label.startswith("gluon cast") for label in labels)
     for row in rows:
-        assert 0 < row["shared"] <= 232448, row
+        if row["label"].startswith("gluon cast"):
+            # No shared memory; 4 programs of 4 warps an SM need at most 128 registers a thread.
+            assert row["shared"] == 0 and row["registers"] <= 128, row
+        else:
+            assert 0 < row["shared"] <= 232448, row
         assert row["registers"] <= ws.MAX_REGISTERS, row
         assert row["spill_bytes"] <= KNOWN_SPILL_BYTES.get(row["label"], 0), row

@@ -35,6 +35,9 @@ from mok.reference import mx
 from mok.reference.mx_expert import quantized_rows
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+GROUP_CAST_KERNELS = ["gluon", "tl"] if DEVICE.type == "cuda" else ["auto"]
+"""`mx_group_casts`' kernels to hold to the reference: on GPUs the Gluon kernel and its tl twin,
+under the interpreter the twin alone."""
 
 
 def check(x: torch.Tensor, dim: int, rounding: str) -> None:
@@ -257,9 +260,10 @@ def group_rows(offsets: torch.Tensor, sizes: list[int]):
         start += size
 
 
+@pytest.mark.parametrize("kernel", GROUP_CAST_KERNELS)
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_cast_of_the_groups_from_one_pass(rounding, dtype):
+def test_every_cast_of_the_groups_from_one_pass(rounding, dtype, kernel):
     """`mx_group_casts` from values: along C (values and packed bytes) and Q_T per expert group
     (blocks of 32 rows from each group's first, zero-padded), all from one pass; groups that
     start mid-tensor, one shorter than a block, an empty one, a partial last tile, NaN rows
@@ -267,7 +271,9 @@ def test_every_cast_of_the_groups_from_one_pass(rounding, dtype):
     the next group or the rows outside the groups, the two casts swapped."""
     x, sizes, offsets = groups_with_padding(dtype)
     tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
-    cast = mx_group_casts(x.to(DEVICE), tiles, rounding, values=True, codes=True, token_values=True)
+    cast = mx_group_casts(
+        x.to(DEVICE), tiles, rounding, values=True, codes=True, token_values=True, kernel=kernel
+    )
     along_c = reference_values(x, -1, rounding, dtype)
     for rows in group_rows(offsets, sizes):
         if rows.stop > rows.start:
@@ -279,7 +285,7 @@ def test_every_cast_of_the_groups_from_one_pass(rounding, dtype):
     # Each output alone and the pairs the layer asks for: the same bits. (Values stored before
     # the bytes in one kernel came out wrong on an H200 with Triton 3.6: this pins the fix.)
     for asks in ({"token_values": True}, {"values": True, "codes": True}, {"codes": True}):
-        alone = mx_group_casts(x.to(DEVICE), tiles, rounding, **asks)
+        alone = mx_group_casts(x.to(DEVICE), tiles, rounding, **asks, kernel=kernel)
         for name in ("values", "token_values"):
             got = getattr(alone, name)
             assert (got is None) == (name not in asks)
@@ -291,16 +297,19 @@ def test_every_cast_of_the_groups_from_one_pass(rounding, dtype):
             assert torch.equal(ours.scales, theirs.scales)
 
 
+@pytest.mark.parametrize("kernel", GROUP_CAST_KERNELS)
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_casts_of_packed_rows(rounding, dtype):
+def test_casts_of_packed_rows(rounding, dtype, kernel):
     """`mx_group_casts` of `MXRows` (x and h as the layer saves them): the values along C are
     the dequantized bytes, Q_T casts those values again. Catches scales read from the wrong
     offset of a packed row, a second cast skipped."""
     x, sizes, offsets = groups_with_padding(dtype)
     tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
     packed = mx_quantize_rows(x.to(DEVICE), rounding)
-    cast = mx_group_casts(packed, tiles, rounding, values=True, token_values=True, dtype=dtype)
+    cast = mx_group_casts(
+        packed, tiles, rounding, values=True, token_values=True, dtype=dtype, kernel=kernel
+    )
     dequantized = mx.dequantize(*mx.quantize(x, dim=-1, rounding=rounding), dim=-1)
     for rows in group_rows(offsets, sizes):
         if rows.stop > rows.start:
@@ -309,3 +318,54 @@ def test_casts_of_packed_rows(rounding, dtype):
             assert_same_values(cast.token_values[rows].cpu(), want)
     with pytest.raises(ValueError, match="dtype"):
         mx_group_casts(packed, tiles, rounding, values=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cols", [224, 2048])
+def test_gluon_group_casts_equal_their_tl_twin(cols):
+    """The Gluon kernel of `mx_group_casts` against its tl twin, bit for bit, in every use the
+    MXFP8 layer makes of it, on random rows with a few special values, ragged groups (one of 7
+    rows, an empty one, a long one) and column counts that end in a partial column tile of
+    both kernels (7 blocks) or fill many (64). Catches a block's reduction over the wrong lanes,
+    a column tile's blocks misnumbered, scales stored beside the wrong row, a mask that lets a
+    partial tile write past C or past the group."""
+    generator = torch.Generator().manual_seed(cols)
+    sizes = [7, 0, 300, 65, 131]
+    m = sum(sizes) + 20
+    x = torch.randn(m, cols, generator=generator) * torch.logspace(-30, 30, cols, base=2.0)
+    x[5, 3], x[100, 200 % cols], x[250, 31] = float("nan"), float("inf"), 0.0
+    x = x.bfloat16().to(DEVICE)
+    offsets = (torch.tensor([0, *sizes]).cumsum(0) + 9).to(torch.int32).to(DEVICE)
+    tiles = row_tile_map(offsets, m, GROUP_ROWS)
+    packed = mx_quantize_rows(x)
+    inside = slice(int(offsets[0]), int(offsets[-1]))
+    for rounding in ("rceil", "floor"):
+        for a, asks in (
+            (x, {"values": True, "token_values": True}),
+            (x, {"values": True, "codes": True}),
+            (x, {"codes": True}),
+            (x.float(), {"values": True, "token_values": True}),
+            (packed, {"values": True, "dtype": torch.bfloat16}),
+            (packed, {"token_values": True, "dtype": torch.bfloat16}),
+        ):
+            gluon = mx_group_casts(a, tiles, rounding, **asks, kernel="gluon")
+            twin = mx_group_casts(a, tiles, rounding, **asks, kernel="tl")
+            for name in ("values", "token_values"):
+                if getattr(twin, name) is not None:
+                    ours, theirs = getattr(gluon, name)[inside], getattr(twin, name)[inside]
+                    assert_same_values(ours.cpu(), theirs.cpu())
+            if twin.codes is not None:
+                ours, theirs = gluon.codes[inside], twin.codes[inside]
+                assert torch.equal(ours.codes.view(torch.uint8), theirs.codes.view(torch.uint8))
+                assert torch.equal(ours.scales, theirs.scales)
+
+
+def test_group_casts_name_their_kernel():
+    """A misspelt kernel, or the Gluon kernel where it cannot run, is a clear error."""
+    x, sizes, offsets = groups_with_padding(torch.bfloat16)
+    tiles = row_tile_map(offsets, x.shape[0], GROUP_ROWS)
+    with pytest.raises(ValueError, match="'auto', 'tl' or 'gluon'"):
+        mx_group_casts(x.to(DEVICE), tiles, values=True, kernel="triton")
+    if DEVICE.type != "cuda":
+        with pytest.raises(ValueError, match="Gluon cast kernel needs"):
+            mx_group_casts(x, tiles, values=True, kernel="gluon")

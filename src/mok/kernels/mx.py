@@ -16,6 +16,8 @@ import dataclasses
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
@@ -167,6 +169,16 @@ def e4m3_bytes(values):
 
 
 @triton.jit
+def e4m3_saturated_bytes(scaled):
+    """`e4m3_bytes` of fp32 values clamped to [-448, 448] first, NaN kept: a scaled block's
+    codes (under FLOOR's scale a block's largest magnitudes reach up to 512)."""
+    clamped = tl.minimum(
+        tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL
+    )
+    return e4m3_bytes(clamped)
+
+
+@triton.jit
 def _block_amax(blocks, axis: tl.constexpr):
     """(largest magnitude, whether any element is NaN) of fp32 blocks along `axis`, from one
     integer reduction: |x|'s bits order as |x| does, and every NaN's lie above infinity's."""
@@ -183,8 +195,7 @@ def mx_quantize_tile(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.con
     amax, has_nan = _block_amax(blocks, 2)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
     scaled = blocks * factor[:, :, None]
-    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
-    return e4m3_bytes(scaled).reshape(ROWS, COLS), byte
+    return e4m3_saturated_bytes(scaled).reshape(ROWS, COLS), byte
 
 
 @triton.jit
@@ -195,8 +206,7 @@ def mx_quantize_columns(tile, ROWS: tl.constexpr, COLS: tl.constexpr, RCEIL: tl.
     amax, has_nan = _block_amax(blocks, 1)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
     scaled = blocks * factor[:, None, :]
-    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
-    return e4m3_bytes(scaled).reshape(ROWS, COLS), byte
+    return e4m3_saturated_bytes(scaled).reshape(ROWS, COLS), byte
 
 
 @triton.jit
@@ -224,8 +234,7 @@ def mx_quantize_block_rows(tile, RCEIL: tl.constexpr):
     amax, has_nan = _block_amax(tile, 0)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
     scaled = tile * factor[None, :]
-    scaled = tl.minimum(tl.maximum(scaled, -448.0, tl.PropagateNan.ALL), 448.0, tl.PropagateNan.ALL)
-    return e4m3_bytes(scaled), byte
+    return e4m3_saturated_bytes(scaled), byte
 
 
 @triton.jit
@@ -733,6 +742,111 @@ def _mx_group_cast_kernel(
                 _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
 
 
+@gluon.constexpr_function
+def group_cast_layout(vector, row_lanes, blocks_per_thread, warps):
+    """Registers of the Gluon cast's [32 rows, blocks, 32 columns] tile: each thread holds
+    `vector` consecutive columns (one load or store instruction) of 32 / row_lanes rows in each
+    of its blocks, so that a block's reduction along the rows is mostly inside a thread and
+    crosses row_lanes lanes of one warp, and the one along the columns crosses 32 / vector lanes;
+    a warp's other lanes and the warps take further blocks of 32 columns."""
+    col_lanes = 32 // vector
+    block_lanes = 32 // (row_lanes * col_lanes)
+    return gl.BlockedLayout(
+        [32 // row_lanes, blocks_per_thread, vector],
+        [row_lanes, block_lanes, col_lanes],
+        [1, warps, 1],
+        [2, 1, 0],
+    )
+
+
+@gluon.constexpr_function
+def group_cast_blocks(vector, row_lanes, blocks_per_thread, warps):
+    """Blocks of 32 columns in one tile of `group_cast_layout`."""
+    return blocks_per_thread * 32 // (row_lanes * (32 // vector)) * warps
+
+
+@fast_launch
+@gluon.jit(do_not_specialize=["capacity"])
+def _mx_group_cast_gluon_kernel(
+    a_ptr,
+    a_stride,
+    values_ptr,
+    codes_ptr,
+    codes_stride,
+    tokens_ptr,
+    table_ptr,
+    counts_ptr,
+    capacity,
+    cols,
+    RCEIL: gl.constexpr,
+    BF16_BITS: gl.constexpr,
+    MX_IN: gl.constexpr,
+    VALUES: gl.constexpr,
+    CODES: gl.constexpr,
+    TOKENS: gl.constexpr,
+    OUT_BF16_BITS: gl.constexpr,
+    BLOCK_ROWS: gl.constexpr,
+    VECTOR: gl.constexpr,
+    ROW_LANES: gl.constexpr,
+    BLOCKS_PER_THREAD: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+):
+    """`_mx_group_cast_kernel` (its twin: the same arguments, bit for bit the same results) with
+    an explicit register layout (`group_cast_layout`): a tile is [32 rows, blocks, 32 columns],
+    so both casts reduce along an axis of their own without a reshape, and the cast along the
+    rows stays inside a warp, where the tl kernel's crosses warps through shared memory."""
+    layout: gl.constexpr = group_cast_layout(VECTOR, ROW_LANES, BLOCKS_PER_THREAD, gl.num_warps())
+    blocks_layout: gl.constexpr = gl.SliceLayout(2, layout)  # [rows, blocks]: scales along C
+    BLOCKS: gl.constexpr = group_cast_blocks(VECTOR, ROW_LANES, BLOCKS_PER_THREAD, gl.num_warps())
+    col_blocks = cols // 32
+    c_tiles = (col_blocks + BLOCKS - 1) // BLOCKS
+    num_tasks = gl.load(counts_ptr) * c_tiles
+    j = gl.arange(0, 32, gl.SliceLayout(0, gl.SliceLayout(1, layout)))[None, None, :]
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        row = gl.load(table_ptr + capacity + task // c_tiles)
+        row_end = gl.load(table_ptr + 2 * capacity + task // c_tiles)
+        b = task % c_tiles * BLOCKS + gl.arange(0, BLOCKS, gl.SliceLayout(0, blocks_layout))
+        for half in gl.static_range(BLOCK_ROWS // 32):
+            r = row + half * 32 + gl.arange(0, 32, gl.SliceLayout(1, blocks_layout))
+            rows = r.to(gl.int64)[:, None]
+            s_mask = (r < row_end)[:, None] & (b < col_blocks)[None, :]
+            mask = s_mask[:, :, None] & (j < 32)
+            c = b[None, :, None] * 32 + j
+            if MX_IN:
+                data = gl.load(a_ptr + rows[:, :, None] * a_stride + c, mask=mask, other=0)
+                scales = gl.load(
+                    a_ptr + rows * a_stride + cols + b[None, :], mask=s_mask, other=127
+                )
+                factor = mx_scale_factor(scales.to(gl.int32))
+                tile = e4m3_values(data.to(gl.int32)) * factor[:, :, None]
+            else:
+                tile = _load_fp32(a_ptr + rows[:, :, None] * a_stride + c, mask, BF16_BITS)
+                if VALUES or CODES:
+                    amax, has_nan = _block_amax(tile, 2)
+                    scales, factor = mx_scale_bytes(amax, has_nan, RCEIL)
+                    data = e4m3_saturated_bytes(tile * factor[:, :, None])
+            dense = rows[:, :, None] * cols + c
+            # Bytes before values, as in the twin (the other order miscompiled there).
+            if CODES:
+                gl.store(
+                    codes_ptr + rows[:, :, None] * codes_stride + c, data.to(gl.uint8), mask=mask
+                )
+                scales_to = codes_ptr + rows * codes_stride + cols + b[None, :]
+                gl.store(scales_to, scales.to(gl.uint8), mask=s_mask)
+            if VALUES:
+                if MX_IN:
+                    _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
+                else:
+                    values = e4m3_values(data) * mx_scale_factor(scales)[:, :, None]
+                    _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
+            if TOKENS:
+                amax_t, has_nan_t = _block_amax(tile, 0)
+                scales_t, factor_t = mx_scale_bytes(amax_t, has_nan_t, RCEIL)
+                data_t = e4m3_saturated_bytes(tile * factor_t[None, :, :])
+                values_t = e4m3_values(data_t) * mx_scale_factor(scales_t)[None, :, :]
+                _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
+
+
 GROUP_ROWS = 64
 """Rows per tile of `mx_group_casts` (a multiple of 32): its `RowTiles` block_m."""
 GROUP_CAST_TILES = {
@@ -744,6 +858,16 @@ GROUP_CAST_TILES = {
 (bf16 values, or packed MX bytes whose values it casts along the tokens or not). H200 sweep,
 `benchmarks/mx_casts.py` (2026-12-04): 2.0-2.5 TB/s from values, 3.0 from bytes, 1.15 from bytes
 to tokens (that cast's 32-row reductions cross warps)."""
+
+
+GLUON_GROUP_CAST_TILES = {
+    "from values": {"vector": 8, "row_lanes": 8, "blocks_per_thread": 1, "num_warps": 4},
+    "from bytes": {"vector": 8, "row_lanes": 4, "blocks_per_thread": 1, "num_warps": 4},
+}
+"""The Gluon kernel's layout (`group_cast_layout`) and warps by what it reads; 4 programs an SM.
+H200 sweep (`benchmarks/mx_casts.py`, 2026-12-04, 9 layouts each): with the cast along the rows,
+2.0-2.2 TB/s from values (tl 1.9) and 1.9 from bytes (tl 1.15); the casts along C alone run
+as fast or faster in tl (2.2-2.8 TB/s), so "auto" takes the Gluon kernel only for the first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,6 +892,7 @@ def mx_group_casts(
     codes: bool = False,
     token_values: bool = False,
     dtype: torch.dtype | None = None,
+    kernel: str = "auto",
 ) -> GroupCasts:
     """The MXFP8 casts of the expert groups' rows of a [M, C] asked for, from one read of a:
     along C (`values`, `codes`: `mok.reference.mx.quantize` along the last dimension), and along
@@ -776,7 +901,10 @@ def mx_group_casts(
     unit last stride, or `MXRows` (an MX tensor cast along C, whose values are exact: `values`
     then dequantizes, `token_values` casts them again). Values come in a's dtype (`dtype` for
     `MXRows`). tiles: `grouped_gemm.row_tile_map(offsets, M, GROUP_ROWS)`; only rows inside
-    the groups are read or written. Never synchronizes with the host."""
+    the groups are read or written. kernel: "gluon" (Hopper and later), "tl", or "auto" (the
+    Gluon kernel where it runs and `token_values` is asked for, the tl twin otherwise); the
+    results are the same bit for bit.
+    Never synchronizes with the host."""
     mx_in = isinstance(a, MXRows)
     if mx_in and (codes or dtype is None):
         raise ValueError("mx_group_casts of MXRows: no codes (they are a's), and a dtype is due")
@@ -792,48 +920,82 @@ def mx_group_casts(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"MX values are stored as float32 or bfloat16, not {dtype}")
     device = source.device
+    gluon_kernel = _group_cast_kernel_is_gluon(kernel, device, token_values)
     out_values = torch.empty(rows, cols, dtype=dtype, device=device) if values else None
     out_codes = MXRows.empty(rows, cols, device) if codes else None
     out_tokens = torch.empty(rows, cols, dtype=dtype, device=device) if token_values else None
-    if rows and (values or codes or token_values):
-        tile = GROUP_CAST_TILES["from values"]
-        if mx_in:
-            tile = GROUP_CAST_TILES["from bytes, tokens" if token_values else "from bytes"]
-        if device.type != "cuda":
-            tile = {"block_cols": 64, "num_warps": 4}
-        cfg = GemmTiles(
-            GROUP_ROWS,
-            tile["block_cols"],
-            32,
-            num_warps=tile["num_warps"],
-            programs_per_sm=tile.get("programs_per_sm", 1),
+    if not rows or not (values or codes or token_values):
+        return GroupCasts(out_values, out_codes, out_tokens)
+    unused = tiles.table  # pointer arguments of outputs not asked for are never touched
+    bf16 = source.dtype == torch.bfloat16
+    args = (
+        source.view(torch.int16) if bf16 else source,
+        source.stride(0),
+        _values_arg(out_values)[0] if values else unused,
+        out_codes.packed if codes else unused,
+        out_codes.packed.stride(0) if codes else 0,
+        _values_arg(out_tokens)[0] if token_values else unused,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        cols,
+    )
+    flags = {
+        "RCEIL": ScaleRounding(rounding) is ScaleRounding.RCEIL,
+        "BF16_BITS": bf16,
+        "MX_IN": mx_in,
+        "VALUES": values,
+        "CODES": codes,
+        "TOKENS": token_values,
+        "OUT_BF16_BITS": dtype == torch.bfloat16,
+        "BLOCK_ROWS": GROUP_ROWS,
+    }
+    if gluon_kernel:
+        tile = GLUON_GROUP_CAST_TILES["from bytes" if mx_in else "from values"]
+        blocks = group_cast_blocks(
+            tile["vector"], tile["row_lanes"], tile["blocks_per_thread"], tile["num_warps"]
         )
+        cfg = GemmTiles(GROUP_ROWS, blocks * BLOCK, 32, programs_per_sm=4)
         programs = num_programs(device, tiles.capacity * triton.cdiv(cols, cfg.block_n), cfg)
-        unused = tiles.table  # pointer arguments of outputs not asked for are never touched
-        values_arg = _values_arg(out_values)[0] if values else unused
-        tokens_arg = _values_arg(out_tokens)[0] if token_values else unused
-        bf16 = source.dtype == torch.bfloat16
-        _mx_group_cast_kernel[(programs,)](
-            source.view(torch.int16) if bf16 else source,
-            source.stride(0),
-            values_arg,
-            out_codes.packed if codes else unused,
-            out_codes.packed.stride(0) if codes else 0,
-            tokens_arg,
-            tiles.table,
-            tiles.counts,
-            tiles.capacity,
-            cols,
-            RCEIL=ScaleRounding(rounding) is ScaleRounding.RCEIL,
-            BF16_BITS=bf16,
-            MX_IN=mx_in,
-            VALUES=values,
-            CODES=codes,
-            TOKENS=token_values,
-            OUT_BF16_BITS=dtype == torch.bfloat16,
-            BLOCK_ROWS=GROUP_ROWS,
-            BLOCK_COLS=cfg.block_n,
+        _mx_group_cast_gluon_kernel[(programs,)](
+            *args,
+            **flags,
+            VECTOR=tile["vector"],
+            ROW_LANES=tile["row_lanes"],
+            BLOCKS_PER_THREAD=tile["blocks_per_thread"],
             NUM_PROGRAMS=programs,
-            num_warps=cfg.num_warps,
+            num_warps=tile["num_warps"],
         )
+        return GroupCasts(out_values, out_codes, out_tokens)
+    reads = "from values"
+    if mx_in:
+        reads = "from bytes, tokens" if token_values else "from bytes"
+    tile = GROUP_CAST_TILES[reads] if device.type == "cuda" else {"block_cols": 64, "num_warps": 4}
+    cfg = GemmTiles(
+        GROUP_ROWS,
+        tile["block_cols"],
+        32,
+        num_warps=tile["num_warps"],
+        programs_per_sm=tile.get("programs_per_sm", 1),
+    )
+    programs = num_programs(device, tiles.capacity * triton.cdiv(cols, cfg.block_n), cfg)
+    _mx_group_cast_kernel[(programs,)](
+        *args,
+        **flags,
+        BLOCK_COLS=cfg.block_n,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+    )
     return GroupCasts(out_values, out_codes, out_tokens)
+
+
+def _group_cast_kernel_is_gluon(kernel: str, device: torch.device, token_values: bool) -> bool:
+    """Whether `mx_group_casts` runs its Gluon kernel on `device` (`kernel` as it takes it): under
+    "auto", on Hopper and later GPUs where a cast along the rows is asked for."""
+    if kernel not in ("auto", "tl", "gluon"):
+        raise ValueError(f"mx_group_casts' kernel is 'auto', 'tl' or 'gluon', not {kernel!r}")
+    runs = device.type == "cuda" and not interpreting()
+    runs = runs and torch.cuda.get_device_capability(device) >= (9, 0)
+    if kernel == "gluon" and not runs:
+        raise ValueError(f"the Gluon cast kernel needs a Hopper or later GPU, not {device}")
+    return kernel == "gluon" or (kernel == "auto" and runs and token_values)
