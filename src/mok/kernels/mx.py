@@ -228,13 +228,19 @@ def e4m3_values(codes):
 
 
 @triton.jit
-def mx_quantize_block_rows(tile, RCEIL: tl.constexpr):
-    """(e4m3 bytes [32, C], scale bytes [C]) of an fp32 tile of 32 rows cast as one block along
-    its rows per column: `mx_quantize_columns` of 32 rows, reducing a whole axis."""
-    amax, has_nan = _block_amax(tile, 0)
+def mx_quantize_along(tile, AXIS: tl.constexpr, RCEIL: tl.constexpr):
+    """(e4m3 bytes of tile's shape, scale bytes of its shape without AXIS) of an fp32 tile whose
+    AXIS is one block of 32: each line along AXIS cast as one MX block. No reshape, so that a
+    caller's layout (a Gluon one too) decides which threads a block's reduction crosses."""
+    amax, has_nan = _block_amax(tile, AXIS)
     byte, factor = mx_scale_bytes(amax, has_nan, RCEIL)
-    scaled = tile * factor[None, :]
-    return e4m3_saturated_bytes(scaled), byte
+    return e4m3_saturated_bytes(tile * tl.expand_dims(factor, AXIS)), byte
+
+
+@triton.jit
+def mx_dequantize_along(codes, scale_bytes, AXIS: tl.constexpr):
+    """The fp32 values of `mx_quantize_along`'s (codes, scale bytes) along AXIS."""
+    return e4m3_values(codes) * tl.expand_dims(mx_scale_factor(scale_bytes), AXIS)
 
 
 @triton.jit
@@ -737,8 +743,8 @@ def _mx_group_cast_kernel(
                     values = mx_dequantize_tile(data, scales, 32, BLOCK_COLS)
                     _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
             if TOKENS:
-                data_t, scales_t = mx_quantize_block_rows(tile, RCEIL)
-                values_t = e4m3_values(data_t) * mx_scale_factor(scales_t)[None, :]
+                data_t, scales_t = mx_quantize_along(tile, 0, RCEIL)
+                values_t = mx_dequantize_along(data_t, scales_t, 0)
                 _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
 
 
@@ -817,14 +823,11 @@ def _mx_group_cast_gluon_kernel(
                 scales = gl.load(
                     a_ptr + rows * a_stride + cols + b[None, :], mask=s_mask, other=127
                 )
-                factor = mx_scale_factor(scales.to(gl.int32))
-                tile = e4m3_values(data.to(gl.int32)) * factor[:, :, None]
+                tile = mx_dequantize_along(data.to(gl.int32), scales.to(gl.int32), 2)
             else:
                 tile = _load_fp32(a_ptr + rows[:, :, None] * a_stride + c, mask, BF16_BITS)
                 if VALUES or CODES:
-                    amax, has_nan = _block_amax(tile, 2)
-                    scales, factor = mx_scale_bytes(amax, has_nan, RCEIL)
-                    data = e4m3_saturated_bytes(tile * factor[:, :, None])
+                    data, scales = mx_quantize_along(tile, 2, RCEIL)
             dense = rows[:, :, None] * cols + c
             # Bytes before values, as in the twin (the other order miscompiled there).
             if CODES:
@@ -837,13 +840,11 @@ def _mx_group_cast_gluon_kernel(
                 if MX_IN:
                     _store_values(values_ptr, dense, tile, mask, OUT_BF16_BITS)
                 else:
-                    values = e4m3_values(data) * mx_scale_factor(scales)[:, :, None]
+                    values = mx_dequantize_along(data, scales, 2)
                     _store_values(values_ptr, dense, values, mask, OUT_BF16_BITS)
             if TOKENS:
-                amax_t, has_nan_t = _block_amax(tile, 0)
-                scales_t, factor_t = mx_scale_bytes(amax_t, has_nan_t, RCEIL)
-                data_t = e4m3_saturated_bytes(tile * factor_t[None, :, :])
-                values_t = e4m3_values(data_t) * mx_scale_factor(scales_t)[None, :, :]
+                data_t, scales_t = mx_quantize_along(tile, 0, RCEIL)
+                values_t = mx_dequantize_along(data_t, scales_t, 0)
                 _store_values(tokens_ptr, dense, values_t, mask, OUT_BF16_BITS)
 
 
