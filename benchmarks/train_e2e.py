@@ -24,14 +24,17 @@ with gradient accumulation left to autograd.
 weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
 experts, which a training run that balances its experts does not.
 Reported per implementation: the loss at every step (the mean over the ranks) and the largest
-difference from the first implementation's, rank 0's median step time (after --warmup steps)
-with its min-max, tokens/s of all ranks and its ratio to the first implementation, and peak
-memory on GPUs. With --out: train-e2e.md, .json and .png (loss and step time per step).
+difference from the first implementation's (and which runs match it bit for bit: with
+--deterministic and an implementation named twice, whether training repeats exactly), rank 0's
+median step time (after --warmup steps) with its min-max, tokens/s of all ranks and its ratio to
+the first implementation, and peak memory on GPUs. With --out: train-e2e.md, .json and .png
+(loss and step time per step).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import gc
@@ -415,9 +418,11 @@ def train_titan(args) -> dict:
                 f"--framework torchtitan runs torchtitan and {', '.join(MOK_VARIANTS)}, "
                 f"not {implementation}"
             )
-        results[implementation] = train(model.to(device), args, device, label=implementation)
+        name = run_name(results, implementation)
+        with deterministic_algorithms(args.deterministic):
+            results[name] = train(model.to(device), args, device, label=name)
         del model
-        results[implementation]["left_gib"] = memory_left(device)
+        results[name]["left_gib"] = memory_left(device)
     return results
 
 
@@ -445,10 +450,39 @@ def train_rank(rank: int, world: int, args) -> dict:
         if group is not None:
             mok_transformers.shard_experts(model, group, args.batch * args.seq)
         model.to(device).set_experts_implementation(transformers_implementation(implementation))
-        results[implementation] = train(model, args, device, rank, world, group, implementation)
+        name = run_name(results, implementation)
+        with deterministic_algorithms(args.deterministic):
+            results[name] = train(model, args, device, rank, world, group, name)
         del model
-        results[implementation]["left_gib"] = memory_left(device)
+        results[name]["left_gib"] = memory_left(device)
     return results
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """Within, if enabled: `torch.use_deterministic_algorithms` (warn only: an op with no
+    deterministic implementation warns instead of failing the run) and cuBLAS's deterministic
+    workspace; both as before afterwards."""
+    if not enabled:
+        yield
+        return
+    previous = torch.are_deterministic_algorithms_enabled()
+    previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous, warn_only=previous_warn_only)
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
+
+
+def run_name(results: dict, implementation: str) -> str:
+    """The implementation's name in the results, numbered from its second run on ("mok #2")."""
+    runs = 1 + sum(name.split(" #")[0] == implementation for name in results)
+    return implementation if runs == 1 else f"{implementation} #{runs}"
 
 
 def memory_left(device: torch.device) -> float | None:
@@ -487,6 +521,7 @@ def run(args) -> dict:
             abs(a - b) for a, b in zip(result["losses"], first["losses"], strict=True)
         )
         result["speedup"] = result["tokens_per_s"] / first["tokens_per_s"]
+        result["same_losses_as_first"] = result["losses"] == first["losses"]
     return results
 
 
@@ -507,7 +542,8 @@ def markdown(args, results, header) -> str:
         f"{args.seq} tokens a rank, {args.accumulate} micro-batch(es) a step; "
         f"{args.steps} steps (timing after {args.warmup}); AdamW ({args.optimizer}) lr {args.lr}; "
         f"{args.weights} weights; "
-        f"torch.compile: {args.compile}; routing: {args.routing}",
+        f"torch.compile: {args.compile}; routing: {args.routing}; "
+        f"deterministic algorithms: {'on' if args.deterministic else 'off'}",
         "",
         "| experts | final loss | max loss diff vs first | step ms median (min-max) | tokens/s "
         "| speedup | peak GiB | expert load max / mean, per layer (last batch) |",
@@ -521,6 +557,10 @@ def markdown(args, results, header) -> str:
             f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
             f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} | {load} |"
         )
+    first = next(iter(results))
+    same = [name for name in list(results)[1:] if results[name]["same_losses_as_first"]]
+    if len(results) > 1:
+        lines += ["", f"Losses bit for bit those of {first}: {', '.join(same) or 'none'}"]
     left = [(name, r.get("left_gib")) for name, r in results.items()]
     if any(value is not None for _, value in left):
         held = ", ".join(f"{name} {value:.2f}" for name, value in left if value is not None)
@@ -608,6 +648,13 @@ def build_parser() -> argparse.ArgumentParser:
         "TorchTitan default to) or foreach (a kernel per operation over lists of parameters)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="train under torch.use_deterministic_algorithms (warn only) with cuBLAS's "
+        "deterministic workspace: with an implementation named twice (--implementations "
+        "mok,mok), whether two runs give the same losses bit for bit",
+    )
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
     parser.add_argument(
         "--ep", type=int, default=1, help="expert-parallel ranks (one per GPU, or gloo CPU ranks)"
@@ -615,7 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--implementations",
         default=None,
-        help="experts implementations, the first the reference of the ratios (default: the "
+        help="experts implementations, the first the reference of the ratios; one named twice "
+        "runs twice (the second reported as NAME #2) (default: the "
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
         "mok-mxfp8: mok with the routed experts in MXFP8 (mok-mxfp8-keep: their weights' "
         "casts kept between steps); mok-unfused: mok with the micro-batches' weight gradients "

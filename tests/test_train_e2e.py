@@ -307,3 +307,24 @@ def test_optimizer_is_the_named_adamw(script, implementation):
     assert script.build_parser().parse_args([]).optimizer == "fused"
     header = {"date": "d", "commit": "c", "machine": "m", "command": "x"}
     assert f"AdamW ({implementation})" in script.markdown(args, {}, header)
+
+
+def test_an_implementation_named_twice_runs_twice_and_repeats_exactly(script, tmp_path):
+    """`--implementations mok,mok --deterministic`: two runs, the second reported as "mok #2",
+    with the same losses bit for bit (the CPU is deterministic anyway: this catches the second
+    run overwriting the first, a run that does not start from the same weights and batches, and
+    the deterministic mode leaking out of the script)."""
+    import torch
+
+    args = ["--device", "cpu", "--implementations", "mok,mok", "--deterministic", "--steps", "3"]
+    args += ["--warmup", "1", "--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "2", "--seq", "16", "--out", str(tmp_path)]
+    assert script.main(args) == 0
+    results = json.loads((tmp_path / "train-e2e.json").read_text())["results"]
+    assert list(results) == ["mok", "mok #2"]
+    assert results["mok #2"]["losses"] == results["mok"]["losses"]
+    assert results["mok #2"]["same_losses_as_first"]
+    report = (tmp_path / "train-e2e.md").read_text()
+    assert "Losses bit for bit those of mok: mok #2" in report
+    assert "deterministic algorithms: on" in report
+    assert not torch.are_deterministic_algorithms_enabled()
