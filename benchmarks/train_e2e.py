@@ -460,9 +460,11 @@ def train_rank(rank: int, world: int, args) -> dict:
 
 @contextlib.contextmanager
 def deterministic_algorithms(enabled: bool):
-    """Within, if enabled: `torch.use_deterministic_algorithms` (warn only: an op with no
-    deterministic implementation warns instead of failing the run) and cuBLAS's deterministic
-    workspace; both as before afterwards."""
+    """Within, if enabled: `torch.use_deterministic_algorithms` and cuBLAS's deterministic
+    workspace; both as before afterwards. Strict, not warn-only: under warn-only, cuDNN's
+    attention backward keeps its non-deterministic algorithm (it warns and runs it), and on an
+    H200 two runs of one model parted from the third step on (bf16 and MXFP8 alike). An op
+    with no deterministic implementation fails the run with PyTorch's error naming it."""
     if not enabled:
         yield
         return
@@ -470,7 +472,7 @@ def deterministic_algorithms(enabled: bool):
     previous_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
@@ -651,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--deterministic",
         action="store_true",
-        help="train under torch.use_deterministic_algorithms (warn only) with cuBLAS's "
+        help="train under torch.use_deterministic_algorithms with cuBLAS's "
         "deterministic workspace: with an implementation named twice (--implementations "
         "mok,mok), whether two runs give the same losses bit for bit",
     )
