@@ -559,9 +559,9 @@ def markdown(args, results, header) -> str:
             f"{r['median_ms']:.2f} ({r['min_ms']:.2f}-{r['max_ms']:.2f}) | "
             f"{r['tokens_per_s']:.0f} | {r['speedup']:.2f}x | {peak} | {load} |"
         )
-    first = next(iter(results))
-    same = [name for name in list(results)[1:] if results[name]["same_losses_as_first"]]
     if len(results) > 1:
+        first, *others = results
+        same = [name for name in others if results[name]["same_losses_as_first"]]
         lines += ["", f"Losses bit for bit those of {first}: {', '.join(same) or 'none'}"]
     left = [(name, r.get("left_gib")) for name, r in results.items()]
     if any(value is not None for _, value in left):
