@@ -4,7 +4,7 @@
 # results, few files, since the device tool brings back at most 8. Usage:
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
-#                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows]
+#                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows] [repeat]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -23,6 +23,8 @@
 # e2e-mxfp8: eager training with MoK's routed experts in MXFP8 beside bf16 MoK and the native.
 # e2e-ep: that step's shape at EP = the GPU count (two or more), mok against mok-baseline, eager
 # and compiled (docs/notes/two-gpu-campaign.md lists what else waits for two GPUs).
+# repeat: two training runs of one model in one process, bf16 and MXFP8, under --deterministic:
+# whether the step repeats bit for bit (benchmarks/results/2026-12-04-train-e2e-repeatability-h200.md).
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
@@ -249,6 +251,11 @@ print(*m())' 2>&1)
         run e2e-ep-compiled python3 benchmarks/train_e2e.py $shape --compile inductor \
           --out "$OUT/e2e-ep$ngpu-compiled"
       fi ;;
+    repeat)
+      run e2e-repeat python3 benchmarks/train_e2e.py --layers 2 --hidden 2048 --experts 128 \
+        --top-k 8 --moe-intermediate 768 --seq 1024 --routing balanced --steps 8 --warmup 2 \
+        --batch 8 --implementations mok,mok,mok-mxfp8,mok-mxfp8 --deterministic \
+        --out "$OUT/e2e-repeat" ;;
     ep1-rows)
       # EP 1's data movement around the products: the gate/up product reading rows through an
       # index against the copy plus TMA tiles, every preset (`gathers_rows_well`'s evidence), and
