@@ -62,31 +62,22 @@ def weight_casts(device) -> None:
             print(f"| both layouts of a weight | {tile} | {warps} | {gbs:.0f} |")
 
 
-GLUON_LAYOUTS = {
-    # (vector, row lanes, blocks per thread): at most 64 values a thread.
-    "from values": [
-        (2, 1, 1),
-        (2, 2, 1),
-        (2, 2, 2),
-        (4, 2, 1),
-        (4, 4, 1),
-        (4, 4, 2),
-        (8, 4, 1),
-        (8, 8, 1),
-        (8, 8, 2),
-    ],
-    "from bytes": [
-        (4, 2, 1),
-        (4, 4, 1),
-        (4, 4, 2),
-        (8, 4, 1),
-        (8, 8, 1),
-        (8, 8, 2),
-        (16, 8, 1),
-        (16, 16, 1),
-        (16, 16, 2),
-    ],
-}
+def gluon_layouts(vectors) -> list[tuple[int, int, int]]:
+    """(vector, row lanes, blocks per thread) of `mx.group_cast_layout` for each vector width:
+    every power-of-two row-lane count that fits a warp beside a block's 32 // vector column
+    lanes, one or two blocks a thread, at most 64 values a thread."""
+    layouts = []
+    for vector in vectors:
+        row_lanes = 1
+        while row_lanes * (32 // vector) <= 32:
+            for per_thread in (1, 2):
+                if 32 // row_lanes * per_thread * vector <= 64:
+                    layouts.append((vector, row_lanes, per_thread))
+            row_lanes *= 2
+    return layouts
+
+
+GLUON_LAYOUTS = {"from values": gluon_layouts((2, 4, 8)), "from bytes": gluon_layouts((4, 8, 16))}
 
 
 def group_casts(device) -> None:
