@@ -2,7 +2,7 @@
 counted: the figures of issue 13's memory target.
 
     python benchmarks/peak_memory.py [--preset deepseek-v3,qwen3-235b-a22b] [--tokens 8192]
-                                     [--ep 2] [--backends baseline,triton,fused]
+                                     [--ep 2] [--backends baseline,triton,fused,...]
                                      [--pair-capacity 1.25 | --exact-buffers]
                                      [--keep-grouped-rows]
                                      [--precision mxfp8]
@@ -34,6 +34,9 @@ weights' gradients dropped again):
 the tokens they copy (x at EP 1; the tokens received for the fused backend at EP > 1).
 
 --precision: the backends' (the baseline stays bf16; the fused backend computes bf16 only).
+
+A backend named with `-recompute` (`triton-recompute`, `fused-recompute`) runs with
+`recompute="gate_up"`: its experts' h and pre-activations made again in the backward.
 
 --snapshots writes a CUDA memory snapshot of each measured call (`torch.cuda.memory
 ._dump_snapshot`, viewable at pytorch.org/memory_viz) for finding which tensors make a peak.
@@ -180,10 +183,12 @@ def memory_rank(
             for backend in backends:
                 label = f"{preset}-{backend}-ep{world}-rank{rank}"
                 snapshot = None if snapshots is None else os.path.join(snapshots, label)
+                name, _, variant = backend.partition("-")
                 layer = mok.MoE(
                     config.replace(
-                        backend="triton" if backend == "baseline" else backend,
-                        precision="bf16" if backend == "baseline" else precision,
+                        backend="triton" if name == "baseline" else name,
+                        precision="bf16" if name == "baseline" else precision,
+                        recompute="gate_up" if variant == "recompute" else "none",
                     ),
                     group=group,
                     device=device,

@@ -58,12 +58,14 @@ MOK_VARIANTS = {
     "mok-mxfp8": {"precision": "mxfp8"},
     "mok-mxfp8-keep": {"precision": "mxfp8", "mx_weight_casts": "keep"},
     "mok-unfused": {"fuse_grad_accumulation": False},
+    "mok-recompute": {"recompute": "gate_up"},
 }
 """--implementations names that run MoK (transformers models and TorchTitan's), with the options
 of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8 (the weights'
 casts made by each pass, as training defaults to), `mok-mxfp8-keep` with both casts of the
 weights kept until the weights change, `mok-unfused` the micro-batches' weight gradients added by
-autograd instead of by the layer's kernels."""
+autograd instead of by the layer's kernels, `mok-recompute` the experts' h and pre-activations
+made again in the backward (`MoKConfig.recompute`)."""
 
 
 def transformers_implementation(implementation: str) -> str:

@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
 #                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows] [repeat]
+#                        [recompute] [e2e-recompute]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -25,6 +26,10 @@
 # and compiled (docs/notes/two-gpu-campaign.md lists what else waits for two GPUs).
 # repeat: two training runs of one model in one process, bf16 and MXFP8, under --deterministic:
 # whether the step repeats bit for bit (benchmarks/results/2026-12-04-train-e2e-repeatability-h200.md).
+# recompute: `MoKConfig.recompute`'s tests, then the layer with it beside the layer without
+# (benchmarks/recompute.py: bitwise, time, memory kept for the backward; triton and fused) and the
+# peak against the baseline's (benchmarks/peak_memory.py, EP 1). e2e-recompute: the eager
+# training step with it beside bf16 MoK and the native experts.
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
@@ -256,6 +261,19 @@ print(*m())' 2>&1)
         --top-k 8 --moe-intermediate 768 --seq 1024 --routing balanced --steps 8 --warmup 2 \
         --batch 8 --implementations mok,mok,mok-mxfp8,mok-mxfp8 --deterministic \
         --out "$OUT/e2e-repeat" ;;
+    recompute)
+      run recompute-tests python3 -m pytest -q -rf -p no:cacheprovider tests/test_recompute.py \
+        tests/test_compile.py -k "recompute or equals_eager_bitwise"
+      run recompute-triton python3 benchmarks/recompute.py --preset qwen3-30b-a3b,deepseek-v3 \
+        --tokens 16384 --out "$OUT/recompute-triton.md"
+      run recompute-fused python3 benchmarks/recompute.py --preset qwen3-30b-a3b --tokens 16384 \
+        --backend fused --out "$OUT/recompute-fused.md"
+      run recompute-peak python3 benchmarks/peak_memory.py --ep 1 --preset qwen3-30b-a3b \
+        --tokens 16384 --backends baseline,triton,triton-recompute --out "$OUT/recompute-peak.md" ;;
+    e2e-recompute)
+      run e2e-recompute python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
+        --top-k 8 --moe-intermediate 768 --seq 1024 --routing balanced --steps 12 --warmup 4 \
+        --batch 8 --implementations grouped_mm,mok,mok-recompute --out "$OUT/e2e-recompute" ;;
     ep1-rows)
       # EP 1's data movement around the products: the gate/up product reading rows through an
       # index against the copy plus TMA tiles, every preset (`gathers_rows_well`'s evidence), and

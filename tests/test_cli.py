@@ -318,11 +318,13 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
             ("--mx-weight-casts", value, "mx_weight_casts", mok.MXWeightCasts)
             for value in ("auto", "keep", "per_pass")
         ),
+        *(("--recompute", value, "recompute", mok.Recompute) for value in ("none", "gate_up")),
     ],
 )
 def test_bench_passes_config_options_to_the_layer(monkeypatch, option, value, field, kind):
-    """--graphs and --mx-weight-casts reach the backend's config (default auto). Catches an
-    option parsed but dropped on the way to the layer (every run would time the default)."""
+    """--graphs, --mx-weight-casts and --recompute reach the backend's config (default: the
+    enum's first value, auto or none). Catches an option parsed but dropped on the way to the
+    layer (every run would time the default)."""
     from mok import cli
 
     captured = []
@@ -339,7 +341,7 @@ def test_bench_passes_config_options_to_the_layer(monkeypatch, option, value, fi
         main(["bench", "--no-progress", "--device", "cpu", option, value])
     (spec,) = captured
     assert getattr(spec.config(), field) is kind(value)
-    assert getattr(BenchSpec().config(), field) is kind.AUTO
+    assert getattr(BenchSpec().config(), field) is next(iter(kind))
     with pytest.raises(SystemExit):
         main(["bench", option, "sometimes"])
 

@@ -59,15 +59,19 @@ def run_block(
     return results
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp8"])
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "bf16-recompute"])
 def test_compiled_block_equals_eager_bitwise(precision):
     """aot_eager keeps every operation of eager: only the layer's own path differs (the custom
     ops), so results must be equal bit for bit. Eager without fused accumulation, since the
     compiled layer hands its weight gradients to autograd (summed in bf16, as eager then does).
     mxfp8 (sizes multiples of 32; the weights cast per pass, the backward checking they did not
     change in place): caught besides, an MX saved state handed to the wrong backward, or the
-    compiled backward casting other weights than its forward read."""
+    compiled backward casting other weights than its forward read. bf16-recompute
+    (`MoKConfig.recompute`): a saved state without activations through the ops, replayed in
+    the compiled backward."""
     config = in_mxfp8(TRITON) if precision == "mxfp8" else TRITON
+    if precision == "bf16-recompute":
+        config = TRITON.replace(recompute="gate_up")
     torch._dynamo.reset()
     eager = run_block(None, fuse=False, config=config)
     compiled = run_block("aot_eager", fuse=False, config=config)

@@ -13,6 +13,7 @@ from mok.config import (
     MoKConfig,
     MXWeightCasts,
     Precision,
+    Recompute,
     Validation,
 )
 from mok.errors import (
@@ -54,6 +55,7 @@ __all__ = [
     "Graphs",
     "MXWeightCasts",
     "Precision",
+    "Recompute",
     "Validation",
     "SavedForward",
     "Schedule",

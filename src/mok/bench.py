@@ -103,6 +103,9 @@ class BenchSpec:
     """`MoKConfig.mx_weight_casts` of the backend's layer in MXFP8: "auto" casts the weights in
     every timed pass (a training step's cost; the timed passes run with gradients), "keep" once
     (the weights never change between iterations)."""
+    recompute: str = "none"
+    """`MoKConfig.recompute` of the backend's layer (bf16): "gate_up" makes the experts' h and
+    pre-activations again in the backward instead of keeping them from the forward."""
     cuda_graph: bool = False
     """Time the backend's layer replayed from one CUDA graph per pass, captured on the timed
     inputs (it never synchronizes with the host, so it can be captured); the baseline, which
@@ -129,6 +132,7 @@ class BenchSpec:
             precision=self.precision,
             graphs=self.graphs,
             mx_weight_casts=self.mx_weight_casts,
+            recompute=self.recompute if self.precision == "bf16" else "none",
         )
 
 
@@ -639,6 +643,12 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         + (
             f"; MXFP8 weights' casts {first.mx_weight_casts} (`--mx-weight-casts`)"
             if any(result.spec.precision == "mxfp8" for result in results)
+            else ""
+        )
+        + (
+            f"; the bf16 experts' activations made again in the backward (`--recompute "
+            f"{first.recompute}`)"
+            if first.recompute != "none"
             else ""
         )
         + (

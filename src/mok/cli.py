@@ -22,7 +22,7 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend, Graphs, MXWeightCasts, Precision, Validation
+from mok.config import Backend, Graphs, MXWeightCasts, Precision, Recompute, Validation
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -203,6 +203,13 @@ def _parser() -> argparse.ArgumentParser:
         "per_pass)",
     )
     bench.add_argument(
+        "--recompute",
+        choices=[r.value for r in Recompute],
+        default=Recompute.NONE.value,
+        help="with bf16 experts: gate_up makes the experts' h and pre-activations again in the "
+        "backward (one more gate/up product) instead of keeping them from the forward",
+    )
+    bench.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
@@ -334,6 +341,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             validation=args.validation,
             graphs=args.graphs,
             mx_weight_casts=args.mx_weight_casts,
+            recompute=args.recompute,
             precision=precision,
             cuda_graph=args.cuda_graph,
         )

@@ -107,6 +107,20 @@ class MXWeightCasts(str, enum.Enum):
     between passes, for one more read of the weights a step (and a cast per micro-batch)."""
 
 
+class Recompute(str, enum.Enum):
+    """What the experts' backward makes again instead of keeping it from the forward (the
+    `triton` and `fused` backends, bf16; the `reference` backend keeps autograd's tensors)."""
+
+    NONE = "none"
+    """The forward keeps h and the pre-activations gate | up of every pair for the backward."""
+    GATE_UP = "gate_up"
+    """The forward keeps neither; the backward runs the gate/up product with its activation
+    again, on the rows the forward read (kept either way), before its first product: bitwise
+    the same h and pre-activations, so the same gradients. Per layer it holds T x k x 3I fewer
+    values between the passes (routed experts; T x 3I of the shared expert) and its forward
+    writes no pre-activations, for one more gate/up product in the backward."""
+
+
 @dataclasses.dataclass(frozen=True)
 class MoKConfig:
     """Shape, numerics and tunables of one MoE layer; validated on construction.
@@ -193,6 +207,9 @@ class MoKConfig:
     mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
     """When the routed weights' MXFP8 casts are made and how long they are kept (precision
     "mxfp8"): see `MXWeightCasts`."""
+    recompute: Recompute = Recompute.NONE
+    """Whether the backward makes the experts' h and pre-activations again instead of keeping
+    them from the forward (bf16): see `Recompute`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -207,6 +224,14 @@ class MoKConfig:
         object.__setattr__(self, "mx_weight_casts", weight_casts)
         rounding = parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
+        recompute = parse_enum(Recompute, self.recompute, "recompute")
+        object.__setattr__(self, "recompute", recompute)
+        if recompute is not Recompute.NONE and self.precision is not Precision.BF16:
+            raise MoKConfigError(
+                f"recompute={recompute.value!r} applies to bf16 experts; precision "
+                f"{self.precision.value!r} keeps its activations as e4m3 casts already "
+                "(about half the bf16 layer's): use recompute='none'"
+            )
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
         for name in ("max_tokens_per_rank", "comm_sms"):

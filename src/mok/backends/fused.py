@@ -213,6 +213,7 @@ class FusedBackend(TritonBackend):
             activation=self._activation(),
             biases=weights.expert_biases(),
             source_rows=source_rows,
+            keep_activations=self._keeps_activations(),
         )
         if self.overlap:
             self._join()
@@ -252,6 +253,7 @@ class FusedBackend(TritonBackend):
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
+        from mok.kernels.expert_mlp import replay_activations
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
@@ -266,6 +268,9 @@ class FusedBackend(TritonBackend):
         saved.pair_out = None
         self._beside(pull)
         del pull  # it holds grad_out, which goes once its products are queued
+        # What the forward did not keep is made again beside the pull, on the SMs the forward's
+        # gate/up product had.
+        replay_activations(saved.experts)
         if self.claims is not None:
             self.claims.start()
         grad_router = self._dropped_as_zero(saved.valid, grad_router)

@@ -258,6 +258,7 @@ class TritonBackend:
                 activation=activation,
                 biases=weights.expert_biases(),
                 source_rows=source_rows,
+                keep_activations=self._keeps_activations(),
             )
             if source_rows is None:
                 self._read_rows_from_x(routing, x, experts)
@@ -333,6 +334,12 @@ class TritonBackend:
             topk_weights = topk_weights.float()
         return x, weights, self._dropped_as_zero(schedule.valid, topk_weights), dtypes
 
+    def _keeps_activations(self) -> bool:
+        """Whether the experts' forward keeps h and the pre-activations (`MoKConfig.recompute`)."""
+        from mok.config import Recompute
+
+        return self.workspace.config.recompute is Recompute.NONE
+
     def _activation(self):
         """The experts' activation (`grouped_gemm.Activation`) of the config."""
         from mok.kernels import Activation
@@ -362,6 +369,7 @@ class TritonBackend:
             save_for_backward=need_backward,
             config=kernel_cfg,
             activation=self._activation(),
+            keep_activations=self._keeps_activations(),
         )
 
     def backward(

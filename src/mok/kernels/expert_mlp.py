@@ -146,10 +146,10 @@ class ExpertMLPSaved:
     w_gate: torch.Tensor
     w_up: torch.Tensor
     w_down: torch.Tensor
-    h: torch.Tensor
-    """[M, I] swiglu output (rows outside the groups hold garbage)."""
-    gate_up: torch.Tensor
-    """[M, 2I] pre-activations gate | up, in the rows' dtype."""
+    h: torch.Tensor | None
+    """[M, I] swiglu output (rows outside the groups hold garbage); None while `replay`."""
+    gate_up: torch.Tensor | None
+    """[M, 2I] pre-activations gate | up, in the rows' dtype; None while `replay`."""
     row_tiles: dict[int, RowTiles]
     """Row-tile lists by block_m, reused by backward."""
     swiglu_limit: float | None
@@ -161,20 +161,26 @@ class ExpertMLPSaved:
     """[M] int32, or None. Set (`read_rows_through`): `rows` are [S, H] and grouped row r is
     rows[source_rows[r]], read there by the gate/up weight gradient, the one product of the
     backward that reads rows."""
+    replay: bool = False
+    """The forward kept neither h nor the pre-activations (`expert_mlp_forward`'s
+    `keep_activations=False`): `replay_activations` makes them again, bitwise, before the first
+    product that reads them."""
 
     def read_rows_through(self, rows: torch.Tensor, source_rows: torch.Tensor) -> None:
         """Keep `rows` [S, H] and the index source_rows [M] int32 instead of the grouped rows
         (grouped row r = rows[source_rows[r]], the same values): e.g. each token received once,
         where the grouped rows hold a copy per pair and are sized for the worst routing."""
-        if source_rows.shape != (self.gate_up.shape[0],) or source_rows.dtype != torch.int32:
+        m = gg.gathered_rows(self.rows, self.source_rows)
+        if source_rows.shape != (m,) or source_rows.dtype != torch.int32:
             raise ValueError(
-                f"source_rows: expected [{self.gate_up.shape[0]}] int32, got "
+                f"source_rows: expected [{m}] int32, got "
                 f"{tuple(source_rows.shape)} {source_rows.dtype}"
             )
-        if rows.dim() != 2 or rows.shape[1] != self.w_gate.shape[2] or rows.dtype != self.h.dtype:
+        dtype = self.w_gate.dtype
+        if rows.dim() != 2 or rows.shape[1] != self.w_gate.shape[2] or rows.dtype != dtype:
             raise ValueError(
                 f"rows read through an index: expected [S, {self.w_gate.shape[2]}] "
-                f"{self.h.dtype}, got {tuple(rows.shape)} {rows.dtype}"
+                f"{dtype}, got {tuple(rows.shape)} {rows.dtype}"
             )
         self.rows, self.source_rows = rows, source_rows
 
@@ -336,6 +342,7 @@ def expert_mlp_forward(
     activation: Activation = SWIGLU,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     source_rows: torch.Tensor | None = None,
+    keep_activations: bool = True,
 ) -> tuple[torch.Tensor | None, ExpertMLPSaved | None]:
     """Every expert's MLP on its group of rows.
 
@@ -367,6 +374,9 @@ def expert_mlp_forward(
       the gate/up product, with no grouped copy; `saved` keeps rows and the index
       (`ExpertMLPSaved.read_rows_through`). `gathers_rows_well` says where this is faster than
       copying the rows first.
+    keep_activations: with save_for_backward, keep h and the pre-activations; False keeps
+      neither (nor writes the pre-activations): the backward makes them again
+      (`replay_activations`, on the rows `saved` keeps), bitwise.
 
     Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
     unwritten. Never synchronizes with the host.
@@ -407,18 +417,15 @@ def expert_mlp_forward(
         )
         return None if combine else out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
-    ws_gate_up = cfg.warp_specialized_gate_up
-    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
-        gate_up_cfg, gate_up_swiglu = ws_gate_up, ws.gate_up_swiglu
-    else:
-        gate_up_cfg, gate_up_swiglu = cfg.gate_up, gg.gate_up_swiglu
+    gate_up_cfg, gate_up_swiglu = _gate_up_kernel(cfg, rows, w_gate, w_up)
+    keep = save_for_backward and keep_activations
     h, gate_up = gate_up_swiglu(
         rows,
         w_gate,
         w_up,
         cached_row_tiles(tiles, group_offsets, m, gate_up_cfg.block_m),
         swiglu_limit,
-        save_for_backward,
+        keep,
         gate_up_cfg,
         source_rows=source_rows,
         ready=rows_ready,
@@ -449,7 +456,7 @@ def expert_mlp_forward(
         w_gate=w_gate,
         w_up=w_up,
         w_down=w_down,
-        h=h,
+        h=h if keep else None,
         gate_up=gate_up,
         row_tiles=tiles,
         swiglu_limit=swiglu_limit,
@@ -457,8 +464,43 @@ def expert_mlp_forward(
         activation=activation,
         biases=biases,
         source_rows=source_rows,
+        replay=not keep,
     )
     return out, saved
+
+
+def _gate_up_kernel(config: ExpertKernelConfig, rows, w_gate, w_up):
+    """(tiles, kernel) of the forward gate/up product: the Gluon kernel where it runs, else tl."""
+    ws_gate_up = config.warp_specialized_gate_up
+    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
+        return ws_gate_up, ws.gate_up_swiglu
+    return config.gate_up, gg.gate_up_swiglu
+
+
+def replay_activations(saved: ExpertMLPSaved) -> None:
+    """Where the forward kept no activations (`saved.replay`): h [M, I] and the pre-activations
+    [M, 2I] made again into `saved` by the forward's gate/up product on the rows it keeps, with
+    the forward's tiles and grid (so bitwise the forward's values), its tasks taken by the
+    static stride (the forward's tile claims belong to the forward). No-op otherwise."""
+    if not saved.replay:
+        return
+    rows = _saved_tensor(saved, "rows")
+    m = gg.gathered_rows(rows, saved.source_rows)
+    tiles, gate_up_swiglu = _gate_up_kernel(saved.config, rows, saved.w_gate, saved.w_up)
+    tiles = dataclasses.replace(tiles, claims=None)
+    saved.h, saved.gate_up = gate_up_swiglu(
+        rows,
+        saved.w_gate,
+        saved.w_up,
+        cached_row_tiles(saved.row_tiles, saved.group_offsets, m, tiles.block_m),
+        saved.swiglu_limit,
+        True,
+        tiles,
+        source_rows=saved.source_rows,
+        activation=saved.activation,
+        biases=None if saved.biases is None else saved.biases[:2],
+    )
+    saved.replay = False
 
 
 def _grad_buffer(name: str, buffer, weight: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -511,6 +553,8 @@ def expert_mlp_backward(
 
 
 def _saved_tensor(saved: ExpertMLPSaved, name: str) -> torch.Tensor:
+    if name in ("h", "gate_up"):
+        replay_activations(saved)
     value = getattr(saved, name)
     if value is None:
         raise ValueError(f"the saved {name} was released by an earlier product of this backward")

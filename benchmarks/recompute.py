@@ -1,0 +1,131 @@
+"""The layer with `MoKConfig.recompute="gate_up"` beside the layer that keeps its activations (the
+same backend, weights and inputs), in one run, on one GPU (EP 1).
+
+    python benchmarks/recompute.py [--preset qwen3-30b-a3b,deepseek-v3] [--tokens N]
+                                   [--backend triton] [--iters 10] [--warmup 3] [--out FILE.md]
+
+Per preset: first one call of each on the same inputs, every result compared bit for bit (the
+option must not change them); then forward and forward + backward timed with CUDA events, the two
+layers interleaved iteration by iteration (median [min, max]) on random bf16 inputs with uniform
+routing; then the memory a forward leaves for its backward (allocated after the forward with the
+autograd graph alive, minus before, y included) and the peak of a forward + backward above what
+was allocated before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from mxfp8 import _inputs
+from overlap import cell, events_ms, summary
+
+import mok
+from mok.testing import global_weights, one_call_results
+
+LAYERS = ("keeps", "recomputes")
+
+
+def bench_preset(name, backend, device, tokens, iters, warmup) -> dict:
+    preset = mok.get_preset(name)
+    t = tokens or preset.default_tokens
+    base = preset.config(backend=backend, max_tokens_per_rank=t, graphs="off")
+    inputs = _inputs(base, t, device)
+    keeps = mok.MoE(base, device=device)
+    keeps.load_global_weights(global_weights(base, 0, device))
+    recomputes = mok.MoE.sharing_weights_of(keeps, base.replace(recompute="gate_up"))
+    layers = dict(zip(LAYERS, (keeps, recomputes), strict=True))
+    want, got = (one_call_results(layer, inputs) for layer in layers.values())
+    bitwise = all(torch.equal(got[key], value) for key, value in want.items())
+    del want, got
+
+    def call(layer, backward):
+        x = inputs.x.detach().requires_grad_(backward)
+        w = inputs.topk_weights.detach().requires_grad_(backward)
+        y = layer(x, inputs.topk_idx, w)
+        if backward:
+            y.backward(inputs.grad_y)
+        return y
+
+    times = {(p, label): [] for p in ("fwd", "fwd+bwd") for label in layers}
+    for step in range(warmup + iters):
+        for passes, backward in (("fwd", False), ("fwd+bwd", True)):
+            for label, layer in layers.items():
+                ms = events_ms(lambda la=layer, b=backward: call(la, b))
+                layer.zero_grad(set_to_none=True)
+                if step >= warmup:
+                    times[(passes, label)].append(ms)
+    memory = {}
+    for label, layer in layers.items():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        x = inputs.x.detach().requires_grad_(True)
+        w = inputs.topk_weights.detach().requires_grad_(True)
+        y = layer(x, inputs.topk_idx, w)
+        torch.cuda.synchronize()
+        saved = torch.cuda.memory_allocated(device) - before
+        y.backward(inputs.grad_y)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device) - before
+        del y, x, w
+        layer.zero_grad(set_to_none=True)
+        memory[label] = {"saved GiB": saved / 2**30, "peak GiB": peak / 2**30}
+    keeps.workspace(device).check()
+    keeps.workspace(device).release()
+    row = {"preset": name, "backend": backend, "tokens": t, "bitwise": bitwise, "memory": memory}
+    row.update({f"{label} {p}": summary(v) for (p, label), v in times.items()})
+    return row
+
+
+def markdown(rows) -> str:
+    lines = [
+        "| preset | backend | tokens | bitwise | pass | keeps ms | recomputes ms | ratio |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        for p in ("fwd", "fwd+bwd"):
+            kept, replayed = r[f"keeps {p}"], r[f"recomputes {p}"]
+            ratio = replayed["median"] / kept["median"]
+            lines.append(
+                f"| {r['preset']} | {r['backend']} | {r['tokens']} | {r['bitwise']} | {p} "
+                f"| {cell(kept)} | {cell(replayed)} | {ratio:.3f} |"
+            )
+    lines += [
+        "",
+        "| preset | tokens | layer | kept for the backward GiB | peak of fwd+bwd GiB |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        for label in LAYERS:
+            m = r["memory"][label]
+            lines.append(
+                f"| {r['preset']} | {r['tokens']} | {label} | {m['saved GiB']:.3f} "
+                f"| {m['peak GiB']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="qwen3-30b-a3b,deepseek-v3")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--backend", default="triton", choices=("triton", "fused"))
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None, help="also write the tables to this file")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = [
+        bench_preset(name, args.backend, device, args.tokens, args.iters, args.warmup)
+        for name in args.preset.split(",")
+    ]
+    text = f"{torch.cuda.get_device_name(0)}, EP 1\n\n" + markdown(rows)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
