@@ -565,6 +565,13 @@ def markdown(args, results, header) -> str:
         first, *others = results
         same = [name for name in others if results[name]["same_losses_as_first"]]
         lines += ["", f"Losses bit for bit those of {first}: {', '.join(same) or 'none'}"]
+    repeats = []
+    for name, r in results.items():
+        if " #" in name:
+            same = r["losses"] == results[name.split(" #")[0]]["losses"]
+            repeats.append(f"{name} {'bit for bit' if same else 'differs'}")
+    if repeats:
+        lines += ["", f"Repeated runs against their implementation's first: {', '.join(repeats)}"]
     left = [(name, r.get("left_gib")) for name, r in results.items()]
     if any(value is not None for _, value in left):
         held = ", ".join(f"{name} {value:.2f}" for name, value in left if value is not None)

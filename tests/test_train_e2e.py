@@ -326,5 +326,6 @@ def test_an_implementation_named_twice_runs_twice_and_repeats_exactly(script, tm
     assert results["mok #2"]["same_losses_as_first"]
     report = (tmp_path / "train-e2e.md").read_text()
     assert "Losses bit for bit those of mok: mok #2" in report
+    assert "Repeated runs against their implementation's first: mok #2 bit for bit" in report
     assert "deterministic algorithms: on" in report
     assert not torch.are_deterministic_algorithms_enabled()
