@@ -290,10 +290,10 @@ def call_inputs(config, tokens, seed, device) -> RankInputs:
     return RankInputs(x.to(device), idx.to(device), w.to(device), grad_y.to(device))
 
 
-def twin_layers(backend: str, seed: int = 0):
+def twin_layers(backend: str, seed: int = 0, recompute: str = "none"):
     """(a layer whose calls replay graphs from their second on, the same layer launching every
     kernel), on the same weights."""
-    config = TINY.replace(backend=backend, graphs="on")
+    config = TINY.replace(backend=backend, graphs="on", recompute=recompute)
     graphed = mok.MoE(config, device="cuda")
     graphed.load_global_weights(global_weights(config, seed, "cuda"))
     eager = mok.MoE.sharing_weights_of(graphed, config.replace(graphs="off"))
@@ -310,13 +310,17 @@ def assert_equal(actual: dict, expected: dict) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", "fused"])
-def test_replayed_calls_equal_eager_calls_bitwise(backend):
+@pytest.mark.parametrize(
+    "backend, recompute", [("triton", "none"), ("fused", "none"), ("triton", "gate_up")]
+)
+def test_replayed_calls_equal_eager_calls_bitwise(backend, recompute):
     """Fresh inputs at every call, each call's results kept and compared again at the end.
     Catches inputs not copied into the graph's (a replay computing on the first call's), an
     output or gradient handed out without a copy (the next replay overwrites a result the caller
-    holds), gradients of the wrong capture, and a cache that never replays."""
-    graphed, eager = twin_layers(backend)
+    holds), gradients of the wrong capture, and a cache that never replays; with
+    `recompute="gate_up"`, a backward graph that does not make the activations again from the
+    captured forward's rows."""
+    graphed, eager = twin_layers(backend, recompute=recompute)
     kept = []
     for seed in range(5):
         inputs = call_inputs(graphed.config, 384, seed, "cuda")
