@@ -81,6 +81,24 @@ def record_dispatched_row_bytes(layer, device) -> set[int]:
     return seen
 
 
+def kept_and_peak_gib(layer, inputs: RankInputs, device) -> dict:
+    """One forward + backward of `layer`: the GiB its forward leaves allocated for the backward
+    (autograd graph alive, y included) and the peak above what was allocated before it."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    x = inputs.x.detach().requires_grad_(True)
+    w = inputs.topk_weights.detach().requires_grad_(True)
+    y = layer(x, inputs.topk_idx, w)
+    torch.cuda.synchronize()
+    saved = torch.cuda.memory_allocated(device) - before
+    y.backward(inputs.grad_y)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated(device) - before
+    layer.zero_grad(set_to_none=True)
+    return {"saved GiB": saved / 2**30, "peak GiB": peak / 2**30}
+
+
 def bench_preset(name, device, tokens, iters, warmup) -> dict:
     preset = mok.get_preset(name)
     t = tokens or preset.default_tokens
@@ -120,22 +138,7 @@ def bench_preset(name, device, tokens, iters, warmup) -> dict:
         ms = 3 * events_ms(casts)
         if step >= warmup:
             times[("fwd", "casts")].append(ms)
-    memory = {}
-    for label, layer in layers.items():
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        x = inputs.x.detach().requires_grad_(True)
-        w = inputs.topk_weights.detach().requires_grad_(True)
-        y = layer(x, inputs.topk_idx, w)
-        torch.cuda.synchronize()
-        saved = torch.cuda.memory_allocated(device) - before
-        y.backward(inputs.grad_y)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del y, x, w
-        layer.zero_grad(set_to_none=True)
-        memory[label] = {"saved GiB": saved / 2**30, "peak GiB": peak / 2**30}
+    memory = {label: kept_and_peak_gib(layer, inputs, device) for label, layer in layers.items()}
     for layer in layers.values():
         layer.workspace(device).check()
     bf16.workspace(device).release()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from mxfp8 import _inputs
+from mxfp8 import _inputs, kept_and_peak_gib
 from overlap import cell, events_ms, summary
 
 import mok
@@ -55,22 +55,7 @@ def bench_preset(name, backend, device, tokens, iters, warmup) -> dict:
                 layer.zero_grad(set_to_none=True)
                 if step >= warmup:
                     times[(passes, label)].append(ms)
-    memory = {}
-    for label, layer in layers.items():
-        torch.cuda.synchronize()
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        x = inputs.x.detach().requires_grad_(True)
-        w = inputs.topk_weights.detach().requires_grad_(True)
-        y = layer(x, inputs.topk_idx, w)
-        torch.cuda.synchronize()
-        saved = torch.cuda.memory_allocated(device) - before
-        y.backward(inputs.grad_y)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated(device) - before
-        del y, x, w
-        layer.zero_grad(set_to_none=True)
-        memory[label] = {"saved GiB": saved / 2**30, "peak GiB": peak / 2**30}
+    memory = {label: kept_and_peak_gib(layer, inputs, device) for label, layer in layers.items()}
     keeps.workspace(device).check()
     keeps.workspace(device).release()
     row = {"preset": name, "backend": backend, "tokens": t, "bitwise": bitwise, "memory": memory}
