@@ -3,6 +3,7 @@ where a small layer's time goes when the GPU waits for the host.
 
     PYTHONPATH=src python3 benchmarks/host_time.py [--preset tiny] [--tokens 8192] [--iters 20]
                                                    [--kernels] [--profile 40] [--graphed]
+                                                   [--stages] [--stack N]
 
 EP 1 on one GPU, uniform random routing, bf16. Per implementation (`triton` backend launching every
 kernel, `MoKConfig.graphs="off"`; the same layer replaying its own CUDA graphs, `graphs="on"`; the
@@ -18,6 +19,11 @@ every launch through `mok.kernels.launch` on its own (median host us per launch 
 call, by kernel). --stages times the stages of a replayed call (the layer replaying its own
 graphs, forward and backward back to back): the median host us spent inside each (inclusive),
 beside a trivial autograd.Function's forward and backward, PyTorch's own floor per call.
+--stack N asks whether the GPU waits for the host in a model: N layers one after another (h = h +
+layer(h), each with its own weights and routing), forward and backward, the GPU idle before each
+step; the step's device time beside the same step replayed as two CUDA graphs
+(`make_graphed_callables`, no host work between kernels: the GPU's own time). A ratio of 1.00
+means the GPU never waited for the host.
 """
 
 from __future__ import annotations
@@ -184,6 +190,63 @@ def stage_times(layer, x, idx, weights, grad, calls: int) -> list[tuple[str, flo
     ]
 
 
+def _spread(values) -> str:
+    return f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
+
+
+class _Stack(torch.nn.Module):
+    """h = h + layer_i(h, topk_idx_i, topk_weights_i) for each layer: a model's MoE layers alone."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x, *routing):
+        h = x
+        for layer, idx, weights in zip(self.layers, routing[0::2], routing[1::2], strict=True):
+            h = h + layer(h, idx, weights)
+        return h
+
+
+def stack_times(config, depth: int, tokens: int, iters: int, warmup: int, device) -> dict:
+    """Median [min, max] host and device ms of a forward+backward step through `depth` layers,
+    beside the device ms of the same step replayed as CUDA graphs."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    layers, routing = [], []
+    for i in range(depth):
+        layer = mok.MoE(config, device=device)
+        layer.load_global_weights(global_weights(config, i, device))
+        layer.fuse_grad_accumulation = False  # the graphed backward hands gradients to autograd
+        layers.append(layer)
+        logits = torch.randn(tokens, config.num_experts, device=device, generator=generator)
+        weights, idx = logits.softmax(-1).topk(config.top_k, -1)
+        routing += [idx, weights.detach().requires_grad_(True)]
+    stack = _Stack(layers)
+    x = torch.randn(tokens, config.hidden_size, device=device, generator=generator)
+    x = x.bfloat16().requires_grad_(True)
+    grad = torch.randn_like(x)
+
+    def step(model):
+        torch.cuda.synchronize()
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        t0 = time.perf_counter()
+        start.record()
+        model(x, *routing).backward(grad)
+        end.record()
+        host = (time.perf_counter() - t0) * 1e3
+        end.synchronize()
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        for tensor in routing[1::2]:
+            tensor.grad = None
+        return host, start.elapsed_time(end)
+
+    eager = [step(stack) for _ in range(warmup + iters)][warmup:]
+    graphed_stack = torch.cuda.make_graphed_callables(stack, (x, *routing))
+    graphed = [step(graphed_stack) for _ in range(warmup + iters)][warmup:]
+    return {"eager": eager, "graphed": graphed}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="tiny")
@@ -196,6 +259,7 @@ def main(argv=None) -> int:
     parser.add_argument("--graphed", action="store_true")
     parser.add_argument("--launches", action="store_true")
     parser.add_argument("--stages", action="store_true")
+    parser.add_argument("--stack", type=int, default=0, metavar="N")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
     config = mok.get_preset(args.preset).config(
@@ -258,6 +322,19 @@ def main(argv=None) -> int:
         print("| --- | --- | --- |")
         for name, median, per_step in rows:
             print(f"| {name} | {median:.1f} | {per_step:g} |")
+    if args.stack:
+        stacked = stack_times(
+            config.replace(graphs="auto"), args.stack, args.tokens, args.iters, args.warmup, device
+        )
+        print(f"\n{args.stack} layers (graphs='auto'), forward+backward a step, ms")
+        print("| step | host (median [min, max]) | device (median [min, max]) |")
+        print("| --- | --- | --- |")
+        for name, runs in stacked.items():
+            host, device_ms = zip(*runs, strict=True)
+            print(f"| {name} | {_spread(host)} | {_spread(device_ms)} |")
+        ratio = statistics.median(d for _, d in stacked["eager"])
+        ratio /= statistics.median(d for _, d in stacked["graphed"])
+        print(f"eager device / graphed device: {ratio:.2f} (1.00: the GPU never waited)")
     if args.profile:
         profiled = own_graphs if args.profile_impl == "own-graphs" else layer
         for _ in range(args.warmup):

@@ -428,6 +428,67 @@ def test_bad_input_names_the_problem(args, message):
         layer(*args)
 
 
+VALUE_CASES = ("idx out of range", "idx negative")
+"""The bad calls whose problem is in the ids' values, which the triton backend checks on the
+device (`Workspace.check()`) and not on the host."""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [pytest.param(a, m, id=case) for case, a, m in bad_calls() if case not in VALUE_CASES],
+)
+def test_a_bad_input_after_accepted_calls_still_names_the_problem(args, message, monkeypatch):
+    """The host checks are skipped for a call whose inputs are like the last accepted call's
+    (where the device checks the ids). Catches a key that leaves out what a check reads (a
+    dtype, the tokens of one input, a shape): the bad call would reach the kernels unchecked."""
+    layer = layer_for(TINY)
+    ws = layer.workspace(torch.device("cpu"))
+    monkeypatch.setattr(ws.backend, "checks_ids_on_device", True, raising=False)
+    good = inputs(TINY, 6)
+    for _ in range(2):
+        layer(*good)
+    assert ws.accepted_inputs is not None
+    with pytest.raises(mok.MoKInputError, match=message):
+        layer(*args)
+    assert ws.accepted_inputs is None
+    torch.testing.assert_close(layer(*good), layer_for(TINY)(*good), rtol=0, atol=0)
+
+
+def test_weights_unlike_the_accepted_calls_are_checked(monkeypatch):
+    """Catches weights left out of the skipped checks' key: a weight of another shape or dtype,
+    or a missing one, after accepted calls with the right ones."""
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 3)
+    ws = layer.workspace(x.device)
+    monkeypatch.setattr(ws.backend, "checks_ids_on_device", True, raising=False)
+    weights = layer.weights.map(torch.Tensor.detach)  # of one type with the wrong ones below
+    mok.schedule_and_forward(ws, idx, x, w, weights)
+    wrong = [
+        (mok.MoEWeights(weights.gate[:4], weights.up, weights.down, *_shared(weights)), "gate"),
+        (
+            mok.MoEWeights(
+                weights.gate, weights.up.view(torch.float16), weights.down, *_shared(weights)
+            ),
+            "float16",
+        ),
+        (mok.MoEWeights(weights.gate, weights.up, weights.down), "shared_gate is missing"),
+    ]
+    for bad, message in wrong:
+        with pytest.raises(mok.MoKInputError, match=message):
+            mok.schedule_and_forward(ws, idx, x, w, bad)
+        mok.schedule_and_forward(ws, idx, x, w, weights)
+
+
+def test_ids_are_checked_at_every_call_where_the_host_checks_them():
+    """The reference backend checks the ids' values on the host. Catches the skipped checks
+    applied there too: ids out of range after an accepted call would index past the weights."""
+    layer = layer_for(TINY)
+    x, idx, w = inputs(TINY, 6)
+    layer(x, idx, w)
+    with pytest.raises(mok.MoKInputError, match="expert id 8"):
+        layer(x, idx.clone().fill_(8), w)
+
+
 def test_weights_that_do_not_match_the_config():
     layer = layer_for(TINY)
     x, idx, w = inputs(TINY, 3)

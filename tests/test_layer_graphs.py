@@ -144,9 +144,14 @@ def toy_inputs(seed, tokens=6):
 TOY_WEIGHTS = mok.MoEWeights(gate=torch.randn(2, 2), up=torch.randn(2), down=torch.randn(2))
 
 
+def toy_forward_call(cache, inputs, weights=TOY_WEIGHTS):
+    """The cache's forward of a toy call (None where it declines to replay)."""
+    return cache.forward(*inputs, weights, True, graphs.call_key(*inputs, weights))
+
+
 def toy_call(cache, inputs, grad_y=None, into=None, weights=TOY_WEIGHTS):
     """(y, grads) of one call through the cache, or eagerly where it declines."""
-    replayed = cache.forward(*inputs, weights, need_backward=True)
+    replayed = toy_forward_call(cache, inputs, weights)
     schedule, y, saved = replayed or toy_forward(*inputs, weights, True)
     if grad_y is None:
         return y, saved
@@ -190,7 +195,7 @@ def test_cache_serves_one_call_in_flight_per_capture(toy_cache):
     for _ in range(2):
         toy_call(toy_cache, inputs)
     _, waiting = toy_call(toy_cache, inputs)  # a replay, waiting for its backward
-    assert toy_cache.forward(*other, TOY_WEIGHTS, need_backward=True) is None
+    assert toy_forward_call(toy_cache, other) is None
     grad_y = torch.randn_like(inputs[1])
     grads = toy_cache.backward(waiting.saved, grad_y, {})
     assert torch.equal(grads.x, toy_expected(inputs, grad_y)[1].x)
@@ -198,7 +203,7 @@ def test_cache_serves_one_call_in_flight_per_capture(toy_cache):
         toy_cache.backward(waiting.saved, grad_y, {})
     _, dropped = toy_call(toy_cache, inputs)
     del dropped
-    assert toy_cache.forward(*other, TOY_WEIGHTS, need_backward=True) is not None
+    assert toy_forward_call(toy_cache, other) is not None
 
 
 def test_cache_backward_adds_into_buffers_and_falls_back_where_weights_moved(toy_cache):
@@ -251,7 +256,7 @@ def test_a_refused_capture_warns_and_the_calls_launch(toy_cache, monkeypatch, fa
             y, grads = toy_call(toy_cache, inputs, grad_y)
             assert torch.equal(y, expected_y) and torch.equal(grads.x, expected.x)
     assert toy_cache.failed and len(captures) == (1 if failing == "forward" else 2)
-    assert toy_cache.forward(*inputs, TOY_WEIGHTS, need_backward=True) is None
+    assert toy_forward_call(toy_cache, inputs) is None
 
 
 def test_clear_drops_the_captures_but_not_a_waiting_call(toy_cache):
@@ -266,7 +271,7 @@ def test_clear_drops_the_captures_but_not_a_waiting_call(toy_cache):
     assert toy_cache.captured == 0
     grads = toy_cache.backward(waiting.saved, grad_y, {})
     assert torch.equal(grads.x, toy_expected(inputs, grad_y)[1].x)
-    assert toy_cache.forward(*inputs, TOY_WEIGHTS, need_backward=True) is None  # seen anew
+    assert toy_forward_call(toy_cache, inputs) is None  # seen anew
 
 
 def test_cache_keeps_at_most_max_forwards_captures(toy_cache):
@@ -275,6 +280,32 @@ def test_cache_keeps_at_most_max_forwards_captures(toy_cache):
         for _ in range(3):
             toy_call(toy_cache, toy_inputs(tokens, tokens))
     assert toy_cache.captured == MAX_FORWARDS
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fresh_copies_are_bitwise_and_own_their_memory(device):
+    """The graph's gradients leave through `_fresh_copies` (a multiplication by one). Catches a
+    copy that changes a bit (an added zero turns -0.0 into 0.0; a kernel flushing subnormals),
+    one that drops a tensor or mixes their order across dtypes, and one that aliases its source
+    (the next replay would overwrite what the caller holds)."""
+    special = [-0.0, 0.0, float("inf"), -float("inf"), float("nan"), 1.0, -3.5]
+    tensors = []
+    for dtype in (torch.bfloat16, torch.float32):
+        subnormal = torch.finfo(dtype).smallest_normal / 4
+        values = torch.tensor(special + [subnormal, -subnormal], dtype=dtype)
+        tensors.append(values.to(device))
+        tensors.append(torch.randn(3, 5, dtype=dtype).to(device))
+    tensors.append(torch.randn(4, dtype=torch.float16).to(device))
+    copies = graphs._fresh_copies(tensors)
+    assert len(copies) == len(tensors)
+    width = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+    for tensor, copy in zip(tensors, copies, strict=True):
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape
+        nan = tensor.isnan()  # a NaN stays a NaN; its payload may not (CUDA's is canonical)
+        assert torch.equal(copy.isnan(), nan)
+        bits = width[tensor.dtype]
+        assert torch.equal(copy[~nan].view(bits), tensor[~nan].view(bits))
+        assert copy.data_ptr() != tensor.data_ptr()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -131,9 +131,18 @@ def _stop_waiting(forward: _CapturedForward, replay: int) -> None:
         forward.waiting = False
 
 
-def _weight_key(weights: MoEWeights) -> tuple:
-    return tuple(
-        None if t is None else (t.data_ptr(), t.dtype, t.shape, t.stride())
+def call_key(topk_idx, x, topk_weights, weights) -> tuple | None:
+    """What a call's inputs are, short of their values: for each input its type, shape, dtype
+    and device, and for each weight also its address and strides (None where absent). Two calls
+    with equal keys pass the same host checks (they look at nothing else) and, with the same
+    need for backward, can replay the same graph (which reads the weights in place). None where
+    an input is not a tensor or `weights` not a MoEWeights (the checks then say why)."""
+    inputs = (topk_idx, x, topk_weights)
+    if not all(isinstance(t, torch.Tensor) for t in inputs) or type(weights) is not MoEWeights:
+        return None
+    key = tuple((type(t), t.shape, t.dtype, t.device) for t in inputs)
+    return key + tuple(
+        None if t is None else (type(t), t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
         for t in weights.astuple()
     )
 
@@ -195,14 +204,15 @@ class GraphCache:
         self._forwards.clear()
         self._seen.clear()
 
-    def forward(self, topk_idx, x, topk_weights, weights: MoEWeights, need_backward: bool):
+    def forward(
+        self, topk_idx, x, topk_weights, weights: MoEWeights, need_backward: bool, key: tuple
+    ):
         """(schedule, y, saved) of this call replayed from a graph (`saved`: a GraphedState or
-        None), or None where the call is to run eagerly."""
+        None), or None where the call is to run eagerly. `key`: the call's `call_key`."""
         num_tokens = topk_idx.shape[0]
         if self.failed or torch.cuda.is_current_stream_capturing() or not self.takes(num_tokens):
             return None
-        key = (num_tokens, need_backward, x.dtype, topk_idx.dtype, topk_weights.dtype)
-        key += _weight_key(weights)
+        key = (need_backward, key)
         forward = self._forwards.get(key)
         if forward is None:
             if key not in self._seen:
@@ -220,9 +230,9 @@ class GraphCache:
         elif forward.waiting:
             return None
         else:
-            forward.topk_idx.copy_(topk_idx)
-            forward.x.copy_(x)
-            forward.topk_weights.copy_(topk_weights)
+            torch._foreach_copy_(
+                [forward.topk_idx, forward.x, forward.topk_weights], [topk_idx, x, topk_weights]
+            )
         forward.graph.replay()
         self.replays += 1
         y = forward.y.clone()
@@ -287,9 +297,8 @@ class GraphCache:
                 forward.warm_backwards.add(key)
                 schedule, saved = structural_copy((forward.schedule, forward.saved))
                 return self._run_backward(schedule, saved, grad_y, into)
-            backward.grad_y.copy_(grad_y)
-            for name, buffer in into.items():
-                backward.into[name].copy_(buffer)
+            statics = [backward.grad_y, *(backward.into[name] for name in into)]
+            torch._foreach_copy_(statics, [grad_y, *into.values()])
             backward.graph.replay()
             return self._gradients(backward, into)
         finally:
@@ -306,21 +315,43 @@ class GraphCache:
 
     @staticmethod
     def _gradients(backward: _CapturedBackward, into: dict) -> MoEGradients:
-        """The captured gradients copied out: into the caller's buffers for `into`, else cloned
-        (the next replay overwrites the graph's); gate and up cloned as the halves of one tensor
-        where the graph wrote them so (`joined_gate_up` then takes it whole)."""
+        """The captured gradients copied out: into the caller's buffers for `into`, else into
+        new tensors (the next replay overwrites the graph's); gate and up as the halves of one
+        tensor where the graph wrote them so (`joined_gate_up` then takes it whole)."""
         grads = backward.grads
         whole = _cloned_whole(grads.weights, into)
-        weights = {
-            name: None if t is None else into[name].copy_(t) if name in into else t.clone()
-            for name, t in grads.weights.tensors().items()
-            if not (whole and name in ("gate", "up"))
-        }
+        present = {name: t for name, t in grads.weights.tensors().items() if t is not None}
+        if into:
+            torch._foreach_copy_(list(into.values()), [present[name] for name in into])
+        handed = {"x": grads.x, "topk_weights": grads.topk_weights}
         if whole:
-            both = joined_gate_up(grads.weights.gate, grads.weights.up).clone()
-            weights["gate"], weights["up"] = gate_up_halves(both)
-        x, topk_weights = grads.x.clone(), grads.topk_weights.clone()
+            handed["gate_up"] = joined_gate_up(grads.weights.gate, grads.weights.up)
+        handed.update(
+            (name, t)
+            for name, t in present.items()
+            if name not in into and not (whole and name in ("gate", "up"))
+        )
+        copies = dict(zip(handed, _fresh_copies(list(handed.values())), strict=True))
+        weights = {name: into[name] if name in into else copies.get(name) for name in present}
+        if whole:
+            weights["gate"], weights["up"] = gate_up_halves(copies["gate_up"])
+        x, topk_weights = copies["x"], copies["topk_weights"]
         return MoEGradients(x=x, topk_weights=topk_weights, weights=MoEWeights(**weights))
+
+
+def _fresh_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of floating-point `tensors` in new memory: one multiplication by one per dtype
+    over all of them at once, where a clone each would cost a launch and its host time. Bitwise
+    for every number, signed zeros and subnormals included; a NaN stays a NaN."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for position, tensor in enumerate(tensors):
+        by_dtype.setdefault(tensor.dtype, []).append(position)
+    copies: list[torch.Tensor | None] = [None] * len(tensors)
+    for positions in by_dtype.values():
+        made = torch._foreach_mul([tensors[p] for p in positions], 1.0)
+        for position, copy in zip(positions, made, strict=True):
+            copies[position] = copy
+    return copies
 
 
 def _cloned_whole(grads: MoEWeights, into: dict) -> bool:

@@ -353,6 +353,6 @@ class MoE(nn.Module):
 
 def _flatten_leading(tensor, last: int):
     """[..., last] -> [N, last]; anything else is returned unchanged for the checks to report."""
-    if isinstance(tensor, torch.Tensor) and tensor.dim() >= 1 and tensor.shape[-1] == last:
-        return tensor.reshape(-1, last)
+    if isinstance(tensor, torch.Tensor) and tensor.dim() != 2 and tensor.dim() >= 1:
+        return tensor.reshape(-1, last) if tensor.shape[-1] == last else tensor
     return tensor
