@@ -54,8 +54,9 @@ class Validation(str, enum.Enum):
     (types, dtypes, devices, shapes, the weights against the config: what keeps the kernels in
     bounds) and the device checks expert ids and buffer capacity (raised by `Workspace.check()`);
     they differ in what happens when one rank's input is bad. There is no mode without checks: a
-    rank's own checks are what keeps the kernels in bounds, and cost 10-35 us a call; where the
-    host bounds a model, a CUDA graph of its step removes them with the rest of the host's work."""
+    rank's own checks are what keeps the kernels in bounds, and cost 10-35 us a call (skipped for
+    inputs like the last accepted call's, where the device checks the ids); where the host bounds
+    a model, a CUDA graph of its step removes them with the rest of the host's work."""
 
     COLLECTIVE = "collective"
     """The ranks then agree over a CPU (gloo) twin of the group, one host round trip per forward
