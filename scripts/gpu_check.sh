@@ -32,7 +32,8 @@
 # training step with it beside bf16 MoK and the native experts.
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
-# a replayed call's stages, against the GPU's in a 24-layer stack by validation mode, and
+# a replayed call's stages and whether the GPU waits over 8 such layers, the copies and checks
+# around a replay two ways each, against the GPU's in a 24-layer stack by validation mode, and
 # `mok bench --preset tiny` with the layer's own CUDA graphs and without.
 # mxfp8: the MXFP8 tests, then the MXFP8 layer beside the bf16 one (benchmarks/mxfp8.py, one
 # GPU), both precisions beside the baseline at EP = the GPU count (`mok bench --precision`: on 2
@@ -108,7 +109,10 @@ for step in $steps; do
       run host-time-tiny-tl env MOK_WARP_SPECIALIZED=0 python3 benchmarks/host_time.py \
         --preset tiny
       # Where a replayed call's host time goes, stage by stage.
-      run host-time-tiny-stages python3 benchmarks/host_time.py --preset tiny --iters 200 --stages
+      run host-time-tiny-stages python3 benchmarks/host_time.py --preset tiny --iters 200 --stages \
+        --stack 8
+      # The host work around a replay's graph launches, two ways each, in one process.
+      run host-replay-ops python3 benchmarks/replay_host_ops.py --out "$OUT/replay-host-ops.md"
       for preset in tiny qwen3-30b-a3b; do
         run "host-time-$preset" python3 benchmarks/host_time.py --preset "$preset" --kernels --launches \
           --graphed

@@ -5,8 +5,11 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mok
+from mok import functional, graphs
 from mok.reference import moe_forward
 from mok.reference.mx import ScaleRounding
 from mok.testing import global_weights
@@ -477,6 +480,70 @@ def test_weights_unlike_the_accepted_calls_are_checked(monkeypatch):
         with pytest.raises(mok.MoKInputError, match=message):
             mok.schedule_and_forward(ws, idx, x, w, bad)
         mok.schedule_and_forward(ws, idx, x, w, weights)
+
+
+def _laid_out(values: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`values` as they are, or the same values in a transposed layout (non-contiguous)."""
+    if not transposed or values.dim() != 2:
+        return values
+    return values.t().contiguous().t()
+
+
+@given(
+    tokens=st.integers(0, 5),
+    hidden=st.sampled_from([TINY.hidden_size, 64]),
+    x_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+    idx_dtype=st.sampled_from([torch.int64, torch.int32, torch.float32]),
+    top_k=st.sampled_from([TINY.top_k, 1]),
+    weight_tokens=st.integers(0, 5),
+    weight_dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+    gate_dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    layouts=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    seed=st.integers(0, 9),
+)
+def test_the_host_checks_read_nothing_the_call_key_leaves_out(
+    tokens,
+    hidden,
+    x_dtype,
+    idx_dtype,
+    top_k,
+    weight_tokens,
+    weight_dtype,
+    gate_dtype,
+    layouts,
+    seed,
+):
+    """Skipping the checks for inputs of an accepted call's `call_key` is sound only if the
+    checks' verdict depends on nothing else. Two calls with equal keys (one contiguous with
+    some values, one in another layout, with other values and requiring grad) must get the same
+    verdict, good or bad. Catches a check that starts reading what the key leaves out (a
+    contiguity or stride requirement, a value, requires_grad)."""
+    ws = mok.create_workspace(TINY)
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((tokens, top_k), (tokens, hidden), (weight_tokens, TINY.top_k))
+    dtypes = (idx_dtype, x_dtype, weight_dtype)
+    layer = layer_for(TINY)
+    weights = layer.weights.map(torch.Tensor.detach)
+    weights = dataclasses.replace(weights, gate=weights.gate.view(gate_dtype))
+
+    def verdict(call):
+        idx, x, topk_weights = call
+        problem = functional._routing_problem(ws, idx)
+        return problem or functional._forward_problem(ws, idx.shape[0], x, topk_weights, weights)
+
+    def realised(transposed):
+        tensors = [
+            torch.randint(0, TINY.num_experts, shape, generator=gen).to(dtype)
+            for shape, dtype in zip(shapes, dtypes, strict=True)
+        ]
+        tensors = [_laid_out(t, flip) for t, flip in zip(tensors, transposed, strict=True)]
+        if transposed[1] and x_dtype.is_floating_point:
+            tensors[1].requires_grad_(True)
+        return tensors
+
+    plain, other = realised((False, False, False)), realised(layouts)
+    assert graphs.call_key(*plain, weights) == graphs.call_key(*other, weights)
+    assert verdict(plain) == verdict(other)
 
 
 def test_ids_are_checked_at_every_call_where_the_host_checks_them():
