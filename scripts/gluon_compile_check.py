@@ -194,7 +194,8 @@ def cases():
             ready=ready,
         )
 
-    def dgrad_problem(limit=None, activation=SWIGLU):
+    def dgrad_problem(limit=None, activation=SWIGLU, weighted=False):
+        weighting = (torch.zeros(m, inter, dtype=bf16), torch.zeros(m)) if weighted else None
         return ws._RowsProblem(
             ws.DOWN_DGRAD_SWIGLU.value,
             x,
@@ -203,6 +204,7 @@ def cases():
             gate_up=gate_up,
             swiglu_limit=limit,
             activation=activation,
+            weighting=weighting,
         )
 
     flags = torch.zeros(m // 32, dtype=torch.int32)
@@ -226,6 +228,11 @@ def cases():
             lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():
+        problem = dgrad_problem(weighted=True)
+        yield (
+            f"down_dgrad_swiglu weighted {label}",
+            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+        )
         problem = dgrad_problem()
         claimed = dataclasses.replace(cfg, claims=claiming)
         yield (

@@ -449,6 +449,67 @@ def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit, tiles):
         assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
 
 
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("tiles", ["ping-pong", "cooperative"])
+@pytest.mark.parametrize("name", list(DGRAD_CASES))
+def test_weighted_down_dgrad_matches_its_twin_and_the_rounding_points(name, tiles):
+    """The router weights applied in the down dgrad's epilogue (`down_dgrad_swiglu_weighted`):
+    the gradients and the weighted h equal the tl kernel's bit for bit, the dots to fp32
+    summation order, and all of them `weighted_down_backward`'s rounding points far inside the
+    distance to the other rounding (w applied to rounded rows before the product: ~2e-3).
+    Catches w applied after the rounding of grad_h or to the rows, h read or written at another
+    tile's rows or columns, a dot stored at the wrong column tile, rows past a group's end
+    written, and the dots' rows outside the groups left unzeroed."""
+    from mok.kernels import warp_specialized as ws
+    from mok.reference.expert import weighted_down_backward
+
+    sizes, inter, hidden = DGRAD_CASES[name]
+    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    m, offsets, inside = _groups(sizes, before=2, after=7)
+    grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
+    gate_up = torch.randn(m, 2 * inter, generator=gen, device="cuda").bfloat16()
+    h = torch.randn(m, inter, generator=gen, device="cuda").bfloat16()
+    w_down = (
+        torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * hidden**-0.5
+    ).bfloat16()
+    row_weights = torch.rand(m, generator=gen, device="cuda")
+    row_weights[::5] = 0.0
+    ours_h, twin_h = h.clone(), h.clone()
+    ours, ours_dots = ws.down_dgrad_swiglu_weighted(
+        grad_out, w_down, gate_up, ours_h, row_weights, row_tile_map(offsets, m, cfg.block_m),
+        None, cfg,
+    )  # fmt: skip
+    twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=4)
+    twin, twin_dots = gg.down_dgrad_swiglu_weighted(
+        grad_out, w_down, gate_up, twin_h, row_weights, row_tile_map(offsets, m, 128), None,
+        twin_cfg,
+    )  # fmt: skip
+    assert torch.equal(ours[inside], twin[inside])
+    assert torch.equal(ours_h, twin_h)
+    outside = torch.ones(m, dtype=torch.bool, device="cuda")
+    outside[inside] = False
+    assert torch.equal(ours_h[outside], h[outside])
+    assert not ours_dots[outside].any() and not twin_dots[outside].any()
+    grad_h, dots, weighted_h = weighted_down_backward(
+        grad_out[inside], sizes, h[inside], w_down, row_weights[inside]
+    )
+    assert torch.equal(ours_h[inside], weighted_h)
+    assert relative_error(ours_dots[inside], dots) < 1e-5
+    assert relative_error(twin_dots[inside], dots) < 1e-5
+    want = torch.cat(_swiglu_gradients(grad_h, *gate_up[inside].chunk(2, 1), None), 1)
+    assert relative_error(ours[inside], want.bfloat16()) < 5e-4
+    # The other rounding, for scale: w applied to the rows, rounded, before the product.
+    bounds = offsets.tolist()
+    rounded_first = torch.cat(
+        [
+            (row_weights[a:b, None] * grad_out[a:b].float()).bfloat16().float() @ w_down[e].float()
+            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+    ).bfloat16()
+    assert relative_error(rounded_first, grad_h) > 1e-3
+
+
 GPT_OSS = gg.Activation(1.702, 1.0)
 GPT_OSS_CASES = ["uniform", "empty and one-row groups", "several tiles per consumer"]
 

@@ -23,6 +23,7 @@ from mok.kernels.expert_mlp import (
     expert_mlp_forward,
     gate_up_data_gradient,
     gate_up_weight_gradients,
+    weighted_down_data_gradient,
 )
 from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles
 
@@ -40,4 +41,5 @@ __all__ = [
     "expert_mlp_forward",
     "gate_up_data_gradient",
     "gate_up_weight_gradients",
+    "weighted_down_data_gradient",
 ]

@@ -604,6 +604,41 @@ def down_data_gradient(
     )
 
 
+def weighted_down_data_gradient(
+    grad_rows: torch.Tensor, saved: ExpertMLPSaved, row_weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`down_data_gradient` with the router weights applied after the product
+    (`grouped_gemm.down_dgrad_swiglu_weighted`): grad_rows [M, H] are the unweighted gradients of
+    the rows' outputs, row_weights [M] fp32 each row's router weight (0 for rows no pair uses).
+    Returns (the pre-activations' gradients [M, 2I], the router weights' dots [M] fp32: <grad_rows
+    [r] @ W_down[e], h[r]>). The saved h then holds round(w * h), so that `down_weight_gradient(
+    grad_rows, saved)` gives W_down's gradient of the weighted rows."""
+    if not isinstance(saved, ExpertMLPSaved):
+        raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
+    gate_up = _saved_tensor(saved, "gate_up")
+    h = _saved_tensor(saved, "h")
+    m = gate_up.shape[0]
+    _check("grad_rows", grad_rows, (m, saved.w_down.shape[1]), (gate_up.dtype,), gate_up.device)
+    _check_tma_layout("grad_rows", grad_rows)
+    cfg = saved.config
+    ws_dgrad = cfg.warp_specialized_dgrad
+    if ws_dgrad and ws.dgrad_supported(grad_rows, ws_dgrad.down, saved.w_down):
+        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu_weighted
+    else:
+        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu_weighted
+    return down_dgrad(
+        grad_rows,
+        saved.w_down,
+        gate_up,
+        h,
+        row_weights,
+        cached_row_tiles(saved.row_tiles, saved.group_offsets, m, down_cfg.block_m),
+        saved.swiglu_limit,
+        down_cfg,
+        activation=saved.activation,
+    )
+
+
 def gate_up_data_gradient(
     grad_gate_up: torch.Tensor,
     saved: ExpertMLPSaved,

@@ -550,6 +550,34 @@ def swiglu_backward_tile(
 
 
 @triton.jit
+def router_weighting_tile(
+    grad_h,  # [BLOCK_M, BLOCK_N] fp32, the unweighted rows' product with W_down
+    weighting,  # (h_desc, h_ptr, row_weights_ptr, dots_ptr, column tiles)
+    row,
+    row_end,
+    n_off,
+    n_idx,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The router weights applied after the down product (`down_dgrad_swiglu_weighted`): for the
+    tile's rows r in [row, row_end), dots[r, n_idx] = sum over its columns of grad_h * h (the
+    router weight's partial gradient, fp32), h's tile overwritten by round(w[r] * h), and
+    w[r] * grad_h returned, unrounded."""
+    h_desc, h_ptr, row_weights_ptr, dots_ptr, n_tiles = weighting
+    rows = row + tl.arange(0, BLOCK_M)
+    inside = rows < row_end
+    w = tl.load(row_weights_ptr + rows, mask=inside, other=0.0)
+    h = h_desc.load([row, n_off]).to(tl.float32)
+    # Columns past N are zero in both (TMA fills them so), rows past row_end are never stored.
+    dots = tl.sum(grad_h * h, axis=1)
+    tl.store(dots_ptr + rows.to(tl.int64) * n_tiles + n_idx, dots, mask=inside)
+    store_row_tile(h_desc, h_ptr, N, w[:, None] * h, row, row_end, n_off, N, BLOCK_M, BLOCK_N)
+    return w[:, None] * grad_h
+
+
+@triton.jit
 def add_expert_bias(acc, bias_ptr, expert, n_off, columns, BLOCK_N: tl.constexpr):
     """acc [BLOCK_M, BLOCK_N] fp32 + the expert's bias (bias [E, columns]) over its columns."""
     cols = n_off + tl.arange(0, BLOCK_N)
@@ -905,11 +933,13 @@ def _down_dgrad_swiglu_task(
     outputs,
     activation,
     ready,
+    weighting,
     HAS_LIMIT: tl.constexpr,
     PLAIN: tl.constexpr,
     WAIT_ROWS: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
     FLAGS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -941,9 +971,13 @@ def _down_dgrad_swiglu_task(
         BLOCK_N,
         BLOCK_K,
     )
+    # Rows past row_end hold other groups' values: they only reach output rows never stored.
+    if WEIGHTED:
+        grad_h = router_weighting_tile(
+            grad_h, weighting, row, row_end, n_off, n_idx, inter, BLOCK_M, BLOCK_N
+        )
     # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
     grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
-    # Rows past row_end hold other groups' values: they only reach output rows never stored.
     gate = gate_desc.load([row, n_off]).to(tl.float32)
     up = up_desc.load([row, n_off]).to(tl.float32)
     grad_gate, grad_up = swiglu_backward_tile(
@@ -999,11 +1033,16 @@ def _down_dgrad_swiglu_kernel(
     claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`TileClaims`)
     alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
     up_offset,
+    h_desc,  # WEIGHTED: [M, I] the forward's h, block [BLOCK_M, BLOCK_N] (else a placeholder)
+    h_ptr,  # WEIGHTED: h's first element (contiguous)
+    row_weights_ptr,  # WEIGHTED: [M] fp32 each grouped row's router weight
+    dots_ptr,  # WEIGHTED: [M, cdiv(I, BLOCK_N)] fp32 out, the router weights' partial gradients
     HAS_LIMIT: tl.constexpr,
     PLAIN: tl.constexpr,
     WAIT_ROWS: tl.constexpr,
     FLAG_ROWS: tl.constexpr,
     FLAGS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
     CLAIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1013,9 +1052,11 @@ def _down_dgrad_swiglu_kernel(
 ):
     """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr). grad_h = grad_out @
     W_down[e], then the SwiGLU backward on it. WAIT_ROWS: a tile first waits for its grad_out
-    rows to land (`wait_rows_ready`)."""
+    rows to land (`wait_rows_ready`). WEIGHTED: grad_out's rows are unweighted and each row's
+    router weight is applied to grad_h in the epilogue (`router_weighting_tile`)."""
     ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
+    weighting = (h_desc, h_ptr, row_weights_ptr, dots_ptr, n_tiles)
     num_m = tl.load(counts_ptr)
     num_tasks = num_m * n_tiles
     tiles = (table_ptr, capacity, num_m, n_tiles, hidden, inter)
@@ -1028,14 +1069,16 @@ def _down_dgrad_swiglu_kernel(
         while task < num_tasks:
             _down_dgrad_swiglu_task(
                 task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
-                HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                weighting, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
             task = claimed_task(claims_ptr)
     else:
         for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
             _down_dgrad_swiglu_task(
                 task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
-                HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                weighting, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
 
 
@@ -1601,12 +1644,75 @@ def down_dgrad_swiglu(
     """Gradients of the pre-activations, gate | up [M, 2I], through `activation`; rows outside
     the groups unwritten. With `ready`, a tile reads its grad_out rows only once their flags say
     they landed."""
+    grad_gate_up, _ = _down_dgrad_swiglu(
+        grad_out, w_down, gate_up, tiles, swiglu_limit, cfg, ready, activation, None
+    )
+    return grad_gate_up
+
+
+def down_dgrad_swiglu_weighted(
+    grad_out: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up: torch.Tensor,
+    h: torch.Tensor,
+    row_weights: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles,
+    ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`down_dgrad_swiglu` with each row's router weight applied after the product, so that
+    grad_out [M, H] holds the unweighted output gradients (the combine's, one per pair) and the
+    router weights' gradient comes out of the same epilogue. Per grouped row r of expert e, with
+    acc = grad_out[r] @ W_down[e] in fp32 and w = row_weights[r] (fp32 [M]):
+        grad_h = round(w * acc), then the activation's backward as in `down_dgrad_swiglu`;
+        dots[r] = <acc, h[r]>, in fp32 over each column tile, then over the tiles (a fixed order);
+        h[r] <- round(w * h[r]) in place, what W_down's gradient reads (grad_out.T @ h).
+    h [M, I] contiguous: the forward's h. Returns (gate | up gradients [M, 2I], dots [M] fp32);
+    rows outside the groups: gradients and h unwritten, dots 0. The rounding points are
+    `mok.reference.expert.weighted_down_backward`'s."""
+    m, inter = grad_out.shape[0], w_down.shape[2]
+    check_weighting(grad_out, h, row_weights, inter)
+    if m == 0:
+        return grad_out.new_empty(0, 2 * inter), row_weights.new_zeros(0)
+    return _down_dgrad_swiglu(
+        grad_out, w_down, gate_up, tiles, swiglu_limit, cfg, ready, activation, (h, row_weights)
+    )
+
+
+def check_weighting(grad_out, h, row_weights, inter: int) -> None:
+    """Raise ValueError unless h is contiguous [M, inter] in grad_out's dtype and row_weights
+    fp32 [M] (the inputs of `down_dgrad_swiglu_weighted`)."""
+    m = grad_out.shape[0]
+    if h.shape != (m, inter) or h.dtype != grad_out.dtype or not h.is_contiguous():
+        raise ValueError(
+            f"h must be contiguous [{m}, {inter}] {grad_out.dtype}, got {tuple(h.shape)} "
+            f"{h.dtype} (contiguous: {h.is_contiguous()})"
+        )
+    if row_weights.shape != (m,) or row_weights.dtype != torch.float32:
+        raise ValueError(
+            f"row_weights must be [{m}] float32, got {tuple(row_weights.shape)} {row_weights.dtype}"
+        )
+
+
+def _down_dgrad_swiglu(
+    grad_out, w_down, gate_up, tiles: RowTiles, swiglu_limit, cfg: GemmTiles, ready, activation,
+    weighting: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m, hidden = grad_out.shape
     if ready is not None:
         ready.check(m)
     inter = w_down.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
+    dots = None
+    if weighting is None:
+        weighting_args = (tiles.counts,) * 4
+    else:
+        h, row_weights = weighting
+        dots = torch.zeros(m, triton.cdiv(inter, bn), dtype=torch.float32, device=h.device)
+        weighting_args = (_desc(h, [bm, bn]), h, row_weights, dots)
     programs = num_programs(grad_out.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
     use_scratch_allocator(grad_out.device)
 
@@ -1629,16 +1735,18 @@ def down_dgrad_swiglu(
             tiles.counts if counter is None else counter,
             float(activation.alpha),
             float(activation.up_offset),
+            *weighting_args,
             HAS_LIMIT=swiglu_limit is not None,
             PLAIN=activation.plain,
             WAIT_ROWS=ready is not None,
             FLAG_ROWS=ready.block_rows if ready else 1,
             FLAGS=ready.flags_per_tile(bm) if ready else 1,
+            WEIGHTED=weighting is not None,
             **_claiming_options(cfg, programs, counter),
         )
 
     launch_persistent(launch, programs, cfg.claims)
-    return grad_gate_up
+    return grad_gate_up, None if dots is None else dots.sum(1)
 
 
 def gate_up_dgrad(

@@ -81,6 +81,7 @@ from mok.kernels.grouped_gemm import (
     RowsReady,
     RowTiles,
     bias_arg,
+    check_weighting,
     gathered_rows,
     launch_persistent,
     num_programs,
@@ -648,13 +649,46 @@ def _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT: gl.constexpr, PLAI
 
 
 @gluon.jit
-def _fetch_saved(saved_gate_desc, saved_up_desc, gate_buf, up_buf, fetched, row, n_off):
-    """Start loading the saved gate and up tiles of a tile's rows into the consumer's epilogue
-    buffers (DOWN_DGRAD_SWIGLU), once its previous stores have left them."""
+def _row_weights(weighting, row, row_end, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The router weights of a tile's rows [row, row_end) (0 past row_end), loaded before the
+    main loop so that the epilogue does not wait for them."""
+    row_weights_ptr = weighting[2]
+    rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+    return gl.load(row_weights_ptr + rows, mask=rows < row_end, other=0.0)
+
+
+@gluon.jit
+def _router_weighting(
+    acc, w, weighting, h_buf, row, row_end, n_off, n_idx, N, layout: gl.constexpr
+):
+    """`grouped_gemm.router_weighting_tile` on a consumer's accumulator (same contract), with
+    the rows' weights w (`_row_weights`) and h's tile fetched into h_buf beside the main loop
+    (`_fetch_saved`): the partial dots <acc, h> of rows [row, row_end) into column n_idx of
+    dots, round(w * h) stored over h's tile from h_buf, and w * acc returned, unrounded."""
+    h_desc, h_ptr, _, dots_ptr, dots_stride = weighting
+    BLOCK_M: gl.constexpr = acc.shape[0]
+    rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
+    h = h_buf.load(layout).to(gl.float32)
+    # Rows past row_end hold other groups' h: their dots are not stored, nor their h.
+    dots = gl.sum(acc * h, axis=1)
+    gl.store(dots_ptr + rows.to(gl.int64) * dots_stride + n_idx, dots, mask=rows < row_end)
+    h_buf.store((w[:, None] * h).to(h_desc.dtype))
+    _store_staged(h_desc, h_buf, h_ptr, N, row, row_end, n_off, N)
+    return w[:, None] * acc
+
+
+@gluon.jit
+def _fetch_saved(saved, h_desc, bufs, first, fetched, row, n_off, WEIGHTED: gl.constexpr):
+    """Start loading the saved gate and up tiles of a tile's rows, and with WEIGHTED h's, into
+    the consumer's epilogue buffers `first`, `first + 1` (and `first + 2`) (DOWN_DGRAD_SWIGLU),
+    once its previous stores have left them."""
+    saved_gate_desc, saved_up_desc = saved
     tma.store_wait(0)
-    mbarrier.expect(fetched, 2 * saved_gate_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(saved_gate_desc, [row, n_off], fetched, gate_buf)
-    tma.async_copy_global_to_shared(saved_up_desc, [row, n_off], fetched, up_buf)
+    mbarrier.expect(fetched, (2 + WEIGHTED) * saved_gate_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(saved_gate_desc, [row, n_off], fetched, bufs.index(first))
+    tma.async_copy_global_to_shared(saved_up_desc, [row, n_off], fetched, bufs.index(first + 1))
+    if WEIGHTED:
+        tma.async_copy_global_to_shared(h_desc, [row, n_off], fetched, bufs.index(first + 2))
 
 
 @gluon.jit
@@ -680,6 +714,7 @@ def _consume(
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
+    WEIGHTED: gl.constexpr,
     ROLE: gl.constexpr,
 ):
     """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
@@ -701,11 +736,11 @@ def _consume(
         saved,
         fetched,
         target,
+        weighting,
     ) = outputs
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
     limit, limit_below, limit_above = activation[0], activation[1], activation[2]
     (bias_ptr, bias2_ptr) = biases
-    (saved_gate_desc, saved_up_desc) = saved
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -733,16 +768,12 @@ def _consume(
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
         n_off = n_idx * BLOCK_N
         if MODE == DOWN_DGRAD_SWIGLU:
-            # The saved pre-activations load while the main loop runs.
+            # The saved pre-activations (and h) load while the main loop runs.
             _fetch_saved(
-                saved_gate_desc,
-                saved_up_desc,
-                out_bufs.index(first),
-                out_bufs.index(first + 1),
-                fetched.index(ROLE),
-                row,
-                n_off,
+                saved, weighting[0], out_bufs, first, fetched.index(ROLE), row, n_off, WEIGHTED
             )
+            if WEIGHTED:
+                row_weights = _row_weights(weighting, row, row_end, WG_M, acc_layout)
         step = nth * k_steps
         if SPLIT == 1:
             # Wait for the other consumer to have issued its tile's main loop: it has then waited
@@ -784,9 +815,14 @@ def _consume(
 
         # Epilogue; the other consumer's main loop runs meanwhile.
         if MODE == DOWN_DGRAD_SWIGLU:
+            mbarrier.wait(fetched.index(ROLE), nth // TAKES & 1)
+            if WEIGHTED:
+                acc = _router_weighting(
+                    acc, row_weights, weighting, out_bufs.index(first + 2), row, row_end, n_off,
+                    n_idx, N, acc_layout,
+                )  # fmt: skip
             # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
             grad_h = acc.to(dtype).to(gl.float32)
-            mbarrier.wait(fetched.index(ROLE), nth // TAKES & 1)
             # Rows past row_end hold other groups' values: they reach only rows never stored.
             gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
             up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
@@ -868,6 +904,7 @@ def _first_consumer(
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
+    WEIGHTED: gl.constexpr,
 ):
     _consume(
         operands,
@@ -880,6 +917,7 @@ def _first_consumer(
         GATHER,
         SCATTER_RANKS,
         CLAIM,
+        WEIGHTED,
         0,
     )
 
@@ -896,6 +934,7 @@ def _second_consumer(
     GATHER: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
     CLAIM: gl.constexpr,
+    WEIGHTED: gl.constexpr,
 ):
     _consume(
         operands,
@@ -908,6 +947,7 @@ def _second_consumer(
         GATHER,
         SCATTER_RANKS,
         CLAIM,
+        WEIGHTED,
         1,
     )
 
@@ -956,6 +996,12 @@ def _rows_wt_kernel(
     ready_timeout_ns,
     ready_wait_id,
     claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
+    h_desc,  # WEIGHTED: [M, N] the forward's h, block [BLOCK_M, BLOCK_N] (else placeholders,
+    # to dots_stride)
+    h_ptr,  # WEIGHTED: h's first element (contiguous)
+    row_weights_ptr,  # WEIGHTED: [M] fp32 each grouped row's router weight
+    dots_ptr,  # WEIGHTED: [M, dots_stride] fp32 out, the router weights' partial gradients
+    dots_stride,
     MODE: gl.constexpr,
     HAS_LIMIT: gl.constexpr,
     PLAIN: gl.constexpr,
@@ -971,6 +1017,7 @@ def _rows_wt_kernel(
     FLAG_ROWS: gl.constexpr,
     WAIT_FLAGS: gl.constexpr,
     CLAIM: gl.constexpr,
+    WEIGHTED: gl.constexpr,
 ):
     """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr), num_warps 4; row
     tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
@@ -981,7 +1028,9 @@ def _rows_wt_kernel(
                        SAVE_PREACT both pre-activations saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
-    DOWN_DGRAD_SWIGLU  gate | up gradients = act_backward(A @ W[e], saved gate, saved up)
+    DOWN_DGRAD_SWIGLU  gate | up gradients = act_backward(A @ W[e], saved gate, saved up);
+                       WEIGHTED: A's rows unweighted, each row's router weight applied to the
+                       product in the epilogue (`_router_weighting`)
     act: SwiGLU when PLAIN, else gpt-oss's form (`_swiglu`); the clamp with HAS_LIMIT; the
     biases (fp32 adds) with HAS_BIAS.
     The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
@@ -999,7 +1048,7 @@ def _rows_wt_kernel(
         )
     else:
         w2_bufs = w_bufs
-    OUTPUTS: gl.constexpr = 2 if SAVE_PREACT or MODE == DOWN_DGRAD_SWIGLU else 1
+    OUTPUTS: gl.constexpr = 2 + WEIGHTED if SAVE_PREACT or MODE == DOWN_DGRAD_SWIGLU else 1
     out_bufs = gl.allocate_shared_memory(
         dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
@@ -1055,6 +1104,7 @@ def _rows_wt_kernel(
         saved,
         fetched,
         target,
+        (h_desc, h_ptr, row_weights_ptr, dots_ptr, dots_stride),
     )
     problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows)
     # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
@@ -1073,6 +1123,7 @@ def _rows_wt_kernel(
                     GATHER,
                     SCATTER_RANKS,
                     CLAIM,
+                    WEIGHTED,
                 ),
             ),
             (
@@ -1088,6 +1139,7 @@ def _rows_wt_kernel(
                     GATHER,
                     SCATTER_RANKS,
                     CLAIM,
+                    WEIGHTED,
                 ),
             ),
             (
@@ -1256,6 +1308,7 @@ class _RowsProblem:
     activation: Activation = SWIGLU  # GATE_UP_SWIGLU, DOWN_DGRAD_SWIGLU
     bias: torch.Tensor | None = None  # [E, N]: ROWS_WT's outputs' bias, GATE_UP_SWIGLU's gate's
     bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
+    weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
 
 
 def _consumer_split(block_m: int) -> int:
@@ -1269,7 +1322,7 @@ def _consumer_split(block_m: int) -> int:
     return block_m // CONSUMER_ROWS
 
 
-def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
+def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor | None:
     mode, a, w = problem.mode, problem.a, problem.w
     by_k = mode >= GATE_UP_DGRAD.value
     k = a.shape[1]
@@ -1277,6 +1330,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     if tiles.block_m != cfg.block_m:
         raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
     split = _consumer_split(cfg.block_m)
+    if problem.weighting is not None:
+        cfg = _with_epilogue_buffers(cfg, 3)
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if by_k else [bn, bk]
     w_rows, w_expert_rows = _weight_rows(w)
@@ -1335,6 +1390,13 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
     # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
     bias, bias2 = (bias_arg(b, tiles.table) for b in (problem.bias, problem.bias2))
     activation = problem.activation
+    dots = None
+    if problem.weighting is None:
+        weighting_args = (saved_gate, tiles.table, tiles.table, tiles.table, 0)
+    else:
+        h, row_weights = problem.weighting
+        dots = torch.zeros(m, triton.cdiv(n, bn), dtype=torch.float32, device=h.device)
+        weighting_args = (_descriptor(h, [bm, bn]), h, row_weights, dots, dots.shape[1])
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
         _rows_wt_kernel[(programs,)](
@@ -1368,6 +1430,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             *scatter_args(scatter, out, tiles),
             *ready_args(ready, tiles),
             tiles.counts if counter is None else counter,
+            *weighting_args,
             MODE=mode,
             HAS_LIMIT=limit is not None,
             PLAIN=activation.plain,
@@ -1383,12 +1446,14 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> None:
             FLAG_ROWS=ready.block_rows if ready else 1,
             WAIT_FLAGS=ready.flags_per_tile(cfg.block_m) if ready else 0,
             CLAIM=counter is not None,
+            WEIGHTED=problem.weighting is not None,
             num_warps=cfg.num_warps,
             maxnreg=MAX_REGISTERS,
         )
 
     programs = num_programs(a.device, tiles.capacity * triton.cdiv(n, bn), cfg)
     launch_persistent(launch, programs, cfg.claims)
+    return dots
 
 
 def rows_wt(
@@ -1517,6 +1582,21 @@ def gate_up_dgrad(
     return grad_x
 
 
+SHARED_MEMORY_BYTES = 227 * 1024 - 1024
+"""What one program's buffers may take of an H200 SM's shared memory: the rest is barriers."""
+
+
+def _with_epilogue_buffers(cfg: GemmTiles, per_consumer: int) -> GemmTiles:
+    """cfg with as many ring slots as fit beside `per_consumer` epilogue buffers of a consumer's
+    tile, each consumer's (at most cfg's slots): the weighted down dgrad fetches h beside the
+    saved pre-activations."""
+    size = 2  # bytes of a 16-bit element
+    slot = (cfg.block_m * cfg.block_k + cfg.block_k * cfg.block_n) * size
+    epilogue = CONSUMERS.value * per_consumer * CONSUMER_ROWS * cfg.block_n * size
+    stages = min(cfg.num_stages, (SHARED_MEMORY_BYTES - epilogue) // slot)
+    return dataclasses.replace(cfg, num_stages=stages)
+
+
 def down_dgrad_swiglu(
     grad_out: torch.Tensor,
     w_down: torch.Tensor,
@@ -1532,22 +1612,59 @@ def down_dgrad_swiglu(
     saved gate | up [M, 2I]; rows outside the groups unwritten. The result of
     `grouped_gemm.down_dgrad_swiglu`. With `ready`, a tile reads its grad_out rows only once
     their flags say they landed (`RowsReady`)."""
+    grad_gate_up, _ = _down_dgrad_swiglu(
+        grad_out, w_down, gate_up, tiles, swiglu_limit, cfg, ready, activation, None
+    )
+    return grad_gate_up
+
+
+def down_dgrad_swiglu_weighted(
+    grad_out: torch.Tensor,
+    w_down: torch.Tensor,
+    gate_up: torch.Tensor,
+    h: torch.Tensor,
+    row_weights: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    cfg: GemmTiles = DGRAD_SWIGLU_PING_PONG,
+    ready: RowsReady | None = None,
+    activation: Activation = SWIGLU,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`grouped_gemm.down_dgrad_swiglu_weighted` (same contract; the gradients and h bitwise the
+    same, the dots to fp32 summation order): grad_out's rows unweighted, each row's router weight
+    applied after the product, the router weights' dots [M] returned, h overwritten by
+    round(w * h)."""
+    m, inter = grad_out.shape[0], w_down.shape[2]
+    check_weighting(grad_out, h, row_weights, inter)
+    if m == 0:
+        return grad_out.new_empty(0, 2 * inter), row_weights.new_zeros(0)
+    return _down_dgrad_swiglu(
+        grad_out, w_down, gate_up, tiles, swiglu_limit, cfg, ready, activation, (h, row_weights)
+    )
+
+
+def _down_dgrad_swiglu(
+    grad_out, w_down, gate_up, tiles: RowTiles, swiglu_limit, cfg: GemmTiles, ready, activation,
+    weighting: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     m = grad_out.shape[0]
     inter = w_down.shape[2]
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
-    if m:
-        problem = _RowsProblem(
-            DOWN_DGRAD_SWIGLU.value,
-            grad_out,
-            w_down,
-            grad_gate_up,
-            gate_up=gate_up,
-            swiglu_limit=swiglu_limit,
-            ready=ready,
-            activation=activation,
-        )
-        _launch(problem, tiles, cfg)
-    return grad_gate_up
+    if not m:
+        return grad_gate_up, None
+    problem = _RowsProblem(
+        DOWN_DGRAD_SWIGLU.value,
+        grad_out,
+        w_down,
+        grad_gate_up,
+        gate_up=gate_up,
+        swiglu_limit=swiglu_limit,
+        ready=ready,
+        activation=activation,
+        weighting=weighting,
+    )
+    dots = _launch(problem, tiles, cfg)
+    return grad_gate_up, None if dots is None else dots.sum(1)
 
 
 # --------------------------------------------------------------------------------------------------

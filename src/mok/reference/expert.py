@@ -98,6 +98,37 @@ def expert_mlp(
     return out.to(x.dtype)
 
 
+def weighted_down_backward(
+    grad_rows: torch.Tensor,
+    group_sizes: list[int],
+    h: torch.Tensor,
+    w_down: torch.Tensor,
+    row_weights: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The down product's backward with each row's router weight applied after the product: the
+    rounding points of `grouped_gemm.down_dgrad_swiglu_weighted`. Rows grouped by expert as in
+    `grouped_expert_mlp`; grad_rows [M, H] the unweighted gradients of the rows' outputs, h [M, I]
+    the forward's h, w_down [E, H, I], row_weights [M]. Per row r of expert e, with acc =
+    grad_rows[r] @ W_down[e] accumulated in fp32 (float64 inputs: float64):
+        grad_h[r]     = round(w[r] * acc)      in h's dtype
+        dots[r]       = <acc, h[r]>            w[r]'s gradient, less <grad_rows[r], b_down[e]>
+        weighted_h[r] = round(w[r] * h[r])     W_down[e]'s gradient: grad_rows[e].T @ weighted_h[e]
+    Returns (grad_h, dots, weighted_h)."""
+    acc_dtype = accumulation_dtype(h.dtype)
+    bounds = [0, *torch.tensor(group_sizes).cumsum(0).tolist()]
+    acc = torch.cat(
+        [
+            grad_rows[a:b].to(acc_dtype) @ w_down[e].to(acc_dtype)
+            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+        or [h.new_zeros(0, h.shape[1], dtype=acc_dtype)]
+    )
+    weights = row_weights.to(acc_dtype)[:, None]
+    h_acc = h.to(acc_dtype)
+    dots = (acc * h_acc).sum(1)
+    return (weights * acc).to(h.dtype), dots, (weights * h_acc).to(h.dtype)
+
+
 def grouped_expert_mlp(
     rows: torch.Tensor,
     group_sizes: list[int],
