@@ -319,11 +319,15 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
             for value in ("auto", "keep", "per_pass")
         ),
         *(("--recompute", value, "recompute", mok.Recompute) for value in ("none", "gate_up")),
+        *(
+            ("--router-gradient", value, "router_gradient", mok.RouterGradient)
+            for value in ("saved_outputs", "epilogue")
+        ),
     ],
 )
 def test_bench_passes_config_options_to_the_layer(monkeypatch, option, value, field, kind):
-    """--graphs, --mx-weight-casts and --recompute reach the backend's config (default: the
-    enum's first value, auto or none). Catches an option parsed but dropped on the way to the
+    """--graphs, --mx-weight-casts, --recompute and --router-gradient reach the backend's config
+    (default: the enum's first value). Catches an option parsed but dropped on the way to the
     layer (every run would time the default)."""
     from mok import cli
 

@@ -59,7 +59,7 @@ def run_block(
     return results
 
 
-@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "bf16-recompute"])
+@pytest.mark.parametrize("precision", ["bf16", "mxfp8", "bf16-recompute", "bf16-router-epilogue"])
 def test_compiled_block_equals_eager_bitwise(precision):
     """aot_eager keeps every operation of eager: only the layer's own path differs (the custom
     ops), so results must be equal bit for bit. Eager without fused accumulation, since the
@@ -68,10 +68,13 @@ def test_compiled_block_equals_eager_bitwise(precision):
     change in place): caught besides, an MX saved state handed to the wrong backward, or the
     compiled backward casting other weights than its forward read. bf16-recompute
     (`MoKConfig.recompute`): a saved state without activations through the ops, replayed in
-    the compiled backward."""
+    the compiled backward. bf16-router-epilogue (`MoKConfig.router_gradient`): a saved state
+    without pair outputs."""
     config = in_mxfp8(TRITON) if precision == "mxfp8" else TRITON
     if precision == "bf16-recompute":
         config = TRITON.replace(recompute="gate_up")
+    if precision == "bf16-router-epilogue":
+        config = TRITON.replace(router_gradient="epilogue")
     torch._dynamo.reset()
     eager = run_block(None, fuse=False, config=config)
     compiled = run_block("aot_eager", fuse=False, config=config)

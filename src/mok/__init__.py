@@ -14,6 +14,7 @@ from mok.config import (
     MXWeightCasts,
     Precision,
     Recompute,
+    RouterGradient,
     Validation,
 )
 from mok.errors import (
@@ -56,6 +57,7 @@ __all__ = [
     "MXWeightCasts",
     "Precision",
     "Recompute",
+    "RouterGradient",
     "Validation",
     "SavedForward",
     "Schedule",

@@ -106,6 +106,9 @@ class BenchSpec:
     recompute: str = "none"
     """`MoKConfig.recompute` of the backend's layer (bf16): "gate_up" makes the experts' h and
     pre-activations again in the backward instead of keeping them from the forward."""
+    router_gradient: str = "saved_outputs"
+    """`MoKConfig.router_gradient` of the backend's layer (bf16): "epilogue" forms the router
+    weights' gradient in the down product's backward instead of keeping the pairs' outputs."""
     cuda_graph: bool = False
     """Time the backend's layer replayed from one CUDA graph per pass, captured on the timed
     inputs (it never synchronizes with the host, so it can be captured); the baseline, which
@@ -133,6 +136,7 @@ class BenchSpec:
             graphs=self.graphs,
             mx_weight_casts=self.mx_weight_casts,
             recompute=self.recompute if self.precision == "bf16" else "none",
+            router_gradient=self.router_gradient if self.precision == "bf16" else "saved_outputs",
         )
 
 
@@ -649,6 +653,12 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             f"; the bf16 experts' activations made again in the backward (`--recompute "
             f"{first.recompute}`)"
             if first.recompute != "none"
+            else ""
+        )
+        + (
+            "; the router weights' gradient formed in the down product's backward, no pair "
+            f"outputs kept (`--router-gradient {first.router_gradient}`)"
+            if first.router_gradient != "saved_outputs"
             else ""
         )
         + (

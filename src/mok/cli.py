@@ -22,7 +22,15 @@ from mok.bench import (
     run_bench,
     write_report,
 )
-from mok.config import Backend, Graphs, MXWeightCasts, Precision, Recompute, Validation
+from mok.config import (
+    Backend,
+    Graphs,
+    MXWeightCasts,
+    Precision,
+    Recompute,
+    RouterGradient,
+    Validation,
+)
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -210,6 +218,13 @@ def _parser() -> argparse.ArgumentParser:
         "backward (one more gate/up product) instead of keeping them from the forward",
     )
     bench.add_argument(
+        "--router-gradient",
+        choices=[r.value for r in RouterGradient],
+        default=RouterGradient.SAVED_OUTPUTS.value,
+        help="with bf16 experts at EP 1: epilogue forms the router weights' gradient in the down "
+        "product's backward, so that the forward keeps no pair outputs (T x k x H a layer)",
+    )
+    bench.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
@@ -342,6 +357,7 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             graphs=args.graphs,
             mx_weight_casts=args.mx_weight_casts,
             recompute=args.recompute,
+            router_gradient=args.router_gradient,
             precision=precision,
             cuda_graph=args.cuda_graph,
         )

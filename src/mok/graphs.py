@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 import torch
 
-from mok.config import Graphs, MoKConfig, Precision, Recompute
+from mok.config import Graphs, MoKConfig, Precision, Recompute, RouterGradient
 from mok.tree import structural_copy, take_tensors
 from mok.weights import (
     MoEGradients,
@@ -61,13 +61,15 @@ def kept_bytes(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: 
     """Bytes the graphs of one token count keep between calls, roughly: the weights' gradients
     (the backward's outputs) and the per-pair activations (rows, pre-activations, h, outputs) of
     the most pairs a rank can receive from `ep_size` ranks of `num_tokens` tokens (h and the
-    pre-activations only where the forward keeps them, `MoKConfig.recompute`)."""
+    pre-activations only where the forward keeps them, `MoKConfig.recompute`; the outputs only
+    where the router weights' gradient reads them, `MoKConfig.router_gradient`)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     weights = local_experts * 3 * hidden * inter + 3 * config.shared_intermediate_size * hidden
     pairs = ep_size * num_tokens * config.top_k
     element = config.activation_dtype.itemsize
     kept_inter = 3 * inter if config.recompute is Recompute.NONE else 0
-    return element * (weights + pairs * (2 * hidden + kept_inter))
+    kept_hidden = hidden if config.router_gradient is RouterGradient.EPILOGUE else 2 * hidden
+    return element * (weights + pairs * (kept_hidden + kept_inter))
 
 
 def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> bool:

@@ -157,6 +157,7 @@ def compare_with_reference(
         mx_rounding=config.mx_rounding.value,
         swiglu_alpha=config.swiglu_alpha,
         swiglu_up_offset=config.swiglu_up_offset,
+        router_gradient=config.router_gradient.value,
     )
     y_all.backward(converted(torch.cat([r.grad_y for r in everyone])))
 

@@ -128,6 +128,8 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
+        if config.router_gradient.value == "epilogue":
+            return "router_gradient='epilogue' is not built into the overlapped backward yet"
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)

@@ -63,6 +63,7 @@ class ReferenceBackend:
             mx_rounding=self.workspace.config.mx_rounding.value,
             swiglu_alpha=self.workspace.config.swiglu_alpha,
             swiglu_up_offset=self.workspace.config.swiglu_up_offset,
+            router_gradient=self.workspace.config.router_gradient.value,
             group=self.workspace.group,
             routing=routing,
         )

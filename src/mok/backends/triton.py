@@ -191,6 +191,11 @@ class TritonBackend:
         for name, size in sizes.items():
             if size % KERNEL_MULTIPLE:
                 return f"{name}={size} is not a multiple of {KERNEL_MULTIPLE}"
+        if config.router_gradient.value == "epilogue" and group_rank_and_size(group)[1] > 1:
+            return (
+                "router_gradient='epilogue' runs at EP 1 only for now (the exchanges do not yet "
+                "carry the router weights with the rows); the reference backend runs it at any EP"
+            )
         collectives = "nccl" if device.type == "cuda" else "gloo"
         simulated = simulated_allocator() is not None  # any group: ranks share a GPU or the CPU
         if group is not None and dist.get_backend(group) != collectives and not simulated:
@@ -268,7 +273,7 @@ class TritonBackend:
             expert_out,
             router,
             shared_out,
-            save_pair_out=need_backward,
+            save_pair_out=need_backward and not self._router_gradient_in_epilogue(),
             pair_out_mx=pair_out_mx,
         )
         y = y.to(dtypes["x"])
@@ -334,6 +339,13 @@ class TritonBackend:
             topk_weights = topk_weights.float()
         return x, weights, self._dropped_as_zero(schedule.valid, topk_weights), dtypes
 
+    def _router_gradient_in_epilogue(self) -> bool:
+        """Whether the down dgrad's epilogue forms the router weights' gradient
+        (`MoKConfig.router_gradient`): the forward then keeps no pair outputs."""
+        from mok.config import RouterGradient
+
+        return self.workspace.config.router_gradient is RouterGradient.EPILOGUE
+
     def _keeps_activations(self) -> bool:
         """Whether the experts' forward keeps h and the pre-activations (`MoKConfig.recompute`)."""
         from mok.config import Recompute
@@ -385,6 +397,14 @@ class TritonBackend:
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
+        if self._router_gradient_in_epilogue():
+            grads = {}
+            grad_gate_up, grad_router = self._weighted_down_gradients(saved, grad_y, into, grads)
+            grad_router = self._dropped_as_zero(saved.valid, grad_router)
+            grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
+            grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
+            grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+            return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
@@ -430,6 +450,27 @@ class TritonBackend:
             gradients = expert_bias_gradients(grad_out, grad_gate_up, experts, *buffers)
             grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up
+
+    def _weighted_down_gradients(self, saved: _Saved, grad_y, into: dict, grads: dict):
+        """(the pre-activations' gradients [M, 2I], the router weights' gradient [T, k]) with
+        the router weights applied in the down dgrad's epilogue (EP 1): grad_y's rows copied
+        to their pairs' grouped rows unweighted, each row's weight and the dots of its pair
+        (`weighted_down_data_gradient`), then W_down's gradient of those rows and round(w h)
+        (into `grads`). The saved pre-activations and h are released after their last
+        product."""
+        from mok.kernels import down_weight_gradient, weighted_down_data_gradient
+
+        routing, experts = saved.routing, saved.experts
+        grad_rows = self.exchange.dispatch(routing, grad_y)
+        pairs = routing.grouped_pair.long()
+        row_weights = saved.weights.float().reshape(-1)[pairs]
+        grad_gate_up, dots = weighted_down_data_gradient(grad_rows, experts, row_weights)
+        experts.release("gate_up")
+        grads["down"] = down_weight_gradient(grad_rows, experts, into.get("down"))
+        experts.release("h")
+        grad_router = torch.empty_like(dots)
+        grad_router[pairs] = dots
+        return grad_gate_up, grad_router.view(saved.weights.shape)
 
     @staticmethod
     def _gate_up_gradients(grad_gate_up, experts, into: dict, grads: dict) -> torch.Tensor:

@@ -178,3 +178,75 @@ def grouped_expert_mlp(
             zero = zero + sum(b.sum() for b in biases) * 0
         return zero
     return torch.cat(outputs)
+
+
+class _WeightedDown(torch.autograd.Function):
+    """out = h @ W_down[e].T per group (fp32 accumulation, one rounding), whose backward takes
+    the rows' unweighted output gradients and applies `row_weights` after the product
+    (`weighted_down_backward`): h's gradient round(w * acc), the weights' gradient the dots,
+    W_down[e]'s gradient grad_out[e].T @ round(w * h[e])."""
+
+    @staticmethod
+    def forward(ctx, h, w_down, row_weights, group_sizes):
+        acc = accumulation_dtype(h.dtype)
+        bounds = [0, *torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).tolist()]
+        out = torch.cat(
+            [
+                (h[a:b].to(acc) @ w_down[e].to(acc).T).to(h.dtype)
+                for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+            ]
+        )
+        ctx.save_for_backward(h, w_down, row_weights)
+        ctx.group_sizes, ctx.bounds = group_sizes, bounds
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w_down, row_weights = ctx.saved_tensors
+        grad_h, dots, weighted_h = weighted_down_backward(
+            grad_out, ctx.group_sizes, h, w_down, row_weights
+        )
+        acc = accumulation_dtype(h.dtype)
+        bounds = ctx.bounds
+        grad_w_down = torch.stack(
+            [
+                (grad_out[a:b].to(acc).T @ weighted_h[a:b].to(acc)).to(w_down.dtype)
+                for a, b in zip(bounds, bounds[1:], strict=False)
+            ]
+        )
+        return grad_h, grad_w_down, dots.to(row_weights.dtype), None
+
+
+def weighted_grouped_expert_mlp(
+    rows: torch.Tensor,
+    group_sizes: list[int],
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    row_weights: torch.Tensor,
+    swiglu_limit: float | None = None,
+    *,
+    alpha: float = 1.0,
+    up_offset: float = 0.0,
+) -> torch.Tensor:
+    """`grouped_expert_mlp`'s outputs [M, H] (no biases), unweighted, whose backward applies
+    each row's router weight row_weights [M] after the down product: the gradient a caller
+    passes is the rows' unweighted one (the combine's grad_y per pair), and row_weights gets
+    <grad_out[r] @ W_down[e], h[r]> (`weighted_down_backward`'s rounding points; the
+    `router_gradient="epilogue"` layer's). Differentiable in rows, the weights and
+    row_weights."""
+    acc = accumulation_dtype(rows.dtype)
+    bounds = [0, *torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).tolist()]
+    h = torch.cat(
+        [
+            swiglu(
+                rows[a:b].to(acc) @ w_gate[e].to(acc).T,
+                rows[a:b].to(acc) @ w_up[e].to(acc).T,
+                swiglu_limit,
+                alpha,
+                up_offset,
+            ).to(rows.dtype)
+            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
+        ]
+    )
+    return _WeightedDown.apply(h, w_down, row_weights, list(group_sizes))

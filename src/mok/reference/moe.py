@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 
 from mok.distributed import all_to_all
-from mok.reference.expert import accumulation_dtype, expert_mlp, grouped_expert_mlp
+from mok.reference.expert import (
+    accumulation_dtype,
+    expert_mlp,
+    grouped_expert_mlp,
+    weighted_grouped_expert_mlp,
+)
 from mok.reference.mx import ScaleRounding
 from mok.reference.mx_expert import mx_grouped_expert_mlp, quantized
 from mok.reference.routing import ReferenceRouting
@@ -67,6 +72,25 @@ class _MXCombine(torch.autograd.Function):
         return grad_out, grad_weights, grad_shared, None
 
 
+class _CombineOfWeightedOutputs(torch.autograd.Function):
+    """`combine` whose backward hands each pair grad_y[t] unweighted and nothing to the router
+    weights: for outputs from `weighted_grouped_expert_mlp`, whose backward applies the weights
+    and forms their gradient (router_gradient="epilogue")."""
+
+    @staticmethod
+    def forward(ctx, expert_out, topk_weights, shared_out):
+        ctx.top_k = expert_out.shape[1]
+        ctx.out_dtype = expert_out.dtype
+        ctx.shared_dtype = None if shared_out is None else shared_out.dtype
+        return combine(expert_out, topk_weights, shared_out)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_out = grad_y.to(ctx.out_dtype).unsqueeze(1).expand(-1, ctx.top_k, -1)
+        grad_shared = None if ctx.shared_dtype is None else grad_y.to(ctx.shared_dtype)
+        return grad_out, None, grad_shared
+
+
 def mx_combine(
     expert_out: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -90,6 +114,7 @@ def moe_forward(
     mx_rounding: str = "rceil",
     swiglu_alpha: float = 1.0,
     swiglu_up_offset: float = 0.0,
+    router_gradient: str = "saved_outputs",
 ) -> torch.Tensor:
     """The MoE layer on this rank's tokens. Differentiable; collective when `group` is given.
 
@@ -101,9 +126,14 @@ def moe_forward(
     reads the expert outputs' MX cast (`mx_combine`). `swiglu_alpha`, `swiglu_up_offset`: the
     activation of every expert, the shared one included (`mok.reference.expert.swiglu`); the
     routed experts' biases come with `weights` (gate_bias, up_bias, down_bias).
+    router_gradient "epilogue" (bf16, no biases): each pair's router weight travels with its row
+    and the expert's backward applies it after the down product (`weighted_grouped_expert_mlp`);
+    "saved_outputs": autograd's rounding points through the combine.
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
+    if router_gradient == "epilogue" and (precision != "bf16" or weights.expert_biases()):
+        raise ValueError("router_gradient='epilogue' takes bf16 experts without biases")
     local_experts = weights.gate.shape[0]
     if routing is None:
         ep_size = 1 if group is None else dist.get_world_size(group)
@@ -117,6 +147,10 @@ def moe_forward(
     grouped = received[routing.recv_to_grouped]
     activation = {"alpha": swiglu_alpha, "up_offset": swiglu_up_offset}
     sizes = routing.group_sizes
+    if router_gradient == "epilogue":
+        return _moe_with_weighted_outputs(
+            x, grouped, topk_weights, weights, swiglu_limit, group, routing, activation
+        )
     experts = mx_grouped_expert_mlp if precision == "mxfp8" else grouped_expert_mlp
     options = {"rounding": mx_rounding} if precision == "mxfp8" else {}
     expert_rows = experts(
@@ -130,21 +164,48 @@ def moe_forward(
         **activation,
         **options,
     )
-    returned = all_to_all(
-        expert_rows[routing.grouped_to_recv], routing.send_splits, routing.recv_splits, group
-    )
-    expert_out = returned[routing.pair_order_inverse].view(tokens, top_k, hidden)
-
-    shared_out = None
-    if weights.has_shared_expert:
-        shared_out = expert_mlp(
-            x,
-            weights.shared_gate,
-            weights.shared_up,
-            weights.shared_down,
-            swiglu_limit,
-            **activation,
-        )
+    expert_out = _returned(expert_rows, routing, group, (tokens, top_k, hidden))
+    shared_out = _shared_out(x, weights, swiglu_limit, activation)
     if precision == "mxfp8":
         return mx_combine(expert_out, topk_weights, shared_out, mx_rounding)
     return combine(expert_out, topk_weights, shared_out)
+
+
+def _returned(expert_rows, routing: ReferenceRouting, group, shape) -> torch.Tensor:
+    """The grouped expert outputs sent back to their tokens' ranks: [T, k, H] (`shape`)."""
+    returned = all_to_all(
+        expert_rows[routing.grouped_to_recv], routing.send_splits, routing.recv_splits, group
+    )
+    return returned[routing.pair_order_inverse].view(shape)
+
+
+def _shared_out(x, weights: MoEWeights, swiglu_limit, activation: dict) -> torch.Tensor | None:
+    if not weights.has_shared_expert:
+        return None
+    return expert_mlp(
+        x, weights.shared_gate, weights.shared_up, weights.shared_down, swiglu_limit, **activation
+    )
+
+
+def _moe_with_weighted_outputs(
+    x, grouped, topk_weights, weights: MoEWeights, swiglu_limit, group, routing, activation
+) -> torch.Tensor:
+    """`moe_forward`'s router_gradient="epilogue" form: the pairs' router weights go with their
+    rows (fp32) to the experts, whose backward applies them; the combine's backward hands grad_y
+    to every pair unweighted."""
+    pair_weights = topk_weights.float().reshape(-1, 1)[routing.pair_order]
+    received = all_to_all(pair_weights, routing.recv_splits, routing.send_splits, group)
+    row_weights = received[routing.recv_to_grouped].view(-1)
+    expert_rows = weighted_grouped_expert_mlp(
+        grouped,
+        routing.group_sizes,
+        weights.gate,
+        weights.up,
+        weights.down,
+        row_weights,
+        swiglu_limit,
+        **activation,
+    )
+    expert_out = _returned(expert_rows, routing, group, topk_weights.shape + x.shape[1:])
+    shared_out = _shared_out(x, weights, swiglu_limit, activation)
+    return _CombineOfWeightedOutputs.apply(expert_out, topk_weights, shared_out)
