@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [tests] [bench] [kernels] [exchange] [triton] [clamp] [fuzz] [gluon] [host]
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
 #                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows] [repeat]
-#                        [recompute] [e2e-recompute]
+#                        [recompute] [e2e-recompute] [router-gradient]
 #   (default: the first five)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
@@ -30,6 +30,9 @@
 # (benchmarks/recompute.py: bitwise, time, memory kept for the backward; triton and fused) and the
 # peak against the baseline's (benchmarks/peak_memory.py, EP 1). e2e-recompute: the eager
 # training step with it beside bf16 MoK and the native experts.
+# router-gradient: `MoKConfig.router_gradient="epilogue"`'s tests, the down product's backward
+# both ways (benchmarks/router_weighting.py) and the layer with it beside the layer without
+# (benchmarks/recompute.py --option: time, memory kept for the backward).
 # ep1-rows: EP 1's gathered gate/up rows against the copy, and the local combine's sum by tile.
 # host: host time per layer call (forward / backward, beside the baseline's, kernels launched),
 # a replayed call's stages and whether the GPU waits over 8 such layers, the copies and checks
@@ -274,6 +277,14 @@ print(*m())' 2>&1)
         --backend fused --out "$OUT/recompute-fused.md"
       run recompute-peak python3 benchmarks/peak_memory.py --ep 1 --preset qwen3-30b-a3b \
         --tokens 16384 --backends baseline,triton,triton-recompute --out "$OUT/recompute-peak.md" ;;
+    router-gradient)
+      run router-gradient-tests python3 -m pytest -q -rf -p no:cacheprovider \
+        tests/test_router_gradient.py tests/kernels/test_warp_specialized.py -k "weighted or gpu"
+      run router-gradient-kernels python3 benchmarks/router_weighting.py --iters 20
+      run router-gradient-layer python3 benchmarks/recompute.py --preset qwen3-30b-a3b \
+        --tokens 16384 --option router_gradient=epilogue --out "$OUT/router-gradient.md"
+      run router-gradient-layer-ds python3 benchmarks/recompute.py --preset deepseek-v3 \
+        --tokens 8192 --option router_gradient=epilogue --out "$OUT/router-gradient-ds.md" ;;
     e2e-recompute)
       run e2e-recompute python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
         --top-k 8 --moe-intermediate 768 --seq 1024 --routing balanced --steps 12 --warmup 4 \

@@ -148,7 +148,9 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less():
     layer.load_global_weights(full)
     errors = compare_with_reference(layer, full, [inputs], 0)
     layer.workspace(device).release()
-    assert errors["grad topk_weights"] < 1e-4, errors
+    # Both form it in fp32 from their own h, whose bf16 roundings differ in a few elements: 1.6e-4
+    # measured on an H200. The saved-outputs form (y rounded to bf16) lies ~1.6e-3 away.
+    assert errors["grad topk_weights"] < 5e-4, errors
     assert all(error < TOLERANCE for error in errors.values()), errors
     saved_outputs = config.replace(router_gradient="saved_outputs")
     _, kept = kept_between_passes(saved_outputs, inputs, device)
