@@ -59,13 +59,16 @@ MOK_VARIANTS = {
     "mok-mxfp8-keep": {"precision": "mxfp8", "mx_weight_casts": "keep"},
     "mok-unfused": {"fuse_grad_accumulation": False},
     "mok-recompute": {"recompute": "gate_up"},
+    "mok-router-epilogue": {"router_gradient": "epilogue"},
 }
 """--implementations names that run MoK (transformers models and TorchTitan's), with the options
 of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8 (the weights'
 casts made by each pass, as training defaults to), `mok-mxfp8-keep` with both casts of the
 weights kept until the weights change, `mok-unfused` the micro-batches' weight gradients added by
 autograd instead of by the layer's kernels, `mok-recompute` the experts' h and pre-activations
-made again in the backward (`MoKConfig.recompute`)."""
+made again in the backward (`MoKConfig.recompute`), `mok-router-epilogue` the router weights'
+gradient formed by the down product's backward, no pair outputs kept
+(`MoKConfig.router_gradient`)."""
 
 
 def transformers_implementation(implementation: str) -> str:
@@ -678,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
         "mok-mxfp8: mok with the routed experts in MXFP8 (mok-mxfp8-keep: their weights' "
         "casts kept between steps); mok-unfused: mok with the micro-batches' weight gradients "
-        "added by autograd",
+        "added by autograd; mok-recompute, mok-router-epilogue: mok with MoKConfig.recompute="
+        "gate_up, router_gradient=epilogue",
     )
     parser.add_argument(
         "--compile",

@@ -29,7 +29,7 @@
 # recompute: `MoKConfig.recompute`'s tests, then the layer with it beside the layer without
 # (benchmarks/recompute.py: bitwise, time, memory kept for the backward; triton and fused) and the
 # peak against the baseline's (benchmarks/peak_memory.py, EP 1). e2e-recompute: the eager
-# training step with it beside bf16 MoK and the native experts.
+# training step with it and with router_gradient="epilogue" beside bf16 MoK and the native experts.
 # router-gradient: `MoKConfig.router_gradient="epilogue"`'s tests, the down product's backward
 # both ways (benchmarks/router_weighting.py) and the layer with it beside the layer without
 # (benchmarks/recompute.py --option: time, memory kept for the backward).
@@ -288,7 +288,8 @@ print(*m())' 2>&1)
     e2e-recompute)
       run e2e-recompute python3 benchmarks/train_e2e.py --layers 4 --hidden 2048 --experts 128 \
         --top-k 8 --moe-intermediate 768 --seq 1024 --routing balanced --steps 12 --warmup 4 \
-        --batch 8 --implementations grouped_mm,mok,mok-recompute --out "$OUT/e2e-recompute" ;;
+        --batch 8 --implementations grouped_mm,mok,mok-recompute,mok-router-epilogue \
+        --out "$OUT/e2e-recompute" ;;
     ep1-rows)
       # EP 1's data movement around the products: the gate/up product reading rows through an
       # index against the copy plus TMA tiles, every preset (`gathers_rows_well`'s evidence), and

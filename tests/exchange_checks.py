@@ -26,8 +26,7 @@ def compare_exchanges(symmetric, collective, inputs, expert, shared=None, extra=
     padded[:rows] = grad_rows
     grad_x_want = collective.dispatch_backward(want, grad_rows, extra)
     grad_x = symmetric.dispatch_backward(got, padded, extra)
-    symmetric.check()
-    return {
+    equal = {
         "group offsets": torch.equal(got.group_offsets, want.group_offsets),
         "grouped rows": rows == grouped_want.shape[0] and torch.equal(grouped[:rows], grouped_want),
         "y": torch.equal(y, y_want),
@@ -36,3 +35,50 @@ def compare_exchanges(symmetric, collective, inputs, expert, shared=None, extra=
         "grad weights": relative_error(grad_w, grad_w_want) < 1e-5,
         "grad x": torch.equal(grad_x, grad_x_want),
     }
+    if symmetric.shape.router_values:
+        equal.update(compare_unweighted_backward(symmetric, collective, (want, got), inputs))
+        equal["weighted as combine_backward"] = _weighted_as_combine_backward(
+            collective, want, grad_y, w, grad_grouped_want
+        )
+        equal["dots as the router gradient"] = _dots_as_the_router_gradient(
+            collective, want, grad_y, w, expert_out, grad_w_want
+        )
+    symmetric.check()
+    return equal
+
+
+def compare_unweighted_backward(symmetric, collective, routings, inputs):
+    """The epilogue form's two steps (`unweighted_combine_backward`, `pair_values`) through both
+    exchanges: bitwise equal. Catches a token's row pushed into the wrong staging row, a weight
+    stored at another pair's grouped row or rank, a dot fetched from the wrong owner."""
+    want, got = routings
+    _, _, w, grad_y = inputs
+    rows_want, weights_want = collective.unweighted_combine_backward(want, grad_y, w)
+    rows_got, weights_got = symmetric.unweighted_combine_backward(got, grad_y, w)
+    rows = rows_want.shape[0]
+    values = torch.randn(rows, dtype=torch.float32, device=grad_y.device)
+    padded = torch.full((rows_got.shape[0],), float("nan"), device=grad_y.device)
+    padded[:rows] = values
+    return {
+        "unweighted rows": torch.equal(rows_got[:rows], rows_want),
+        "row weights": torch.equal(weights_got[:rows], weights_want),
+        "pair values": torch.equal(
+            symmetric.pair_values(got, padded), collective.pair_values(want, values)
+        ),
+    }
+
+
+def _weighted_as_combine_backward(collective, routing, grad_y, w, grad_grouped_want):
+    """The collective exchange's unweighted rows times their weights are combine_backward's
+    weighted rows, bit for bit (the same fp32 product, rounded once)."""
+    grad_rows, weights = collective.unweighted_combine_backward(routing, grad_y, w)
+    weighted = (weights.unsqueeze(1) * grad_rows.float()).to(grad_rows.dtype)
+    return torch.equal(weighted, grad_grouped_want)
+
+
+def _dots_as_the_router_gradient(collective, routing, grad_y, w, expert_out, grad_w_want):
+    """Each grouped row's <grad_y row, output> sent back by `pair_values` is the router weights'
+    gradient combine_backward forms from the pairs' outputs (fp32 sums in another order)."""
+    grad_rows, _ = collective.unweighted_combine_backward(routing, grad_y, w)
+    dots = (grad_rows.float() * expert_out.float()).sum(1)
+    return relative_error(collective.pair_values(routing, dots), grad_w_want) < 1e-5

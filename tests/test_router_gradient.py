@@ -11,22 +11,26 @@ configuration that cannot run it accepted instead of refused with a clear error.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_fused_backend import cases
 from test_recompute import kept_between_passes
 from test_triton_backend_cpu import (
     CONFIG,
+    EXPERT_PARALLEL,
     SMALL,
+    Scenario,
     assert_id_error_on_its_rank,
     assert_matches_oracle,
     layer_results,
+    repeated_expert_case,
     run_scenarios,
     scenario,
 )
 
 import mok
-from mok.errors import BackendUnavailableError
 from mok.launch import run_ranks
 from mok.testing import compare_with_reference, global_weights
 
@@ -53,19 +57,45 @@ def test_the_fused_backend_refuses_the_epilogue():
     assert "not built into the overlapped backward" in reason
 
 
-def refused_at_ep2(rank, world):
-    layer = mok.MoE(SMALL.replace(**EPILOGUE), group=torch.distributed.group.WORLD, device=CPU)
-    try:
-        layer.workspace(CPU)
-    except BackendUnavailableError as error:
-        return str(error)
-    return None
+def epilogue_case(case: Scenario, **options) -> Scenario:
+    """`case` with the epilogue form (and `options`) in its config."""
+    return dataclasses.replace(case, config=case.config.replace(**EPILOGUE, **options))
 
 
 @pytest.mark.interpreter
-def test_the_triton_backend_refuses_the_epilogue_at_ep2():
-    for message in run_ranks(refused_at_ep2, 2):
-        assert message is not None and "runs at EP 1 only" in message
+@pytest.mark.parametrize("exchange", ["symmetric", "symmetric-pull", "collective"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_triton_backend_follows_float64_at_ep(world, exchange, tmp_path):
+    """Over the NVLink exchange (push and pull dispatch, symmetric memory simulated by a file)
+    and the collective one: the grad_y rows sent to each owner unweighted, each pair's weight
+    with them, the dots sent back. A bad id's pair stays zero; a rank without tokens; at EP 2
+    tokens that pick one expert twice (two grouped rows of one token on one owner)."""
+    options = {"dispatch": "pull"} if exchange == "symmetric-pull" else {}
+    scenarios = [epilogue_case(EXPERT_PARALLEL[world], **options)]
+    if world == 2:
+        scenarios.append(epilogue_case(repeated_expert_case(), **options))
+    shared_dir = None if exchange == "collective" else str(tmp_path)
+    per_rank = run_ranks(run_scenarios, world, args=(scenarios, shared_dir), timeout_s=300)
+    for rank, outcomes in enumerate(per_rank):
+        for case, results in zip(scenarios, outcomes, strict=True):
+            name = "CollectiveExchange" if exchange == "collective" else "SymmetricExchange"
+            assert results["exchange"] == name
+            assert_matches_oracle(case, rank, results)
+            assert_id_error_on_its_rank(case, rank, results)
+
+
+@pytest.mark.interpreter
+def test_capacity_overflow_drops_the_pairs_and_raises_at_check(tmp_path):
+    """Pairs past the receive capacity: their dots come back as zero, nothing is non-finite,
+    and check() raises on every rank."""
+    case = scenario(
+        SMALL.replace(recv_pair_capacity=12, **EPILOGUE), [16, 16], seed=5, routing="first-experts"
+    )
+    per_rank = run_ranks(run_scenarios, 2, args=([case], str(tmp_path)), timeout_s=300)
+    for (results,) in per_rank:
+        tensors = [v for v in results.values() if isinstance(v, torch.Tensor)]
+        assert all(bool(torch.isfinite(t.float()).all()) for t in tensors)
+        assert results["check"] == "MoKCapacityError"
 
 
 def reference_results(rank, world, scenarios):
@@ -156,3 +186,35 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less():
     _, kept = kept_between_passes(saved_outputs, inputs, device)
     _, kept_less = kept_between_passes(config, inputs, device)
     assert kept - kept_less == 2 * tokens * config.top_k * config.hidden_size
+
+
+@pytest.mark.shares_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens_per_rank", [[160, 97], [131, 0, 97]], ids=["EP 2", "EP 3"])
+def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(tokens_per_rank):
+    """The NVLink exchange's new steps as compiled for the GPU (symmetric memory by CUDA IPC,
+    ranks sharing one GPU), with the Gluon kernels, at deepseek-v3's shape with a shared expert
+    and the clamp: every result against the reference of the same rounding points, bitwise
+    repeatable with no host sync; the router weights' gradient to fp32 sums, as at EP 1."""
+    from test_triton_backend import (
+        TOLERANCE,
+        check_cases_sharing_one_gpu,
+        sharing_cases,
+    )
+
+    cases = [
+        (f"{name} epilogue", config.replace(**EPILOGUE), routing)
+        for name, config, routing in sharing_cases()
+        if name in ("deepseek-v3 zipf", "qwen3-30b half-empty", "tiny clamp")
+    ]
+    per_rank = run_ranks(
+        check_cases_sharing_one_gpu,
+        len(tokens_per_rank),
+        args=(cases, tokens_per_rank, "triton"),
+        timeout_s=900,
+    )
+    for results in per_rank:
+        for name, errors, repeatable in results:
+            assert repeatable, name
+            assert errors["grad topk_weights"] < 5e-4, (name, errors)
+            assert all(error < TOLERANCE for error in errors.values()), (name, errors)

@@ -329,3 +329,18 @@ def test_an_implementation_named_twice_runs_twice_and_repeats_exactly(script, tm
     assert "Repeated runs against their implementation's first: mok #2 bit for bit" in report
     assert "deterministic algorithms: on" in report
     assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_the_router_epilogue_trains_alike(script, tmp_path):
+    """`--implementations mok,mok-router-epilogue`: the run with `router_gradient="epilogue"`
+    follows the plain one within bf16 noise, and is not the same run (catches the option not
+    reaching the layers through the adapter: the two runs would be identical)."""
+    args = ["--device", "cpu", "--implementations", "mok,mok-router-epilogue", "--steps", "8"]
+    args += ["--warmup", "1", "--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
+    args += ["--moe-intermediate", "32", "--batch", "4", "--seq", "32", "--lr", "3e-3"]
+    assert script.main([*args, "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "train-e2e.json").read_text())["results"]
+    plain, epilogue = results["mok"], results["mok-router-epilogue"]
+    assert epilogue["losses"][-1] < epilogue["losses"][0] - 0.1
+    assert epilogue["max_loss_difference"] < 0.02
+    assert epilogue["losses"] != plain["losses"]

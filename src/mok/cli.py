@@ -221,8 +221,9 @@ def _parser() -> argparse.ArgumentParser:
         "--router-gradient",
         choices=[r.value for r in RouterGradient],
         default=RouterGradient.SAVED_OUTPUTS.value,
-        help="with bf16 experts at EP 1: epilogue forms the router weights' gradient in the down "
-        "product's backward, so that the forward keeps no pair outputs (T x k x H a layer)",
+        help="with bf16 experts (not the fused backend): epilogue forms the router weights' "
+        "gradient in the down product's backward, so that the forward keeps no pair outputs "
+        "(T x k x H a layer)",
     )
     bench.add_argument(
         "--cuda-graph",

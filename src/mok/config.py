@@ -134,8 +134,10 @@ class RouterGradient(str, enum.Enum):
     unweighted and forms <grad_y[t] @ W_down[e], h> in its epilogue, in fp32 from the operands
     the forward used (exact but for fp32 sums), then applies the weight to the product before
     its one rounding; W_down's gradient reads round(w * h). Measured on an H200, the down
-    product's backward takes 2-13 % longer (the epilogue reads and writes h). The `reference`
-    backend (any EP) and the `triton` backend at EP 1; no expert biases."""
+    product's backward takes 2-13 % longer (the epilogue reads and writes h). At EP > 1 a
+    token's grad_y row crosses to each owner once, with each pair's weight, instead of one
+    weighted row per pair, and each pair's dot comes back. The `reference` and `triton`
+    backends (any EP; not `fused`); no expert biases."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,6 +145,7 @@ class TritonBackend:
             config.recv_pair_capacity,
             dtype=dtype,
             pull_dispatch=cls._pulls(config),
+            router_values=config.router_gradient.value == "epilogue",
             **layout,
         )
 
@@ -191,11 +192,6 @@ class TritonBackend:
         for name, size in sizes.items():
             if size % KERNEL_MULTIPLE:
                 return f"{name}={size} is not a multiple of {KERNEL_MULTIPLE}"
-        if config.router_gradient.value == "epilogue" and group_rank_and_size(group)[1] > 1:
-            return (
-                "router_gradient='epilogue' runs at EP 1 only for now (the exchanges do not yet "
-                "carry the router weights with the rows); the reference backend runs it at any EP"
-            )
         collectives = "nccl" if device.type == "cuda" else "gloo"
         simulated = simulated_allocator() is not None  # any group: ranks share a GPU or the CPU
         if group is not None and dist.get_backend(group) != collectives and not simulated:
@@ -399,11 +395,13 @@ class TritonBackend:
         grad_y = grad_y.to(self.dtype).contiguous()
         if self._router_gradient_in_epilogue():
             grads = {}
-            grad_gate_up, grad_router = self._weighted_down_gradients(saved, grad_y, into, grads)
-            grad_router = self._dropped_as_zero(saved.valid, grad_router)
+            grad_gate_up, dots = self._weighted_down_gradients(saved, grad_y, into, grads)
             grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
             grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
             grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+            # After grad x: at EP > 1 the ranks meet once more, where they are level anyway.
+            grad_router = self.exchange.pair_values(saved.routing, dots)
+            grad_router = self._dropped_as_zero(saved.valid, grad_router)
             return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
@@ -452,25 +450,24 @@ class TritonBackend:
         return grad_gate_up
 
     def _weighted_down_gradients(self, saved: _Saved, grad_y, into: dict, grads: dict):
-        """(the pre-activations' gradients [M, 2I], the router weights' gradient [T, k]) with
-        the router weights applied in the down dgrad's epilogue (EP 1): grad_y's rows copied
-        to their pairs' grouped rows unweighted, each row's weight and the dots of its pair
+        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
+        fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
+        to their pairs' grouped rows unweighted with each row's weight
+        (`Exchange.unweighted_combine_backward`), the weighted down dgrad
         (`weighted_down_data_gradient`), then W_down's gradient of those rows and round(w h)
         (into `grads`). The saved pre-activations and h are released after their last
         product."""
         from mok.kernels import down_weight_gradient, weighted_down_data_gradient
 
-        routing, experts = saved.routing, saved.experts
-        grad_rows = self.exchange.dispatch(routing, grad_y)
-        pairs = routing.grouped_pair.long()
-        row_weights = saved.weights.float().reshape(-1)[pairs]
+        experts = saved.experts
+        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
+            saved.routing, grad_y, saved.weights
+        )
         grad_gate_up, dots = weighted_down_data_gradient(grad_rows, experts, row_weights)
         experts.release("gate_up")
         grads["down"] = down_weight_gradient(grad_rows, experts, into.get("down"))
         experts.release("h")
-        grad_router = torch.empty_like(dots)
-        grad_router[pairs] = dots
-        return grad_gate_up, grad_router.view(saved.weights.shape)
+        return grad_gate_up, dots
 
     @staticmethod
     def _gate_up_gradients(grad_gate_up, experts, into: dict, grads: dict) -> torch.Tensor:

@@ -172,6 +172,30 @@ class CollectiveExchange:
         grad_grouped[routing.return_order] = received
         return grad_grouped, grad_w
 
+    def unweighted_combine_backward(
+        self, routing: Routing, grad_y: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y's row of each grouped row's token [R, H], sent as `dispatch` sends x; each
+        grouped row's pair's weight [R] fp32)."""
+        flat = topk_weights.float().reshape(-1, 1)[routing.pair_send_order]
+        received = all_to_all(flat, routing.recv_pairs, routing.send_pairs, self.group)
+        weights = torch.empty_like(received)
+        weights[routing.return_order] = received
+        return self.dispatch(routing, grad_y), weights.view(-1)
+
+    def pair_values(self, routing: Routing, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: each pair's value of row_values [R] fp32 (one per grouped row), sent back
+        as `gather_outputs` sends the outputs."""
+        back = all_to_all(
+            row_values.float().reshape(-1, 1)[routing.return_order],
+            routing.send_pairs,
+            routing.recv_pairs,
+            self.group,
+        )
+        values = torch.empty_like(back)
+        values[routing.pair_send_order] = back
+        return values.view(-1, routing.top_k)
+
     def dispatch_backward(
         self, routing: Routing, grad_grouped: torch.Tensor, extra: torch.Tensor | None = None
     ) -> torch.Tensor:

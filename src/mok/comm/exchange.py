@@ -73,6 +73,18 @@ class Exchange(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients of the grouped expert outputs, gradient of topk_weights [T, k])."""
 
+    def unweighted_combine_backward(
+        self, routing: ExchangeRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The combine's backward with the router weights left for the down product's epilogue
+        (`MoKConfig.router_gradient="epilogue"`): (grad_y's row of each grouped row's token,
+        unweighted, [rows, H]; each grouped row's pair's weight, [rows] fp32). A token's row
+        crosses to each owner once, as x's does in `dispatch`."""
+
+    def pair_values(self, routing: ExchangeRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: pair (t, j)'s value from row_values [rows] fp32, one per grouped row
+        (the router weights' dots), back on the token's rank; 0 for pairs dropped for capacity."""
+
     def dispatch_backward(
         self,
         routing: ExchangeRouting,

@@ -295,6 +295,18 @@ class LocalExchange:
         )
         return grad_grouped, grad_w
 
+    def unweighted_combine_backward(self, routing, grad_y, topk_weights):
+        """(grad_y's row of each grouped row's token [T * k, H], each grouped row's weight
+        [T * k] fp32)."""
+        weights = topk_weights.float().reshape(-1)[routing.grouped_pair.long()]
+        return self.dispatch(routing, grad_y), weights
+
+    def pair_values(self, routing, row_values):
+        """[T, k] fp32: pair (t, j)'s value, row_values[pair_row[t, j]]."""
+        values = torch.empty(routing.pair_row.numel(), dtype=torch.float32, device=self.device)
+        values[routing.grouped_pair.long()] = row_values
+        return values.view(routing.pair_row.shape)
+
     def dispatch_backward(self, routing, grad_grouped, extra=None):
         """grad x [T, H]: per token, its pairs' row gradients in fp32, j ascending, then `extra`."""
         tokens = routing.pair_row.shape[0]

@@ -21,6 +21,11 @@ Who moves what (the side that knows the addresses does the copy):
             barrier, the owner loads them (combine_backward); the owner sums its pairs' input
             gradients per staging row in fp32, barrier, the token's rank loads and sums them over
             owners in ascending rank (dispatch_backward).
+            With the router weights applied by the down product's epilogue instead: the token's
+            rank stores its grad_y rows into the owners' staging, as a push dispatch does but
+            with no flags, and each pair's weight into its owner's row_weights, barrier, the
+            owner expands (unweighted_combine_backward); later the owner writes its rows' dots,
+            barrier, the token's rank loads each pair's (pair_values).
 
 Every wait is bounded (`mok.kernels.sync`): a barrier or flag that a peer never reaches gives up
 after `timeout_s`, records which wait and which peer on the device, and `check()` raises
@@ -83,6 +88,8 @@ WAITS = (
     "dispatch: x copied for pulling",
     "combine: expert outputs written",
     "combine backward: pair gradients written",
+    "combine backward: gradient rows and router weights pushed",
+    "combine backward: the rows' router-weight dots written",
     "dispatch backward: staging gradients summed",
     "release: peers done with the buffers",
     "combine: expert outputs stored here",
@@ -121,6 +128,10 @@ class ExchangeShape:
     dispatch_width: int | None = None
     """Elements of `dtype` per dispatched row (None: hidden). The MXFP8 layer dispatches packed
     e4m3 rows (`MXRows.as_rows`): about half of hidden."""
+    router_values: bool = False
+    """Two fp32 values per grouped row besides (the router weights in, their gradient's dots
+    out), for `unweighted_combine_backward` and `pair_values`
+    (`MoKConfig.router_gradient="epilogue"`)."""
 
     def __post_init__(self):
         if self.overlapped and self.dispatch_width not in (None, self.hidden):
@@ -196,6 +207,9 @@ def buffer_layout(
         layout.append(("x_copy", (s.max_tokens, width), s.dtype))
     if s.overlapped:  # its pair_out is grad_pairs' memory (`SymmetricView.pair_out`)
         layout.append(("combine_counts", (ep_size,), torch.int32))
+    if s.router_values:
+        layout.append(("row_weights", (s.pair_capacity, 1), torch.float32))
+        layout.append(("row_dots", (s.pair_capacity, 1), torch.float32))
     return layout
 
 
@@ -290,6 +304,13 @@ class SymmetricView:
     pair gradients are done (its communication stream joined before the barrier)."""
     combine_counts: PeerTensor | None
     """[ep] int32 overlapped: per owner, its rows stored into pair_out (x column tiles)."""
+    row_weights: PeerTensor | None
+    """[pair_capacity, 1] fp32 with `router_values`: each grouped row's router weight, pushed by
+    the token's rank in `unweighted_combine_backward`."""
+    row_dots: PeerTensor | None
+    """[pair_capacity, 1] fp32 with `router_values`: each grouped row's router-weight dot, for
+    the token's rank to pull (`pair_values`). Apart from row_weights: a rank may push the next
+    backward's weights into a peer while another still pulls that peer's dots."""
     epoch: torch.Tensor
     """[1] int32: calls of `route` so far."""
     sequence: torch.Tensor
@@ -398,6 +419,8 @@ class SymmetricExchange:
             expert_out=frozen.pop("expert_out", None),
             pair_out=frozen["grad_pairs"] if s.overlapped else None,
             combine_counts=frozen.pop("combine_counts", None),
+            row_weights=frozen.pop("row_weights", None),
+            row_dots=frozen.pop("row_dots", None),
             **frozen,
             epoch=torch.zeros(1, dtype=torch.int32, device=device),
             sequence=torch.zeros(1, dtype=torch.int64, device=device),
@@ -1047,6 +1070,93 @@ class SymmetricExchange:
             **COPY_TILE,
         )
         return grad_grouped, grad_w
+
+    def unweighted_combine_backward(
+        self, routing: SymmetricRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y's row of each grouped row's token [routing.rows, H], first recv_pairs valid;
+        each grouped row's pair's weight [routing.rows] fp32): the values of
+        `CollectiveExchange.unweighted_combine_backward`. Needs the `router_values` layout.
+
+        Each token's row goes once to each owner, into its staging rows: nothing reads staging
+        between a forward's expand, done before that forward's combine barrier, and the next
+        route (a push dispatch writes it only after the route's barriers). No readiness flags:
+        the epoch's are the forward dispatch's already, so the barrier orders the stores."""
+        self._require_plain_layout("unweighted_combine_backward")
+        s, view = self.shape, self.view
+        if view.row_weights is None:
+            raise ValueError(
+                "SymmetricExchange.unweighted_combine_backward needs an exchange shape with "
+                "router_values=True"
+            )
+        if grad_y.dim() != 2 or grad_y.shape[1] != s.dispatch_columns or grad_y.dtype != s.dtype:
+            raise ValueError(
+                f"SymmetricExchange.unweighted_combine_backward takes rows of "
+                f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
+            )
+        tokens = grad_y.shape[0]
+        push_rows(
+            grad_y.contiguous(),
+            routing.token_slot,
+            view.staging.local,
+            view.staging.offsets,
+            self.programs,
+            s.block_tokens,
+            **PUSH_TILE,
+        )
+        copy_rows(
+            view.row_weights.local,
+            topk_weights.float().reshape(-1, 1).contiguous(),
+            self._pair_rows(tokens).view(-1),
+            self._row_count(tokens * s.top_k),
+            self.programs,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            dst_offsets=view.row_weights.offsets,
+            dst_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        self._barrier("combine backward: gradient rows and router weights pushed")
+        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        copy_rows(
+            grad_rows,
+            view.staging.local,
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            self.local_sms,
+            COPY_ROWS,
+            **COPY_TILE,
+        )
+        # A copy: the next backward's pushes rewrite the region once every rank passed this
+        # one's `pair_values` barrier, and the caller may keep the weights longer.
+        weights = view.row_weights.local[: routing.rows, 0].clone()
+        return grad_rows, weights
+
+    def pair_values(self, routing: SymmetricRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: each pair's value of row_values [routing.rows] fp32 (first recv_pairs
+        valid) on its owner, 0 for pairs dropped for capacity. Collective (a barrier)."""
+        view = self.view
+        if view.row_dots is None:
+            raise ValueError(
+                "SymmetricExchange.pair_values needs an exchange shape with router_values=True"
+            )
+        rows = min(row_values.shape[0], self.shape.pair_capacity)
+        view.row_dots.local[:rows, 0].copy_(row_values[:rows])
+        self._barrier("combine backward: the rows' router-weight dots written")
+        tokens, top_k = routing.pair_row.shape
+        values = torch.empty(tokens * top_k, 1, dtype=torch.float32, device=self.device)
+        copy_rows(
+            values,
+            view.row_dots.local,
+            routing.pair_row.view(-1),
+            self._row_count(tokens * top_k),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=view.row_dots.offsets,
+            src_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        return values.view(tokens, top_k)
 
     def dispatch_backward(
         self,
