@@ -443,6 +443,11 @@ def test_symmetric_buffer_sizes_follow_the_layout_arithmetic():
     small = mok.symmetric_buffer_bytes(config.replace(backend="fused", recv_capacity=2048), 2)
     assert small["grad_staging"] == 8192 * row
     assert fused["grad_pairs"] == 8192 * 8 * row
+    # router_gradient="epilogue": no pair gradients, two fp32 values per grouped row instead.
+    epilogue = mok.symmetric_buffer_bytes(config.replace(router_gradient="epilogue"), 2)
+    assert "grad_pairs" not in epilogue
+    assert epilogue["row_weights"] == epilogue["row_dots"] == 131072 * 4
+    assert sum(triton.values()) - sum(epilogue.values()) == 8192 * 8 * row - 2 * 131072 * 4
     assert mok.symmetric_buffer_bytes(config, 1) == {}
     assert mok.symmetric_buffer_bytes(config.replace(backend="reference"), 2) == {}
 
@@ -452,6 +457,12 @@ def test_memory_prints_the_buffer_per_preset_and_ep(capsys, monkeypatch):
     assert main(["memory", "--preset", "deepseek-v3", "--ep", "1,2"]) == 0
     out = capsys.readouterr().out
     assert "3.283" in out  # EP 2: 0.219 + 1.75 + 0.875 + 0.438 GiB and the small regions
+    argv = ["memory", "--preset", "deepseek-v3", "--ep", "2", "--router-gradient", "epilogue"]
+    assert main(argv) == 0
+    assert "2.409" in capsys.readouterr().out  # without the 0.875 GiB of pair gradients
+    with pytest.raises(SystemExit):
+        main([*argv, "--backend", "fused"])
+    assert "the fused backend does not run it" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["memory", "--preset", "deepseek-v3", "--ep", "3"])
     assert "256 experts cannot be split evenly over 3 ranks" in capsys.readouterr().err

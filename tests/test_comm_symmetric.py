@@ -69,7 +69,8 @@ def compare_case(rank, world, kind, config, tokens, seed, pull):
         weights = (full.gate[experts], full.up[experts], full.down[experts])
         return grouped_expert_mlp(grouped, sizes, *weights, config.swiglu_limit)
 
-    symmetric = make_exchange(config, world, max(tokens), pull_dispatch=pull, router_values=True)
+    # Pulls with the epilogue form's backward, pushes with the saved outputs'.
+    symmetric = make_exchange(config, world, max(tokens), pull_dispatch=pull, router_values=pull)
     collective = CollectiveExchange(dist.group.WORLD, local)
     shared = torch.randn_like(inputs[0]) if config.has_shared_expert else None
     extra = torch.randn_like(inputs[0]) if config.has_shared_expert else None

@@ -53,9 +53,9 @@ def compare(rank, world, tmp, pull):
         idx, w = make_routing(kind, tokens[rank], world * local, top_k, generator)
         grad_y = torch.randn(tokens[rank], hidden, generator=generator)
         shared = torch.randn(tokens[rank], hidden, generator=generator)
-        symmetric = make_exchange(
-            tmp, world, hidden, top_k, local, max(tokens), pull_dispatch=pull, router_values=True
-        )
+        # Every other case with the epilogue form's backward (its layout has no pair gradients).
+        options = {"pull_dispatch": pull, "router_values": index % 2 == 1}
+        symmetric = make_exchange(tmp, world, hidden, top_k, local, max(tokens), **options)
         collective = CollectiveExchange(dist.group.WORLD, local)
 
         inputs = (x, idx, w, grad_y)
@@ -77,7 +77,8 @@ def test_symmetric_exchange_protocol_matches_the_collective_exchange(world, pull
 
 def many_routings(rank, world, tmp, pull):
     """One exchange through several routings in a row (as all layers of a shape share one)."""
-    symmetric = make_exchange(tmp, world, 24, 3, 2, 20, pull_dispatch=pull, router_values=True)
+    # Pulls with the epilogue form's backward, pushes with the saved outputs'.
+    symmetric = make_exchange(tmp, world, 24, 3, 2, 20, pull_dispatch=pull, router_values=pull)
     collective = CollectiveExchange(dist.group.WORLD, 2)
     results = []
     for call, kind in enumerate(["uniform", "one-expert", "zipf", "first-experts", "uniform"]):

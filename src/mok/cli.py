@@ -275,6 +275,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="C",
         help="expert rows per rank for C x the mean pairs (T x k) instead of the worst case",
     )
+    memory.add_argument(
+        "--router-gradient",
+        choices=[r.value for r in RouterGradient],
+        default=RouterGradient.SAVED_OUTPUTS.value,
+        help="epilogue: the layout of router_gradient='epilogue' (triton backend), which holds no "
+        "pair gradients",
+    )
     memory.set_defaults(command_parser=memory)
     return parser
 
@@ -436,7 +443,12 @@ def _memory(args, parser: argparse.ArgumentParser) -> int:
 
     import mok
 
-    table = Table(title=f"symmetric buffer per rank, GiB ({args.backend} backend)")
+    if args.backend == "fused" and args.router_gradient != RouterGradient.SAVED_OUTPUTS.value:
+        parser.error(f"--router-gradient {args.router_gradient}: the fused backend does not run it")
+    title = f"symmetric buffer per rank, GiB ({args.backend} backend"
+    if args.router_gradient != RouterGradient.SAVED_OUTPUTS.value:
+        title += f", router_gradient={args.router_gradient}"
+    table = Table(title=title + ")")
     rows = []
     for name in args.preset:
         for ep in args.ep:
@@ -451,6 +463,7 @@ def _memory(args, parser: argparse.ArgumentParser) -> int:
                 tokens=args.tokens,
                 backend=args.backend,
                 pair_capacity_factor=args.pair_capacity_factor,
+                router_gradient=args.router_gradient,
             )
             regions = mok.symmetric_buffer_bytes(spec.config(), ep)
             rows.append((name, ep, spec.tokens_per_rank, regions))

@@ -129,9 +129,10 @@ class ExchangeShape:
     """Elements of `dtype` per dispatched row (None: hidden). The MXFP8 layer dispatches packed
     e4m3 rows (`MXRows.as_rows`): about half of hidden."""
     router_values: bool = False
-    """Two fp32 values per grouped row besides (the router weights in, their gradient's dots
-    out), for `unweighted_combine_backward` and `pair_values`
-    (`MoKConfig.router_gradient="epilogue"`)."""
+    """The backward of `MoKConfig.router_gradient="epilogue"`: two fp32 values per grouped row
+    (the router weights in, their gradient's dots out) for `unweighted_combine_backward` and
+    `pair_values`, and, unless overlapped, no pair gradients (`combine_backward` refused): T x k
+    rows of H fewer."""
 
     def __post_init__(self):
         if self.overlapped and self.dispatch_width not in (None, self.hidden):
@@ -192,9 +193,10 @@ def buffer_layout(
         ("counts", (ep_size, experts + ep_size), torch.int64),
         ("pair_meta", (s.pair_capacity + 1, 2), torch.int64),
         ("flags", (ep_size * s.blocks_per_rank,), torch.int32),
-        ("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype),
-        ("grad_staging", (staging_rows, s.hidden), torch.float32),
     ]
+    if s.overlapped or not s.router_values:
+        layout.append(("grad_pairs", (s.max_tokens * s.top_k, s.hidden), s.dtype))
+    layout.append(("grad_staging", (staging_rows, s.hidden), torch.float32))
     # The overlapped layout stores the expert outputs straight into the token ranks' pair
     # slots, and pulls straight into the products' rows (staging only for a push).
     if not (s.overlapped and s.pull_dispatch):
@@ -281,8 +283,9 @@ class SymmetricView:
     dispatched rows' width, `ExchangeShape.dispatch_columns`)."""
     expert_out: PeerTensor | None
     """[pair_capacity, H]: the expert outputs peers pull back (not overlapped)."""
-    grad_pairs: PeerTensor
-    """[T_max * k, H]: the pairs' output gradients owners pull in backward."""
+    grad_pairs: PeerTensor | None
+    """[T_max * k, H]: the pairs' output gradients owners pull in backward (not with
+    `router_values`, unless overlapped)."""
     grad_staging: PeerTensor
     """[token_capacity, H] fp32: per staging row, the sum of its pairs' input gradients (more
     rows where the overlapped layout's copy of x, which shares its memory, needs them)."""
@@ -418,6 +421,7 @@ class SymmetricExchange:
             staging=frozen.pop("staging", None),
             expert_out=frozen.pop("expert_out", None),
             pair_out=frozen["grad_pairs"] if s.overlapped else None,
+            grad_pairs=frozen.pop("grad_pairs", None),
             combine_counts=frozen.pop("combine_counts", None),
             row_weights=frozen.pop("row_weights", None),
             row_dots=frozen.pop("row_dots", None),
@@ -1047,6 +1051,11 @@ class SymmetricExchange:
         """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
         the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
         the summation order of their fp32 dot products); pair_out as `combine` saved it."""
+        if self.view.grad_pairs is None:
+            raise ValueError(
+                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
+                "pair gradients; its backward is unweighted_combine_backward"
+            )
         s = self.shape
         tokens = grad_y.shape[0]
         grad_w = pair_gradients(
