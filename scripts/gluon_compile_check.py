@@ -382,6 +382,17 @@ def tl_cases():
             gate_up[:, inter:], offsets, torch.zeros(experts, inter, dtype=bf16), True
         ),
     )
+    yield (
+        "tl group_column_sums row-weighted",
+        lambda: gg.group_column_sums(
+            x, offsets, torch.zeros(experts, hidden), True, row_weights=torch.zeros(m)
+        ),
+    )
+    dots_tiles = tiles(GemmTiles(gg.ROW_DOTS_BLOCK_M, 128, 64))
+    yield (
+        "tl group_row_dots",
+        lambda: gg.group_row_dots(x, dots_tiles, bias_h, torch.zeros(m)),
+    )
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096

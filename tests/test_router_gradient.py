@@ -43,10 +43,9 @@ def test_config_refuses_the_epilogue_where_it_does_not_apply():
     assert CONFIG.router_gradient is mok.RouterGradient.SAVED_OUTPUTS
     with pytest.raises(mok.MoKConfigError, match="router_gradient must be one of"):
         CONFIG.replace(router_gradient="kernel")
-    with pytest.raises(mok.MoKConfigError, match="bf16 experts without biases"):
+    with pytest.raises(mok.MoKConfigError, match="takes bf16 experts"):
         CONFIG.replace(precision="mxfp8", hidden_size=64, **EPILOGUE)
-    with pytest.raises(mok.MoKConfigError, match="bf16 experts without biases"):
-        CONFIG.replace(expert_bias=True, **EPILOGUE)
+    assert CONFIG.replace(expert_bias=True, **EPILOGUE).expert_bias
 
 
 @pytest.mark.interpreter
@@ -69,11 +68,13 @@ def test_the_triton_backend_follows_float64_at_ep(world, exchange, tmp_path):
     """Over the NVLink exchange (push and pull dispatch, symmetric memory simulated by a file)
     and the collective one: the grad_y rows sent to each owner unweighted, each pair's weight
     with them, the dots sent back. A bad id's pair stays zero; a rank without tokens; at EP 2
-    tokens that pick one expert twice (two grouped rows of one token on one owner)."""
+    tokens that pick one expert twice (two grouped rows of one token on one owner); expert
+    biases."""
     options = {"dispatch": "pull"} if exchange == "symmetric-pull" else {}
     scenarios = [epilogue_case(EXPERT_PARALLEL[world], **options)]
     if world == 2:
         scenarios.append(epilogue_case(repeated_expert_case(), **options))
+        scenarios.append(epilogue_case(scenario(BIASED, [17, 11], seed=8), **options))
     shared_dir = None if exchange == "collective" else str(tmp_path)
     per_rank = run_ranks(run_scenarios, world, args=(scenarios, shared_dir), timeout_s=300)
     for rank, outcomes in enumerate(per_rank):
@@ -109,7 +110,12 @@ def reference_results(rank, world, scenarios):
     return outcomes
 
 
-@pytest.mark.parametrize("config", [CONFIG, SMALL], ids=["shared-clamp", "small"])
+BIASED = SMALL.replace(expert_bias=True)
+"""Expert biases (SwiGLU: the float64 oracle knows no other activation): the dots gain
+<grad_y, b_down>, and b_down's gradient sums the rows times their weights."""
+
+
+@pytest.mark.parametrize("config", [CONFIG, SMALL, BIASED], ids=["shared-clamp", "small", "biases"])
 def test_the_reference_follows_float64_in_one_process(config):
     """The oracle's epilogue form against exact math, with a shared expert and the clamp."""
     config = config.replace(backend="reference", **EPILOGUE)
@@ -121,8 +127,8 @@ def test_the_reference_follows_float64_in_one_process(config):
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, SMALL, CONFIG.replace(recompute="gate_up")],
-    ids=["shared-clamp", "small", "recompute"],
+    [CONFIG, SMALL, CONFIG.replace(recompute="gate_up"), BIASED],
+    ids=["shared-clamp", "small", "recompute", "biases"],
 )
 def test_the_triton_backend_follows_float64_in_one_process(config):
     """The kernels (interpreter, fp32) over a plain call, a bad id (its pair's gradient zero),
@@ -136,10 +142,11 @@ def test_the_triton_backend_follows_float64_in_one_process(config):
         assert_id_error_on_its_rank(case, 0, results)
 
 
+@pytest.mark.parametrize("biases", [False, True], ids=["plain", "biases"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_the_reference_follows_float64_at_ep(world):
+def test_the_reference_follows_float64_at_ep(world, biases):
     """The pairs' weights travel with their rows over gloo (a rank without tokens at EP 3)."""
-    config = SMALL.replace(backend="reference", num_experts=6, **EPILOGUE)
+    config = SMALL.replace(backend="reference", num_experts=6, expert_bias=biases, **EPILOGUE)
     tokens = [21, 13, 9][:world] if world == 2 else [19, 0, 7]
     case = scenario(config, tokens, seed=5, routing="zipf")
     per_rank = run_ranks(reference_results, world, args=([case],))
@@ -162,14 +169,16 @@ def test_the_forward_keeps_no_pair_outputs():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less():
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
+def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset):
     """On an H200's kernels (Gluon, x read through each pair's token): every result against
     the reference of the same rounding points, the router weights' gradient to fp32 sums (both
-    form it from the forward's h), and the forward keeps T x k x H bf16 values fewer."""
+    form it from the forward's h), and the forward keeps T x k x H bf16 values fewer; with
+    gpt-oss's biases and activation, the down bias's dots and the biases' gradients."""
     from test_triton_backend import TOLERANCE, preset_configs, rank_inputs
 
     device = torch.device("cuda")
-    config = dict(preset_configs(num_experts=16))["qwen3-30b-a3b"]
+    config = dict(preset_configs(num_experts=16))[preset]
     config = config.replace(graphs="off", shared_intermediate_size=256, **EPILOGUE)
     tokens = 250
     inputs = rank_inputs(config, tokens, "zipf", 5, device)
@@ -193,12 +202,15 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less():
 @pytest.mark.parametrize("tokens_per_rank", [[160, 97], [131, 0, 97]], ids=["EP 2", "EP 3"])
 def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(tokens_per_rank):
     """The NVLink exchange's new steps as compiled for the GPU (symmetric memory by CUDA IPC,
-    ranks sharing one GPU), with the Gluon kernels, at deepseek-v3's shape with a shared expert
-    and the clamp: every result against the reference of the same rounding points, bitwise
-    repeatable with no host sync; the router weights' gradient to fp32 sums, as at EP 1."""
+    ranks sharing one GPU), with the Gluon kernels, at deepseek-v3's shape with a shared expert,
+    the clamp, gpt-oss's biases: every result against the reference of the same rounding
+    points, bitwise repeatable with no host sync; the router weights' gradient to fp32 sums, as
+    at EP 1."""
     from test_triton_backend import (
+        SHARING_PEER_TIMEOUT_S,
         TOLERANCE,
         check_cases_sharing_one_gpu,
+        preset_configs,
         sharing_cases,
     )
 
@@ -207,6 +219,9 @@ def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(tokens_per_
         for name, config, routing in sharing_cases()
         if name in ("deepseek-v3 zipf", "qwen3-30b half-empty", "tiny clamp")
     ]
+    gpt_oss = dict(preset_configs(num_experts=12))["gpt-oss-20b"]
+    patient = gpt_oss.replace(peer_timeout_s=SHARING_PEER_TIMEOUT_S, **EPILOGUE)
+    cases.append(("gpt-oss-20b zipf epilogue", patient, "zipf"))
     per_rank = run_ranks(
         check_cases_sharing_one_gpu,
         len(tokens_per_rank),

@@ -26,6 +26,7 @@ from mok.testing import (
     relative_error,
     shared_file_allocator,
 )
+from mok.weights import ROUTED_FIELDS
 
 # Computed in fp32, rounded once to bf16 (y and the gradients of x and the weights): normwise
 # errors of ~1e-3, where a wrong or missing term of any gradient costs far more than 5e-3.
@@ -161,7 +162,7 @@ def assert_matches_oracle(case: Scenario, rank: int, results: dict) -> None:
     for key, expected in want.items():
         if key in ("y", "grad x", "grad topk_weights"):
             expected = expected[tokens]
-        elif key in ("grad gate", "grad up", "grad down"):
+        elif key.removeprefix("grad ") in ROUTED_FIELDS:
             expected = expected[experts]
         error = relative_error(results[key], expected)
         assert error <= TOLERANCE, (rank, key, error)

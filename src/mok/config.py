@@ -136,8 +136,9 @@ class RouterGradient(str, enum.Enum):
     its one rounding; W_down's gradient reads round(w * h). Measured on an H200, the down
     product's backward takes 2-13 % longer (the epilogue reads and writes h). At EP > 1 a
     token's grad_y row crosses to each owner once, with each pair's weight, instead of one
-    weighted row per pair, and each pair's dot comes back. The `reference` and `triton`
-    backends (any EP; not `fused`); no expert biases."""
+    weighted row per pair, and each pair's dot comes back. With expert biases the dots gain
+    <grad_y[t], b_down[e]> and b_down's gradient sums w * grad_y in fp32. bf16; the `reference`
+    and `triton` backends (any EP; not `fused`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,12 +257,10 @@ class MoKConfig:
             )
         router_gradient = parse_enum(RouterGradient, self.router_gradient, "router_gradient")
         object.__setattr__(self, "router_gradient", router_gradient)
-        if router_gradient is RouterGradient.EPILOGUE and (
-            self.precision is not Precision.BF16 or self.expert_bias
-        ):
+        if router_gradient is RouterGradient.EPILOGUE and self.precision is not Precision.BF16:
             raise MoKConfigError(
-                "router_gradient='epilogue' takes bf16 experts without biases; got precision "
-                f"{self.precision.value!r}, expert_bias={self.expert_bias}: use 'saved_outputs'"
+                "router_gradient='epilogue' takes bf16 experts; got precision "
+                f"{self.precision.value!r}: use 'saved_outputs'"
             )
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)

@@ -455,9 +455,15 @@ class TritonBackend:
         to their pairs' grouped rows unweighted with each row's weight
         (`Exchange.unweighted_combine_backward`), the weighted down dgrad
         (`weighted_down_data_gradient`), then W_down's gradient of those rows and round(w h)
-        (into `grads`). The saved pre-activations and h are released after their last
-        product."""
-        from mok.kernels import down_weight_gradient, weighted_down_data_gradient
+        (into `grads`); with expert biases, <grad row, b_down> added to the dots and the biases'
+        gradients (b_down's of the weighted rows, in fp32). The saved pre-activations and h are
+        released after their last product."""
+        from mok.kernels import (
+            add_down_bias_dots,
+            down_weight_gradient,
+            expert_bias_gradients,
+            weighted_down_data_gradient,
+        )
 
         experts = saved.experts
         grad_rows, row_weights = self.exchange.unweighted_combine_backward(
@@ -467,6 +473,13 @@ class TritonBackend:
         experts.release("gate_up")
         grads["down"] = down_weight_gradient(grad_rows, experts, into.get("down"))
         experts.release("h")
+        if experts.biases is not None:
+            add_down_bias_dots(grad_rows, experts, dots)
+            buffers = [into.get(name) for name in EXPERT_BIAS_FIELDS]
+            gradients = expert_bias_gradients(
+                grad_rows, grad_gate_up, experts, *buffers, row_weights=row_weights
+            )
+            grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up, dots
 
     @staticmethod

@@ -3,7 +3,8 @@
 `expert_mlp_forward` / `expert_mlp_backward`: the expert MLP on rows grouped by local expert (the
 backward also product by product, `down_data_gradient`, `down_weight_gradient`,
 `gate_up_weight_gradients`, `gate_up_data_gradient`; `expert_bias_gradients` for experts with
-biases), SwiGLU or gpt-oss's `Activation`.
+biases; `weighted_down_data_gradient` and `add_down_bias_dots` for the router weights applied
+after the down product), SwiGLU or gpt-oss's `Activation`.
 `grouped_gemm`: the @triton.jit tile functions and persistent kernels behind them.
 `warp_specialized`: Gluon versions of all six products for Hopper (in use there), with the same
 A-row sources and epilogues.
@@ -15,6 +16,7 @@ MXFP8 on the bf16 kernels fed with those casts.
 from mok.kernels.expert_mlp import (
     ExpertKernelConfig,
     ExpertMLPSaved,
+    add_down_bias_dots,
     default_config,
     down_data_gradient,
     down_weight_gradient,
@@ -33,6 +35,7 @@ __all__ = [
     "ExpertKernelConfig",
     "ExpertMLPSaved",
     "GemmTiles",
+    "add_down_bias_dots",
     "default_config",
     "down_data_gradient",
     "down_weight_gradient",

@@ -766,22 +766,39 @@ def expert_bias_gradients(
     grad_gate_bias: torch.Tensor | None = None,
     grad_up_bias: torch.Tensor | None = None,
     grad_down_bias: torch.Tensor | None = None,
+    row_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of the experts' biases of a forward with `biases`: per expert, the sums over
     its rows of the gate and up pre-activations' gradients (grad_gate_up [M, 2I], from
     `down_data_gradient`) and of grad_out [M, H] (`gg.group_column_sums`: fp32, a fixed
-    order). A given buffer (fp32 or bf16, the bias's shape) has the gradient added into it in
-    place and is returned; otherwise a tensor of the bias's dtype. Zero for experts without
-    rows."""
+    order); with row_weights [M] fp32 (`weighted_down_data_gradient`'s unweighted rows), of
+    each grad_out row times its weight. A given buffer (fp32 or bf16, the bias's shape) has the
+    gradient added into it in place and is returned; otherwise a tensor of the bias's dtype.
+    Zero for experts without rows."""
     if saved.biases is None:
         raise ValueError("expert_bias_gradients: the forward ran without biases")
     inter = saved.w_gate.shape[1]
     values = (grad_gate_up[:, :inter], grad_gate_up[:, inter:], grad_out)
+    weights = (None, None, row_weights)
     names = ("grad_gate_bias", "grad_up_bias", "grad_down_bias")
+    buffers = (grad_gate_bias, grad_up_bias, grad_down_bias)
     results = []
-    for name, bias, value, buffer in zip(
-        names, saved.biases, values, (grad_gate_bias, grad_up_bias, grad_down_bias), strict=True
+    for name, bias, value, weight, buffer in zip(
+        names, saved.biases, values, weights, buffers, strict=True
     ):
         out, accumulate = _grad_buffer(name, buffer, bias)
-        results.append(gg.group_column_sums(value, saved.group_offsets, out, accumulate))
+        group_sums = gg.group_column_sums(value, saved.group_offsets, out, accumulate, weight)
+        results.append(group_sums)
     return tuple(results)
+
+
+def add_down_bias_dots(grad_rows: torch.Tensor, saved: ExpertMLPSaved, dots: torch.Tensor) -> None:
+    """dots [M] fp32 += <grad_rows[r], b_down[e]> per grouped row r of expert e (grad_rows [M, H]
+    the rows' unweighted output gradients): the down bias's part of the router weights'
+    gradient, beside `weighted_down_data_gradient`'s <acc, h>."""
+    if saved.biases is None:
+        raise ValueError("add_down_bias_dots: the forward ran without biases")
+    tiles = cached_row_tiles(
+        saved.row_tiles, saved.group_offsets, grad_rows.shape[0], gg.ROW_DOTS_BLOCK_M
+    )
+    gg.group_row_dots(grad_rows, tiles, saved.biases[2].contiguous(), dots)

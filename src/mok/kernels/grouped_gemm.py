@@ -1298,13 +1298,16 @@ def _group_column_sums_kernel(
     offsets_ptr,  # [E + 1] int32 group offsets
     out_ptr,  # [E, N] contiguous
     columns,
+    row_weights_ptr,  # [M] fp32 (ROW_WEIGHTED)
     ACCUMULATE: tl.constexpr,
+    ROW_WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Grid (E, cdiv(N, BLOCK_N)): out[e] = (out[e] +) the sum of group e's rows of values, in
-    fp32 and a fixed order (each column of BLOCK_M-row chunks summed in row order, then the
-    chunk's rows by `tl.sum`), rounded once to out's dtype."""
+    """Grid (E, cdiv(N, BLOCK_N)): out[e] = (out[e] +) the sum of group e's rows of values (each
+    times its row weight with ROW_WEIGHTED, in fp32), in fp32 and a fixed order (each column of
+    BLOCK_M-row chunks summed in row order, then the chunk's rows by `tl.sum`), rounded once to
+    out's dtype."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = cols < columns
@@ -1315,7 +1318,10 @@ def _group_column_sums_kernel(
         rows = first + tl.arange(0, BLOCK_M)
         mask = (rows < end)[:, None] & live[None, :]
         offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-        acc += tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        values = tl.load(values_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if ROW_WEIGHTED:
+            values *= tl.load(row_weights_ptr + rows, mask=rows < end, other=0.0)[:, None]
+        acc += values
     total = tl.sum(acc, axis=0)
     target = out_ptr + expert * columns + cols
     if ACCUMULATE:
@@ -1328,16 +1334,24 @@ def group_column_sums(
     group_offsets: torch.Tensor,
     out: torch.Tensor,
     accumulate: bool = False,
+    row_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [E, N] (contiguous): row e is the sum over group e's rows of values [M, N] (rows
     group_offsets[e]..group_offsets[e + 1], unit column stride), in fp32, rounded once to out's
-    dtype; with `accumulate`, out's old value is added in that fp32 sum. What an expert bias's
-    gradient is. Deterministic (a fixed order); empty groups give zeros (or leave out as it is)."""
+    dtype; with `accumulate`, out's old value is added in that fp32 sum; with row_weights [M]
+    fp32, each row times its weight in fp32 first. What an expert bias's gradient is.
+    Deterministic (a fixed order); empty groups give zeros (or leave out as it is)."""
     num_experts, columns = out.shape
     if values.shape[1] != columns or values.stride(1) != 1 or not out.is_contiguous():
         raise ValueError(
             f"group_column_sums: values [M, {columns}] with unit column stride and a contiguous "
             f"out, got {tuple(values.shape)} strides {values.stride()} into {tuple(out.shape)}"
+        )
+    weighted = row_weights is not None
+    if weighted and (row_weights.shape != values.shape[:1] or row_weights.dtype != torch.float32):
+        raise ValueError(
+            f"group_column_sums: row_weights must be [{values.shape[0]}] float32, got "
+            f"{tuple(row_weights.shape)} {row_weights.dtype}"
         )
     if num_experts and columns:
         block_m, block_n = (8, 32) if interpreting() else (32, 128)
@@ -1347,9 +1361,86 @@ def group_column_sums(
             group_offsets,
             out,
             columns,
+            row_weights.contiguous() if weighted else out,
             ACCUMULATE=accumulate,
+            ROW_WEIGHTED=weighted,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
+        )
+    return out
+
+
+@fast_launch
+@triton.jit
+def _group_row_dots_kernel(
+    values_ptr,  # [M, N], unit column stride
+    row_stride,
+    table_ptr,  # `RowTiles.table` of BLOCK_M-row tiles
+    counts_ptr,  # `RowTiles.counts`
+    capacity,
+    vectors_ptr,  # [E, N] contiguous
+    out_ptr,  # [M] fp32
+    columns,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Persistent over the groups' row tiles: out[r] += <values[r], vectors[e]> for every row r
+    of group e, in fp32 and a fixed order (BLOCK_N-column chunks in order, then `tl.sum`)."""
+    for tile in range(tl.program_id(0), tl.load(counts_ptr), NUM_PROGRAMS):
+        expert, first, end = load_row_tile(table_ptr, capacity, tile)
+        rows = first + tl.arange(0, BLOCK_M)
+        live = rows < end
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, columns, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            in_row = cols < columns
+            offsets = rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+            values = tl.load(values_ptr + offsets, mask=live[:, None] & in_row[None, :], other=0.0)
+            vector = tl.load(vectors_ptr + expert.to(tl.int64) * columns + cols, mask=in_row)
+            acc += values.to(tl.float32) * vector.to(tl.float32)[None, :]
+        dots = tl.load(out_ptr + rows, mask=live, other=0.0) + tl.sum(acc, axis=1)
+        tl.store(out_ptr + rows, dots, mask=live)
+
+
+ROW_DOTS_BLOCK_M = 32
+"""The row tiles `group_row_dots` takes (`row_tile_map(..., ROW_DOTS_BLOCK_M)`)."""
+
+
+def group_row_dots(
+    values: torch.Tensor, tiles: RowTiles, vectors: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """out [M] fp32 += per row r of group e (the groups of `tiles`, a `row_tile_map` of
+    ROW_DOTS_BLOCK_M rows) the fp32 dot <values[r], vectors[e]> (values [M, N] with unit column
+    stride, vectors [E, N]); rows outside the groups are left as they are. What a down bias adds
+    to the router weights' gradient. Deterministic (a fixed order)."""
+    rows, columns = values.shape
+    if tiles.block_m != ROW_DOTS_BLOCK_M:
+        raise ValueError(f"group_row_dots: tiles of {ROW_DOTS_BLOCK_M} rows, got {tiles.block_m}")
+    if values.stride(1) != 1 or vectors.shape[1] != columns or not vectors.is_contiguous():
+        raise ValueError(
+            f"group_row_dots: values [M, N] with unit column stride and contiguous vectors "
+            f"[E, N], got {tuple(values.shape)} strides {values.stride()} and "
+            f"{tuple(vectors.shape)}"
+        )
+    if out.shape != (rows,) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"group_row_dots: out must be [{rows}] float32, got {tuple(out.shape)}")
+    if rows and columns:
+        block_n = 32 if interpreting() else 128
+        tiles_per_sm = GemmTiles(ROW_DOTS_BLOCK_M, block_n, block_n, programs_per_sm=4)
+        programs = num_programs(values.device, tiles.capacity, tiles_per_sm)
+        _group_row_dots_kernel[(programs,)](
+            values,
+            values.stride(0),
+            tiles.table,
+            tiles.counts,
+            tiles.capacity,
+            vectors,
+            out,
+            columns,
+            BLOCK_M=ROW_DOTS_BLOCK_M,
+            BLOCK_N=block_n,
+            NUM_PROGRAMS=programs,
         )
     return out
 

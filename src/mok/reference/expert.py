@@ -181,40 +181,46 @@ def grouped_expert_mlp(
 
 
 class _WeightedDown(torch.autograd.Function):
-    """out = h @ W_down[e].T per group (fp32 accumulation, one rounding), whose backward takes
-    the rows' unweighted output gradients and applies `row_weights` after the product
-    (`weighted_down_backward`): h's gradient round(w * acc), the weights' gradient the dots,
-    W_down[e]'s gradient grad_out[e].T @ round(w * h[e])."""
+    """out = h @ W_down[e].T (+ b_down[e]) per group (fp32 accumulation, one rounding), whose
+    backward takes the rows' unweighted output gradients g and applies `row_weights` after the
+    product (`weighted_down_backward`): h's gradient round(w * acc), the weights' gradient the
+    dots (+ <g[r], b_down[e]>), W_down[e]'s gradient g[e].T @ round(w * h[e]), b_down[e]'s the
+    sum of w * g[e] over its rows (in the accumulation dtype, rounded once)."""
 
     @staticmethod
-    def forward(ctx, h, w_down, row_weights, group_sizes):
+    def forward(ctx, h, w_down, row_weights, group_sizes, b_down):
         acc = accumulation_dtype(h.dtype)
         bounds = [0, *torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).tolist()]
-        out = torch.cat(
-            [
-                (h[a:b].to(acc) @ w_down[e].to(acc).T).to(h.dtype)
-                for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
-            ]
-        )
-        ctx.save_for_backward(h, w_down, row_weights)
+        pairs = list(enumerate(zip(bounds, bounds[1:], strict=False)))
+        products = [h[a:b].to(acc) @ w_down[e].to(acc).T for e, (a, b) in pairs]
+        if b_down is not None:
+            products = [p + b_down[e].to(acc) for p, (e, _) in zip(products, pairs, strict=True)]
+        out = torch.cat([p.to(h.dtype) for p in products])
+        ctx.save_for_backward(h, w_down, row_weights, b_down)
         ctx.group_sizes, ctx.bounds = group_sizes, bounds
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        h, w_down, row_weights = ctx.saved_tensors
+        h, w_down, row_weights, b_down = ctx.saved_tensors
         grad_h, dots, weighted_h = weighted_down_backward(
             grad_out, ctx.group_sizes, h, w_down, row_weights
         )
         acc = accumulation_dtype(h.dtype)
-        bounds = ctx.bounds
+        groups = list(zip(ctx.bounds, ctx.bounds[1:], strict=False))
         grad_w_down = torch.stack(
-            [
-                (grad_out[a:b].to(acc).T @ weighted_h[a:b].to(acc)).to(w_down.dtype)
-                for a, b in zip(bounds, bounds[1:], strict=False)
-            ]
-        )
-        return grad_h, grad_w_down, dots.to(row_weights.dtype), None
+            [grad_out[a:b].to(acc).T @ weighted_h[a:b].to(acc) for a, b in groups]
+        ).to(w_down.dtype)
+        grad_b_down = None
+        if b_down is not None:
+            grad = grad_out.to(acc)
+            weighted = row_weights.to(acc)[:, None] * grad
+            grad_b_down = torch.stack([weighted[a:b].sum(0) for a, b in groups]).to(b_down.dtype)
+            bias_rows = torch.cat(
+                [b_down[e].to(acc).expand(b - a, -1) for e, (a, b) in enumerate(groups)]
+            )
+            dots = dots + (grad * bias_rows).sum(1)
+        return grad_h, grad_w_down, dots.to(row_weights.dtype), None, grad_b_down
 
 
 def weighted_grouped_expert_mlp(
@@ -226,27 +232,24 @@ def weighted_grouped_expert_mlp(
     row_weights: torch.Tensor,
     swiglu_limit: float | None = None,
     *,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     alpha: float = 1.0,
     up_offset: float = 0.0,
 ) -> torch.Tensor:
-    """`grouped_expert_mlp`'s outputs [M, H] (no biases), unweighted, whose backward applies
-    each row's router weight row_weights [M] after the down product: the gradient a caller
-    passes is the rows' unweighted one (the combine's grad_y per pair), and row_weights gets
-    <grad_out[r] @ W_down[e], h[r]> (`weighted_down_backward`'s rounding points; the
-    `router_gradient="epilogue"` layer's). Differentiable in rows, the weights and
-    row_weights."""
+    """`grouped_expert_mlp`'s outputs [M, H], unweighted, whose backward applies each row's
+    router weight row_weights [M] after the down product: the gradient a caller passes is the
+    rows' unweighted one (the combine's grad_y per pair), and row_weights gets
+    <grad_out[r] @ W_down[e], h[r]> (+ <grad_out[r], b_down[e]> with biases;
+    `weighted_down_backward`'s rounding points, the `router_gradient="epilogue"` layer's).
+    Differentiable in rows, the weights, the biases and row_weights."""
     acc = accumulation_dtype(rows.dtype)
     bounds = [0, *torch.tensor(group_sizes, dtype=torch.int64).cumsum(0).tolist()]
-    h = torch.cat(
-        [
-            swiglu(
-                rows[a:b].to(acc) @ w_gate[e].to(acc).T,
-                rows[a:b].to(acc) @ w_up[e].to(acc).T,
-                swiglu_limit,
-                alpha,
-                up_offset,
-            ).to(rows.dtype)
-            for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False))
-        ]
-    )
-    return _WeightedDown.apply(h, w_down, row_weights, list(group_sizes))
+    h_rows = []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        gate = rows[a:b].to(acc) @ w_gate[e].to(acc).T
+        up = rows[a:b].to(acc) @ w_up[e].to(acc).T
+        if biases is not None:
+            gate, up = gate + biases[0][e].to(acc), up + biases[1][e].to(acc)
+        h_rows.append(swiglu(gate, up, swiglu_limit, alpha, up_offset).to(rows.dtype))
+    b_down = None if biases is None else biases[2]
+    return _WeightedDown.apply(torch.cat(h_rows), w_down, row_weights, list(group_sizes), b_down)

@@ -126,14 +126,14 @@ def moe_forward(
     reads the expert outputs' MX cast (`mx_combine`). `swiglu_alpha`, `swiglu_up_offset`: the
     activation of every expert, the shared one included (`mok.reference.expert.swiglu`); the
     routed experts' biases come with `weights` (gate_bias, up_bias, down_bias).
-    router_gradient "epilogue" (bf16, no biases): each pair's router weight travels with its row
+    router_gradient "epilogue" (bf16): each pair's router weight travels with its row
     and the expert's backward applies it after the down product (`weighted_grouped_expert_mlp`);
     "saved_outputs": autograd's rounding points through the combine.
     """
     tokens, top_k = topk_idx.shape
     hidden = x.shape[1]
-    if router_gradient == "epilogue" and (precision != "bf16" or weights.expert_biases()):
-        raise ValueError("router_gradient='epilogue' takes bf16 experts without biases")
+    if router_gradient == "epilogue" and precision != "bf16":
+        raise ValueError("router_gradient='epilogue' takes bf16 experts")
     local_experts = weights.gate.shape[0]
     if routing is None:
         ep_size = 1 if group is None else dist.get_world_size(group)
@@ -204,6 +204,7 @@ def _moe_with_weighted_outputs(
         weights.down,
         row_weights,
         swiglu_limit,
+        biases=weights.expert_biases(),
         **activation,
     )
     expert_out = _returned(expert_rows, routing, group, topk_weights.shape + x.shape[1:])
