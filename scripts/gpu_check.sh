@@ -279,7 +279,8 @@ print(*m())' 2>&1)
         --tokens 16384 --backends baseline,triton,triton-recompute --out "$OUT/recompute-peak.md" ;;
     router-gradient)
       run router-gradient-tests python3 -m pytest -q -rf -p no:cacheprovider \
-        tests/test_router_gradient.py tests/kernels/test_warp_specialized.py -k "weighted or gpu"
+        tests/test_router_gradient.py tests/kernels/test_warp_specialized.py \
+        tests/kernels/test_group_column_sums.py -k "weighted or gpu or dots or sums"
       run router-gradient-kernels python3 benchmarks/router_weighting.py --iters 20
       run router-gradient-layer python3 benchmarks/recompute.py --preset qwen3-30b-a3b \
         --tokens 16384 --option router_gradient=epilogue --out "$OUT/router-gradient.md"
