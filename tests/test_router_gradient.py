@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_backend import cases
+from test_fused_backend import assert_bitwise_equal, both_backends, cases
 from test_recompute import kept_between_passes
 from test_triton_backend_cpu import (
     CONFIG,
@@ -36,6 +36,9 @@ from mok.testing import compare_with_reference, global_weights
 
 CPU = torch.device("cpu")
 EPILOGUE = {"router_gradient": "epilogue"}
+BIASED = SMALL.replace(expert_bias=True)
+"""Expert biases (SwiGLU: the float64 oracle knows no other activation): the dots gain
+<grad_y, b_down>, and b_down's gradient sums the rows times their weights."""
 
 
 def test_config_refuses_the_epilogue_where_it_does_not_apply():
@@ -48,12 +51,33 @@ def test_config_refuses_the_epilogue_where_it_does_not_apply():
     assert CONFIG.replace(expert_bias=True, **EPILOGUE).expert_bias
 
 
-@pytest.mark.interpreter
-def test_the_fused_backend_refuses_the_epilogue():
+def fused_refusal_at_ep2(rank, world):
+    """Rank worker: why the fused backend refuses the epilogue at EP 2 (None if it does not)."""
     from mok.backends.fused import FusedBackend
 
-    reason = FusedBackend.unavailable_reason(CONFIG.replace(**EPILOGUE), CPU, None)
-    assert "not built into the overlapped backward" in reason
+    config = SMALL.replace(**EPILOGUE)
+    return FusedBackend.unavailable_reason(config, CPU, torch.distributed.group.WORLD)
+
+
+@pytest.mark.interpreter
+def test_the_fused_backend_refuses_the_epilogue_at_ep2_only():
+    from mok.backends.fused import FusedBackend
+
+    assert FusedBackend.unavailable_reason(CONFIG.replace(**EPILOGUE), CPU, None) is None
+    for reason in run_ranks(fused_refusal_at_ep2, 2):
+        assert reason is not None and "runs at EP 1 only on the fused backend" in reason
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("overlap", [None, True], ids=["default", "overlapped"])
+def test_the_fused_backend_at_ep1_is_the_triton_backend_bitwise(overlap):
+    """The fused forward (its down product storing the outputs through the peer-store epilogue,
+    with the overlapped schedule forced or not) keeps no pair outputs and hands the triton
+    backend's backward what it needs: every result bit for bit, biases included."""
+    config = BIASED.replace(**EPILOGUE)
+    outcomes = both_backends(0, 1, cases(config, 1), CPU, overlap=overlap)
+    assert_bitwise_equal(outcomes)
+    assert outcomes[1][1]["check"] == "MoKInputError"  # the bad id is reported by fused too
 
 
 def epilogue_case(case: Scenario, **options) -> Scenario:
@@ -110,11 +134,6 @@ def reference_results(rank, world, scenarios):
     return outcomes
 
 
-BIASED = SMALL.replace(expert_bias=True)
-"""Expert biases (SwiGLU: the float64 oracle knows no other activation): the dots gain
-<grad_y, b_down>, and b_down's gradient sums the rows times their weights."""
-
-
 @pytest.mark.parametrize("config", [CONFIG, SMALL, BIASED], ids=["shared-clamp", "small", "biases"])
 def test_the_reference_follows_float64_in_one_process(config):
     """The oracle's epilogue form against exact math, with a shared expert and the clamp."""
@@ -155,13 +174,15 @@ def test_the_reference_follows_float64_at_ep(world, biases):
 
 
 @pytest.mark.interpreter
-def test_the_forward_keeps_no_pair_outputs():
+@pytest.mark.parametrize("backend", ["triton", "fused"])
+def test_the_forward_keeps_no_pair_outputs(backend):
     """What the layer hands autograd's saved-tensor hooks shrinks by the pairs' outputs, T x k
     x H values (fp32 under the interpreter), and the results stay within fp32 rounding."""
-    case = scenario(CONFIG, [23], seed=6)
+    config = CONFIG.replace(backend=backend)
+    case = scenario(config, [23], seed=6)
     inputs = case.ranks[0]
-    saved_outputs, kept = kept_between_passes(CONFIG, inputs, CPU)
-    epilogue, kept_less = kept_between_passes(CONFIG.replace(**EPILOGUE), inputs, CPU)
+    saved_outputs, kept = kept_between_passes(config, inputs, CPU)
+    epilogue, kept_less = kept_between_passes(config.replace(**EPILOGUE), inputs, CPU)
     tokens = inputs.x.shape[0]
     assert kept - kept_less == 4 * tokens * CONFIG.top_k * CONFIG.hidden_size
     for key, want in saved_outputs.items():
@@ -169,9 +190,13 @@ def test_the_forward_keeps_no_pair_outputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "gpt-oss-20b"])
-def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset):
-    """On an H200's kernels (Gluon, x read through each pair's token): every result against
+@pytest.mark.parametrize(
+    "preset, backend",
+    [("qwen3-30b-a3b", "triton"), ("gpt-oss-20b", "triton"), ("qwen3-30b-a3b", "fused")],
+)
+def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset, backend):
+    """On an H200's kernels (Gluon, x read through each pair's token; the fused backend's
+    forward with its peer-store epilogue, at EP 1): every result against
     the reference of the same rounding points, the router weights' gradient to fp32 sums (both
     form it from the forward's h), and the forward keeps T x k x H bf16 values fewer; with
     gpt-oss's biases and activation, the down bias's dots and the biases' gradients."""
@@ -179,7 +204,7 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset):
 
     device = torch.device("cuda")
     config = dict(preset_configs(num_experts=16))[preset]
-    config = config.replace(graphs="off", shared_intermediate_size=256, **EPILOGUE)
+    config = config.replace(backend=backend, graphs="off", shared_intermediate_size=256, **EPILOGUE)
     tokens = 250
     inputs = rank_inputs(config, tokens, "zipf", 5, device)
     full = global_weights(config, 0, device)

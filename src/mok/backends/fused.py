@@ -128,11 +128,16 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
-        if config.router_gradient.value == "epilogue":
-            return "router_gradient='epilogue' is not built into the overlapped backward yet"
+        _, ep = group_rank_and_size(group)
+        if config.router_gradient.value == "epilogue" and ep > 1:
+            return (
+                "router_gradient='epilogue' runs at EP 1 only on the fused backend: its "
+                "overlapped backward pulls the pairs' weighted gradients beside the products, and "
+                "the unweighted rows are not built into it yet (the triton backend runs it at "
+                "any EP)"
+            )
         from mok.comm.symmetric import SymmetricExchange
 
-        _, ep = group_rank_and_size(group)
         if ep > 1 and simulated_allocator() is None:
             symmetric = SymmetricExchange.unavailable_reason(group, device)
             if symmetric is not None:
@@ -226,8 +231,9 @@ class FusedBackend(TritonBackend):
         elif source_rows is None:
             self._read_rows_from_x(routing, x, experts)
         column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
+        keep_pair_out = need_backward and not self._router_gradient_in_epilogue()
         y, pair_out = self.exchange.combine_landed(
-            routing, target, column_tiles, router, shared_out, timeout, need_backward
+            routing, target, column_tiles, router, shared_out, timeout, keep_pair_out
         )
         y = y.to(dtypes["x"])
         if not need_backward:
@@ -251,8 +257,9 @@ class FusedBackend(TritonBackend):
         and is summed over owners (`dispatch_backward_overlapped`, on the communication
         programs) while the gate/up weight gradient, which needs no communication, runs beside
         it. The routed products beside a copy are joined by more programs once it is done
-        (`_ClaimsAfterCopy`)."""
-        if not self.overlap:
+        (`_ClaimsAfterCopy`). With `router_gradient="epilogue"` (EP 1 only), the triton
+        backend's backward."""
+        if not self.overlap or self._router_gradient_in_epilogue():
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
         from mok.kernels.expert_mlp import replay_activations
