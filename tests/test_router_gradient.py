@@ -36,9 +36,9 @@ from mok.testing import compare_with_reference, global_weights
 
 CPU = torch.device("cpu")
 EPILOGUE = {"router_gradient": "epilogue"}
-BIASED = SMALL.replace(expert_bias=True)
-"""Expert biases (SwiGLU: the float64 oracle knows no other activation): the dots gain
-<grad_y, b_down>, and b_down's gradient sums the rows times their weights."""
+BIASED = SMALL.replace(expert_bias=True, swiglu_alpha=1.702, swiglu_up_offset=1.0)
+"""gpt-oss's experts: biases (the dots gain <grad_y, b_down>, and b_down's gradient sums the
+rows times their weights) and its activation."""
 
 
 def test_config_refuses_the_epilogue_where_it_does_not_apply():

@@ -96,6 +96,8 @@ def oracle(case: Scenario) -> dict[str, torch.Tensor]:
         torch.cat([r.grad_y for r in case.ranks]),
         global_weights(config, case.seed, CPU),
         config.swiglu_limit,
+        config.swiglu_alpha,
+        config.swiglu_up_offset,
     )
     want["grad topk_weights"] = torch.where(valid, want["grad topk_weights"], 0)
     return want

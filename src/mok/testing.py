@@ -98,14 +98,25 @@ def float64_results(
     grad_y: torch.Tensor,
     weights: MoEWeights,
     swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
+    swiglu_up_offset: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """y and every gradient of the single-process layer computed in float64 (exact math up to
     float64 rounding), keyed as `one_call_results`: "y", "grad x", "grad topk_weights",
-    "grad <weight>" (zeros for experts no token reached)."""
+    "grad <weight>" (zeros for experts no token reached). The activation as `mok.MoKConfig`'s
+    (SwiGLU by default, gpt-oss's with alpha 1.702 and up offset 1)."""
     x64 = x.double().requires_grad_(True)
     w64 = topk_weights.double().requires_grad_(True)
     full = weights.map(lambda t: t.double().requires_grad_(True))
-    y = moe_forward(x64, topk_idx, w64, full, swiglu_limit)
+    y = moe_forward(
+        x64,
+        topk_idx,
+        w64,
+        full,
+        swiglu_limit,
+        swiglu_alpha=swiglu_alpha,
+        swiglu_up_offset=swiglu_up_offset,
+    )
     y.backward(grad_y.double())
     results = {"y": y.detach(), "grad x": x64.grad, "grad topk_weights": w64.grad}
     for name, tensor in full.tensors().items():
