@@ -194,7 +194,7 @@ def cases():
             ready=ready,
         )
 
-    def dgrad_problem(limit=None, activation=SWIGLU, weighted=False):
+    def dgrad_problem(limit=None, activation=SWIGLU, weighted=False, ready=None):
         weighting = (torch.zeros(m, inter, dtype=bf16), torch.zeros(m)) if weighted else None
         return ws._RowsProblem(
             ws.DOWN_DGRAD_SWIGLU.value,
@@ -205,6 +205,7 @@ def cases():
             swiglu_limit=limit,
             activation=activation,
             weighting=weighting,
+            ready=ready,
         )
 
     flags = torch.zeros(m // 32, dtype=torch.int32)
@@ -232,6 +233,13 @@ def cases():
         yield (
             f"down_dgrad_swiglu weighted {label}",
             lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+        )
+        # The fused backward's form: the rows land beside the product, its tasks claimed.
+        problem = dgrad_problem(weighted=True, ready=ready)
+        weighted_claimed = dataclasses.replace(cfg, claims=claiming)
+        yield (
+            f"down_dgrad_swiglu weighted waiting, claiming {label}",
+            lambda p=problem, c=weighted_claimed: ws._launch(p, tiles(c), c),
         )
         problem = dgrad_problem()
         claimed = dataclasses.replace(cfg, claims=claiming)
@@ -331,7 +339,7 @@ def tl_cases():
     are not rows the Gluon kernels read, the bias gradients, the claiming twins, and the
     combine's backward on the token side."""
     from mok.kernels import grouped_gemm as gg
-    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowTiles
+    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowsReady, RowTiles
     from mok.kernels.rows import pair_gradients
 
     m, experts, hidden, inter = 1024, 4, 512, 256
@@ -370,6 +378,15 @@ def tl_cases():
         "tl down_dgrad claiming",
         lambda: gg.down_dgrad_swiglu(x, w_down, gate_up, tiles(claimed_dgrad), 7.0, claimed_dgrad),
     )
+    flags = torch.zeros(m // 32, dtype=torch.int32)
+    ready = RowsReady(flags, 32, flags[:1], torch.zeros(4, dtype=torch.int64), 1.0, 0)
+    yield (
+        "tl down_dgrad weighted waiting, claiming",
+        lambda: gg.down_dgrad_swiglu_weighted(
+            x, w_down, gate_up, h, torch.zeros(m), tiles(claimed_dgrad), 7.0, claimed_dgrad,
+            ready=ready,
+        ),
+    )  # fmt: skip
     yield (
         "tl down_dgrad gpt-oss",
         lambda: gg.down_dgrad_swiglu(

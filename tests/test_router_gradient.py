@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 import torch
-from test_fused_backend import assert_bitwise_equal, both_backends, cases
+from test_fused_backend import GPT_OSS_EXPERTS, assert_bitwise_equal, both_backends, cases
 from test_recompute import kept_between_passes
 from test_triton_backend_cpu import (
     CONFIG,
@@ -51,33 +51,42 @@ def test_config_refuses_the_epilogue_where_it_does_not_apply():
     assert CONFIG.replace(expert_bias=True, **EPILOGUE).expert_bias
 
 
-def fused_refusal_at_ep2(rank, world):
-    """Rank worker: why the fused backend refuses the epilogue at EP 2 (None if it does not)."""
-    from mok.backends.fused import FusedBackend
-
-    config = SMALL.replace(**EPILOGUE)
-    return FusedBackend.unavailable_reason(config, CPU, torch.distributed.group.WORLD)
-
-
-@pytest.mark.interpreter
-def test_the_fused_backend_refuses_the_epilogue_at_ep2_only():
-    from mok.backends.fused import FusedBackend
-
-    assert FusedBackend.unavailable_reason(CONFIG.replace(**EPILOGUE), CPU, None) is None
-    for reason in run_ranks(fused_refusal_at_ep2, 2):
-        assert reason is not None and "runs at EP 1 only on the fused backend" in reason
-
-
 @pytest.mark.interpreter
 @pytest.mark.parametrize("overlap", [None, True], ids=["default", "overlapped"])
 def test_the_fused_backend_at_ep1_is_the_triton_backend_bitwise(overlap):
-    """The fused forward (its down product storing the outputs through the peer-store epilogue,
-    with the overlapped schedule forced or not) keeps no pair outputs and hands the triton
-    backend's backward what it needs: every result bit for bit, biases included."""
+    """The fused layer at EP 1 (its down product storing the outputs through the peer-store
+    epilogue; by default the triton backend's backward, with the overlapped schedule forced its
+    own, the products waiting on flags): every result bit for bit the triton backend's,
+    gpt-oss's experts included."""
     config = BIASED.replace(**EPILOGUE)
     outcomes = both_backends(0, 1, cases(config, 1), CPU, overlap=overlap)
     assert_bitwise_equal(outcomes)
     assert outcomes[1][1]["check"] == "MoKInputError"  # the bad id is reported by fused too
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world, dispatch", [(2, "pull"), (2, "push"), (3, "pull")])
+def test_the_fused_backend_at_ep_is_the_triton_backend_bitwise(world, dispatch, tmp_path):
+    """The overlapped backward's form: grad_y's rows pulled per pair beside the products (the
+    weights stored at the owners first), the dots back after the join, against the triton
+    backend's staging push; gpt-oss's experts (biases and activation); a bad id, no tokens on
+    a rank, every pair on one expert."""
+    config = CONFIG.replace(dispatch=dispatch, **EPILOGUE, **GPT_OSS_EXPERTS)
+    per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
+    for rank, outcomes in enumerate(per_rank):
+        assert outcomes[0][1]["exchange"] == "SymmetricExchange", rank
+        assert_bitwise_equal(outcomes)
+
+
+@pytest.mark.interpreter
+def test_the_fused_backend_drops_the_same_pairs_for_capacity(tmp_path):
+    """Receive buffers too small: both backends drop the same pairs (their dots zero) and
+    check() raises on every rank."""
+    tight = CONFIG.replace(recv_pair_capacity=20, recv_capacity=25, **EPILOGUE)
+    case = scenario(tight, [30, 25], seed=4, routing="first-experts")
+    for outcomes in run_ranks(both_backends, 2, args=([case], CPU, tmp_path)):
+        assert_bitwise_equal(outcomes)
+        assert outcomes[0][1]["check"] == "MoKCapacityError"
 
 
 def epilogue_case(case: Scenario, **options) -> Scenario:
@@ -224,10 +233,15 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset, back
 
 @pytest.mark.shares_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens_per_rank", [[160, 97], [131, 0, 97]], ids=["EP 2", "EP 3"])
-def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(tokens_per_rank):
+@pytest.mark.parametrize(
+    "backend, tokens_per_rank",
+    [("triton", [160, 97]), ("triton", [131, 0, 97]), ("fused", [131, 0, 97])],
+    ids=["triton EP 2", "triton EP 3", "fused EP 3"],
+)
+def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(backend, tokens_per_rank):
     """The NVLink exchange's new steps as compiled for the GPU (symmetric memory by CUDA IPC,
-    ranks sharing one GPU), with the Gluon kernels, at deepseek-v3's shape with a shared expert,
+    ranks sharing one GPU; the triton backend's push into staging, the fused backend's pull
+    beside the weighted down dgrad waiting per tile), with the Gluon kernels, at deepseek-v3's shape with a shared expert,
     the clamp, gpt-oss's biases: every result against the reference of the same rounding
     points, bitwise repeatable with no host sync; the router weights' gradient to fp32 sums, as
     at EP 1."""
@@ -250,7 +264,7 @@ def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(tokens_per_
     per_rank = run_ranks(
         check_cases_sharing_one_gpu,
         len(tokens_per_rank),
-        args=(cases, tokens_per_rank, "triton"),
+        args=(cases, tokens_per_rank, backend),
         timeout_s=900,
     )
     for results in per_rank:

@@ -221,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
         "--router-gradient",
         choices=[r.value for r in RouterGradient],
         default=RouterGradient.SAVED_OUTPUTS.value,
-        help="with bf16 experts (the fused backend: at EP 1): epilogue forms the router weights' "
+        help="with bf16 experts: epilogue forms the router weights' "
         "gradient in the down product's backward, so that the forward keeps no pair outputs "
         "(T x k x H a layer)",
     )
@@ -279,8 +279,8 @@ def _parser() -> argparse.ArgumentParser:
         "--router-gradient",
         choices=[r.value for r in RouterGradient],
         default=RouterGradient.SAVED_OUTPUTS.value,
-        help="epilogue: the layout of router_gradient='epilogue' (triton backend), which holds no "
-        "pair gradients",
+        help="epilogue: the layout of router_gradient='epilogue' (the triton backend's holds no "
+        "pair gradients)",
     )
     memory.set_defaults(command_parser=memory)
     return parser
@@ -443,11 +443,6 @@ def _memory(args, parser: argparse.ArgumentParser) -> int:
 
     import mok
 
-    if args.backend == "fused" and args.router_gradient != RouterGradient.SAVED_OUTPUTS.value:
-        parser.error(
-            f"--router-gradient {args.router_gradient}: the fused backend runs it at EP 1 only, "
-            "which allocates no symmetric buffer"
-        )
     title = f"symmetric buffer per rank, GiB ({args.backend} backend"
     if args.router_gradient != RouterGradient.SAVED_OUTPUTS.value:
         title += f", router_gradient={args.router_gradient}"

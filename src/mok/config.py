@@ -138,7 +138,7 @@ class RouterGradient(str, enum.Enum):
     token's grad_y row crosses to each owner once, with each pair's weight, instead of one
     weighted row per pair, and each pair's dot comes back. With expert biases the dots gain
     <grad_y[t], b_down[e]> and b_down's gradient sums w * grad_y in fp32. bf16; the `reference`
-    and `triton` backends at any EP, the `fused` one at EP 1."""
+    and `triton` and `fused` backends, any EP."""
 
 
 @dataclasses.dataclass(frozen=True)

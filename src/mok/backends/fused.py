@@ -128,15 +128,9 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
-        _, ep = group_rank_and_size(group)
-        if config.router_gradient.value == "epilogue" and ep > 1:
-            return (
-                "router_gradient='epilogue' runs at EP 1 only on the fused backend: its "
-                "overlapped backward pulls the pairs' weighted gradients beside the products, and "
-                "the unweighted rows are not built into it yet (the triton backend runs it at "
-                "any EP)"
-            )
         from mok.comm.symmetric import SymmetricExchange
+
+        _, ep = group_rank_and_size(group)
 
         if ep > 1 and simulated_allocator() is None:
             symmetric = SymmetricExchange.unavailable_reason(group, device)
@@ -257,24 +251,31 @@ class FusedBackend(TritonBackend):
         and is summed over owners (`dispatch_backward_overlapped`, on the communication
         programs) while the gate/up weight gradient, which needs no communication, runs beside
         it. The routed products beside a copy are joined by more programs once it is done
-        (`_ClaimsAfterCopy`). With `router_gradient="epilogue"` (EP 1 only), the triton
-        backend's backward."""
-        if not self.overlap or self._router_gradient_in_epilogue():
+        (`_ClaimsAfterCopy`). With `router_gradient="epilogue"` the pull brings grad_y's rows
+        unweighted (each pair's weight stored at its owner before), the down dgrad applies the
+        weights in its epilogue, and each pair's dot comes back after the join
+        (`Exchange.pair_values`)."""
+        if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
         from mok.kernels.expert_mlp import replay_activations
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
-        grad_out, pull, ready, grad_router = self.exchange.combine_backward_overlapped(
-            saved.routing,
-            grad_y,
-            saved.weights,
-            saved.pair_out,
-            self.comm_programs,
-            self.workspace.config.peer_timeout_s,
-        )
-        saved.pair_out = None
+        timeout = self.workspace.config.peer_timeout_s
+        epilogue = self._router_gradient_in_epilogue()
+        if epilogue:
+            grad_out, pull, ready, row_weights = (
+                self.exchange.unweighted_combine_backward_overlapped(
+                    saved.routing, grad_y, saved.weights, self.comm_programs, timeout
+                )
+            )
+        else:
+            grad_out, pull, ready, grad_router = self.exchange.combine_backward_overlapped(
+                saved.routing, grad_y, saved.weights, saved.pair_out, self.comm_programs, timeout
+            )
+            saved.pair_out = None
+            grad_router = self._dropped_as_zero(saved.valid, grad_router)
         self._beside(pull)
         del pull  # it holds grad_out, which goes once its products are queued
         # What the forward did not keep is made again beside the pull, on the SMs the forward's
@@ -282,20 +283,17 @@ class FusedBackend(TritonBackend):
         replay_activations(saved.experts)
         if self.claims is not None:
             self.claims.start()
-        grad_router = self._dropped_as_zero(saved.valid, grad_router)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         experts, grads = saved.experts, {}
         if self.comm_stream is not None:  # written by the pull: freed after it, whatever joins
             grad_out.record_stream(self.comm_stream)
-        grad_gate_up = self._down_gradients(
-            grad_out,
-            experts,
-            into,
-            grads,
-            rows_ready=ready,
-            dgrad_sms=self.beside_sms,
-            claims=self.claims,
-        )
+        beside = {"rows_ready": ready, "dgrad_sms": self.beside_sms, "claims": self.claims}
+        if epilogue:
+            grad_gate_up, dots = self._weighted_down_products(
+                grad_out, row_weights, experts, into, grads, **beside
+            )
+        else:
+            grad_gate_up = self._down_gradients(grad_out, experts, into, grads, **beside)
         del grad_out
         grad_rows = gate_up_data_gradient(grad_gate_up, experts)
         give_back = self.exchange.dispatch_backward_overlapped(
@@ -318,4 +316,7 @@ class FusedBackend(TritonBackend):
         grad_x = grad_x[0]
         if self.comm_stream is not None:  # made on the communication stream, used on this one
             grad_x.record_stream(torch.cuda.current_stream(self.workspace.device))
+        if epilogue:
+            grad_router = self.exchange.pair_values(saved.routing, dots)
+            grad_router = self._dropped_as_zero(saved.valid, grad_router)
         return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)

@@ -453,11 +453,22 @@ class TritonBackend:
         """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
         fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
         to their pairs' grouped rows unweighted with each row's weight
-        (`Exchange.unweighted_combine_backward`), the weighted down dgrad
-        (`weighted_down_data_gradient`), then W_down's gradient of those rows and round(w h)
-        (into `grads`); with expert biases, <grad row, b_down> added to the dots and the biases'
-        gradients (b_down's of the weighted rows, in fp32). The saved pre-activations and h are
-        released after their last product."""
+        (`Exchange.unweighted_combine_backward`), then `_weighted_down_products`."""
+        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
+            saved.routing, grad_y, saved.weights
+        )
+        return self._weighted_down_products(grad_rows, row_weights, saved.experts, into, grads)
+
+    @staticmethod
+    def _weighted_down_products(
+        grad_rows, row_weights, experts, into: dict, grads: dict, **dgrad_options
+    ):
+        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
+        fp32) from grad_rows [M, H] unweighted and row_weights [M] fp32: the weighted down dgrad
+        (`weighted_down_data_gradient`, `dgrad_options` as there), then W_down's gradient of
+        those rows and round(w h) (into `grads`); with expert biases, <grad row, b_down> added
+        to the dots and the biases' gradients (b_down's of the weighted rows, in fp32). The
+        saved pre-activations and h are released after their last product."""
         from mok.kernels import (
             add_down_bias_dots,
             down_weight_gradient,
@@ -465,11 +476,9 @@ class TritonBackend:
             weighted_down_data_gradient,
         )
 
-        experts = saved.experts
-        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
-            saved.routing, grad_y, saved.weights
+        grad_gate_up, dots = weighted_down_data_gradient(
+            grad_rows, experts, row_weights, **dgrad_options
         )
-        grad_gate_up, dots = weighted_down_data_gradient(grad_rows, experts, row_weights)
         experts.release("gate_up")
         grads["down"] = down_weight_gradient(grad_rows, experts, into.get("down"))
         experts.release("h")

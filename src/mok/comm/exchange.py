@@ -164,6 +164,18 @@ class OverlappedExchange(Exchange, Protocol):
         """(grouped rows' gradients, the copy to run beside the products, their readiness
         flags, the router weights' gradient)."""
 
+    def unweighted_combine_backward_overlapped(
+        self,
+        routing: ExchangeRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None, torch.Tensor]:
+        """(grad_y's rows of the grouped rows, unweighted, the copy to run beside the products,
+        their readiness flags, each grouped row's router weight [rows] fp32): the epilogue
+        form's combine backward (`MoKConfig.router_gradient="epilogue"`)."""
+
     def dispatch_backward_overlapped(
         self,
         routing: ExchangeRouting,

@@ -185,6 +185,19 @@ class LocalExchange:
         grad_grouped, grad_w = self.combine_backward(routing, grad_y, topk_weights, pair_out)
         return grad_grouped, lambda: None, None, grad_w
 
+    def unweighted_combine_backward_overlapped(
+        self,
+        routing: LocalRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], None, torch.Tensor]:
+        """`unweighted_combine_backward` in the overlapped layer's form: the rows copied now,
+        `pull` does nothing and no product needs to wait (RowsReady None)."""
+        grad_rows, weights = self.unweighted_combine_backward(routing, grad_y, topk_weights)
+        return grad_rows, lambda: None, None, weights
+
     def combine_target(self, routing: LocalRouting, hidden: int, dtype: torch.dtype) -> RowScatter:
         """Where the down product's peer-store epilogue puts each grouped row's output: the
         pair's row of a fresh [T * k, H] matrix (this rank's; the pairs' outputs that

@@ -891,6 +891,73 @@ class SymmetricExchange:
         ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
         return grad_grouped, pull, ready, grad_w
 
+    def unweighted_combine_backward_overlapped(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady, torch.Tensor]:
+        """`unweighted_combine_backward` in the overlapped layout, its pull beside the products:
+        on the current stream grad_y's rows go into this rank's pair-gradient region (its first
+        T rows: the forward's pair outputs there were summed before, in stream order), each
+        pair's weight into its owner's row_weights, and the ranks meet; the returned `pull`, run
+        on the caller's communication stream, has `programs` programs load each grouped row's
+        token row from its token's rank in grouped order (a row per pair, as
+        `combine_backward_overlapped` loads), flagging every block of COPY_ROWS rows. Returns
+        (grad_y's rows [routing.rows, H], pull, their RowsReady, each grouped row's weight
+        [routing.rows] fp32)."""
+        s, view = self.shape, self.view
+        if view.row_weights is None or view.grad_pairs is None:
+            raise ValueError(
+                "SymmetricExchange.unweighted_combine_backward_overlapped needs the overlapped "
+                "layout with router_values=True"
+            )
+        tokens = grad_y.shape[0]
+        view.grad_pairs.local[:tokens].copy_(grad_y)
+        self._push_row_weights(routing, topk_weights)
+        self.backward_epoch.add_(1)
+        self._barrier("combine backward: gradient rows and router weights pushed")
+        weights = view.row_weights.local[: routing.rows, 0].clone()
+        token_rows = torch.where(routing.return_row >= 0, routing.return_row // s.top_k, -1)
+        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+
+        def pull() -> None:
+            copy_rows(
+                grad_rows,
+                view.grad_pairs.local,
+                token_rows,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=view.grad_pairs.offsets,
+                src_rank=routing.return_rank,
+                epoch=self.backward_epoch,
+                landed=self.landed_backward,
+                **COPY_TILE,
+            )
+
+        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
+        return grad_rows, pull, ready, weights
+
+    def _push_row_weights(self, routing: SymmetricRouting, topk_weights: torch.Tensor) -> None:
+        """Store each pair's weight (fp32) at its grouped row of its owner's row_weights (pairs
+        dropped for capacity skipped); the owners read them after the next barrier."""
+        view, tokens = self.view, topk_weights.shape[0]
+        copy_rows(
+            view.row_weights.local,
+            topk_weights.float().reshape(-1, 1).contiguous(),
+            self._pair_rows(tokens).view(-1),
+            self._row_count(tokens * self.shape.top_k),
+            self.programs,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            dst_offsets=view.row_weights.offsets,
+            dst_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+
     def combine_target(
         self, routing: SymmetricRouting, hidden: int, dtype: torch.dtype
     ) -> RowScatter:
@@ -1103,7 +1170,6 @@ class SymmetricExchange:
                 f"SymmetricExchange.unweighted_combine_backward takes rows of "
                 f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
             )
-        tokens = grad_y.shape[0]
         push_rows(
             grad_y.contiguous(),
             routing.token_slot,
@@ -1113,18 +1179,7 @@ class SymmetricExchange:
             s.block_tokens,
             **PUSH_TILE,
         )
-        copy_rows(
-            view.row_weights.local,
-            topk_weights.float().reshape(-1, 1).contiguous(),
-            self._pair_rows(tokens).view(-1),
-            self._row_count(tokens * s.top_k),
-            self.programs,
-            COPY_ROWS,
-            dst_row=routing.pair_row.view(-1),
-            dst_offsets=view.row_weights.offsets,
-            dst_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
+        self._push_row_weights(routing, topk_weights)
         self._barrier("combine backward: gradient rows and router weights pushed")
         grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
         copy_rows(

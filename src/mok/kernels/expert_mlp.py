@@ -605,14 +605,21 @@ def down_data_gradient(
 
 
 def weighted_down_data_gradient(
-    grad_rows: torch.Tensor, saved: ExpertMLPSaved, row_weights: torch.Tensor
+    grad_rows: torch.Tensor,
+    saved: ExpertMLPSaved,
+    row_weights: torch.Tensor,
+    rows_ready: RowsReady | None = None,
+    dgrad_sms: int | None = None,
+    claims: TileClaims | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`down_data_gradient` with the router weights applied after the product
     (`grouped_gemm.down_dgrad_swiglu_weighted`): grad_rows [M, H] are the unweighted gradients of
     the rows' outputs, row_weights [M] fp32 each row's router weight (0 for rows no pair uses).
     Returns (the pre-activations' gradients [M, 2I], the router weights' dots [M] fp32: <grad_rows
     [r] @ W_down[e], h[r]>). The saved h then holds round(w * h), so that `down_weight_gradient(
-    grad_rows, saved)` gives W_down's gradient of the weighted rows."""
+    grad_rows, saved)` gives W_down's gradient of the weighted rows. rows_ready, dgrad_sms and
+    claims as in `down_data_gradient` (the rows land beside the product; row_weights must be in
+    place before it starts)."""
     if not isinstance(saved, ExpertMLPSaved):
         raise ValueError(f"saved must be the ExpertMLPSaved of a forward call, got {type(saved)}")
     gate_up = _saved_tensor(saved, "gate_up")
@@ -621,6 +628,8 @@ def weighted_down_data_gradient(
     _check("grad_rows", grad_rows, (m, saved.w_down.shape[1]), (gate_up.dtype,), gate_up.device)
     _check_tma_layout("grad_rows", grad_rows)
     cfg = saved.config
+    if dgrad_sms is not None:
+        cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
     ws_dgrad = cfg.warp_specialized_dgrad
     if ws_dgrad and ws.dgrad_supported(grad_rows, ws_dgrad.down, saved.w_down):
         down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu_weighted
@@ -635,6 +644,7 @@ def weighted_down_data_gradient(
         cached_row_tiles(saved.row_tiles, saved.group_offsets, m, down_cfg.block_m),
         saved.swiglu_limit,
         down_cfg,
+        ready=rows_ready,
         activation=saved.activation,
     )
 
