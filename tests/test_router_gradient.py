@@ -241,10 +241,10 @@ def test_on_a_gpu_the_epilogue_follows_its_reference_and_keeps_less(preset, back
 def test_on_ranks_sharing_one_gpu_the_epilogue_follows_its_reference(backend, tokens_per_rank):
     """The NVLink exchange's new steps as compiled for the GPU (symmetric memory by CUDA IPC,
     ranks sharing one GPU; the triton backend's push into staging, the fused backend's pull
-    beside the weighted down dgrad waiting per tile), with the Gluon kernels, at deepseek-v3's shape with a shared expert,
-    the clamp, gpt-oss's biases: every result against the reference of the same rounding
-    points, bitwise repeatable with no host sync; the router weights' gradient to fp32 sums, as
-    at EP 1."""
+    beside the weighted down dgrad waiting per tile), with the Gluon kernels, at deepseek-v3's
+    shape with a shared expert, the clamp, gpt-oss's biases: every result against the reference
+    of the same rounding points, bitwise repeatable with no host sync; the router weights'
+    gradient to fp32 sums, as at EP 1."""
     from test_triton_backend import (
         SHARING_PEER_TIMEOUT_S,
         TOLERANCE,
