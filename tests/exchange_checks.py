@@ -40,49 +40,43 @@ def compare_exchanges(symmetric, collective, inputs, expert, shared=None, extra=
         equal["grad grouped"] = torch.equal(grad_grouped[:rows], grad_grouped_want)
         equal["grad weights"] = relative_error(grad_w, grad_w_want) < 1e-5
     else:
-        equal.update(compare_unweighted_backward(symmetric, collective, (want, got), inputs))
-        equal["weighted as combine_backward"] = _weighted_as_combine_backward(
-            collective, want, grad_y, w, grad_grouped_want
-        )
-        equal["dots as the router gradient"] = _dots_as_the_router_gradient(
-            collective, want, grad_y, w, expert_out, grad_w_want
+        wanted = (grad_grouped_want, expert_out, grad_w_want)
+        equal.update(
+            compare_unweighted_backward(symmetric, collective, (want, got), inputs, wanted)
         )
     symmetric.check()
     return equal
 
 
-def compare_unweighted_backward(symmetric, collective, routings, inputs):
+def compare_unweighted_backward(symmetric, collective, routings, inputs, wanted):
     """The epilogue form's two steps (`unweighted_combine_backward`, `pair_values`) through both
     exchanges: bitwise equal. Catches a token's row pushed into the wrong staging row, a weight
-    stored at another pair's grouped row or rank, a dot fetched from the wrong owner."""
+    stored at another pair's grouped row or rank, a dot fetched from the wrong owner. And the
+    collective's against its `combine_backward` (wanted: its grouped rows' gradients, the
+    grouped expert outputs, the router weights' gradient): the unweighted rows times their
+    weights are the weighted rows bit for bit (the same fp32 product, rounded once), and each
+    row's <grad_y row, output> sent back by `pair_values` is the router weights' gradient
+    (fp32 sums in another order)."""
     want, got = routings
     _, _, w, grad_y = inputs
+    grad_grouped_want, expert_out, grad_w_want = wanted
     rows_want, weights_want = collective.unweighted_combine_backward(want, grad_y, w)
     rows_got, weights_got = symmetric.unweighted_combine_backward(got, grad_y, w)
     rows = rows_want.shape[0]
     values = torch.randn(rows, dtype=torch.float32, device=grad_y.device)
     padded = torch.full((rows_got.shape[0],), float("nan"), device=grad_y.device)
     padded[:rows] = values
+    weighted = (weights_want.unsqueeze(1) * rows_want.float()).to(rows_want.dtype)
+    dots = (rows_want.float() * expert_out.float()).sum(1)
     return {
         "unweighted rows": torch.equal(rows_got[:rows], rows_want),
         "row weights": torch.equal(weights_got[:rows], weights_want),
         "pair values": torch.equal(
             symmetric.pair_values(got, padded), collective.pair_values(want, values)
         ),
+        "weighted as combine_backward": torch.equal(weighted, grad_grouped_want),
+        "dots as the router gradient": relative_error(
+            collective.pair_values(want, dots), grad_w_want
+        )
+        < 1e-5,
     }
-
-
-def _weighted_as_combine_backward(collective, routing, grad_y, w, grad_grouped_want):
-    """The collective exchange's unweighted rows times their weights are combine_backward's
-    weighted rows, bit for bit (the same fp32 product, rounded once)."""
-    grad_rows, weights = collective.unweighted_combine_backward(routing, grad_y, w)
-    weighted = (weights.unsqueeze(1) * grad_rows.float()).to(grad_rows.dtype)
-    return torch.equal(weighted, grad_grouped_want)
-
-
-def _dots_as_the_router_gradient(collective, routing, grad_y, w, expert_out, grad_w_want):
-    """Each grouped row's <grad_y row, output> sent back by `pair_values` is the router weights'
-    gradient combine_backward forms from the pairs' outputs (fp32 sums in another order)."""
-    grad_rows, _ = collective.unweighted_combine_backward(routing, grad_y, w)
-    dots = (grad_rows.float() * expert_out.float()).sum(1)
-    return relative_error(collective.pair_values(routing, dots), grad_w_want) < 1e-5

@@ -131,7 +131,6 @@ class FusedBackend(TritonBackend):
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)
-
         if ep > 1 and simulated_allocator() is None:
             symmetric = SymmetricExchange.unavailable_reason(group, device)
             if symmetric is not None:
@@ -264,6 +263,7 @@ class FusedBackend(TritonBackend):
         grad_y = grad_y.to(self.dtype).contiguous()
         timeout = self.workspace.config.peer_timeout_s
         epilogue = self._router_gradient_in_epilogue()
+        row_weights = None
         if epilogue:
             grad_out, pull, ready, row_weights = (
                 self.exchange.unweighted_combine_backward_overlapped(
@@ -287,13 +287,16 @@ class FusedBackend(TritonBackend):
         experts, grads = saved.experts, {}
         if self.comm_stream is not None:  # written by the pull: freed after it, whatever joins
             grad_out.record_stream(self.comm_stream)
-        beside = {"rows_ready": ready, "dgrad_sms": self.beside_sms, "claims": self.claims}
-        if epilogue:
-            grad_gate_up, dots = self._weighted_down_products(
-                grad_out, row_weights, experts, into, grads, **beside
-            )
-        else:
-            grad_gate_up = self._down_gradients(grad_out, experts, into, grads, **beside)
+        grad_gate_up, dots = self._down_gradients(
+            grad_out,
+            experts,
+            into,
+            grads,
+            row_weights,
+            rows_ready=ready,
+            dgrad_sms=self.beside_sms,
+            claims=self.claims,
+        )
         del grad_out
         grad_rows = gate_up_data_gradient(grad_gate_up, experts)
         give_back = self.exchange.dispatch_backward_overlapped(

@@ -424,7 +424,7 @@ class TritonBackend:
                 grads.update(zip(EXPERT_BIAS_FIELDS, routed.biases, strict=True))
         else:
             grads = {}
-            grad_gate_up = self._down_gradients(grad_out, saved.experts, into, grads)
+            grad_gate_up, _ = self._down_gradients(grad_out, saved.experts, into, grads)
             del grad_out  # the last of its products is queued: its memory serves the next ones
             grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
         grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
@@ -432,64 +432,53 @@ class TritonBackend:
         return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
 
     @staticmethod
-    def _down_gradients(grad_out, experts, into: dict, grads: dict, **dgrad_options):
-        """The routed products that read grad_out [M, H]: the pre-activations' gradients
-        [M, 2I] (returned; `dgrad_options` as in `down_data_gradient`), then W_down's gradient
-        and the biases' (into `grads`). The saved pre-activations and h are released after
-        their last product."""
-        from mok.kernels import down_data_gradient, down_weight_gradient, expert_bias_gradients
-
-        grad_gate_up = down_data_gradient(grad_out, experts, **dgrad_options)
-        experts.release("gate_up")
-        grads["down"] = down_weight_gradient(grad_out, experts, into.get("down"))
-        experts.release("h")
-        if experts.biases is not None:
-            buffers = [into.get(name) for name in EXPERT_BIAS_FIELDS]
-            gradients = expert_bias_gradients(grad_out, grad_gate_up, experts, *buffers)
-            grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
-        return grad_gate_up
-
-    def _weighted_down_gradients(self, saved: _Saved, grad_y, into: dict, grads: dict):
-        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
-        fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
-        to their pairs' grouped rows unweighted with each row's weight
-        (`Exchange.unweighted_combine_backward`), then `_weighted_down_products`."""
-        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
-            saved.routing, grad_y, saved.weights
-        )
-        return self._weighted_down_products(grad_rows, row_weights, saved.experts, into, grads)
-
-    @staticmethod
-    def _weighted_down_products(
-        grad_rows, row_weights, experts, into: dict, grads: dict, **dgrad_options
-    ):
-        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
-        fp32) from grad_rows [M, H] unweighted and row_weights [M] fp32: the weighted down dgrad
-        (`weighted_down_data_gradient`, `dgrad_options` as there), then W_down's gradient of
-        those rows and round(w h) (into `grads`); with expert biases, <grad row, b_down> added
-        to the dots and the biases' gradients (b_down's of the weighted rows, in fp32). The
-        saved pre-activations and h are released after their last product."""
+    def _down_gradients(
+        grad_out, experts, into: dict, grads: dict, row_weights=None, **dgrad_options
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The routed products that read grad_out [M, H]: (the pre-activations' gradients
+        [M, 2I], `dgrad_options` as in `down_data_gradient`; None, or with row_weights the dots),
+        then W_down's gradient and the biases' (into `grads`). With row_weights [M] fp32,
+        grad_out holds the rows' unweighted gradients and the down dgrad applies the weights in
+        its epilogue (`weighted_down_data_gradient`, returning each row's router-weight dot [M]
+        fp32, plus <grad row, b_down> with expert biases; b_down's gradient of the weighted
+        rows, in fp32). The saved pre-activations and h are released after their last
+        product."""
         from mok.kernels import (
             add_down_bias_dots,
+            down_data_gradient,
             down_weight_gradient,
             expert_bias_gradients,
             weighted_down_data_gradient,
         )
 
-        grad_gate_up, dots = weighted_down_data_gradient(
-            grad_rows, experts, row_weights, **dgrad_options
-        )
+        if row_weights is None:
+            grad_gate_up, dots = down_data_gradient(grad_out, experts, **dgrad_options), None
+        else:
+            grad_gate_up, dots = weighted_down_data_gradient(
+                grad_out, experts, row_weights, **dgrad_options
+            )
         experts.release("gate_up")
-        grads["down"] = down_weight_gradient(grad_rows, experts, into.get("down"))
+        grads["down"] = down_weight_gradient(grad_out, experts, into.get("down"))
         experts.release("h")
         if experts.biases is not None:
-            add_down_bias_dots(grad_rows, experts, dots)
+            if dots is not None:
+                add_down_bias_dots(grad_out, experts, dots)
             buffers = [into.get(name) for name in EXPERT_BIAS_FIELDS]
             gradients = expert_bias_gradients(
-                grad_rows, grad_gate_up, experts, *buffers, row_weights=row_weights
+                grad_out, grad_gate_up, experts, *buffers, row_weights=row_weights
             )
             grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up, dots
+
+    def _weighted_down_gradients(self, saved: _Saved, grad_y, into: dict, grads: dict):
+        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
+        fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
+        to their pairs' grouped rows unweighted with each row's weight
+        (`Exchange.unweighted_combine_backward`), then `_down_gradients` of them."""
+        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
+            saved.routing, grad_y, saved.weights
+        )
+        return self._down_gradients(grad_rows, saved.experts, into, grads, row_weights)
 
     @staticmethod
     def _gate_up_gradients(grad_gate_up, experts, into: dict, grads: dict) -> torch.Tensor:

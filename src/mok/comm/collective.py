@@ -166,35 +166,32 @@ class CollectiveExchange:
             out = values.view(tokens, top_k, -1)
         grad_w = torch.einsum("th,tkh->tk", grad, out).to(topk_weights.dtype)
         grad_pairs = (topk_weights.float().unsqueeze(-1) * grad.unsqueeze(1)).to(grad_y.dtype)
-        flat = grad_pairs.reshape(-1, grad_pairs.shape[-1])[routing.pair_send_order]
-        received = all_to_all(flat, routing.recv_pairs, routing.send_pairs, self.group)
-        grad_grouped = torch.empty_like(received)
-        grad_grouped[routing.return_order] = received
-        return grad_grouped, grad_w
+        return self._to_owners(routing, grad_pairs.reshape(-1, grad_pairs.shape[-1])), grad_w
+
+    def _to_owners(self, routing: Routing, pairs: torch.Tensor) -> torch.Tensor:
+        """Rows of this rank's pairs, [T * k, W] in pair order, -> the grouped rows' [R, W] on
+        their owners (the inverse of `gather_outputs`)."""
+        received = all_to_all(
+            pairs[routing.pair_send_order], routing.recv_pairs, routing.send_pairs, self.group
+        )
+        grouped = torch.empty_like(received)
+        grouped[routing.return_order] = received
+        return grouped
 
     def unweighted_combine_backward(
         self, routing: Routing, grad_y: torch.Tensor, topk_weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(grad_y's row of each grouped row's token [R, H], sent as `dispatch` sends x; each
         grouped row's pair's weight [R] fp32)."""
-        flat = topk_weights.float().reshape(-1, 1)[routing.pair_send_order]
-        received = all_to_all(flat, routing.recv_pairs, routing.send_pairs, self.group)
-        weights = torch.empty_like(received)
-        weights[routing.return_order] = received
+        weights = self._to_owners(routing, topk_weights.float().reshape(-1, 1))
         return self.dispatch(routing, grad_y), weights.view(-1)
 
     def pair_values(self, routing: Routing, row_values: torch.Tensor) -> torch.Tensor:
         """[T, k] fp32: each pair's value of row_values [R] fp32 (one per grouped row), sent back
-        as `gather_outputs` sends the outputs."""
-        back = all_to_all(
-            row_values.float().reshape(-1, 1)[routing.return_order],
-            routing.send_pairs,
-            routing.recv_pairs,
-            self.group,
+        by `gather_outputs`."""
+        return self.gather_outputs(routing, row_values.float().reshape(-1, 1)).view(
+            -1, routing.top_k
         )
-        values = torch.empty_like(back)
-        values[routing.pair_send_order] = back
-        return values.view(-1, routing.top_k)
 
     def dispatch_backward(
         self, routing: Routing, grad_grouped: torch.Tensor, extra: torch.Tensor | None = None
