@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from mok.bench import git_commit
 from mok.comm.collective import CollectiveExchange
-from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.comm.layout import default_shape
+from mok.comm.symmetric import SymmetricExchange
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, PUSH_TILE, copy_rows, push_rows
 from mok.launch import run_ranks
 from mok.presets import get_preset

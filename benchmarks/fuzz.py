@@ -1,16 +1,21 @@
-"""Fuzz campaign of the triton backend: random shapes and routings, every result checked.
+"""Fuzz campaign of the fast backends: random routings and token counts on a fixed palette of
+layer shapes, every result checked against the reference.
 
-    python benchmarks/fuzz.py --cases 1000 [--ep 1,2] [--seed 0] [--minutes M] [--out F]
+    python benchmarks/fuzz.py --cases 1000 [--ep 1,2] [--workers 4] [--seed 0] [--minutes M]
+                              [--out F]
 
-Each case draws H and I (multiples of 16), E, k, a shared expert or none, a SwiGLU clamp or none,
-tokens per rank (0 on some ranks), a routing (uniform, Zipf, all to one expert, half the experts
-empty, all to the first experts), and sometimes expert ids out of range (E, E + 7 or -1 on a few
-pairs) or receive capacities too small, and at EP > 1 in a quarter of the cases the per-pair
-tensors sized by the pairs received (`exact_buffers`). One forward and backward of `mok.MoE`
-(backend triton) runs on every rank, then `Workspace.check()`; the results are compared with the
-reference backend (`mok.reference`, fp32 math on the same bf16 inputs; ids out of range become
-zero-weight pairs there, whose router-weight gradients the triton backend sets to zero) or, where
-an error is due, the error must be raised. Outcomes per case:
+Each case takes one layer shape of `PALETTE` (so that the kernels compile once per shape, not
+once per case: a campaign of 1000 cases stays affordable on a GPU), a backend (`triton`,
+`fused`) and a precision (bf16; MXFP8 on the triton backend, for shapes its 32-element blocks
+take), and draws the rest: tokens per rank (0 on some ranks), a routing (uniform, Zipf, all to
+one expert, half the experts empty, all to the first experts), for bf16 sometimes the router
+weights' gradient in the down product's epilogue, sometimes expert ids out of range (E, E + 7 or
+-1 on a few pairs), receive capacities too small, and at EP > 1 in a quarter of the cases the
+per-pair tensors sized by the pairs received (`exact_buffers`). One forward and backward of
+`mok.MoE` runs on every rank, then `Workspace.check()`; the results are compared with the
+reference backend (`mok.reference`, fp32 math on the same bf16 inputs, the same precision and
+activation; ids out of range become zero-weight pairs there, whose router-weight gradients the
+fast backends set to zero) or, where an error is due, the error must be raised. Outcomes:
   exact              no error due, none raised, every result within TOLERANCE of the reference
   bad ids raised     MoKInputError on the ranks holding them, the valid pairs' results exact
   overflow raised    MoKCapacityError on every rank, results finite
@@ -19,14 +24,17 @@ an error is due, the error must be raised. Outcomes per case:
   context kill       a rank's process died (goal: 0; a device trap would do this)
 EP 2 runs on two GPUs when there are two (NCCL, symmetric memory), else as two processes sharing
 one GPU (a gloo group, buffers shared through CUDA IPC: the same kernels and protocol, slower).
-Without a GPU it runs on the CPU (kernels under the Triton interpreter, a shared file standing in
-for symmetric memory): slow, for trying the campaign itself.
+`--workers` campaigns run side by side per EP size, each on its share of the cases (the small
+shapes leave a GPU mostly idle: the host's Python is the bound). Without a GPU it runs on the
+CPU (kernels under the Triton interpreter, a shared file standing in for symmetric memory):
+slow, for trying the campaign itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -54,6 +62,7 @@ from mok.testing import (  # noqa: E402
     relative_error,
     shared_file_allocator,
 )
+from mok.weights import ROUTED_FIELDS  # noqa: E402
 
 TOLERANCE = 2e-2
 """bf16 kernels against the fp32 reference (errors are ~4e-3); a wrong row or index is O(1)."""
@@ -67,19 +76,43 @@ OUTCOMES = (
 )
 
 
+PALETTE = (
+    {"hidden": 64, "inter": 32, "experts_per_rank": 4, "top_k": 2},
+    {"hidden": 128, "inter": 96, "experts_per_rank": 3, "top_k": 3, "shared": 64, "limit": 3.0},
+    {"hidden": 80, "inter": 48, "experts_per_rank": 1, "top_k": 1, "shared": 16},
+    {
+        "hidden": 96,
+        "inter": 64,
+        "experts_per_rank": 4,
+        "top_k": 4,
+        "limit": 7.0,
+        "alpha": 1.702,
+        "up_offset": 1.0,
+        "bias": True,
+    },
+    {"hidden": 256, "inter": 128, "experts_per_rank": 16, "top_k": 8},
+)
+"""Layer shapes of the cases (E = EP x experts_per_rank): one with a shared expert and a clamp,
+one whose sizes are not multiples of 32 (bf16 only), gpt-oss's experts (activation, clamp,
+biases), top 8 of many experts."""
+PALETTE_NAMES = ("small", "shared+clamp", "not-32", "gpt-oss", "top-8")
+
+
 def draw_case(rng: random.Random, ep: int, index: int) -> dict:
     """One random case for `ep` ranks (a plain dict: it travels to the rank processes)."""
-    # Few distinct E and k: each new pair compiles kernels (seconds), sizes do not.
-    experts = ep * rng.choice([1, 3, 4, 16])
+    shape = rng.randrange(len(PALETTE))
+    mx_able = PALETTE[shape]["hidden"] % 32 == 0 and PALETTE[shape]["inter"] % 32 == 0
+    backend = rng.choice(["triton", "fused"])
+    precision = "mxfp8" if backend == "triton" and mx_able and rng.random() < 0.4 else "bf16"
     case = {
         "index": index,
         "ep": ep,
-        "hidden": 16 * rng.choice([1, 2, 3, 5, 8, 16, 24, 32]),
-        "inter": 16 * rng.choice([1, 2, 3, 4, 7, 8, 16]),
-        "experts": experts,
-        "top_k": min(experts, rng.choice([1, 2, 3, 8])),
-        "shared": 16 * rng.choice([0, 0, 1, 4]),
-        "limit": rng.choice([None, None, 0.5, 3.0]),
+        "shape": shape,
+        "backend": backend,
+        "precision": precision,
+        "router_gradient": (
+            "epilogue" if precision == "bf16" and rng.random() < 0.25 else "saved_outputs"
+        ),
         "tokens": [rng.choice([0, 1, 7, 64, 100, 255]) for _ in range(ep)],
         "routing": rng.choice(ROUTINGS),
         "bad_ids": rng.random() < 0.15,
@@ -88,7 +121,6 @@ def draw_case(rng: random.Random, ep: int, index: int) -> dict:
     }
     if ep > 1 and rng.random() < 0.15:
         case["capacity"] = rng.choice(["tokens", "pairs"])
-    # From the seed, not a draw of its own: the other fields of every case stay as they were.
     case["exact_buffers"] = ep > 1 and case["seed"] % 4 == 0
     return case
 
@@ -96,10 +128,11 @@ def draw_case(rng: random.Random, ep: int, index: int) -> dict:
 def rank_inputs(case: dict, rank: int, device) -> RankInputs:
     """Inputs of `rank` in `case` (every rank can rebuild every rank's)."""
     generator = torch.Generator().manual_seed(case["seed"] * 8 + rank)
-    tokens, experts, top_k = case["tokens"][rank], case["experts"], case["top_k"]
-    x = torch.randn(tokens, case["hidden"], generator=generator)
+    shape = PALETTE[case["shape"]]
+    tokens, experts, top_k = case["tokens"][rank], experts_of(case), shape["top_k"]
+    x = torch.randn(tokens, shape["hidden"], generator=generator)
     idx, w = make_routing(case["routing"], tokens, experts, top_k, generator)
-    grad_y = torch.randn(tokens, case["hidden"], generator=generator)
+    grad_y = torch.randn(tokens, shape["hidden"], generator=generator)
     if case["bad_ids"] and tokens:
         picks = torch.randint(
             0, tokens * top_k, (max(1, tokens * top_k // 16),), generator=generator
@@ -114,13 +147,17 @@ def rank_inputs(case: dict, rank: int, device) -> RankInputs:
     )
 
 
+def experts_of(case: dict) -> int:
+    return case["ep"] * PALETTE[case["shape"]]["experts_per_rank"]
+
+
 def needs(case: dict, everyone: list[RankInputs]) -> tuple[list[int], list[int]]:
     """(tokens, pairs) each rank receives: its tokens once per owner, and the valid pairs."""
-    local = case["experts"] // case["ep"]
+    local = PALETTE[case["shape"]]["experts_per_rank"]
     tokens, pairs = [0] * case["ep"], [0] * case["ep"]
     for inputs in everyone:
         idx = inputs.topk_idx.cpu()
-        valid = (idx >= 0) & (idx < case["experts"])
+        valid = (idx >= 0) & (idx < experts_of(case))
         owner = torch.where(valid, idx // local, -1)
         for rank in range(case["ep"]):
             tokens[rank] += int((owner == rank).any(1).sum())
@@ -138,16 +175,23 @@ def config_of(case: dict, everyone: list[RankInputs]) -> tuple[mok.MoKConfig, bo
             name = "recv_capacity" if case["capacity"] == "tokens" else "recv_pair_capacity"
             capacities[name] = most - 1
             overflow = True
+    shape = PALETTE[case["shape"]]
     config = mok.MoKConfig(
-        hidden_size=case["hidden"],
-        intermediate_size=case["inter"],
-        num_experts=case["experts"],
-        top_k=case["top_k"],
-        shared_intermediate_size=case["shared"],
-        swiglu_limit=case["limit"],
-        backend="triton",
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["inter"],
+        num_experts=experts_of(case),
+        top_k=shape["top_k"],
+        shared_intermediate_size=shape.get("shared", 0),
+        swiglu_limit=shape.get("limit"),
+        swiglu_alpha=shape.get("alpha", 1.0),
+        swiglu_up_offset=shape.get("up_offset", 0.0),
+        expert_bias=shape.get("bias", False),
+        backend=case["backend"],
+        precision=case["precision"],
+        router_gradient=case["router_gradient"],
         max_tokens_per_rank=max(1, *case["tokens"]),
         exact_buffers=case["exact_buffers"],
+        graphs="off",
         **capacities,
     )
     return config, overflow
@@ -171,7 +215,17 @@ def reference_results(config, full, everyone, rank, group):
     x = torch.cat(xs).requires_grad_(True)
     w = torch.cat(ws).requires_grad_(True)
     weights = full.map(lambda t: t.detach().clone().to(dtype).requires_grad_(True))
-    y = moe_forward(x, torch.cat(idxs), w, weights, config.swiglu_limit)
+    y = moe_forward(
+        x,
+        torch.cat(idxs),
+        w,
+        weights,
+        config.swiglu_limit,
+        precision=config.precision.value,
+        mx_rounding=config.mx_rounding.value,
+        swiglu_alpha=config.swiglu_alpha,
+        swiglu_up_offset=config.swiglu_up_offset,
+    )
     y.backward(torch.cat(grads))
     start = sum(inputs.x.shape[0] for inputs in everyone[:rank])
     rows = slice(start, start + everyone[rank].x.shape[0])
@@ -188,9 +242,7 @@ def reference_results(config, full, everyone, rank, group):
         if tensor is None:
             continue
         grad = torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
-        results[f"grad {name}"] = (
-            grad[first : first + local] if name in ("gate", "up", "down") else grad
-        )
+        results[f"grad {name}"] = grad[first : first + local] if name in ROUTED_FIELDS else grad
     return results
 
 
@@ -242,10 +294,11 @@ def run_case(case: dict, rank: int, group, device) -> tuple[str, float, str]:
     return ("bad ids raised" if bad_here else "exact"), worst, ""
 
 
-def rank_device(where: str, rank: int) -> tuple[torch.device, object]:
-    """(this rank's device, the symmetric-memory stand-in or None) for `where`."""
+def rank_device(where: str, rank: int, folder: str) -> tuple[torch.device, object]:
+    """(this rank's device, the symmetric-memory stand-in or None) for `where`; on the CPU, files
+    in `folder` (the campaign's own: campaigns side by side must not share them)."""
     if where == "cpu":
-        return torch.device("cpu"), shared_file_allocator(tempfile.gettempdir())
+        return torch.device("cpu"), shared_file_allocator(folder)
     device = torch.device("cuda", rank if where == "gpus" else 0)
     torch.cuda.set_device(device)
     return device, cuda_ipc_allocator if where == "one-gpu" else None
@@ -254,7 +307,7 @@ def rank_device(where: str, rank: int) -> tuple[torch.device, object]:
 def run_cases(rank, world, cases, progress, where, deadline):
     """Rank worker: every case in order, one JSON line per case into progress/rank<r>.jsonl,
     until the wall-clock `deadline` (time.time()) has passed."""
-    device, allocate = rank_device(where, rank)
+    device, allocate = rank_device(where, rank, progress)
     group = dist.group.WORLD if world > 1 else None
     simulated = contextlib.nullcontext()
     if allocate is not None and world > 1:
@@ -342,6 +395,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--ep", default="1,2", help="EP sizes, sharing the cases evenly")
+    parser.add_argument("--workers", type=int, default=1, help="campaigns side by side per EP size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--minutes",
@@ -356,24 +410,36 @@ def main() -> None:
     rng = random.Random(args.seed)
     lines = ["| EP | cases | " + " | ".join(OUTCOMES) + " | largest error | seconds |"]
     lines.append("| --- " * (len(OUTCOMES) + 4) + "|")
-    findings = []
+    findings, mixes = [], []
     for ep in eps:
         count = args.cases // len(eps)
         cases = [draw_case(rng, ep, i) for i in range(count)]
         start = time.monotonic()
         budget = float("inf") if args.minutes is None else 60 * args.minutes
-        results = campaign(cases, ep, time.time() + budget)
+        deadline = time.time() + budget
+        with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+            shares = [cases[w :: args.workers] for w in range(args.workers)]
+            results = {}
+            runs = pool.map(campaign, shares, [ep] * len(shares), [deadline] * len(shares))
+            for done in runs:
+                results.update(done)
         seconds = time.monotonic() - start
         tally = collections.Counter(result["outcome"] for result in results.values())
         worst = max((result["error"] for result in results.values()), default=0.0)
         counts = " | ".join(str(tally.get(outcome, 0)) for outcome in OUTCOMES)
         lines.append(f"| {ep} | {len(results)} | {counts} | {worst:.2e} | {seconds:.0f} |")
+        mix = collections.Counter(
+            (PALETTE_NAMES[cases[i]["shape"]], cases[i]["backend"], cases[i]["precision"])
+            for i in results
+        )
+        mixes.append(f"EP {ep}: " + ", ".join(f"{'/'.join(k)} {n}" for k, n in sorted(mix.items())))
         for index, result in sorted(results.items()):
             if result["outcome"] in ("silent corruption", "unexpected error", "context kill"):
                 findings.append(
                     f"EP {ep} case {cases[index]}: {result['outcome']}: {result.get('detail', '')}"
                 )
-    report = "\n".join(lines + ([""] + findings if findings else []))
+    report = "\n".join(lines + ["", "Cases run per shape, backend, precision:", *mixes])
+    report += "\n" + "\n".join([""] + findings if findings else [])
     print(report)
     if args.out:
         with open(args.out, "w") as handle:

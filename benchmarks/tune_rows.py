@@ -22,8 +22,9 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from mok.comm.layout import default_shape
 from mok.comm.local import LocalExchange
-from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.comm.symmetric import SymmetricExchange
 from mok.kernels.rows import copy_rows, push_rows, reduce_rows
 from mok.launch import run_ranks
 from mok.presets import get_preset

@@ -87,9 +87,17 @@ def compile_only(compiled: list):
         driver._active = previous
 
 
+def hopper_ptxas() -> str:
+    """The ptxas Triton itself runs for sm_90 (its bundled `ptxas` up to 3.8, the newer
+    `ptxas-blackwell` from 3.9 on, whose PTX the older one refuses)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
 def ptxas_report(ptx: str) -> dict[str, int]:
-    """registers, spill bytes and shared memory of the PTX's kernel, from the bundled ptxas."""
-    ptxas = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/ptxas"
+    """registers, spill bytes and shared memory of the PTX's kernel, from Triton's ptxas."""
+    ptxas = hopper_ptxas()
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
@@ -433,7 +441,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     failed = False
     rows = []
-    print(f"triton {triton.__version__}, sm_90a")
+    print(f"triton {triton.__version__}, sm_90a, {hopper_ptxas()}")
     print("| kernel | registers | spill bytes | shared bytes |")
     print("| --- | --- | --- | --- |")
     for label, launch in [*cases(), *cast_cases(), *tl_cases()]:

@@ -189,13 +189,20 @@ def test_config_accepts_strings_and_reports_layout():
     assert config.forward_flops(10) == 2 * 10 * 2 * 3 * 128 * 64 + 2 * 10 * 3 * 128 * 64
 
 
-def test_mxfp8_runs_on_the_reference_backend_only_with_32_aligned_sizes():
+def test_mxfp8_runs_on_the_reference_backend_and_refuses_unaligned_sizes_at_once():
     """Catches a backend taking a precision it would compute in bf16, and MXFP8 accepted for
-    sizes its 32-element scale blocks cannot cover."""
+    sizes its 32-element scale blocks cannot cover until the first call: the config refuses
+    them when it is made, for either size."""
     mx_config = TINY.replace(precision="mxfp8")
     assert mok.create_workspace(mx_config).backend_name == "reference"
-    with pytest.raises(mok.BackendUnavailableError, match="multiple of 32"):
-        mok.create_workspace(mx_config.replace(hidden_size=48, intermediate_size=64))
+    for change in ({"hidden_size": 48}, {"intermediate_size": 40}):
+        name = next(iter(change))
+        with pytest.raises(mok.MoKConfigError, match=f"{name} to be a multiple of 32"):
+            mx_config.replace(**change)
+    with pytest.raises(mok.MoKConfigError, match="multiple of 32"):
+        mok.MoKConfig(
+            hidden_size=48, intermediate_size=64, num_experts=4, top_k=2, precision="mxfp8"
+        )
 
 
 def test_backends_say_why_they_cannot_run_here(monkeypatch):

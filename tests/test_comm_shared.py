@@ -5,7 +5,8 @@ import dataclasses
 import torch
 
 from mok.comm import symmetric
-from mok.comm.symmetric import acquire_exchange, default_shape, release_exchange
+from mok.comm.layout import default_shape
+from mok.comm.symmetric import acquire_exchange, release_exchange
 
 
 @dataclasses.dataclass(eq=False)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 import mok
 from mok.comm.collective import CollectiveExchange
-from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.comm.layout import default_shape
+from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKCapacityError
 from mok.launch import run_ranks
 from mok.reference import grouped_expert_mlp

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from mok.comm.collective import CollectiveExchange
-from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.comm.layout import default_shape
+from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKCapacityError
 from mok.launch import run_ranks
 from mok.routing import make_routing

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 import mok
+from mok.comm.layout import default_shape
 from mok.comm.simulation import simulated_symmetric_memory
-from mok.comm.symmetric import SymmetricExchange, default_shape
+from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKTimeoutError
 from mok.kernels.sync import INTERPRETER_SLOWDOWN
 from mok.launch import run_ranks

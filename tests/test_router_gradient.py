@@ -32,7 +32,7 @@ from test_triton_backend_cpu import (
 
 import mok
 from mok.launch import run_ranks
-from mok.testing import compare_with_reference, global_weights
+from mok.testing import compare_with_reference, global_weights, relative_error
 
 CPU = torch.device("cpu")
 EPILOGUE = {"router_gradient": "epilogue"}
@@ -186,7 +186,12 @@ def test_the_reference_follows_float64_at_ep(world, biases):
 @pytest.mark.parametrize("backend", ["triton", "fused"])
 def test_the_forward_keeps_no_pair_outputs(backend):
     """What the layer hands autograd's saved-tensor hooks shrinks by the pairs' outputs, T x k
-    x H values (fp32 under the interpreter), and the results stay within fp32 rounding."""
+    x H values (fp32 under the interpreter), and the results stay within fp32 rounding of each
+    other: the two forms apply the router weights at different points, so their fp32 values
+    differ in the last bits, and a bf16 result (y, the weights' gradients) may round to the
+    neighbouring bf16 value (one bf16 ulp, 2^-7 relative at most; which elements do depends on
+    the CPU's matmul blocking, which varies with the allocations made before). A weight applied
+    twice or to the wrong row is O(1) off."""
     config = CONFIG.replace(backend=backend)
     case = scenario(config, [23], seed=6)
     inputs = case.ranks[0]
@@ -195,7 +200,13 @@ def test_the_forward_keeps_no_pair_outputs(backend):
     tokens = inputs.x.shape[0]
     assert kept - kept_less == 4 * tokens * CONFIG.top_k * CONFIG.hidden_size
     for key, want in saved_outputs.items():
-        assert torch.allclose(epilogue[key].float(), want.float(), rtol=1e-4, atol=1e-5), key
+        got, want = epilogue[key].float(), want.float()
+        if saved_outputs[key].dtype == torch.bfloat16:
+            one_ulp = 2.0**-7 * torch.maximum(got.abs(), want.abs()) + 1e-30
+            assert bool(((got - want).abs() <= one_ulp).all()), key
+            assert relative_error(got, want) < 1e-3, key  # few elements round apart
+        else:
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), key
 
 
 @pytest.mark.gpu

@@ -92,9 +92,10 @@ def eager_and_compiled_results(script, tmp_path, args: list[str]) -> tuple[dict,
 
 def test_compiled_expert_parallel_training_follows_the_eager_run(script, tmp_path):
     """EP 2 on gloo ranks with --compile aot_eager, the CPU's MoK layer on the reference backend
-    (which no custom op can hold): the layer runs eagerly between the compiled graphs, the losses
-    are the eager run's. Catches Dynamo tracing into the layer's eager Python when it falls back
-    (it failed on the group's handle, an object Dynamo cannot read), which ended the run."""
+    inside the custom ops (its collectives and autograd graph off the op's thread): the losses are
+    the eager run's. Catches Dynamo tracing into the layer's eager Python (it failed on the
+    group's handle, an object Dynamo cannot read), and a compiled backward without the forward's
+    graph, which ended the run."""
     args = ["--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
     args += ["--moe-intermediate", "32", "--steps", "3", "--warmup", "1", "--seq", "16"]
     args += ["--batch", "2", "--ep", "2", "--implementations", "mok", "--device", "cpu"]

@@ -61,6 +61,12 @@ BASELINE_CLAMPED_GRADIENT_TOLERANCE = 1.5e-1
 # H200, measured on the reference machine (2026-11-30).
 H200_DENSE_BF16_TFLOPS = 794.0
 PASSES = {"forward": False, "forward+backward": True}  # name -> with backward
+NOISY_SPREAD = 1.5
+"""A timing whose slowest iteration took more than this many times its fastest is flagged as
+noisy: its median says little (a busy host, too few iterations)."""
+ORACLE = "reference"
+"""The backend that defines the results (`mok.reference`): the check compares with it, so it is
+not checked against itself."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,9 +141,35 @@ class BenchSpec:
             precision=self.precision,
             graphs=self.graphs,
             mx_weight_casts=self.mx_weight_casts,
-            recompute=self.recompute if self.precision == "bf16" else "none",
-            router_gradient=self.router_gradient if self.precision == "bf16" else "saved_outputs",
+            recompute=self.recompute,
+            router_gradient=self.router_gradient,
         )
+
+
+def estimated_peak_bytes(spec: BenchSpec) -> int:
+    """A lower estimate of what one rank of `spec` holds at its peak on a GPU: the weights and
+    their gradients (the benchmark keeps global weights for the check too), the per-pair
+    tensors the backend keeps for its backward (rows, pre-activations, h, outputs: sized for the
+    worst routing, EP x T x k pairs, unless `pair_capacity_factor` or `exact_buffers`), the
+    token tensors and the NVLink exchange's symmetric buffer. For refusing a run that cannot fit
+    before it starts; `benchmarks/peak_memory.py` measures."""
+    config = spec.config()
+    element = config.activation_dtype.itemsize
+    local = config.local_experts(spec.ep)
+    h, i = config.hidden_size, config.intermediate_size
+    expert_weights = 3 * h * i * element
+    shared = 3 * h * config.shared_intermediate_size * element
+    weights = 2 * (local * expert_weights + shared) + config.num_experts * expert_weights
+    tokens = spec.tokens_per_rank
+    pairs = tokens * config.top_k
+    if config.recv_pair_capacity is not None:
+        pairs = min(config.recv_pair_capacity, spec.ep * pairs)
+    elif not config.exact_buffers:
+        pairs *= spec.ep
+    per_pair = pairs * (2 * h + 3 * i) * element
+    token_tensors = 6 * tokens * h * element
+    symmetric = sum(mok.symmetric_buffer_bytes(config, spec.ep).values())
+    return weights + per_pair + token_tensors + symmetric
 
 
 @dataclasses.dataclass
@@ -155,6 +187,11 @@ class PassTiming:
     peak_memory_gib: float
     """Of the rank that used the most."""
 
+    @property
+    def noisy(self) -> bool:
+        """The iterations spread beyond NOISY_SPREAD (slowest / fastest)."""
+        return self.ms_max > NOISY_SPREAD * self.ms_min
+
 
 @dataclasses.dataclass
 class Measurement:
@@ -162,6 +199,7 @@ class Measurement:
 
     name: str
     check_errors: dict[str, float]
+    """Relative error against the reference backend per result; empty for the reference itself."""
     forward: PassTiming
     forward_backward: PassTiming
 
@@ -186,6 +224,15 @@ class BenchResult:
     def speedup(self, pass_name: str) -> float:
         return self.forward_speedup if pass_name == "forward" else self.forward_backward_speedup
 
+    def noisy(self, pass_name: str) -> bool:
+        """Either implementation's timing of the pass is noisy (so is the speedup)."""
+        return any(m.timing(pass_name).noisy for m in (self.backend, self.baseline))
+
+    @property
+    def is_oracle(self) -> bool:
+        """The backend timed is the reference, the oracle, not a fast path."""
+        return self.backend.name.split()[0] == ORACLE
+
     def table(self) -> tuple[list[str], list[list[str]]]:
         """Column headers ("<pass>\n<implementation>") and rows (time, TFLOP/s per rank, time over
         the compute floor, peak memory per rank, speedup), each row led by its label."""
@@ -194,17 +241,25 @@ class BenchResult:
             for measurement in (self.backend, self.baseline):
                 timing = measurement.timing(pass_name)
                 columns.append(f"{pass_name}\n{measurement.name}")
-                cells["time"].append(f"{timing.ms:.3f} ms")
+                cells["time"].append(f"{timing.ms:.3f} ms" + (NOISY_MARK if timing.noisy else ""))
                 cells["min-max"].append(f"{timing.ms_min:.3g}-{timing.ms_max:.3g}")
                 cells["TFLOP/s"].append(f"{timing.tflops:.2f}")
                 cells["x floor"].append(_format_ratio(timing.floor_ratio))
                 cells["peak memory"].append(f"{timing.peak_memory_gib:.2f} GiB")
                 is_backend = measurement is self.backend
-                cells["speedup"].append(f"{self.speedup(pass_name):.2f}x" if is_backend else "")
+                speedup = f"{self.speedup(pass_name):.2f}x" + (
+                    NOISY_MARK if self.noisy(pass_name) else ""
+                )
+                cells["speedup"].append(speedup if is_backend else "")
         return columns, list(cells.values())
 
 
 TABLE_ROWS = ("time", "min-max", "TFLOP/s", "x floor", "peak memory", "speedup")
+NOISY_MARK = " (noisy)"
+NOISY_NOTE = (
+    f"(noisy): the slowest iteration took over {NOISY_SPREAD:g}x the fastest, so the median is "
+    "unreliable; rerun on a quiet machine or with more --iters"
+)
 
 
 def _format_ratio(ratio: float | None) -> str:
@@ -230,9 +285,12 @@ def _output_gradient(spec: BenchSpec, rank: int, tokens: int, config, device) ->
 
 def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str, float]:
     """Relative errors of `layer` against the reference backend on the same group and the same
-    weights, on `spec.check_tokens` tokens per rank. The expert-parallel reference equals the
+    weights, on `spec.check_tokens` tokens per rank; none for the reference backend itself, the
+    oracle (its tests check it against float64). The expert-parallel reference equals the
     single-process one (tests/test_gpu_reference.py, tests/test_ep_gloo.py) and holds only this
     rank's experts, so the check fits in memory for the largest presets."""
+    if not isinstance(layer, BaselineMoE) and layer.workspace(device).backend_name == ORACLE:
+        return {}
     tokens = min(spec.check_tokens, spec.tokens_per_rank)
     inputs = RankInputs(
         *_rank_inputs(spec, config, rank, tokens, device),
@@ -678,20 +736,29 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         "| peak GiB backend / baseline | max check error backend / baseline |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    if any(result.is_oracle for result in results):
+        lines[2:2] = [f"- Note: {REFERENCE_NOTE}"]
+    if any(result.noisy(pass_name) for result in results for pass_name in PASSES):
+        lines[2:2] = [f"- {NOISY_NOTE}."]
     for result in results:
         ours, base = result.backend, result.baseline
-        errors = f"{max(ours.check_errors.values()):.1e} / {max(base.check_errors.values()):.1e}"
+        errors = " / ".join(
+            f"{max(m.check_errors.values()):.1e}" if m.check_errors else "oracle"
+            for m in (ours, base)
+        )
         for pass_name in PASSES:
             mine, theirs = ours.timing(pass_name), base.timing(pass_name)
+            mine_mark, theirs_mark = (NOISY_MARK if t.noisy else "" for t in (mine, theirs))
             cells = [
                 result.spec.preset,
                 str(result.spec.ep),
                 str(result.spec.tokens_per_rank),
                 pass_name,
                 ours.name,
-                f"{mine.ms:.3f} ({mine.ms_min:.3f}-{mine.ms_max:.3f}) / "
-                f"{theirs.ms:.3f} ({theirs.ms_min:.3f}-{theirs.ms_max:.3f})",
-                f"{result.speedup(pass_name):.2f}x",
+                f"{mine.ms:.3f} ({mine.ms_min:.3f}-{mine.ms_max:.3f}){mine_mark} / "
+                f"{theirs.ms:.3f} ({theirs.ms_min:.3f}-{theirs.ms_max:.3f}){theirs_mark}",
+                f"{result.speedup(pass_name):.2f}x"
+                + (NOISY_MARK if result.noisy(pass_name) else ""),
                 f"{mine.tflops:.1f} / {theirs.tflops:.1f}",
                 f"{_format_ratio(mine.floor_ratio)} / {_format_ratio(theirs.floor_ratio)}",
                 f"{mine.peak_memory_gib:.2f} / {theirs.peak_memory_gib:.2f}",

@@ -1,4 +1,6 @@
-"""The `mok` command line: `mok bench` and `mok env` (also `python -m mok ...`)."""
+"""The `mok` command line (also `python -m mok ...`): `mok bench` checks and times the layer
+next to the PyTorch baseline, `mok env` reports what this machine can run, `mok memory` sizes the
+NVLink exchange's buffers."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ from pathlib import Path
 
 import torch
 
+from mok import __version__
 from mok.backends import BACKENDS
 from mok.bench import (
     H200_DENSE_BF16_TFLOPS,
+    NOISY_NOTE,
+    PASSES,
+    REFERENCE_NOTE,
     REPORT_NAME,
     BenchSpec,
+    estimated_peak_bytes,
     json_report,
     matplotlib_available,
     report_header,
@@ -31,6 +38,8 @@ from mok.config import (
     RouterGradient,
     Validation,
 )
+from mok.errors import MoKConfigError
+from mok.launch import RankFailedError
 from mok.presets import PRESETS
 from mok.routing import ROUTINGS
 
@@ -102,12 +111,33 @@ def _positive_ints(text: str) -> list[int]:
         ) from None
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help that ends with each option's default where it has one and its text does not name it
+    already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" not in text
+            and default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            shown = ",".join(map(str, default)) if isinstance(default, list) else default
+            text += f" (default: {shown})"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mok", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="mok", description=__doc__, formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     bench = commands.add_parser(
         "bench",
+        formatter_class=_HelpFormatter,
         help="time the MoE layer forward and forward+backward next to the PyTorch baseline",
         description="Check the layer and the standard PyTorch path (mok.baseline) against the "
         "reference backend (same group and weights), then time both forward and forward+backward "
@@ -135,7 +165,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="tokens per rank (default: each preset's)",
     )
-    bench.add_argument("--backend", choices=[b.value for b in Backend], default="auto")
+    bench.add_argument(
+        "--backend",
+        choices=[b.value for b in Backend],
+        default="auto",
+        help="the implementation timed: auto (the fastest that runs here: triton on CUDA GPUs, "
+        "the reference on the CPU), triton, fused, or reference (the plain-PyTorch oracle)",
+    )
     bench.add_argument(
         "--precision",
         type=_precisions,
@@ -150,9 +186,20 @@ def _parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: cuda when a GPU is present",
     )
-    bench.add_argument("--routing", choices=ROUTINGS, default="uniform")
-    bench.add_argument("--iters", type=_positive_int, default=20)
-    bench.add_argument("--warmup", type=_non_negative_int, default=5)
+    bench.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="uniform",
+        help="how tokens pick experts: uniform (top-k of a softmax over random logits), zipf "
+        "(skewed popularity), one-expert, half-empty, first-experts",
+    )
+    bench.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per pass")
+    bench.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=5,
+        help="untimed iterations before them (compiling kernels, filling caches)",
+    )
     bench.add_argument(
         "--check-tokens",
         type=_positive_int,
@@ -171,8 +218,8 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         metavar="C",
-        help="size the fused backend's per-rank expert buffers for C x the mean pairs (T x k) "
-        "instead of the worst case (less memory; a routing that needs more raises "
+        help="size the backend's per-rank expert buffers for C x the mean pairs (T x k) "
+        "instead of the worst case, the default (less memory; a routing that needs more raises "
         "MoKCapacityError after timing)",
     )
     bench.add_argument(
@@ -233,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
         "never synchronizes with the host, so it can be captured; the baseline reads its split "
         "sizes on the host and stays eager)",
     )
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, inputs and routing"
+    )
     bench.add_argument(
         "--dense-tflops",
         type=_positive_float,
@@ -251,10 +300,14 @@ def _parser() -> argparse.ArgumentParser:
         help=f"write {REPORT_NAME}.json, {REPORT_NAME}.md and {REPORT_NAME}.png (needs "
         "matplotlib: pip install 'mok[bench]') into DIR, stamped with date, commit and machine",
     )
-    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(command_parser=bench)
 
-    env = commands.add_parser("env", help="what this machine offers and which backends can run")
+    env = commands.add_parser(
+        "env",
+        help="what this machine offers and which backends can run",
+        formatter_class=_HelpFormatter,
+    )
     env.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
     memory = commands.add_parser(
@@ -263,11 +316,34 @@ def _parser() -> argparse.ArgumentParser:
         description="Bytes per region of the NVLink exchange's symmetric buffer that each rank "
         "allocates on GPUs for layers of a preset's shape (one buffer shared by all layers of "
         "that shape), for each EP size: what --pair-capacity-factor and the backend change.",
+        formatter_class=_HelpFormatter,
     )
-    memory.add_argument("--preset", type=_preset_names, default=["deepseek-v3"], metavar="P[,P]")
-    memory.add_argument("--ep", type=_positive_ints, default=[2, 8], metavar="N[,N...]")
-    memory.add_argument("--tokens", type=_positive_int, default=None, help="tokens per rank")
-    memory.add_argument("--backend", choices=("triton", "fused"), default="triton")
+    memory.add_argument(
+        "--preset",
+        type=_preset_names,
+        default=["deepseek-v3"],
+        metavar="P[,P]",
+        help="layer shapes, comma-separated",
+    )
+    memory.add_argument(
+        "--ep",
+        type=_positive_ints,
+        default=[2, 8],
+        metavar="N[,N...]",
+        help="expert-parallel sizes, comma-separated",
+    )
+    memory.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per rank (default: each preset's)",
+    )
+    memory.add_argument(
+        "--backend",
+        choices=("triton", "fused"),
+        default="triton",
+        help="whose buffer layout: triton or fused",
+    )
     memory.add_argument(
         "--pair-capacity-factor",
         type=_positive_float,
@@ -289,6 +365,7 @@ def _parser() -> argparse.ArgumentParser:
 def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
     from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     device = args.device
@@ -300,6 +377,10 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         parser.error(
             "--cuda-graph with --exact-buffers: the exact sizes are read on the host at every "
             "call, which a CUDA graph cannot capture"
+        )
+    if args.graphs == Graphs.ON.value and device != "cuda":
+        parser.error(
+            "--graphs on: the layer's CUDA graphs need a CUDA GPU (the layer runs on the CPU here)"
         )
     if args.cuda_graph and device != "cuda":
         parser.error("--cuda-graph: CUDA graphs need a CUDA GPU (the layer runs on the CPU here)")
@@ -321,28 +402,9 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
                     f"--ep {ep} needs {ep} GPUs (one per rank); this machine has "
                     f"{torch.cuda.device_count()}"
                 )
-            for precision in args.precision:
-                clamp = {} if args.swiglu_limit is None else {"swiglu_limit": args.swiglu_limit}
-                config = PRESETS[name].config(precision=precision, **clamp)
-                if args.backend != "auto":
-                    backend = BACKENDS[Backend(args.backend)]
-                    reason = backend.unavailable_reason(config, torch.device(device), None)
-                    if reason is not None:
-                        parser.error(
-                            f"--backend {args.backend} cannot run {name} in {precision} here: "
-                            f"{reason}"
-                        )
-    for option, path in (("--out", args.out), ("--json", args.json)):
-        if path is not None:
-            problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
-            if problem:
-                parser.error(f"{option} {path}: {problem}")
     dense_tflops = args.dense_tflops
     if dense_tflops is None and device == "cuda":
         dense_tflops = H200_DENSE_BF16_TFLOPS
-    console = Console()
-    if args.out and not matplotlib_available():
-        console.print("matplotlib is not installed: --out writes no PNG (pip install 'mok[bench]')")
     specs = [
         BenchSpec(
             preset=preset,
@@ -373,7 +435,42 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         for ep in eps
         for precision in args.precision
     ]
-    results = run_bench(specs)
+    for spec in specs:
+        try:
+            config = spec.config()
+        except MoKConfigError as error:
+            parser.error(f"{spec.preset} in {spec.precision}: {error}")
+        if args.backend != "auto":
+            backend = BACKENDS[Backend(args.backend)]
+            reason = backend.unavailable_reason(config, torch.device(device), None)
+            if reason is not None:
+                parser.error(
+                    f"--backend {args.backend} cannot run {spec.preset} in {spec.precision} "
+                    f"here: {reason}"
+                )
+        if device == "cuda":
+            need, have = (
+                estimated_peak_bytes(spec),
+                torch.cuda.get_device_properties(0).total_memory,
+            )
+            if need > have:
+                parser.error(_memory_message(spec, need, have))
+    for option, path in (("--out", args.out), ("--json", args.json)):
+        if path is not None:
+            problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
+            if problem:
+                parser.error(f"{option} {path}: {problem}")
+    console = Console()
+    if args.out and not matplotlib_available():
+        console.print("matplotlib is not installed: --out writes no PNG (pip install 'mok[bench]')")
+    try:
+        results = run_bench(specs)
+    except (torch.OutOfMemoryError, RankFailedError) as error:
+        if not isinstance(error, torch.OutOfMemoryError) and "OutOfMemoryError" not in str(error):
+            raise
+        largest = max(specs, key=estimated_peak_bytes)
+        have = torch.cuda.get_device_properties(0).total_memory
+        parser.exit(1, f"mok bench: error: {_memory_message(largest, None, have)}\n")
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     floor = (
@@ -385,13 +482,17 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         spec = result.spec
         title = (
             f"mok bench: {spec.preset}, ep={spec.ep}, {spec.tokens_per_rank} tokens/rank, "
-            f"{spec.routing} routing, backend={result.backend.name}, {device}"
+            f"{spec.routing} routing, backend={result.backend.name}"
+            + (" (the oracle, not a fast path)" if result.is_oracle else "")
+            + f", {device}"
         )
         caption = (
             "per rank; time: median over iterations of the slowest rank, min-max: its fastest "
             f"and slowest iteration; {floor}; peak memory: "
             f"{result.memory_kind}; speedup: baseline time / backend time"
         )
+        if any(result.noisy(pass_name) for pass_name in PASSES):
+            caption += f"; {NOISY_NOTE}"
         table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
         columns, rows = result.table()
         for index, column in enumerate(columns):
@@ -399,10 +500,12 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+        if result.is_oracle:
+            console.print(f"[bold]Note:[/bold] {escape(REFERENCE_NOTE)}")
         console.print("checked against the reference backend (relative error):")
         for measurement in (result.backend, result.baseline):
             errors = ", ".join(f"{n} {e:.1e}" for n, e in measurement.check_errors.items())
-            console.print(f"  {measurement.name}: {errors}")
+            console.print(f"  {measurement.name}: {errors or 'the oracle itself, not checked'}")
     header = report_header(device, dense_tflops, command)
     if args.json:
         with open(args.json, "w") as handle:
@@ -411,6 +514,18 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         for path in write_report(Path(args.out), header, results):
             console.print(f"wrote {path}")
     return 0
+
+
+def _memory_message(spec: BenchSpec, need: int | None, have: int) -> str:
+    """One line: the run of `spec` does not fit the GPU (`need` bytes estimated; None: it ran
+    out of memory), and what to change."""
+    need = estimated_peak_bytes(spec) if need is None else need
+    return (
+        f"{spec.preset} at {spec.tokens_per_rank} tokens/rank, EP {spec.ep}, needs at least "
+        f"about {need / 2**30:.1f} GiB per GPU (weights, their gradients, the activations kept "
+        f"for backward, the exchange's buffers); the GPU has {have / 2**30:.1f} GiB: lower "
+        "--tokens, or use more GPUs (--ep), or --pair-capacity-factor / --exact-buffers"
+    )
 
 
 def _unwritable(folder: Path) -> str | None:
@@ -437,18 +552,19 @@ def _env(args) -> int:
 
 
 def _memory(args, parser: argparse.ArgumentParser) -> int:
-    """`mok memory`: the symmetric buffer's regions per preset and EP size, in GiB."""
+    """`mok memory`: the symmetric buffer's regions in GiB, one table per preset with a column
+    per EP size (narrow enough for 80 columns and pipes)."""
     from rich.console import Console
     from rich.table import Table
 
     import mok
 
-    title = f"symmetric buffer per rank, GiB ({args.backend} backend"
+    options = f"{args.backend} backend"
     if args.router_gradient != RouterGradient.SAVED_OUTPUTS.value:
-        title += f", router_gradient={args.router_gradient}"
-    table = Table(title=title + ")")
-    rows = []
+        options += f", router_gradient={args.router_gradient}"
+    console = Console()
     for name in args.preset:
+        regions_by_ep = {}
         for ep in args.ep:
             if PRESETS[name].num_experts % ep:
                 parser.error(
@@ -463,16 +579,30 @@ def _memory(args, parser: argparse.ArgumentParser) -> int:
                 pair_capacity_factor=args.pair_capacity_factor,
                 router_gradient=args.router_gradient,
             )
-            regions = mok.symmetric_buffer_bytes(spec.config(), ep)
-            rows.append((name, ep, spec.tokens_per_rank, regions))
-    columns = list(dict.fromkeys(region for *_, regions in rows for region in regions))
-    for column in ("preset", "ep", "tokens/rank", *columns, "total"):
-        table.add_column(column, justify="left" if column == "preset" else "right")
-    for name, ep, tokens, regions in rows:
-        sizes = [f"{regions[c] / 2**30:.3f}" if c in regions else "-" for c in columns]
-        total = f"{sum(regions.values()) / 2**30:.3f}"
-        table.add_row(name, str(ep), str(tokens), *sizes, total)
-    Console().print(table)
+            regions_by_ep[ep] = mok.symmetric_buffer_bytes(spec.config(), ep)
+        table = Table(
+            title=f"{name}, {spec.tokens_per_rank} tokens/rank",
+            caption=f"symmetric buffer per rank, GiB ({options}); none at EP 1",
+        )
+        table.add_column("region")
+        for ep in regions_by_ep:
+            table.add_column(f"EP {ep}", justify="right")
+        names = dict.fromkeys(region for regions in regions_by_ep.values() for region in regions)
+        for region in names:
+            table.add_row(
+                region,
+                *(
+                    f"{regions[region] / 2**30:.3f}" if region in regions else "-"
+                    for regions in regions_by_ep.values()
+                ),
+            )
+        table.add_row(
+            "total",
+            *(f"{sum(regions.values()) / 2**30:.3f}" for regions in regions_by_ep.values()),
+            end_section=False,
+            style="bold",
+        )
+        console.print(table)
     return 0
 
 

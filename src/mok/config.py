@@ -9,6 +9,7 @@ import math
 import torch
 
 from mok.errors import MoKConfigError
+from mok.reference.mx import BLOCK as MX_BLOCK
 from mok.reference.mx import ScaleRounding
 
 
@@ -264,6 +265,13 @@ class MoKConfig:
             )
         for name in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
             _require_int(self, name, minimum=1)
+        if self.precision is Precision.MXFP8:
+            for name in ("hidden_size", "intermediate_size"):
+                if getattr(self, name) % MX_BLOCK:
+                    raise MoKConfigError(
+                        f"precision='mxfp8' needs {name} to be a multiple of {MX_BLOCK} (its "
+                        f"scale blocks along the reduction), got {getattr(self, name)}"
+                    )
         for name in ("max_tokens_per_rank", "comm_sms"):
             _require_int(self, name, minimum=1)
         _require_int(self, "shared_intermediate_size", minimum=0)

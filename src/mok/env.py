@@ -10,6 +10,7 @@ import torch
 
 import mok
 from mok.backends import backend_report
+from mok.kernels import gluon_support
 from mok.presets import get_preset
 
 
@@ -60,7 +61,8 @@ def _cuda_devices() -> list[dict[str, object]]:
 
 SETTINGS = {
     "MOK_TRITON_LAUNCH": "fast (kernels launched beneath Triton's per-call work) or standard",
-    "MOK_WARP_SPECIALIZED": "1 (Gluon kernels on Hopper) or 0 (the tl kernels everywhere)",
+    "MOK_WARP_SPECIALIZED": "unset (Gluon kernels on Hopper with a tested Triton), 1 (with any "
+    "Triton) or 0 (the tl kernels everywhere)",
     "TRITON_INTERPRET": "1: Triton kernels on CPU tensors under the interpreter (a test mode)",
 }
 """The environment variables that change what MoK runs, with what their values mean."""
@@ -89,6 +91,7 @@ def collect_env() -> dict[str, object]:
         "backends": {
             name: reason or "ok" for name, reason in backend_report(config, device).items()
         },
+        "gluon_kernels": gluon_support.off_reason() or "on (Hopper GPUs)",
         "settings": {name: os.environ.get(name) for name in SETTINGS},
     }
 
@@ -96,12 +99,14 @@ def collect_env() -> dict[str, object]:
 def print_env(info: dict[str, object]) -> None:
     """Print `collect_env()` as tables."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
     table = Table(title="MoK environment", show_header=False)
     for key in ("python", "platform", "torch", "torch_cuda", "triton", "mok", "cuda_available"):
         table.add_row(key, str(info[key]))
+    table.add_row("Gluon kernels", escape(info["gluon_kernels"]))
     table.add_row("distributed", ", ".join(f"{k}={v}" for k, v in info["distributed"].items()))
     table.add_row(
         "symmetric memory", ", ".join(f"{k}={v}" for k, v in info["symmetric_memory"].items())
@@ -125,7 +130,7 @@ def print_env(info: dict[str, object]) -> None:
     backends.add_column("backend")
     backends.add_column("can run here")
     for name, status in info["backends"].items():
-        backends.add_row(name, status)
+        backends.add_row(name, escape(status))
     console.print(backends)
     settings = Table(title="Settings (environment)")
     for column in ("variable", "value", "values"):

@@ -158,9 +158,8 @@ class _MoEFunction(torch.autograd.Function):
 
 
 # Dynamo never traces this call: the layer's host-side Python (its checks, the group's agreement)
-# cannot be in a graph, and where torch.compile falls back to running a frame eagerly (the
-# reference backend, which no custom op holds), tracing into it failed at EP > 1. Compiled models
-# reach the layer through `mok.ops` instead.
+# cannot be in a graph, and where torch.compile ran a frame eagerly, tracing into it failed at
+# EP > 1. Compiled models reach the layer through `mok.ops` instead.
 @torch.compiler.disable
 def moe(
     x: torch.Tensor,
@@ -329,11 +328,6 @@ class MoE(nn.Module):
                 raise MoKInputError(
                     "torch.compile of mok.MoE needs its workspace made first: call the layer once "
                     "eagerly, or layer.workspace(device), before compiling"
-                )
-            if self._slot.workspace.backend_name == "reference":
-                raise MoKInputError(
-                    "torch.compile of mok.MoE needs the triton backend: the reference backend "
-                    "records an autograd graph inside the layer, which a custom op cannot"
                 )
             y = ops.moe(*inputs, self._slot.workspace_id)
         else:

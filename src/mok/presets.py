@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from mok.config import MoKConfig
+from mok.errors import MoKConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,8 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    """The preset called `name`; a ValueError lists the known names otherwise."""
+    """The preset called `name`; MoKConfigError (a ValueError) lists the known names otherwise."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise MoKConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None

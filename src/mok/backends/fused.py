@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import triton
 
 from mok.backends.triton import TritonBackend, TritonRouting, _Saved
 from mok.comm.exchange import OverlappedExchange
@@ -223,7 +222,8 @@ class FusedBackend(TritonBackend):
             experts.read_rows_through(tokens.rows, tokens.source_rows)
         elif source_rows is None:
             self._read_rows_from_x(routing, x, experts)
-        column_tiles = triton.cdiv(hidden, em.down_tiles(kernel_cfg, grouped, weights.down).block_n)
+        block_n = em.down_tiles(kernel_cfg, grouped, weights.down).block_n
+        column_tiles = -(-hidden // block_n)
         keep_pair_out = need_backward and not self._router_gradient_in_epilogue()
         y, pair_out = self.exchange.combine_landed(
             routing, target, column_tiles, router, shared_out, timeout, keep_pair_out

@@ -7,12 +7,17 @@ fallback, not the fast path.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from mok.reference import ReferenceRouting, moe_forward
 from mok.weights import MoEGradients, MoEWeights
+
+T = TypeVar("T")
 
 
 @dataclasses.dataclass
@@ -35,16 +40,6 @@ class ReferenceBackend:
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
-        if config.precision.value == "mxfp8":
-            sizes = {
-                "hidden_size": config.hidden_size,
-                "intermediate_size": config.intermediate_size,
-            }
-            for name, size in sizes.items():
-                if size % 32:
-                    return (
-                        f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks), not {size}"
-                    )
         return None
 
     @staticmethod
@@ -76,10 +71,14 @@ class ReferenceBackend:
             topk_weights=_leaf(topk_weights),
             weights=weights.map(_leaf),
         )
-        with torch.enable_grad():
-            leaves.y = moe_forward(
-                leaves.x, topk_weights=leaves.topk_weights, weights=leaves.weights, **run
-            )
+
+        def record():
+            with torch.enable_grad():
+                return moe_forward(
+                    leaves.x, topk_weights=leaves.topk_weights, weights=leaves.weights, **run
+                )
+
+        leaves.y = _where_autograd_records(record, x.device)
         return leaves.y.detach(), leaves
 
     def backward(
@@ -87,7 +86,12 @@ class ReferenceBackend:
     ) -> MoEGradients:
         weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
         inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]
-        grads = torch.autograd.grad(saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True)
+        grads = _where_autograd_records(
+            lambda: torch.autograd.grad(
+                saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True
+            ),
+            grad_y.device,
+        )
         grads = [
             torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True)
         ]
@@ -114,3 +118,31 @@ class ReferenceBackend:
 
 def _leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().requires_grad_(True)
+
+
+_AUTOGRAD_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mok-autograd")
+
+
+def _autograd_records() -> bool:
+    """Whether operations on tensors that require grad record a graph on this thread."""
+    with torch.enable_grad():
+        return (torch.ones(1, requires_grad=True) * 1).grad_fn is not None
+
+
+def _where_autograd_records(work: Callable[[], T], device: torch.device) -> T:
+    """work() on this thread, or, where autograd does not record here, on a helper thread on the
+    same CUDA device and stream, waited for. torch.compile reaches the layer through the custom
+    ops of `mok.ops`, and PyTorch runs a custom op's implementation with autograd's dispatch
+    keys excluded on the calling thread (grad mode cannot switch them back on); a new thread
+    starts without that exclusion. The operations are the same, so are the results."""
+    if _autograd_records():
+        return work()
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
+    def on_helper():
+        if stream is None:
+            return work()
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            return work()
+
+    return _AUTOGRAD_THREAD.submit(on_helper).result()

@@ -47,7 +47,7 @@ from mok.kernels.constants import DeviceConstants
 from mok.weights import EXPERT_BIAS_FIELDS, MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
-    from mok.comm.symmetric import ExchangeShape
+    from mok.comm.layout import ExchangeShape
     from mok.kernels import ExpertMLPSaved
     from mok.kernels.mx import MXRows
     from mok.kernels.mx_expert_mlp import MXExpertSaved
@@ -127,14 +127,14 @@ class TritonBackend:
     def exchange_shape(cls, config, ep_size: int, dtype: torch.dtype) -> ExchangeShape:
         """The sizes of the NVLink exchange's symmetric buffers for `config` at `ep_size`, rows
         in `dtype` (the kernels' dtype)."""
-        from mok.comm.symmetric import default_shape
+        from mok.comm.layout import default_shape
 
         layout = dict(cls.exchange_layout)
         if config.precision.value == "mxfp8":
-            from mok.kernels.mx import MXRows
+            from mok.kernels.formats import mx_row_bytes
 
             # Elements of dtype per dispatched MXFP8 row (packed e4m3 and scales).
-            layout["dispatch_width"] = MXRows.row_bytes(config.hidden_size) // dtype.itemsize
+            layout["dispatch_width"] = mx_row_bytes(config.hidden_size) // dtype.itemsize
         return default_shape(
             config.hidden_size,
             config.top_k,
@@ -153,7 +153,7 @@ class TritonBackend:
     def symmetric_buffer_bytes(cls, config, ep_size: int) -> dict[str, int]:
         """Bytes per region of the symmetric buffer a rank allocates on GPUs for layers of
         `config` at `ep_size` (none at EP 1)."""
-        from mok.comm.symmetric import buffer_layout, region_bytes
+        from mok.comm.layout import buffer_layout, region_bytes
 
         if ep_size == 1:
             return {}
@@ -172,17 +172,13 @@ class TritonBackend:
     def unavailable_reason(config, device: torch.device, group) -> str | None:
         """None if the backend can run when asked for by name, else why not."""
         if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (pip install mok[triton])"
+            return "triton is not installed (pip install 'mok[triton]')"
         if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
             return (
                 f"needs a CUDA device, got {device} (a CPU only under the Triton interpreter, "
                 "TRITON_INTERPRET=1, a test mode)"
             )
-        if config.precision.value == "mxfp8":
-            for name in ("hidden_size", "intermediate_size"):
-                if getattr(config, name) % 32:
-                    return f"MXFP8 needs {name} to be a multiple of 32 (its scale blocks)"
-        elif config.precision.value != "bf16":
+        if config.precision.value not in ("bf16", "mxfp8"):
             return f"computes bf16 and MXFP8 only, not {config.precision.value}"
         sizes = {
             "hidden_size": config.hidden_size,

@@ -99,10 +99,4 @@ def compiled_call(
             f"torch.compile of {type(owner).__name__} with MoK needs its workspace made first: "
             "run the model once eagerly before compiling"
         )
-    if slot.workspace.backend_name == "reference":
-        raise MoKInputError(
-            f"torch.compile of {type(owner).__name__} with MoK needs the triton backend: the "
-            "reference backend records an autograd graph inside the layer, which a custom op "
-            "cannot"
-        )
     return ops.moe(x, topk_idx, topk_weights, weights, slot.workspace_id, gate_up)

@@ -13,36 +13,33 @@ GEMMs that compute MX products exactly) and their inverse; `mx_expert_mlp`: the 
 MXFP8 on the bf16 kernels fed with those casts.
 """
 
-from mok.kernels.expert_mlp import (
-    ExpertKernelConfig,
-    ExpertMLPSaved,
-    add_down_bias_dots,
-    default_config,
-    down_data_gradient,
-    down_weight_gradient,
-    expert_bias_gradients,
-    expert_mlp_backward,
-    expert_mlp_forward,
-    gate_up_data_gradient,
-    gate_up_weight_gradients,
-    weighted_down_data_gradient,
-)
-from mok.kernels.grouped_gemm import SWIGLU, Activation, GemmTiles
+import importlib
 
-__all__ = [
-    "SWIGLU",
-    "Activation",
-    "ExpertKernelConfig",
-    "ExpertMLPSaved",
-    "GemmTiles",
-    "add_down_bias_dots",
-    "default_config",
-    "down_data_gradient",
-    "down_weight_gradient",
-    "expert_bias_gradients",
-    "expert_mlp_backward",
-    "expert_mlp_forward",
-    "gate_up_data_gradient",
-    "gate_up_weight_gradients",
-    "weighted_down_data_gradient",
-]
+_EXPORTS = {
+    "ExpertKernelConfig": "expert_mlp",
+    "ExpertMLPSaved": "expert_mlp",
+    "add_down_bias_dots": "expert_mlp",
+    "default_config": "expert_mlp",
+    "down_data_gradient": "expert_mlp",
+    "down_weight_gradient": "expert_mlp",
+    "expert_bias_gradients": "expert_mlp",
+    "expert_mlp_backward": "expert_mlp",
+    "expert_mlp_forward": "expert_mlp",
+    "gate_up_data_gradient": "expert_mlp",
+    "gate_up_weight_gradients": "expert_mlp",
+    "weighted_down_data_gradient": "expert_mlp",
+    "SWIGLU": "grouped_gemm",
+    "Activation": "grouped_gemm",
+    "GemmTiles": "grouped_gemm",
+}
+"""Name -> the submodule defining it. Imported on first use (PEP 562): Triton is optional, and
+the Triton-free submodules (`constants`, `formats`, `_triton_compat`) serve hosts without it."""
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mok.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mok.kernels.{module}"), name)

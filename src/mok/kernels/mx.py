@@ -20,6 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.formats import mx_row_bytes
 from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
 from mok.kernels.launch import fast_launch
 from mok.reference.mx import BLOCK, ScaleRounding
@@ -29,9 +30,6 @@ if interpreting():
 
 HARDWARE_FP8 = tl.constexpr(not interpreting())
 """Decode e4m3 with the GPU's conversion; the interpreter's rounds wrongly, so there integers."""
-
-ROW_ALIGN = 16
-"""Bytes a packed MX row is padded to a multiple of (16-byte vector accesses, any row dtype)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +62,7 @@ class MXRows:
     @staticmethod
     def row_bytes(cols: int) -> int:
         """Bytes of one packed row of `cols` columns."""
-        return -(-(cols + cols // BLOCK) // ROW_ALIGN) * ROW_ALIGN
+        return mx_row_bytes(cols)
 
     @classmethod
     def empty(cls, rows: int, cols: int, device: torch.device) -> MXRows:

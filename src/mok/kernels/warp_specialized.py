@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 import triton
@@ -73,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from mok.kernels import gluon_support
 from mok.kernels.grouped_gemm import (
     SWIGLU,
     Activation,
@@ -96,6 +96,13 @@ from mok.weights import has_contiguous_expert_rows
 
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 """Gluon's barrier of a CTA's threads: `thread_barrier` up to Triton 3.6, `barrier` from 3.8."""
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+"""TMA tile load: `async_copy_global_to_shared` in Triton 3.6, `async_load` in newer releases
+(where the old name raises from 3.9 on)."""
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+"""TMA tile store: `async_copy_shared_to_global` in Triton 3.6, `async_store` in newer ones."""
+_cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+"""cp.async of pointer rows into shared memory, renamed as the TMA copies were."""
 
 CONSUMERS = gl.constexpr(2)
 """Consumer warpgroups per program (ping-pong)."""
@@ -362,7 +369,7 @@ def _gather_rows(gather, starts, k, buf):
     aligned = gl.multiple_of(gl.maximum(starts, 0), VECTOR)
     # K is a whole number of vectors too (host checks): the mask is constant over each piece.
     mask = (starts >= 0)[:, None] & gl.max_constancy(cols < K, VECTOR)[None, :]
-    async_copy.async_copy_global_to_shared(buf, a_ptr + aligned[:, None] + cols[None, :], mask=mask)
+    _cp_async_load(buf, a_ptr + aligned[:, None] + cols[None, :], mask=mask)
 
 
 @gluon.jit
@@ -448,7 +455,7 @@ def _gather_step(gather, index, k, buf):
     # A row stride that is a whole number of vectors (host checks) keeps every start aligned.
     starts = gl.multiple_of(gl.maximum(index, 0) * a_stride, VECTOR)
     mask = (index >= 0)[:, None] & gl.max_constancy(cols < K, VECTOR)[None, :]
-    async_copy.async_copy_global_to_shared(buf, a_ptr + starts[:, None] + cols[None, :], mask=mask)
+    _cp_async_load(buf, a_ptr + starts[:, None] + cols[None, :], mask=mask)
 
 
 @gluon.jit
@@ -535,19 +542,15 @@ def _load_partition(
                         a_buf = a_bufs.index(slot * SPLIT + part)
                         a_at = [row + part * WG_M, k]
                         if product == 0:
-                            tma.async_copy_global_to_shared(a_desc, a_at, bar, a_buf)
+                            _tma_load(a_desc, a_at, bar, a_buf)
                         else:
-                            tma.async_copy_global_to_shared(a2_desc, a_at, bar, a_buf)
+                            _tma_load(a2_desc, a_at, bar, a_buf)
                 if product == 0:
-                    tma.async_copy_global_to_shared(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
+                    _tma_load(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
                 else:
-                    tma.async_copy_global_to_shared(
-                        w2_desc, [w_row, w_col], bar, w_bufs.index(slot)
-                    )
+                    _tma_load(w2_desc, [w_row, w_col], bar, w_bufs.index(slot))
                 if DUAL:
-                    tma.async_copy_global_to_shared(
-                        w2_desc, [w_row, w_col], bar, w2_bufs.index(slot)
-                    )
+                    _tma_load(w2_desc, [w_row, w_col], bar, w2_bufs.index(slot))
                 step += 1
         if CLAIM:
             nth += 1
@@ -567,7 +570,7 @@ def _store_staged(desc, buf, ptr, row_stride, row, row_end, n_off, N):
     LANES_N: gl.constexpr = min(BLOCK_N // VECTOR, 32)
     if row + BLOCK_M <= row_end:
         fence_async_shared()
-        tma.async_copy_shared_to_global(desc, [row, n_off], buf)
+        _tma_store(desc, [row, n_off], buf)
     else:
         rows_layout: gl.constexpr = gl.BlockedLayout(
             [1, VECTOR], [32 // LANES_N, LANES_N], [gl.num_warps(), 1], [1, 0]
@@ -685,10 +688,10 @@ def _fetch_saved(saved, h_desc, bufs, first, fetched, row, n_off, WEIGHTED: gl.c
     saved_gate_desc, saved_up_desc = saved
     tma.store_wait(0)
     mbarrier.expect(fetched, (2 + WEIGHTED) * saved_gate_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(saved_gate_desc, [row, n_off], fetched, bufs.index(first))
-    tma.async_copy_global_to_shared(saved_up_desc, [row, n_off], fetched, bufs.index(first + 1))
+    _tma_load(saved_gate_desc, [row, n_off], fetched, bufs.index(first))
+    _tma_load(saved_up_desc, [row, n_off], fetched, bufs.index(first + 1))
     if WEIGHTED:
-        tma.async_copy_global_to_shared(h_desc, [row, n_off], fetched, bufs.index(first + 2))
+        _tma_load(h_desc, [row, n_off], fetched, bufs.index(first + 2))
 
 
 @gluon.jit
@@ -1202,14 +1205,10 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 def available(device: torch.device) -> bool:
-    """Whether the warp-specialized kernels run on `device`: a Hopper GPU, unless the environment
-    sets MOK_WARP_SPECIALIZED=0 (then the tl kernels run everywhere: to compare the two, or as a
-    fallback)."""
-    return (
-        device.type == "cuda"
-        and _is_hopper(device)
-        and os.environ.get("MOK_WARP_SPECIALIZED", "1") != "0"
-    )
+    """Whether the warp-specialized kernels run on `device`: a Hopper GPU, with a Triton whose
+    Gluon they are tested with, unless MOK_WARP_SPECIALIZED says otherwise (`gluon_support`: 0
+    runs the tl kernels everywhere, to compare the two or as a fallback)."""
+    return device.type == "cuda" and _is_hopper(device) and gluon_support.enabled()
 
 
 def _expert_rows(w: torch.Tensor) -> tuple[torch.Tensor, int] | None:
@@ -1789,9 +1788,9 @@ def _copy_step(
         mbarrier.expect(bar, (SPLIT * WG_M + BLOCK_N) * BLOCK_K * BYTES)
     for part in gl.static_range(SPLIT):
         a_buf = a_bufs.index(slot * SPLIT + part)
-        tma.async_copy_global_to_shared(a_desc, [k, m_off + part * WG_M], bar, a_buf)
+        _tma_load(a_desc, [k, m_off + part * WG_M], bar, a_buf)
     if not GATHER:
-        tma.async_copy_global_to_shared(b_desc, [k, n_off], bar, b_buf)
+        _tma_load(b_desc, [k, n_off], bar, b_buf)
 
 
 @gluon.jit
@@ -1923,7 +1922,7 @@ def _fetch_wgrad_tile(desc, buf, fetched, row, col):
     consumer's previous store has left it."""
     tma.store_wait(0)
     mbarrier.expect(fetched, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], fetched, buf)
+    _tma_load(desc, [row, col], fetched, buf)
 
 
 @gluon.jit
@@ -1938,7 +1937,7 @@ def _store_wgrad_tile(desc, buf, fetched, acc, row, col, loads, ACCUMULATE: gl.c
         loads += 1
     buf.store(acc.to(desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [row, col], buf)
+    _tma_store(desc, [row, col], buf)
     return loads
 
 
