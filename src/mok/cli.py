@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -448,13 +449,9 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
                     f"--backend {args.backend} cannot run {spec.preset} in {spec.precision} "
                     f"here: {reason}"
                 )
-        if device == "cuda":
-            need, have = (
-                estimated_peak_bytes(spec),
-                torch.cuda.get_device_properties(0).total_memory,
-            )
-            if need > have:
-                parser.error(_memory_message(spec, need, have))
+        need, have = _memory_need_and_size(spec)
+        if need > have:
+            parser.error(_memory_message(spec, need, have))
     for option, path in (("--out", args.out), ("--json", args.json)):
         if path is not None:
             problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
@@ -469,8 +466,8 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         if not isinstance(error, torch.OutOfMemoryError) and "OutOfMemoryError" not in str(error):
             raise
         largest = max(specs, key=estimated_peak_bytes)
-        have = torch.cuda.get_device_properties(0).total_memory
-        parser.exit(1, f"mok bench: error: {_memory_message(largest, None, have)}\n")
+        need, have = _memory_need_and_size(largest)
+        parser.exit(1, f"mok bench: error: {_memory_message(largest, need, have)}\n")
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     floor = (
@@ -516,14 +513,23 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
     return 0
 
 
-def _memory_message(spec: BenchSpec, need: int | None, have: int) -> str:
-    """One line: the run of `spec` does not fit the GPU (`need` bytes estimated; None: it ran
-    out of memory), and what to change."""
-    need = estimated_peak_bytes(spec) if need is None else need
+def _memory_need_and_size(spec: BenchSpec) -> tuple[int, int]:
+    """(bytes the run of `spec` needs at least, about, bytes it has): per GPU, one rank each; on
+    the CPU all its ranks share the host's memory."""
+    need = estimated_peak_bytes(spec)
+    if spec.device == "cuda":
+        return need, torch.cuda.get_device_properties(0).total_memory
+    return spec.ep * need, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _memory_message(spec: BenchSpec, need: int, have: int) -> str:
+    """One line: the run of `spec` does not fit its device's memory, and what to change."""
+    where = "per GPU" if spec.device == "cuda" else f"for its {spec.ep} ranks on the CPU"
+    device = "the GPU" if spec.device == "cuda" else "this host"
     return (
         f"{spec.preset} at {spec.tokens_per_rank} tokens/rank, EP {spec.ep}, needs at least "
-        f"about {need / 2**30:.1f} GiB per GPU (weights, their gradients, the activations kept "
-        f"for backward, the exchange's buffers); the GPU has {have / 2**30:.1f} GiB: lower "
+        f"about {need / 2**30:.1f} GiB {where} (weights, their gradients, the activations kept "
+        f"for backward, the exchange's buffers); {device} has {have / 2**30:.1f} GiB: lower "
         "--tokens, or use more GPUs (--ep), or --pair-capacity-factor / --exact-buffers"
     )
 

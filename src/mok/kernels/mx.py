@@ -222,7 +222,9 @@ def e4m3_values(codes):
     magnitude = tl.where(exponent == 0, 0, normal).to(tl.float32, bitcast=True)
     magnitude = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.001953125, magnitude)
     magnitude = tl.where((exponent == 15) & (mantissa == 7), float("nan"), magnitude)
-    return tl.where((codes & 0x80) != 0, -magnitude, magnitude)
+    # The sign by its bit: Triton 3.6's interpreter negates as 0 - x, which turns -0 into +0.
+    sign = (codes & 0x80) << 24
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
