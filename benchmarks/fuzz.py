@@ -225,6 +225,7 @@ def reference_results(config, full, everyone, rank, group):
         mx_rounding=config.mx_rounding.value,
         swiglu_alpha=config.swiglu_alpha,
         swiglu_up_offset=config.swiglu_up_offset,
+        router_gradient=config.router_gradient.value,
     )
     y.backward(torch.cat(grads))
     start = sum(inputs.x.shape[0] for inputs in everyone[:rank])

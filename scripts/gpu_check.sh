@@ -13,7 +13,8 @@
 # HYPOTHESIS_PROFILE=dev for fewer fuzzed cases (each new shape compiles kernels: minutes on GPUs).
 # PYTEST_ARGS adds pytest options to the tests step (e.g. "-n 4" with pytest-xdist).
 # clamp: accuracy under an active SwiGLU clamp against float64, and its cost (one GPU).
-# fuzz: the fuzz campaign of the triton backend (FUZZ_ARGS, default "--cases 1000").
+# fuzz: the fuzz campaign of the triton and fused backends (FUZZ_ARGS, default
+# "--cases 1300 --ep 1,2 --workers 4").
 # gluon: the warp-specialized Gluon GEMMs against the tl kernels (tests, then the benchmark).
 # e2e: end-to-end training steps, mok against the native transformers experts (EP 1) and against
 # mok-baseline at EP = the GPU count (benchmarks/train_e2e.py), with loss curves and plots;
@@ -79,7 +80,7 @@ for step in $steps; do
     clamp)
       run clamp python3 benchmarks/clamp_accuracy.py --out "$OUT/clamp-accuracy.md" ;;
     fuzz)
-      run fuzz python3 benchmarks/fuzz.py ${FUZZ_ARGS:---cases 1000} --out "$OUT/fuzz.md" ;;
+      run fuzz python3 benchmarks/fuzz.py ${FUZZ_ARGS:---cases 1300 --ep 1,2 --workers 4} --out "$OUT/fuzz.md" ;;
     bench)
       ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
       run bench-tiny python3 -m mok bench --no-progress --preset tiny --ep "$ngpu" --json "$OUT/bench-tiny.json"

@@ -47,8 +47,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-CACHED_GPU_BYTES_KEPT = 4 << 30
-"""A worker's caching allocator may keep this much between tests (a dozen workers: ~48 GiB)."""
+def cached_gpu_bytes_kept() -> int:
+    """What a worker's caching allocator may keep between tests: 4 GiB, or less where the
+    workers' share of the GPU is smaller (a third of it: 14 workers on an 80 GB H100 kept 56 GiB
+    at 4 GiB each, and three tests ran out of memory beside them)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = torch.cuda.get_device_properties(0).total_memory // (3 * workers)
+    return min(4 << 30, share)
 
 
 @pytest.fixture(autouse=True)
@@ -56,32 +61,34 @@ def release_cached_gpu_memory():
     """Under pytest-xdist on a GPU machine, hand the caching allocator's free blocks back to the
     driver after each test: a dozen workers each keeping the high-water mark of its largest test
     (10-27 GiB seen) left the ranks of a `shares_gpu` test no room to allocate their weights.
-    Only a cache above `CACHED_GPU_BYTES_KEPT` is released: emptying it after every test made
+    Only a cache above `cached_gpu_bytes_kept()` is released: emptying it after every test made
     the next test allocate everything again from the driver."""
     yield
     if (
         int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
         and torch.cuda.is_initialized()
-        and torch.cuda.memory_reserved() > CACHED_GPU_BYTES_KEPT
+        and torch.cuda.memory_reserved() > cached_gpu_bytes_kept()
     ):
         torch.cuda.empty_cache()
 
 
-GPU_SHARING_SLOTS = 3
-"""How many `shares_gpu` tests may run at once across pytest-xdist's workers. Their ranks hold
-4-8 GiB of GPU memory each: a dozen workers running four such tests beside the others filled an
-H200's 140 GiB, and their kernels' first compiles outlasted the ranks' peer timeouts."""
+def gpu_sharing_slots() -> int:
+    """How many `shares_gpu` tests may run at once across pytest-xdist's workers: 3 on an H200,
+    2 on a GPU of less than 100 GiB. Their ranks hold 4-8 GiB of GPU memory each: a dozen workers
+    running four such tests beside the others filled an H200's 140 GiB, and their kernels' first
+    compiles outlasted the ranks' peer timeouts."""
+    return 3 if torch.cuda.get_device_properties(0).total_memory >= 100 << 30 else 2
 
 
 @pytest.fixture(autouse=True)
 def gpu_sharing_slot(request, tmp_path_factory):
-    """For a `shares_gpu` test on a GPU machine: hold one of GPU_SHARING_SLOTS file locks, in the
-    folder every xdist worker of this session shares, while the test runs."""
+    """For a `shares_gpu` test on a GPU machine: hold one of `gpu_sharing_slots()` file locks, in
+    the folder every xdist worker of this session shares, while the test runs."""
     if request.node.get_closest_marker("shares_gpu") is None or not torch.cuda.is_available():
         yield
         return
     folder = tmp_path_factory.getbasetemp().parent
-    locks = [FileLock(folder / f"gpu-sharing-slot-{n}.lock") for n in range(GPU_SHARING_SLOTS)]
+    locks = [FileLock(folder / f"gpu-sharing-slot-{n}.lock") for n in range(gpu_sharing_slots())]
     while True:
         for lock in locks:
             try:
