@@ -16,17 +16,11 @@ rows or other experts' gradients (a padded tile, a sum over a whole buffer, a 0 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
-from test_triton_backend_cpu import CONFIG, assert_matches_oracle, layer_results, scenario
+from test_triton_backend_cpu import CONFIG, assert_matches_oracle, run_scenarios, scenario
 
-import mok
-from mok.comm.simulation import simulated_symmetric_memory
 from mok.launch import run_ranks
-from mok.testing import global_weights, shared_file_allocator
 from mok.weights import ROUTED_FIELDS
 
 BACKENDS = [
@@ -37,30 +31,11 @@ BACKENDS = [
 NAN_TOKEN, NAN_SLOT = 3, 1
 
 
-def run_cases(rank, world, cases, shared_dir=None) -> list[dict]:
-    """Rank worker: each case's results on this rank (symmetric memory simulated by files in
-    `shared_dir`, for the NVLink exchange of the triton and fused backends)."""
-    group = dist.group.WORLD if world > 1 else None
-    simulated = (
-        contextlib.nullcontext()
-        if shared_dir is None
-        else simulated_symmetric_memory(shared_file_allocator(shared_dir))
-    )
-    outcomes = []
-    with simulated:
-        for case in cases:
-            layer = mok.MoE(case.config, group=group, device=torch.device("cpu"))
-            layer.load_global_weights(global_weights(case.config, case.seed, torch.device("cpu")))
-            outcomes.append(layer_results(layer, case.ranks[rank]))
-            layer.workspace(torch.device("cpu")).release()
-    return outcomes
-
-
 def results_on_ranks(cases, world, tmp_path) -> list[list[dict]]:
     """Each rank's results of `cases`."""
     if world == 1:
-        return [run_cases(0, 1, cases)]
-    return run_ranks(run_cases, world, args=(cases, str(tmp_path)), timeout_s=300)
+        return [run_scenarios(0, 1, cases)]
+    return run_ranks(run_scenarios, world, args=(cases, str(tmp_path)), timeout_s=300)
 
 
 def repeated_experts(config, world):

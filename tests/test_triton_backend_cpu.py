@@ -128,7 +128,7 @@ def check_verdict(workspace) -> str | None:
 
 
 def run_scenarios(rank, world, scenarios, shared_dir=None):
-    """Rank worker: per scenario, the triton layer's results on this rank's inputs, the exchange
+    """Rank worker: per scenario, the layer's results on this rank's inputs, the exchange
     it used and the verdict of check(). With `shared_dir`, symmetric memory is simulated by files
     there (the NVLink exchange); without, a multi-rank group uses the collective exchange."""
     group = dist.group.WORLD if world > 1 else None
@@ -144,7 +144,8 @@ def run_scenarios(rank, world, scenarios, shared_dir=None):
             layer.load_global_weights(global_weights(case.config, case.seed, CPU))
             results = layer_results(layer, case.ranks[rank])
             workspace = layer.workspace(CPU)
-            results["exchange"] = type(workspace.backend.exchange).__name__
+            # The reference backend has no exchange: "NoneType".
+            results["exchange"] = type(getattr(workspace.backend, "exchange", None)).__name__
             results["check"] = check_verdict(workspace)
             workspace.release()
             outcomes.append(results)
