@@ -50,7 +50,8 @@ def test_bench_checks_then_times_on_spawned_gloo_ranks(tmp_path):
         str(out),
     )
     assert done.returncode == 0, done.stderr
-    assert "forward+backward" in done.stdout and "baseline" in done.stdout
+    assert "forward+" in done.stdout and "backward" in done.stdout and "baseline" in done.stdout
+    assert "…" not in done.stdout  # no header or cell cut short
     report = json.loads(out.read_text())
     assert report["dense_tflops"] is None  # no compute floor on the CPU unless asked for
     # The settings that chose the kernels are stamped on the report (the interpreter's here).
