@@ -6,7 +6,9 @@
 #                        [fused] [mxfp8] [memory] [e2e] [e2e-compiled] [e2e-balanced]
 #                        [e2e-profile] [e2e-step] [e2e-mxfp8] [e2e-ep] [ep1-rows] [repeat]
 #                        [recompute] [e2e-recompute] [router-gradient]
-#   (default: the first five)
+#                        [tests-1] [tests-2]
+#   (default: the first five; tests-1 and tests-2: the suite's two halves by file, verbose, for
+#   calls on an H100, where the whole suite outlasts one 10-minute call)
 # exchange: the NVLink exchange's tests and its benchmark (EXCHANGE_ARGS adds options).
 # triton: the triton backend's GPU tests, then `mok bench` of the issue-5 presets at EP 1 and all GPUs.
 # Set MOK_COMMIT=$(git rev-parse --short HEAD) when the tree travels without its git history, and
@@ -77,6 +79,11 @@ for step in $steps; do
   case $step in
     tests)
       run pytest python3 -m pytest -q -rs -p no:cacheprovider ${PYTEST_ARGS:-} ;;
+    tests-1|tests-2)  # the suite in two halves by file, for calls shorter than the whole (an H100)
+      files=$(ls tests/kernels/test_*.py tests/test_*.py)
+      half=$(( $(echo "$files" | wc -l) / 2 ))
+      if [ "$step" = tests-1 ]; then part=$(echo "$files" | head -n "$half"); else part=$(echo "$files" | tail -n +"$((half + 1))"); fi
+      run "pytest-${step#tests-}" python3 -m pytest -v -rfs -p no:cacheprovider ${PYTEST_ARGS:-} $part ;;
     clamp)
       run clamp python3 benchmarks/clamp_accuracy.py --out "$OUT/clamp-accuracy.md" ;;
     fuzz)
