@@ -463,11 +463,13 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
     try:
         results = run_bench(specs)
     except (torch.OutOfMemoryError, RankFailedError) as error:
+        # A spawned rank's failure arrives as the text of its traceback.
         if not isinstance(error, torch.OutOfMemoryError) and "OutOfMemoryError" not in str(error):
             raise
         largest = max(specs, key=estimated_peak_bytes)
         need, have = _memory_need_and_size(largest)
-        parser.exit(1, f"mok bench: error: {_memory_message(largest, need, have)}\n")
+        message = _memory_message(largest, need, have, ran_out=True)
+        parser.exit(1, f"mok bench: error: {message}\n")
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return 0
     floor = (
@@ -524,15 +526,18 @@ def _memory_need_and_size(spec: BenchSpec) -> tuple[int, int]:
     return spec.ep * need, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _memory_message(spec: BenchSpec, need: int, have: int) -> str:
-    """One line: the run of `spec` does not fit its device's memory, and what to change."""
+def _memory_message(spec: BenchSpec, need: int, have: int, ran_out: bool = False) -> str:
+    """One line: the run of `spec` does not fit its device's memory (`ran_out`: it ran out of it,
+    past the estimate), and what to change."""
     where = "per GPU" if spec.device == "cuda" else f"for its {spec.ep} ranks on the CPU"
     device = "the GPU" if spec.device == "cuda" else "this host"
+    needs = "ran out of memory: it needs" if ran_out else "needs"
     return (
-        f"{spec.preset} at {spec.tokens_per_rank} tokens/rank, EP {spec.ep}, needs at least "
-        f"about {need / 2**30:.1f} GiB {where} (weights, their gradients, the activations kept "
-        f"for backward, the exchange's buffers); {device} has {have / 2**30:.1f} GiB: lower "
-        "--tokens, or use more GPUs (--ep), or --pair-capacity-factor / --exact-buffers"
+        f"{spec.preset} at {spec.tokens_per_rank} tokens/rank, EP {spec.ep}, {needs} at least "
+        f"about {need / 2**30:.1f} GiB {where} (weights, "
+        f"their gradients, the activations kept for backward, the exchange's buffers); {device} "
+        f"has {have / 2**30:.1f} GiB: lower --tokens, or use more GPUs (--ep), or "
+        "--pair-capacity-factor / --exact-buffers"
     )
 
 
