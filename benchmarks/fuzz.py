@@ -215,18 +215,7 @@ def reference_results(config, full, everyone, rank, group):
     x = torch.cat(xs).requires_grad_(True)
     w = torch.cat(ws).requires_grad_(True)
     weights = full.map(lambda t: t.detach().clone().to(dtype).requires_grad_(True))
-    y = moe_forward(
-        x,
-        torch.cat(idxs),
-        w,
-        weights,
-        config.swiglu_limit,
-        precision=config.precision.value,
-        mx_rounding=config.mx_rounding.value,
-        swiglu_alpha=config.swiglu_alpha,
-        swiglu_up_offset=config.swiglu_up_offset,
-        router_gradient=config.router_gradient.value,
-    )
+    y = moe_forward(x, torch.cat(idxs), w, weights, **config.reference_options())
     y.backward(torch.cat(grads))
     start = sum(inputs.x.shape[0] for inputs in everyone[:rank])
     rows = slice(start, start + everyone[rank].x.shape[0])

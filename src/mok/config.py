@@ -319,6 +319,19 @@ class MoKConfig:
         shared = 2 * num_tokens * 3 * self.hidden_size * self.shared_intermediate_size
         return routed + shared
 
+    def reference_options(self) -> dict[str, object]:
+        """The keyword arguments of `mok.reference.moe_forward` that this config sets (the clamp,
+        precision, MX rounding, activation and router-gradient form): one mapping for every
+        caller of the reference, so that none of them computes another layer than the config's."""
+        return {
+            "swiglu_limit": self.swiglu_limit,
+            "precision": self.precision.value,
+            "mx_rounding": self.mx_rounding.value,
+            "swiglu_alpha": self.swiglu_alpha,
+            "swiglu_up_offset": self.swiglu_up_offset,
+            "router_gradient": self.router_gradient.value,
+        }
+
     def replace(self, **changes) -> MoKConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)

@@ -158,18 +158,7 @@ def compare_with_reference(
     w_all = converted(torch.cat([r.topk_weights for r in everyone])).requires_grad_(True)
     idx_all = torch.cat([r.topk_idx for r in everyone])
     config = layer.config
-    y_all = moe_forward(
-        x_all,
-        idx_all,
-        w_all,
-        full,
-        config.swiglu_limit,
-        precision=config.precision.value,
-        mx_rounding=config.mx_rounding.value,
-        swiglu_alpha=config.swiglu_alpha,
-        swiglu_up_offset=config.swiglu_up_offset,
-        router_gradient=config.router_gradient.value,
-    )
+    y_all = moe_forward(x_all, idx_all, w_all, full, **config.reference_options())
     y_all.backward(converted(torch.cat([r.grad_y for r in everyone])))
 
     start = sum(r.x.shape[0] for r in everyone[:rank])

@@ -53,12 +53,7 @@ class ReferenceBackend:
     def forward(self, routing, topk_idx, x, topk_weights, weights, need_backward):
         run = dict(
             topk_idx=topk_idx,
-            swiglu_limit=self.workspace.config.swiglu_limit,
-            precision=self.workspace.config.precision.value,
-            mx_rounding=self.workspace.config.mx_rounding.value,
-            swiglu_alpha=self.workspace.config.swiglu_alpha,
-            swiglu_up_offset=self.workspace.config.swiglu_up_offset,
-            router_gradient=self.workspace.config.router_gradient.value,
+            **self.workspace.config.reference_options(),
             group=self.workspace.group,
             routing=routing,
         )
