@@ -188,11 +188,11 @@ BAD_OPTIONS = [
     (["--cuda-graph", "--exact-buffers"], "--cuda-graph with --exact-buffers: the exact sizes"),
     (["--out", "/proc/mok-results"], "--out /proc/mok-results: cannot write there"),
     (
-        ["--precision", "mxfp8", "--router-gradient", "epilogue"],
+        ["--preset", "tiny", "--precision", "mxfp8", "--router-gradient", "epilogue"],
         "tiny in mxfp8: router_gradient='epilogue' takes bf16 experts",
     ),
     (
-        ["--precision", "bf16,mxfp8", "--recompute", "gate_up"],
+        ["--preset", "tiny", "--precision", "bf16,mxfp8", "--recompute", "gate_up"],
         "tiny in mxfp8: recompute='gate_up' applies to bf16 experts",
     ),
     (["--json", "/proc/mok/results.json"], "--json /proc/mok/results.json: cannot write there"),

@@ -81,12 +81,10 @@ class ReferenceBackend:
     ) -> MoEGradients:
         weight_items = [(k, v) for k, v in saved.weights.tensors().items() if v is not None]
         inputs = [saved.x, saved.topk_weights] + [v for _, v in weight_items]
-        grads = _where_autograd_records(
-            lambda: torch.autograd.grad(
-                saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True
-            ),
-            grad_y.device,
-        )
+        # Runs the graph recorded by forward, on this thread: running needs no recording, and
+        # under a compiled CUDA backward this thread is the autograd engine's device thread, on
+        # which a helper thread's autograd.grad would wait forever.
+        grads = torch.autograd.grad(saved.y, inputs, grad_y.to(saved.y.dtype), allow_unused=True)
         grads = [
             torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads, strict=True)
         ]
