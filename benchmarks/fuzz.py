@@ -11,14 +11,16 @@ take), and draws the rest: tokens per rank (0 on some ranks), a routing (uniform
 one expert, half the experts empty, all to the first experts), for bf16 sometimes the router
 weights' gradient in the down product's epilogue, sometimes expert ids out of range (E, E + 7 or
 -1 on a few pairs), receive capacities too small, and at EP > 1 in a quarter of the cases the
-per-pair tensors sized by the pairs received (`exact_buffers`). One forward and backward of
-`mok.MoE` runs on every rank, then `Workspace.check()`; the results are compared with the
+per-pair tensors sized by the pairs received (`exact_buffers`). A forward and backward of
+`mok.MoE` runs twice on every rank (the second call's results must be bitwise the first's: a
+training step is a later call), then `Workspace.check()`; the results are compared with the
 reference backend (`mok.reference`, fp32 math on the same bf16 inputs, the same precision and
 activation; ids out of range become zero-weight pairs there, whose router-weight gradients the
 fast backends set to zero) or, where an error is due, the error must be raised. Outcomes:
   exact              no error due, none raised, every result within TOLERANCE of the reference
   bad ids raised     MoKInputError on the ranks holding them, the valid pairs' results exact
   overflow raised    MoKCapacityError on every rank, results finite
+  withheld           the backend refuses the case's options on this device (its reason shown)
   silent corruption  a result off, non-finite, or an error due but not raised (goal: 0)
   unexpected error   any other exception
   context kill       a rank's process died (goal: 0; a device trap would do this)
@@ -50,6 +52,7 @@ if not torch.cuda.is_available():
 import torch.distributed as dist  # noqa: E402
 
 import mok  # noqa: E402
+from mok.backends import BACKENDS  # noqa: E402
 from mok.comm.simulation import simulated_symmetric_memory  # noqa: E402
 from mok.launch import RankFailedError, run_ranks  # noqa: E402
 from mok.reference import moe_forward  # noqa: E402
@@ -70,6 +73,7 @@ OUTCOMES = (
     "exact",
     "bad ids raised",
     "overflow raised",
+    "withheld",
     "silent corruption",
     "unexpected error",
     "context kill",
@@ -254,12 +258,18 @@ def run_case(case: dict, rank: int, group, device) -> tuple[str, float, str]:
     """(outcome, largest relative error, detail) of one case on this rank."""
     everyone = [rank_inputs(case, r, device) for r in range(case["ep"])]
     config, overflow = config_of(case, everyone)
+    withheld = BACKENDS[config.backend].unavailable_reason(config, device, group)
+    if withheld is not None:
+        return "withheld", 0.0, withheld
     full = global_weights(config, case["seed"] % 1000, device)
     layer = mok.MoE(config, group=group, device=device)
     layer.load_global_weights(full)
     workspace = layer.workspace(device)
-    got = one_call_results(layer, everyone[rank])
+    first = one_call_results(layer, everyone[rank])
     raised = raised_errors(workspace)
+    got = one_call_results(layer, everyone[rank])
+    raised |= raised_errors(workspace)
+    changed = [key for key in got if not torch.equal(first[key], got[key])]
     if group is not None:
         for name in ("shared_gate", "shared_up", "shared_down"):
             if f"grad {name}" in got:  # replicated: data parallelism sums it
@@ -272,6 +282,8 @@ def run_case(case: dict, rank: int, group, device) -> tuple[str, float, str]:
     bad_here = bool(((idx < 0) | (idx >= config.num_experts)).any())
     due = ({"bad ids"} if bad_here else set()) | ({"overflow"} if overflow else set())
     finite = all(bool(torch.isfinite(t.float()).all()) for t in got.values())
+    if changed and not overflow:
+        return "silent corruption", 0.0, f"the second call differs from the first: {changed}"
     if raised != due:
         return "silent corruption", 0.0, f"raised {sorted(raised)}, due {sorted(due)}"
     if overflow:
