@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Hardware counters (Nsight Compute) of the Gluon expert GEMMs at one preset's shape, one GPU.
 #   scripts/ncu_expert_gemms.sh PRESET PRODUCT LAUNCHES [OUT_DIR]
-# Profiles the first LAUNCHES Gluon launches of `benchmarks/warp_specialized.py --products
+# Profiles the first LAUNCHES Gluon launches of `benchmarks/expert_kernels.py --products
 # PRODUCT` (its correctness pass runs the Gluon tilings in the order of its tables: e.g. gate_up's
 # ping-pong, then cooperative), then lets the benchmark finish unprofiled. Clocks are left alone.
 set -uo pipefail
@@ -15,6 +15,6 @@ ncu --clock-control none -k 'regex:_rows_wt_kernel|_group_at_b_kernel' --launch-
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section LaunchStats \
   ${gmma:+--metrics "$gmma.avg.pct_of_peak_sustained_active"} \
-  python3 benchmarks/warp_specialized.py --presets "$preset" --products "$product" --tokens 8192 \
+  python3 benchmarks/expert_kernels.py --presets "$preset" --products "$product" --tokens 8192 \
   > "$out/ncu-$preset-$product.txt" 2>&1
 echo "ncu $preset $product: exit $? ($(grep -c '_kernel' "$out/ncu-$preset-$product.txt") kernel lines)"
