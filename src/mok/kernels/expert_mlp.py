@@ -42,6 +42,7 @@ from mok.kernels.grouped_gemm import (
     RowTiles,
     TileClaims,
 )
+from mok.kernels.registry import Product, pick, runs_gluon
 from mok.weights import are_gate_up_halves, empty_gate_up_pair, has_contiguous_expert_rows
 
 
@@ -125,12 +126,10 @@ def gathers_rows_well(
     0.12 + 0.73 ms at 8192. With 128-row tiles the gathered product cost more than the copy
     saved (deepseek-v3, 8192 tokens: 9.17 against 0.45 + 7.78 ms), and at H = 7168 with 64-row
     tiles about as much (kimi-k2: 9.58 against 9.05 ms plus a copy of ~0.45)."""
-    tiles = config.warp_specialized_gate_up
     return (
-        tiles is not None
-        and tiles.block_m == ws.CONSUMER_ROWS
+        runs_gluon(Product.GATE_UP, config, rows, w_gate, w_up)
+        and config.warp_specialized_gate_up.block_m == ws.CONSUMER_ROWS
         and rows.shape[1] < 4096
-        and ws.supported(rows, w_gate, w_up)
     )
 
 
@@ -310,10 +309,7 @@ def _with_down_dgrad_sms(
 def down_tiles(config: ExpertKernelConfig, h: torch.Tensor, w_down: torch.Tensor) -> GemmTiles:
     """The tiles the forward down product runs with for h [M, I] (its block_n is what the
     peer-store epilogue's counts count in: one add per row and column tile)."""
-    ws_down = config.warp_specialized_down
-    if ws_down is not None and ws.supported(h, w_down):
-        return ws_down
-    return config.down
+    return pick(Product.DOWN, config, h, w_down)[0]
 
 
 def cached_row_tiles(
@@ -417,7 +413,7 @@ def expert_mlp_forward(
         )
         return None if combine else out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
-    gate_up_cfg, gate_up_swiglu = _gate_up_kernel(cfg, rows, w_gate, w_up)
+    gate_up_cfg, gate_up_swiglu = pick(Product.GATE_UP, cfg, rows, w_gate, w_up)
     keep = save_for_backward and keep_activations
     h, gate_up = gate_up_swiglu(
         rows,
@@ -433,20 +429,15 @@ def expert_mlp_forward(
         biases=None if biases is None else biases[:2],
     )
     h_in = h if down_operand is None else down_operand(h)
-    down_cfg = down_tiles(cfg, h_in, w_down)
+    product = Product.DOWN if combine is None else Product.DOWN_SCATTER
+    down_cfg, down = pick(product, cfg, h_in, w_down)
     row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
-    warp_specialized = down_cfg is cfg.warp_specialized_down
     down_bias = None if biases is None else biases[2]
     if combine is not None:
-        if warp_specialized:
-            ws.rows_wt_scatter(h_in, w_down, row_tiles, combine, down_cfg, bias=down_bias)
-        else:
-            gg.down_scatter(h_in, w_down, row_tiles, down_cfg, combine, bias=down_bias)
+        down(h_in, w_down, row_tiles, scatter=combine, cfg=down_cfg, bias=down_bias)
         out = None
-    elif warp_specialized:
-        out = ws.rows_wt(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
     else:
-        out = gg.down(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
+        out = down(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
     del h_in
     if not save_for_backward:
         return out, None
@@ -469,14 +460,6 @@ def expert_mlp_forward(
     return out, saved
 
 
-def _gate_up_kernel(config: ExpertKernelConfig, rows, w_gate, w_up):
-    """(tiles, kernel) of the forward gate/up product: the Gluon kernel where it runs, else tl."""
-    ws_gate_up = config.warp_specialized_gate_up
-    if ws_gate_up is not None and ws.supported(rows, w_gate, w_up):
-        return ws_gate_up, ws.gate_up_swiglu
-    return config.gate_up, gg.gate_up_swiglu
-
-
 def replay_activations(saved: ExpertMLPSaved) -> None:
     """Where the forward kept no activations (`saved.replay`): h [M, I] and the pre-activations
     [M, 2I] made again into `saved` by the forward's gate/up product on the rows it keeps, with
@@ -486,7 +469,7 @@ def replay_activations(saved: ExpertMLPSaved) -> None:
         return
     rows = _saved_tensor(saved, "rows")
     m = gg.gathered_rows(rows, saved.source_rows)
-    tiles, gate_up_swiglu = _gate_up_kernel(saved.config, rows, saved.w_gate, saved.w_up)
+    tiles, gate_up_swiglu = pick(Product.GATE_UP, saved.config, rows, saved.w_gate, saved.w_up)
     tiles = dataclasses.replace(tiles, claims=None)
     saved.h, saved.gate_up = gate_up_swiglu(
         rows,
@@ -587,11 +570,7 @@ def down_data_gradient(
     cfg = saved.config
     if dgrad_sms is not None:
         cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
-    ws_dgrad = cfg.warp_specialized_dgrad
-    if ws_dgrad and ws.dgrad_supported(grad_out, ws_dgrad.down, saved.w_down):
-        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu
-    else:
-        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu
+    down_cfg, down_dgrad = pick(Product.DOWN_DGRAD, cfg, grad_out, saved.w_down)
     return down_dgrad(
         grad_out,
         saved.w_down,
@@ -630,11 +609,7 @@ def weighted_down_data_gradient(
     cfg = saved.config
     if dgrad_sms is not None:
         cfg = _with_down_dgrad_sms(cfg, dgrad_sms, claims)
-    ws_dgrad = cfg.warp_specialized_dgrad
-    if ws_dgrad and ws.dgrad_supported(grad_rows, ws_dgrad.down, saved.w_down):
-        down_cfg, down_dgrad = ws_dgrad.down, ws.down_dgrad_swiglu_weighted
-    else:
-        down_cfg, down_dgrad = cfg.down_dgrad, gg.down_dgrad_swiglu_weighted
+    down_cfg, down_dgrad = pick(Product.DOWN_DGRAD_WEIGHTED, cfg, grad_rows, saved.w_down)
     return down_dgrad(
         grad_rows,
         saved.w_down,
@@ -659,12 +634,9 @@ def gate_up_data_gradient(
     m, hidden = grad_gate_up.shape[0], saved.w_gate.shape[2]
     if m == 0:
         return grad_gate_up.new_empty(0, hidden)
-    cfg = saved.config
-    ws_dgrad = cfg.warp_specialized_dgrad
-    if ws_dgrad and ws.dgrad_supported(grad_gate_up, ws_dgrad.gate_up, saved.w_gate, saved.w_up):
-        gate_up_cfg, gate_up_dgrad = ws_dgrad.gate_up, ws.gate_up_dgrad
-    else:
-        gate_up_cfg, gate_up_dgrad = cfg.gate_up_dgrad, gg.gate_up_dgrad
+    gate_up_cfg, gate_up_dgrad = pick(
+        Product.GATE_UP_DGRAD, saved.config, grad_gate_up, saved.w_gate, saved.w_up
+    )
     return gate_up_dgrad(
         grad_gate_up,
         saved.w_gate,
@@ -697,12 +669,8 @@ def down_weight_gradient(
     if h.shape[0] == 0:
         return _zeroed_unless_accumulating(grad_w_down, accumulate)
     cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
-    ws_wgrad = cfg.warp_specialized_wgrad
-    tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_down.dtype)
-    if tiles and ws.wgrad_supported(grad_out, h, grad_w_down, tiles):
-        ws.down_wgrad(grad_out, h, saved.group_offsets, grad_w_down, accumulate, tiles)
-    else:
-        gg.down_wgrad(grad_out, h, saved.group_offsets, grad_w_down, accumulate, cfg.down_wgrad)
+    tiles, down_wgrad = pick(Product.DOWN_WGRAD, cfg, grad_out, h, grad_w_down)
+    down_wgrad(grad_out, h, saved.group_offsets, grad_w_down, accumulate, tiles)
     return grad_w_down
 
 
@@ -733,39 +701,26 @@ def gate_up_weight_gradients(
             _zeroed_unless_accumulating(grad_w_up, acc_up),
         )
     cfg = saved.config if sms is None else held_to(saved.config, sms, claims=claims)
-    offsets = saved.group_offsets
-    ws_wgrad = cfg.warp_specialized_wgrad
-    tiles = ws_wgrad and ws_wgrad.for_grad(grad_w_gate.dtype)
-    gather = source_rows is not None
-    if (
-        tiles
-        and grad_w_gate.dtype == grad_w_up.dtype
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_gate, tiles, gather)
-        and ws.wgrad_supported(grad_gate_up, rows, grad_w_up, tiles, gather)
-    ):
-        ws.gate_up_wgrad(
-            grad_gate_up,
-            rows,
-            offsets,
-            grad_w_gate,
-            grad_w_up,
-            acc_gate,
-            acc_up,
-            tiles,
-            source_rows=source_rows,
-        )
-    else:
-        gg.gate_up_wgrad(
-            grad_gate_up,
-            rows,
-            offsets,
-            grad_w_gate,
-            grad_w_up,
-            acc_gate,
-            acc_up,
-            cfg.gate_up_wgrad,
-            source_rows=source_rows,
-        )
+    tiles, gate_up_wgrad = pick(
+        Product.GATE_UP_WGRAD,
+        cfg,
+        grad_gate_up,
+        rows,
+        grad_w_gate,
+        grad_w_up,
+        gather=source_rows is not None,
+    )
+    gate_up_wgrad(
+        grad_gate_up,
+        rows,
+        saved.group_offsets,
+        grad_w_gate,
+        grad_w_up,
+        acc_gate,
+        acc_up,
+        tiles,
+        source_rows=source_rows,
+    )
     return grad_w_gate, grad_w_up
 
 
