@@ -7,8 +7,8 @@ Spawns one rank per GPU (EP = the GPU count), warms up, then on every rank: the 
 forward and of the backward call (the time Python takes to enqueue them, median of 5), the GPU
 time of forward and of forward + backward (CUDA events, median of 5), and one profiled forward +
 backward (torch.profiler). Prints each rank's times and rank 0's kernels sorted by total CUDA
-time. With --trace, writes each rank's Chrome trace (CPU and CUDA) to DIR/rank<r>.json.gz:
-`python benchmarks/trace_gaps.py DIR/rank0.json.gz` lists the GPU's idle gaps and the barriers.
+time. With --trace, writes each rank's Chrome trace (CPU and CUDA) to DIR/rank<r>.json.gz (open
+it in Perfetto: the GPU's idle gaps, the barriers, the fused backend's two streams side by side).
 If the host time of a pass is close to its GPU time, the pass is bound by the host's launches.
 With --accumulate-grads the weights' gradients are kept between calls (every backward adds into
 them, as in gradient accumulation over micro-batches) instead of being set to None. --overlap
