@@ -53,10 +53,16 @@ import triton
 
 import mok
 from mok.bench import git_commit
-from mok.kernels import GemmTiles, default_config, expert_mlp_backward, expert_mlp_forward
+from mok.kernels import (
+    Activation,
+    GemmTiles,
+    default_config,
+    expert_mlp_backward,
+    expert_mlp_forward,
+)
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
-from mok.kernels.grouped_gemm import Activation, row_tile_map
+from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.expert import swiglu
 from mok.testing import grouped_expert_reference, relative_error
 
