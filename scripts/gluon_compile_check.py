@@ -315,7 +315,7 @@ def cases():
 
 def cast_cases():
     """(label, callable) for the Gluon MXFP8 casts of grouped rows, in each use the MXFP8 layer
-    makes of them (`benchmarks/mx_casts.py` names them) and with fp32 values and FLOOR scales."""
+    makes of them (the `uses` below) and with fp32 values and FLOOR scales."""
     from mok.kernels import mx
     from mok.kernels.grouped_gemm import RowTiles
 

@@ -116,7 +116,8 @@ def test_the_fused_backend_gives_each_product_of_a_pass_its_own_counter():
     CPU, where there is no communication stream, at once). Bugs caught: two products sharing a
     counter (the second would find it spent and compute nothing), counters left at the previous
     pass's values. Where the extension runs on a GPU (after the copy and the product's inputs,
-    not after the product) shows in `benchmarks/overlap.py --overlap`, not in results."""
+    not after the product) shows in a trace, `benchmarks/profile_layer.py --backend fused
+    --overlap --trace DIR`, not in results."""
     from mok.backends.fused import FusedBackend, _ClaimsAfterCopy
 
     class Backend:
