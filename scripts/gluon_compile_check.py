@@ -125,14 +125,7 @@ class _StandInClaims:
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
     from mok.kernels import warp_specialized as ws
-    from mok.kernels.grouped_gemm import (
-        SWIGLU,
-        Activation,
-        GemmTiles,
-        RowScatter,
-        RowsReady,
-        RowTiles,
-    )
+    from mok.kernels.host import SWIGLU, Activation, GemmTiles, RowScatter, RowsReady, RowTiles
 
     def tiles(cfg):
         capacity = triton.cdiv(m, cfg.block_m) + experts + 2
@@ -317,7 +310,7 @@ def cast_cases():
     """(label, callable) for the Gluon MXFP8 casts of grouped rows, in each use the MXFP8 layer
     makes of them (the `uses` below) and with fp32 values and FLOOR scales."""
     from mok.kernels import mx
-    from mok.kernels.grouped_gemm import RowTiles
+    from mok.kernels.host import RowTiles
 
     m, cols = 1024, 768
     capacity = m // mx.GROUP_ROWS + 6
@@ -347,7 +340,7 @@ def tl_cases():
     are not rows the Gluon kernels read, the bias gradients, the claiming twins, and the
     combine's backward on the token side."""
     from mok.kernels import grouped_gemm as gg
-    from mok.kernels.grouped_gemm import Activation, GemmTiles, RowsReady, RowTiles
+    from mok.kernels.host import Activation, GemmTiles, RowsReady, RowTiles
     from mok.kernels.rows import pair_gradients
 
     m, experts, hidden, inter = 1024, 4, 512, 256

@@ -64,12 +64,12 @@ def test_weights_not_laid_out_as_rows_are_refused():
 def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
     """Direct callers of the launcher (the library asks `supported` first) get the weight's
     layout named, not a copy made behind their back nor a wrong descriptor."""
-    from mok.kernels import grouped_gemm as gg
+    from mok.kernels import host
 
     m, hidden, inter, experts = 128, 64, 32, 2
     cfg = ws.PING_PONG
     capacity = m // cfg.block_m + experts + 2
-    tiles = gg.RowTiles(
+    tiles = host.RowTiles(
         torch.zeros(3, capacity, dtype=torch.int32),
         torch.zeros(2, dtype=torch.int32),
         capacity,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok.kernels.grouped_gemm import SWIGLU, Activation
+from mok.kernels.host import SWIGLU, Activation
 from mok.kernels.mx_expert_mlp import (
     MXWeightCache,
     MXWeightsCastPerPass,

@@ -14,7 +14,7 @@ import torch
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
 from mok.kernels.expert_mlp import ExpertKernelConfig
-from mok.kernels.grouped_gemm import GemmTiles
+from mok.kernels.host import GemmTiles
 from mok.kernels.registry import Product, pick, runs_gluon
 
 E, M, H, INTER = 4, 96, 256, 128

@@ -16,7 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mok.kernels import grouped_gemm as gg
-from mok.kernels.grouped_gemm import GemmTiles, RowScatter, row_tile_map
+from mok.kernels import host
+from mok.kernels.grouped_gemm import row_tile_map
+from mok.kernels.host import GemmTiles, RowScatter
 from mok.kernels.sync import INTERPRETER_SLOWDOWN, OUT_OF_STEP, TIMED_OUT, await_counts, new_status
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -276,7 +278,7 @@ def test_gate_up_waiting_on_landed_rows_computes_what_it_computes_without(block_
     tiles = row_tile_map(offsets, m, CFG.block_m)
     epoch = torch.full((1,), 5, dtype=torch.int32, device=DEVICE)
     status = new_status(DEVICE)
-    ready = gg.RowsReady(landed_flags(m, block_rows, 5), block_rows, epoch, status, 1000.0, 9)
+    ready = host.RowsReady(landed_flags(m, block_rows, 5), block_rows, epoch, status, 1000.0, 9)
     h, gate_up = gg.gate_up_swiglu(x, w_gate, w_up, tiles, 2.0, True, CFG, ready=ready)
     h_plain, gate_up_plain = gg.gate_up_swiglu(x, w_gate, w_up, tiles, 2.0, True, CFG)
     assert torch.equal(h, h_plain) and torch.equal(gate_up, gate_up_plain)
@@ -292,7 +294,7 @@ def test_gate_up_gives_up_on_rows_that_never_land_and_names_their_block():
     tiles = row_tile_map(offsets, m, CFG.block_m)
     epoch = torch.full((1,), 3, dtype=torch.int32, device=DEVICE)
     status = new_status(DEVICE)
-    ready = gg.RowsReady(landed_flags(m, 16, 3, missing=2), 16, epoch, status, TIMEOUT_S, 9)
+    ready = host.RowsReady(landed_flags(m, 16, 3, missing=2), 16, epoch, status, TIMEOUT_S, 9)
     gg.gate_up_swiglu(x, w_gate, w_up, tiles, None, False, CFG, ready=ready)
     assert status.tolist() == [TIMED_OUT, 9, 2, 2]
 
@@ -300,7 +302,7 @@ def test_gate_up_gives_up_on_rows_that_never_land_and_names_their_block():
 def test_rows_ready_checks_its_flags():
     """Bug caught: flags too few for the rows (a tile waiting on memory past them)."""
     epoch = torch.ones(1, dtype=torch.int32, device=DEVICE)
-    ready = gg.RowsReady(landed_flags(40, 16, 1), 16, epoch, new_status(DEVICE), 1.0, 0)
+    ready = host.RowsReady(landed_flags(40, 16, 1), 16, epoch, new_status(DEVICE), 1.0, 0)
     with pytest.raises(ValueError, match="RowsReady.flags"):
         ready.check(49)
 
@@ -346,13 +348,13 @@ def test_warp_specialized_gate_up_waits_like_its_twin(cooperative):
     tiles = row_tile_map(offsets, m, cfg.block_m)
     epoch = torch.full((1,), 7, dtype=torch.int32, device=DEVICE)
     status = new_status(DEVICE)
-    ready = gg.RowsReady(landed_flags(m, 32, 7), 32, epoch, status, 1000.0, 9)
+    ready = host.RowsReady(landed_flags(m, 32, 7), 32, epoch, status, 1000.0, 9)
     h, gate_up = ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, True, cfg, ready=ready)
     twin_cfg = GemmTiles(cfg.block_m, cfg.block_n, cfg.block_k, num_warps=4, num_stages=3)
     twin_tiles = row_tile_map(offsets, m, twin_cfg.block_m)
     h_twin, gate_up_twin = gg.gate_up_swiglu(x, w_gate, w_up, twin_tiles, 3.0, True, twin_cfg)
     assert torch.equal(h, h_twin) and torch.equal(gate_up, gate_up_twin)
     assert status.tolist() == [0, 0, 0, 0]
-    missing = gg.RowsReady(landed_flags(m, 32, 7, missing=12), 32, epoch, status, 0.05, 9)
+    missing = host.RowsReady(landed_flags(m, 32, 7, missing=12), 32, epoch, status, 0.05, 9)
     ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, False, cfg, ready=missing)
     assert status.tolist() == [TIMED_OUT, 9, 12, 6]

@@ -1,4 +1,4 @@
-"""Claimed tiles (`grouped_gemm.TileClaims`), the host side: how a product's launch takes its
+"""Claimed tiles (`host.TileClaims`), the host side: how a product's launch takes its
 counter and its extension, which products a held config lets claim, what the warp-specialized
 launcher refuses, and the fused backend's counters. The kernels' claiming runs on the GPU
 (`test_warp_specialized.py`: claimed products bitwise equal to the static grid, every program
@@ -13,8 +13,9 @@ import torch
 
 from mok.kernels import expert_mlp as em
 from mok.kernels import grouped_gemm as gg
+from mok.kernels import host
 from mok.kernels import warp_specialized as ws
-from mok.kernels.grouped_gemm import GemmTiles
+from mok.kernels.host import GemmTiles
 
 
 class _Claims:
@@ -39,11 +40,13 @@ def test_a_claiming_launch_takes_one_counter_and_its_extension_shares_it():
     tile, racing the first launch's stores), a counter taken per launch, the extension never
     offered, or a static launch handed a counter (its programs would claim from garbage)."""
     launches = []
-    gg.launch_persistent(lambda programs, counter: launches.append((programs, counter)), 7, None)
+    host.launch_persistent(lambda programs, counter: launches.append((programs, counter)), 7, None)
     assert launches == [(7, None)]
     claims = _Claims(extra=5)
     launches.clear()
-    gg.launch_persistent(lambda programs, counter: launches.append((programs, counter)), 7, claims)
+    host.launch_persistent(
+        lambda programs, counter: launches.append((programs, counter)), 7, claims
+    )
     assert len(claims.counters) == 1 and claims.extended == 1
     assert [programs for programs, _ in launches] == [7, 5]
     assert all(counter is claims.counters[0] for _, counter in launches)
@@ -94,7 +97,7 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
 
     cfg = dataclasses.replace(ws.PING_PONG, claims=_Claims())
     capacity = m // cfg.block_m + experts + 2
-    tiles = gg.RowTiles(
+    tiles = host.RowTiles(
         zeros(3, capacity, dtype=torch.int32), zeros(2, dtype=torch.int32), capacity, cfg.block_m
     )
     dgrad = ws._RowsProblem(

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from mok.kernels import grouped_gemm as gg
-from mok.kernels.grouped_gemm import GemmTiles, row_tile_map
+from mok.kernels import host
+from mok.kernels.grouped_gemm import row_tile_map
+from mok.kernels.host import GemmTiles
 from mok.testing import relative_error
 
 pytestmark = pytest.mark.gpu
@@ -321,7 +323,7 @@ def test_rows_wt_scatter_matches_its_twin(name, tiles, gather, bias):
     for kernel in ("gluon", "tl"):
         buffers = torch.full((ep, capacity, n), float("nan"), device="cuda").bfloat16()
         counts = torch.zeros(ep, ep, dtype=torch.int32, device="cuda")
-        scatter = gg.RowScatter(
+        scatter = host.RowScatter(
             out=buffers[rank],
             out_offsets=torch.tensor([-capacity * n, 0], device="cuda"),
             dest_rank=dest_rank,
@@ -510,7 +512,7 @@ def test_weighted_down_dgrad_matches_its_twin_and_the_rounding_points(name, tile
     assert relative_error(rounded_first, grad_h) > 1e-3
 
 
-GPT_OSS = gg.Activation(1.702, 1.0)
+GPT_OSS = host.Activation(1.702, 1.0)
 GPT_OSS_CASES = ["uniform", "empty and one-row groups", "several tiles per consumer"]
 
 

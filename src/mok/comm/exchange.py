@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from mok.kernels.grouped_gemm import RowScatter, RowsReady
+    from mok.kernels.host import RowScatter, RowsReady
     from mok.kernels.mx import MXRows
     from mok.reference.mx import ScaleRounding
 

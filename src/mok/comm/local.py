@@ -13,7 +13,7 @@ import torch
 from mok.comm.exchange import GroupedPairOutputs
 from mok.errors import MoKTimeoutError
 from mok.kernels.constants import DeviceConstants
-from mok.kernels.grouped_gemm import RowScatter, RowsReady
+from mok.kernels.host import RowScatter, RowsReady
 from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels
 from mok.kernels.rows import (

@@ -63,7 +63,7 @@ from mok.comm.simulation import simulated_allocator
 from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.kernels.constants import DeviceConstants
-from mok.kernels.grouped_gemm import RowScatter, RowsReady
+from mok.kernels.host import RowScatter, RowsReady
 from mok.kernels.mx import MXRows
 from mok.kernels.placement import PlacementKernels, owner_rows
 from mok.kernels.rows import (

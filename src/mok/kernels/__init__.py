@@ -28,9 +28,9 @@ _EXPORTS = {
     "gate_up_data_gradient": "expert_mlp",
     "gate_up_weight_gradients": "expert_mlp",
     "weighted_down_data_gradient": "expert_mlp",
-    "SWIGLU": "grouped_gemm",
-    "Activation": "grouped_gemm",
-    "GemmTiles": "grouped_gemm",
+    "SWIGLU": "host",
+    "Activation": "host",
+    "GemmTiles": "host",
 }
 """Name -> the submodule defining it. Imported on first use (PEP 562): Triton is optional, and
 the Triton-free submodules (`constants`, `formats`, `_triton_compat`) serve hosts without it."""

@@ -31,9 +31,10 @@ from collections.abc import Callable
 import torch
 
 from mok.kernels import grouped_gemm as gg
+from mok.kernels import host
 from mok.kernels import warp_specialized as ws
 from mok.kernels._triton_compat import interpreting
-from mok.kernels.grouped_gemm import (
+from mok.kernels.host import (
     SWIGLU,
     Activation,
     GemmTiles,
@@ -169,7 +170,7 @@ class ExpertMLPSaved:
         """Keep `rows` [S, H] and the index source_rows [M] int32 instead of the grouped rows
         (grouped row r = rows[source_rows[r]], the same values): e.g. each token received once,
         where the grouped rows hold a copy per pair and are sized for the worst routing."""
-        m = gg.gathered_rows(self.rows, self.source_rows)
+        m = host.gathered_rows(self.rows, self.source_rows)
         if source_rows.shape != (m,) or source_rows.dtype != torch.int32:
             raise ValueError(
                 f"source_rows: expected [{m}] int32, got "
@@ -385,7 +386,7 @@ def expert_mlp_forward(
         shapes = ((experts, inter), (experts, inter), (experts, hidden))
         for name, bias, shape in zip(("gate", "up", "down"), biases, shapes, strict=True):
             _check(f"{name} bias", bias, shape, (rows.dtype,), rows.device)
-    m = gg.gathered_rows(rows, source_rows)
+    m = host.gathered_rows(rows, source_rows)
     hidden = rows.shape[1]
     if out is not None:
         _check("out", out[:m], (m, hidden), (rows.dtype,), rows.device)
@@ -468,7 +469,7 @@ def replay_activations(saved: ExpertMLPSaved) -> None:
     if not saved.replay:
         return
     rows = _saved_tensor(saved, "rows")
-    m = gg.gathered_rows(rows, saved.source_rows)
+    m = host.gathered_rows(rows, saved.source_rows)
     tiles, gate_up_swiglu = pick(Product.GATE_UP, saved.config, rows, saved.w_gate, saved.w_up)
     tiles = dataclasses.replace(tiles, claims=None)
     saved.h, saved.gate_up = gate_up_swiglu(

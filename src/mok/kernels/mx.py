@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.formats import mx_row_bytes
-from mok.kernels.grouped_gemm import GemmTiles, RowTiles, num_programs
+from mok.kernels.host import GemmTiles, RowTiles, num_programs
 from mok.kernels.launch import fast_launch
 from mok.reference.mx import BLOCK, ScaleRounding
 

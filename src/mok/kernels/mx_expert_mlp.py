@@ -43,7 +43,7 @@ from mok.kernels.expert_mlp import (
     gate_up_data_gradient,
     gate_up_weight_gradients,
 )
-from mok.kernels.grouped_gemm import SWIGLU, Activation
+from mok.kernels.host import SWIGLU, Activation
 from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
 from mok.reference.mx import ScaleRounding
 from mok.weights import gate_up_halves, whole_gate_up

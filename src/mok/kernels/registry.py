@@ -17,7 +17,7 @@ import torch
 
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
-from mok.kernels.grouped_gemm import GemmTiles
+from mok.kernels.host import GemmTiles
 
 
 class Product(enum.Enum):

@@ -534,7 +534,7 @@ def copy_rows(
     wait_id; see mok.kernels.sync). With landed ([>= cdiv(len(src_row), block_rows)] int32, this
     rank's; needs epoch and no dst_row): once rows [b * block_rows, (b + 1) * block_rows) of dst
     are written, landed[b] is set to epoch[0] by a release (what a product running beside the
-    copy waits on, `grouped_gemm.RowsReady`); tiles past count are never flagged."""
+    copy waits on, `host.RowsReady`); tiles past count are never flagged."""
     rows = src_row.shape[0]
     dst_capacity, hidden = dst.shape
     device = dst.device

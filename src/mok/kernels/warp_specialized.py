@@ -36,7 +36,7 @@ ranks' buffers, then release adds to per-rank readiness counts); the weight grad
 adds into an existing gradient buffer.
 
 Tasks go to programs by a static stride (program p takes tasks p, p + P, ...), or with CLAIM
-(`grouped_gemm.TileClaims`) at run time: the loader takes each next id from a counter with one
+(`host.TileClaims`) at run time: the loader takes each next id from a counter with one
 atomic add and hands it to the consumers through a ring of CLAIM_SLOTS task ids in shared memory
 (`full` and `free` barriers per slot), so that programs launched later, on SMs another kernel
 frees, take the tasks still left; an id past the end ends the consumers' loops.
@@ -73,7 +73,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mok.kernels import gluon_support
-from mok.kernels.grouped_gemm import (
+from mok.kernels.host import (
     SWIGLU,
     Activation,
     GemmTiles,
@@ -183,7 +183,7 @@ def _task_count(counts_ptr, N, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _claim_task(counter_ptr):
-    """The launch's next unclaimed task (`grouped_gemm.TileClaims`): one atomic add for the whole
+    """The launch's next unclaimed task (`host.TileClaims`): one atomic add for the whole
     loader, whatever its warps (an atomic on a one-element tensor is made by one thread, which
     shares its result with the others through shared memory)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
@@ -998,7 +998,7 @@ def _rows_wt_kernel(
     ready_status_ptr,
     ready_timeout_ns,
     ready_wait_id,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`host.TileClaims`)
     h_desc,  # WEIGHTED: [M, N] the forward's h, block [BLOCK_M, BLOCK_N] (else placeholders,
     # to dots_stride)
     h_ptr,  # WEIGHTED: h's first element (contiguous)
@@ -2110,7 +2110,7 @@ def _group_at_b_kernel(
     Q,
     S,  # rows from one expert's gradient to the next's: P, or 2P for the halves of [E, 2P, Q]
     a_stride,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`grouped_gemm.TileClaims`)
+    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`host.TileClaims`)
     ACCUMULATE_FIRST: gl.constexpr,
     ACCUMULATE_SECOND: gl.constexpr,
     HALVES: gl.constexpr,
