@@ -8,7 +8,7 @@ Forward, per call:
             (NVLink or local HBM) straight into the expert order, flagging each block of rows
             once written (`SymmetricExchange.dispatch_overlapped`); meanwhile the shared expert
             and the gate/up + SwiGLU product run on the other SMs, each gate/up tile waiting for
-            the flags of its rows (`grouped_gemm.RowsReady`). The grid of the products beside the
+            the flags of its rows (`host.RowsReady`). The grid of the products beside the
             copy is held to SMs - comm_sms, so both are resident at once: the products' waits are
             on programs that are running, never on programs that need an SM they hold. Once the
             copy is done, comm_sms more programs join the routed products on the SMs it freed

@@ -345,7 +345,7 @@ class TritonBackend:
         return self.workspace.config.recompute is Recompute.NONE
 
     def _activation(self):
-        """The experts' activation (`grouped_gemm.Activation`) of the config."""
+        """The experts' activation (`host.Activation`) of the config."""
         from mok.kernels import Activation
 
         config = self.workspace.config
