@@ -1,5 +1,7 @@
 """Compile the warp-specialized Gluon kernels for sm_90a on a machine without a GPU, and report
-each one's registers, spills and shared memory (ptxas -v), before any GPU time is spent.
+each one's registers, spills and shared memory (ptxas -v), before any GPU time is spent; the JSON
+also holds a digest of each kernel's PTX code (`code_digest`), so that a refactoring can show it
+compiles to the same instructions.
 
 Gluon does not run under TRITON_INTERPRET, but it compiles without a driver: a stand-in driver
 gives the JIT a Hopper target, every launch becomes a compile-only `warmup`, and the PTX of each
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import json
 import pathlib
 import re
@@ -110,6 +113,18 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill", out))
     registers = max(int(n) for n in re.findall(r"Used (\d+) registers", out))
     return {"registers": registers, "spill_bytes": spills}
+
+
+def code_digest(ptx: str) -> str:
+    """A digest of the PTX's code alone: source lines and debug sections left out, so that a
+    refactoring that moves code around but compiles to the same instructions keeps it."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    kept = [
+        line
+        for line in code.splitlines()
+        if line.strip() and not line.lstrip().startswith((".loc", ".file", "//"))
+    ]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
 class _StandInClaims:
@@ -453,7 +468,8 @@ def main(argv=None) -> int:
             report = ptxas_report(kernel.asm["ptx"])
             shared = kernel.metadata.shared
             failed |= shared > HOPPER_SHARED_BYTES
-            rows.append({"label": label, **report, "shared": shared})
+            digest = code_digest(kernel.asm["ptx"])
+            rows.append({"label": label, **report, "shared": shared, "code": digest})
             print(
                 f"| {label} | {report['registers']} | {report['spill_bytes']} | {shared}"
                 f"{' TOO MUCH' if shared > HOPPER_SHARED_BYTES else ''} |"
