@@ -122,7 +122,9 @@ def code_digest(ptx: str) -> str:
     kept = [
         line
         for line in code.splitlines()
-        if line.strip() and not line.lstrip().startswith((".loc", ".file", "//"))
+        if line.strip()
+        and not line.lstrip().startswith((".loc", ".file", "//"))
+        and not re.fullmatch(r"\$L__tmp\d+:", line.strip())  # labels for the line table
     ]
     return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 

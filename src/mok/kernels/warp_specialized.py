@@ -895,66 +895,6 @@ def _consume(
     tma.store_wait(0)
 
 
-@gluon.jit
-def _first_consumer(
-    operands,
-    outputs,
-    problem,
-    MODE: gl.constexpr,
-    HAS_LIMIT: gl.constexpr,
-    PLAIN: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    GATHER: gl.constexpr,
-    SCATTER_RANKS: gl.constexpr,
-    CLAIM: gl.constexpr,
-    WEIGHTED: gl.constexpr,
-):
-    _consume(
-        operands,
-        outputs,
-        problem,
-        MODE,
-        HAS_LIMIT,
-        PLAIN,
-        HAS_BIAS,
-        GATHER,
-        SCATTER_RANKS,
-        CLAIM,
-        WEIGHTED,
-        0,
-    )
-
-
-@gluon.jit
-def _second_consumer(
-    operands,
-    outputs,
-    problem,
-    MODE: gl.constexpr,
-    HAS_LIMIT: gl.constexpr,
-    PLAIN: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    GATHER: gl.constexpr,
-    SCATTER_RANKS: gl.constexpr,
-    CLAIM: gl.constexpr,
-    WEIGHTED: gl.constexpr,
-):
-    _consume(
-        operands,
-        outputs,
-        problem,
-        MODE,
-        HAS_LIMIT,
-        PLAIN,
-        HAS_BIAS,
-        GATHER,
-        SCATTER_RANKS,
-        CLAIM,
-        WEIGHTED,
-        1,
-    )
-
-
 @fast_launch
 @gluon.jit(do_not_specialize=["capacity", "num_rows", "rank", "ready_timeout_ns", "ready_wait_id"])
 def _rows_wt_kernel(
@@ -1114,7 +1054,7 @@ def _rows_wt_kernel(
     gl.warp_specialize(
         [
             (
-                _first_consumer,
+                _consume,
                 (
                     operands,
                     outputs,
@@ -1127,10 +1067,11 @@ def _rows_wt_kernel(
                     SCATTER_RANKS,
                     CLAIM,
                     WEIGHTED,
+                    0,
                 ),
             ),
             (
-                _second_consumer,
+                _consume,
                 (
                     operands,
                     outputs,
@@ -1143,6 +1084,7 @@ def _rows_wt_kernel(
                     SCATTER_RANKS,
                     CLAIM,
                     WEIGHTED,
+                    1,
                 ),
             ),
             (
@@ -2052,49 +1994,6 @@ def _wgrad_consume(
     tma.store_wait(0)
 
 
-@gluon.jit
-def _first_wgrad_consumer(
-    operands,
-    outputs,
-    problem,
-    ACCUMULATE_FIRST: gl.constexpr,
-    ACCUMULATE_SECOND: gl.constexpr,
-    CLAIM: gl.constexpr,
-    GATHER: gl.constexpr,
-):
-    _wgrad_consume(
-        operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER, 0
-    )
-
-
-@gluon.jit
-def _second_wgrad_consumer(
-    operands,
-    outputs,
-    problem,
-    ACCUMULATE_FIRST: gl.constexpr,
-    ACCUMULATE_SECOND: gl.constexpr,
-    CLAIM: gl.constexpr,
-    GATHER: gl.constexpr,
-):
-    _wgrad_consume(
-        operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER, 1
-    )
-
-
-@gluon.jit
-def _wgrad_loader(
-    operands,
-    outputs,
-    problem,
-    ACCUMULATE_FIRST: gl.constexpr,
-    ACCUMULATE_SECOND: gl.constexpr,
-    CLAIM: gl.constexpr,
-    GATHER: gl.constexpr,
-):
-    _wgrad_load_partition(operands, problem, CLAIM, GATHER)
-
-
 @fast_launch
 @gluon.jit
 def _group_at_b_kernel(
@@ -2184,17 +2083,14 @@ def _group_at_b_kernel(
     gl.warp_specialize(
         [
             (
-                _first_wgrad_consumer,
-                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER),
+                _wgrad_consume,
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER, 0),
             ),
             (
-                _second_wgrad_consumer,
-                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER),
+                _wgrad_consume,
+                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER, 1),
             ),
-            (
-                _wgrad_loader,
-                (operands, outputs, problem, ACCUMULATE_FIRST, ACCUMULATE_SECOND, CLAIM, GATHER),
-            ),
+            (_wgrad_load_partition, (operands, problem, CLAIM, GATHER)),
         ],
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
