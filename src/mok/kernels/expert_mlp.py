@@ -84,8 +84,8 @@ def default_config(
     """Tiles for a device, a shape and the mean rows per expert (M / E; None: many).
 
     Under the interpreter: small tiles, so that tests at small H and I still have ragged rows,
-    partial tiles, several tasks per program and partial task groups. On a GPU (measured on an
-    H200, see docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
+    partial tiles, several tasks per program and partial task groups. On a GPU (tiles chosen by
+    measurement: docs/notes/expert-kernels.md): 128-row tiles, and 64-row ones in forward where
     groups average under 192 rows (a 128-row tiling would leave a third of the rows idle). On
     Hopper all six products run the warp-specialized Gluon kernels
     (docs/notes/warp-specialized-gemm.md): cooperative 128-row tiles, or ping-pong 64-row ones
@@ -97,8 +97,8 @@ def default_config(
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     hopper = ws.available(device)
     # gate/up's epilogue (h and both pre-activations) weighs most in short reductions, where
-    # ping-pong consumers hide it behind each other's main loops (measured: 7 % faster than
-    # cooperative tiles at H = 2048, 5 % slower at H = 4096).
+    # ping-pong consumers hide it behind each other's main loops: faster than cooperative tiles
+    # at H = 2048, slower at H = 4096 (benchmarks/results/2026-12-01-issue12-all-products-h200.md).
     swiglu = ws.SWIGLU_PING_PONG if short or hidden < 4096 else ws.SWIGLU_COOPERATIVE
     return ExpertKernelConfig(
         warp_specialized_gate_up=swiglu if hopper else None,
@@ -121,12 +121,11 @@ def gathers_rows_well(
 ) -> bool:
     """Whether `expert_mlp_forward` should read rows [S, H] through an index (`source_rows`)
     rather than take them copied into grouped order first: where its gate/up product runs the
-    warp-specialized kernel with ping-pong 64-row tiles at H < 4096. Measured on an H200
-    (`benchmarks/warp_specialized.py --products gate_up_sources`, qwen3-30b-a3b, gathered against
-    the copy plus the TMA product): 3.20 against 0.55 + 2.98 ms at 32768 tokens, 0.79 against
-    0.12 + 0.73 ms at 8192. With 128-row tiles the gathered product cost more than the copy
-    saved (deepseek-v3, 8192 tokens: 9.17 against 0.45 + 7.78 ms), and at H = 7168 with 64-row
-    tiles about as much (kimi-k2: 9.58 against 9.05 ms plus a copy of ~0.45)."""
+    warp-specialized kernel with ping-pong 64-row tiles at H < 4096. There the gathered product
+    costs less than the copy plus the product on TMA tiles; with 128-row tiles it costs more than
+    the copy saves, and at H = 7168 with 64-row tiles about as much (measured:
+    benchmarks/results/2026-12-03-ep1-gathered-forward-local-sums-h200.md,
+    2026-12-01-issue12-building-blocks-h200.md)."""
     return (
         runs_gluon(Product.GATE_UP, config, rows, w_gate, w_up)
         and config.warp_specialized_gate_up.block_m == ws.CONSUMER_ROWS

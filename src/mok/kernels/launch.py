@@ -2,10 +2,10 @@
 
 Triton's launch binds every argument to the kernel's signature, specializes each one in C++,
 builds a string key from the specialization and the options, looks the compiled kernel up, checks
-the globals it captured and asks for launch metadata: ~20-110 us per launch on the GPU machine's
-host CPU, most of a small layer's time (`benchmarks/host_time.py`). `fast_launch(kernel)` keeps a
-table of compiled kernels keyed by what Triton specializes on, computed directly from the
-arguments:
+the globals it captured and asks for launch metadata: host work that made up most of a small
+layer's time (measured: benchmarks/results/2026-12-02-issue15-host-time-h200.md).
+`fast_launch(kernel)` keeps a table of compiled kernels keyed by what Triton specializes on,
+computed directly from the arguments:
 
 - a tensor: its dtype and whether its address is 16-byte aligned;
 - an int: whether it is 1, whether it is a multiple of 16, and its integer type (i32, i64, u64);
@@ -19,7 +19,7 @@ first call of a key goes through Triton's own launch (compiling if needed) and r
 argument list for the direct launch, where the positional arguments are replaced by each call's.
 
 A kernel with TMA descriptors (Gluon's) has each descriptor encoded into a CUtensorMap on the
-host at every launch by Triton's launcher (~10 us each, up to nine per launch). The direct launch
+host at every launch by Triton's launcher (up to nine per launch). The direct launch
 calls the compiled launcher beneath that step and keeps the encodings, keyed by what they encode
 (address, shape, strides; the block, swizzle and dtype are the compiled kernel's): a tensor at
 the same address with the same shape has the same encoding, whichever tensor it is, and the
@@ -117,7 +117,7 @@ def _arg_key(arg: Any):
 
 class DeferredDescriptor:
     """A TMA descriptor's fields, as a Triton descriptor class (`kind`, e.g. Gluon's
-    `TensorDescriptor`) takes them, without building that object and its checks (~10 us each):
+    `TensorDescriptor`) takes them, without building that object and running its checks:
     `make()` builds it where Triton's own launch needs one and where the direct launch encodes a
     tensor it has not met (a tensor it met has passed the checks with these fields)."""
 

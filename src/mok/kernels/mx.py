@@ -283,7 +283,8 @@ def _cast_tile(
     device: torch.device, interpreted: tuple[int, int], gpu: tuple[int, int] = (32, 256)
 ) -> tuple[int, int]:
     """(rows, columns) of one program's tile in the cast kernels: small under the interpreter
-    (partial tiles in small tests), measured on an H200 for GPUs (benchmarks/mx_casts.py)."""
+    (partial tiles in small tests), the caller's swept tile on GPUs (measured:
+    benchmarks/results/2026-12-02-issue14-mxfp8-h200.md, "Cast kernels by tile")."""
     return gpu if device.type == "cuda" else interpreted
 
 
@@ -731,7 +732,7 @@ def _mx_group_cast_kernel(
                     data, scales = mx_quantize_tile(tile, 32, BLOCK_COLS, RCEIL)
             dense = rows * cols + c[None, :]
             # The bytes are stored before the values: the other order miscompiles with Triton
-            # 3.6 on sm_90 (an H200 returned ~64 % of the values wrong; docs/notes/mxfp8-casts.md).
+            # 3.6 on sm_90 (wrong values on an H200, bytes right; docs/notes/mxfp8-casts.md).
             if CODES:
                 tl.store(codes_ptr + rows * codes_stride + c[None, :], data.to(tl.uint8), mask=mask)
                 scales_to = codes_ptr + rows * codes_stride + cols + s[None, :]
@@ -856,9 +857,9 @@ GROUP_CAST_TILES = {
     "from bytes, tokens": {"block_cols": 256, "programs_per_sm": 4, "num_warps": 4},
 }
 """Columns per tile, programs per SM and warps of `mx_group_casts` on GPUs, by what it reads
-(bf16 values, or packed MX bytes whose values it casts along the tokens or not). H200 sweep,
-`benchmarks/mx_casts.py` (2026-12-04): 2.0-2.5 TB/s from values, 3.0 from bytes, 1.15 from bytes
-to tokens (that cast's 32-row reductions cross warps)."""
+(bf16 values, or packed MX bytes whose values it casts along the tokens or not). The cast from
+bytes along the tokens is the slowest: its 32-row reductions cross warps in tl (swept:
+benchmarks/results/2026-12-04-mxfp8-token-casts-gluon-h200.md)."""
 
 
 GLUON_GROUP_CAST_TILES = {
@@ -866,9 +867,10 @@ GLUON_GROUP_CAST_TILES = {
     "from bytes": {"vector": 8, "row_lanes": 4, "blocks_per_thread": 1, "num_warps": 4},
 }
 """The Gluon kernel's layout (`group_cast_layout`) and warps by what it reads; 4 programs an SM.
-H200 sweep (`benchmarks/mx_casts.py`, 2026-12-04, 9 layouts each): with the cast along the rows,
-2.0-2.2 TB/s from values (tl 1.9) and 1.9 from bytes (tl 1.15); the casts along C alone run
-as fast or faster in tl (2.2-2.8 TB/s), so "auto" takes the Gluon kernel only for the first."""
+A block's 32 rows stay inside one warp, so the casts along the rows (the tokens) beat tl's; the
+casts along C alone run as fast or faster in tl, so "auto" takes the Gluon kernel only where a
+cast along the rows is asked for (nine layouts swept per use:
+benchmarks/results/2026-12-04-mxfp8-token-casts-gluon-h200.md)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,8 @@ from one pass), once per weight update when the caller keeps an `MXWeightCache`;
 in the layout it reads, dropped after it (`MXWeightsCastPerPass`). The casts of the grouped rows
 (`mx_group_casts`) touch only the rows inside the groups and make every cast of a tensor in one
 pass. Saved for the backward, as MXFP8 bytes and scales (about half their bf16 bytes): x, h and
-the pre-activations (bf16 under a clamp). Measured against a tl design that dequantizes e4m3
-tiles inside the GEMMs' main loops: docs/mxfp8.md.
+the pre-activations (bf16 under a clamp). Why not a tl design that dequantizes e4m3 tiles
+inside the GEMMs' main loops (the one this replaced): docs/mxfp8.md.
 """
 
 from __future__ import annotations

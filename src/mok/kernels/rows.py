@@ -37,24 +37,24 @@ if interpreting():
 BLOCK_H = 512
 """Columns one program moves per step."""
 
-# Tiles from benchmarks/tune_rows.py on 2 x H200: many warps keep enough loads and stores in
-# flight to cover the NVLink latency (24 SMs) and feed HBM (all SMs).
+# Tiles from a sweep on two H200s (benchmarks/results/2026-11-30-exchange-h200-x2.md): many warps
+# keep enough loads and stores in flight to cover the NVLink latency (24 SMs) and feed HBM (all
+# SMs).
 PUSH_TILE = {"num_warps": 16, "block_h": 512}
 """push_rows at 24 SMs."""
 COPY_TILE = {"num_warps": 16, "block_h": 1024}
 COPY_ROWS = 32
 """copy_rows, over NVLink and locally."""
 LOCAL_SUM = {"block_rows": 16, "num_warps": 16, "block_h": 1024}
-"""reduce_rows tiles for sums over local memory (benchmarks/tune_rows.py --local-sum: ~2 TB/s of
-HBM traffic on an H200 for the combine of deepseek-v3 at 8192 tokens)."""
+"""reduce_rows tiles for sums over local memory beside the exchange's copies (swept for the
+combine's sum: benchmarks/results/2026-11-30-exchange-h200-x2.md)."""
 LOCAL_EXCHANGE_SUM = {"block_rows": 8, "num_warps": 16, "block_h": 1024}
 LOCAL_EXCHANGE_SUM_PROGRAMS_PER_SM = 2
 """reduce_rows tiles and programs per SM for the one-process exchange's sums, which have the GPU to
 themselves (no copy kernel beside them): two 8-row programs per SM keep more loads in flight than
-one 16-row program. With the rows where `LocalExchange` places a uniform routing's pairs, at 32768
-tokens on an H200 (`benchmarks/tune_rows.py --local-sum`): qwen3-30b-a3b 0.415 against 0.552 ms,
-qwen3-235b-a22b 0.760 against 1.101, deepseek-v3 1.228 against 1.847 (3.2-3.4 TB/s of HBM
-traffic). The tiling does not change the sums' order, so the results are bitwise the same."""
+one 16-row program (swept with the rows where `LocalExchange` places a uniform routing's pairs:
+benchmarks/results/2026-12-03-ep1-gathered-forward-local-sums-h200.md). The tiling does not
+change the sums' order, so the results are bitwise the same."""
 
 
 @triton.jit
@@ -737,8 +737,9 @@ PAIR_GRADIENT_BLOCK_H = 512
 slots of it (an order that does not follow the program count or the tokens a tile)."""
 PAIR_GRADIENT_PROGRAMS_PER_SM = 4
 """`pair_gradients`' programs per SM of the pass (with 2 tokens a tile, 8 warps): many loads in
-flight. On an H200 at 32768 tokens: 0.61 ms at qwen3-30b-a3b, 2.0 ms at deepseek-v3, i.e.
-3.7-4.0 TB/s of HBM traffic (`benchmarks/pair_gradients.py`)."""
+flight, so that HBM sets the pace (measured:
+benchmarks/results/2026-12-03-pair-gradients-one-reduction-h200.md,
+2026-12-03-pair-gradients-launch-h200.md)."""
 
 
 def pair_gradients(

@@ -14,9 +14,10 @@ nothing is written out of bounds). The host reads the status where it synchroniz
 (`mok.Workspace.check`). No wait executes a trap, so the CUDA context stays usable.
 
 Time comes from the GPU's global timer. The CPU interpreter has no GPU timer and runs kernels
-10^3-10^5 times slower than a GPU: there time comes from the host's monotonic clock slowed down
-INTERPRETER_SLOWDOWN times, so that timeouts chosen for GPUs do not fire on work that is merely
-interpreted (a 10 s timeout waits 1000 s on the CPU).
+orders of magnitude slower than a GPU (docs/notes/comm-design.md, "Bounded waits"): there time
+comes from the host's monotonic clock slowed down INTERPRETER_SLOWDOWN times, so that timeouts
+chosen for GPUs do not fire on work that is merely interpreted (a 10 s timeout waits 1000 s on
+the CPU).
 """
 
 from __future__ import annotations

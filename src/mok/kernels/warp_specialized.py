@@ -45,10 +45,11 @@ The weight gradients reduce over a group's rows, a different number per expert: 
 them through descriptors made on the device that end at the group's end, and the consumers count
 steps task by task (`WGRAD_TILES`).
 
-Measured on an H200 (benchmarks/warp_specialized.py, docs/notes/warp-specialized-gemm.md): every
-product runs 3-33 % faster than its tl twin at the presets' shapes with the tiles `default_config`
-picks (cooperative where groups average >= 192 rows, else ping-pong), and `expert_mlp_forward` /
-`expert_mlp_backward` run them on Hopper. `scripts/gluon_compile_check.py` compiles them for sm_90a
+On Hopper `expert_mlp_forward` / `expert_mlp_backward` run them in place of their tl twins, with
+the tiles `default_config` picks (cooperative where groups average >= 192 rows, else ping-pong):
+with those tiles every product beat its twin at the presets' shapes (measured:
+benchmarks/results/2026-12-01-issue12-all-products-h200.md; decisions:
+docs/notes/warp-specialized-gemm.md). `scripts/gluon_compile_check.py` compiles them for sm_90a
 without a GPU (registers, spills, shared memory).
 """
 
@@ -126,15 +127,17 @@ may claim ahead of its consumers."""
 
 PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
 """Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
-epilogue buffers: 224 KiB of the 227 KiB of shared memory). Measured on an H200 against 128 x 128
-tiles (benchmarks/warp_specialized.py): faster or within 1 % at every preset, 12 % faster at
-kimi-k2, whose ~170 rows per expert leave most of a second 128-row tile idle."""
+epilogue buffers: 224 KiB of the 227 KiB of shared memory). Against 128 x 128 tiles: faster or
+even at every preset, and faster by most where groups are short (kimi-k2's ~170 rows per expert
+leave most of a second 128-row tile idle). Measured:
+benchmarks/results/2026-12-01-warp-specialized-h200.md."""
 DGRAD_SWIGLU_PING_PONG = GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=6)
 """Tiles of the down dgrad + SwiGLU backward kernel: a 64 x 128 accumulator, the saved gate and up
 tiles in registers beside it; 6 slots of 24 KiB and four 16 KiB epilogue buffers (the saved tiles
-land in them, the gradients leave from them): 208 KiB. Measured on an H200 at 8192 tokens
-(benchmarks/warp_specialized.py): 5-13 % faster than the tl kernel at qwen3-30b-a3b,
-qwen3-235b-a22b and kimi-k2, even at deepseek-v3; 4 slots were 9-26 % slower than 6."""
+land in them, the gradients leave from them): 208 KiB. Faster than the tl kernel at the presets'
+shapes but deepseek-v3's, where it is even (measured:
+benchmarks/results/2026-12-01-issue12-all-products-h200.md); six slots because four were slower
+(docs/notes/warp-specialized-gemm.md, "Data gradients")."""
 
 ROWS_WT = gl.constexpr(0)
 """Kernel mode: out = A @ W[e].T (the forward's down projection)."""
@@ -1224,11 +1227,13 @@ class DgradTiles:
 
 
 DGRAD_TILES = DgradTiles(gate_up=COOPERATIVE, down=DGRAD_SWIGLU_COOPERATIVE)
-"""Cooperative 128-row tiles. Measured on an H200 at 8192 tokens (benchmarks/warp_specialized.py)
-where groups average 256-512 rows: 2-5 % (gate/up) and 8-11 % (down) faster than ping-pong."""
+"""Cooperative 128-row tiles, for groups averaging 192 rows or more: the two consumers share each
+weight tile (half the weight traffic per row), which there beats ping-pong's overlap of epilogues
+(measured: benchmarks/results/2026-12-01-issue12-all-products-h200.md)."""
 SHORT_DGRAD_TILES = DgradTiles(gate_up=PING_PONG, down=DGRAD_SWIGLU_PING_PONG)
 """Ping-pong 64-row tiles, for groups averaging under 192 rows (kimi-k2 at EP 1: ~170), where a
-128-row tile leaves a third of its rows idle: 2-4 % faster there than cooperative tiles."""
+128-row tile leaves a third of its rows idle (measured:
+benchmarks/results/2026-12-01-issue12-all-products-h200.md)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1633,10 +1638,11 @@ WGRAD_TILES = WgradTiles(
 )
 """Shared 128-row tiles: 128 x 256 with 3 slots of 48 KiB and two 32 KiB epilogue buffers (208
 KiB) for 16-bit gradients; 128 x 128 with 4 slots of 32 KiB and two 32 KiB fp32 buffers (192 KiB)
-for fp32 ones. Measured on an H200 (benchmarks/warp_specialized.py, 8192 tokens, EP 1): faster
-than the tl kernels at every preset (bf16 12-32 %, fp32 accumulation 5-15 %) and than 64-row
-ping-pong tiles: every tile re-reads its group's rows from L2 (a reduction of only ~170-512 rows),
-so the tile's size, not the overlap of epilogues, sets the speed."""
+for fp32 ones, which do not fit the larger tile. Every tile re-reads its group's rows from L2 (a
+reduction over only its expert's rows, ~170-512 at the presets' shapes at EP 1), so the tile's
+size, not the overlap of epilogues, sets the speed: these tiles beat 64-row ping-pong tiles and
+the tl kernels at every preset (measured: benchmarks/results/2026-12-01-issue12-wgrad.md,
+2026-12-01-issue12-all-products-h200.md)."""
 
 
 @gluon.jit
