@@ -32,7 +32,8 @@ class Backend(str, enum.Enum):
     FUSED = "fused"
     """The triton backend's kernels with the exchange overlapped: the dispatch copied by
     `comm_sms` programs while the expert products run on the other SMs, and the combine stored
-    by the down product's epilogue. Chosen by name only until measured faster."""
+    by the down product's epilogue. `auto` does not pick it yet: it is chosen by name until its
+    times at EP > 1 over NVLink beat `triton`'s (docs/notes/fused-kernel-plan.md)."""
     REFERENCE = "reference"
     """Plain PyTorch: any device, any `torch.distributed` group. The oracle and the fallback."""
 
@@ -41,7 +42,9 @@ class Dispatch(str, enum.Enum):
     """Which side moves the token rows of the NVLink dispatch."""
 
     AUTO = "auto"
-    """Each backend's measured choice: push for `triton`, pull for `fused`."""
+    """Push for `triton`, whose pull was slower and needs an extra local copy
+    (docs/notes/comm-design.md); pull for `fused`, which lands the rows in the order its products
+    take them (docs/notes/fused-kernel-plan.md)."""
     PUSH = "push"
     """Senders store their rows into the owners' buffers (once per token and owner), and the
     owners expand them into the experts' order."""
@@ -55,31 +58,35 @@ class Validation(str, enum.Enum):
     (types, dtypes, devices, shapes, the weights against the config: what keeps the kernels in
     bounds) and the device checks expert ids and buffer capacity (raised by `Workspace.check()`);
     they differ in what happens when one rank's input is bad. There is no mode without checks: a
-    rank's own checks are what keeps the kernels in bounds, and cost 10-35 us a call (skipped for
-    inputs like the last accepted call's, where the device checks the ids); where the host bounds
-    a model, a CUDA graph of its step removes them with the rest of the host's work."""
+    rank's own checks are what keeps the kernels in bounds, and cost host time at every call
+    (docs/tuning.md; skipped for inputs like the last accepted call's, where the device checks the
+    ids); where the host bounds a model, a CUDA graph of its step removes them with the rest of
+    the host's work."""
 
     COLLECTIVE = "collective"
     """The ranks then agree over a CPU (gloo) twin of the group, one host round trip per forward
-    and per backward (measured 0.3-0.9 ms on GPU hosts): a bad input on any rank makes every rank
-    raise MoKInputError before any exchange, and the group stays usable."""
+    and per backward (its cost: docs/tuning.md): a bad input on any rank makes every rank raise
+    MoKInputError before any exchange, and the group stays usable. The default: the fast
+    backends do not wait for the host, so where a layer's GPU time exceeds its host time the
+    round trip costs nothing."""
     LOCAL = "local"
     """No round trip: a rank with a bad input raises MoKInputError alone and skips the call. The
     other ranks' exchange then waits for it: on the triton backend until `peer_timeout_s`, then
     `Workspace.check()` raises MoKTimeoutError and every rank calls `Workspace.reset()`; on the
     collective exchanges of the reference backend until the process group's timeout. The hosts
     no longer meet at every call either, so `peer_timeout_s` must exceed the longest host-side
-    stall of one rank between layer calls (a checkpoint written by one rank, say)."""
+    stall of one rank between layer calls (a checkpoint written by one rank, say). Use it for
+    small layers bound by the host, where the round trip shows."""
 
 
 class Graphs(str, enum.Enum):
     """Whether the layer replays its own calls from CUDA graphs (CUDA devices, the `triton` and
     `fused` backends; `mok.graphs`). From the second call of a token count on, a call is then a
     copy of its inputs, one graph launch and a copy of its outputs, instead of 20-30 kernel
-    launches and the Python around them (1-2 ms of host time a forward on the GPU machine), with
-    the same results bit for bit. What it costs: the graphs keep their memory between calls (the
-    saved activations, the backward's weight gradients, the weights they read) and capture once
-    per token count, at most four of them per layer (`workspace.graphs.clear()` drops them)."""
+    launches and the Python around them (their host time: docs/tuning.md), with the same results
+    bit for bit. What it costs: the graphs keep their memory between calls (the saved
+    activations, the backward's weight gradients, the weights they read) and capture once per
+    token count, at most four of them per layer (`workspace.graphs.clear()` drops them)."""
 
     AUTO = "auto"
     """Graphs for layers whose calls the host bounds: bf16, not `exact_buffers`, and the memory
@@ -134,8 +141,9 @@ class RouterGradient(str, enum.Enum):
     """The forward keeps no pair outputs: the down product's data gradient takes grad_y's rows
     unweighted and forms <grad_y[t] @ W_down[e], h> in its epilogue, in fp32 from the operands
     the forward used (exact but for fp32 sums), then applies the weight to the product before
-    its one rounding; W_down's gradient reads round(w * h). Measured on an H200, the down
-    product's backward takes 2-13 % longer (the epilogue reads and writes h). At EP > 1 a
+    its one rounding; W_down's gradient reads round(w * h). The down product's backward takes
+    longer, since its epilogue reads and writes h (measured:
+    benchmarks/results/2026-12-04-router-gradient-epilogue-h200.md). At EP > 1 a
     token's grad_y row crosses to each owner once, with each pair's weight, instead of one
     weighted row per pair, and each pair's dot comes back. With expert biases the dots gain
     <grad_y[t], b_down[e]> and b_down's gradient sums w * grad_y in fp32. bf16; the `reference`
@@ -151,89 +159,115 @@ class MoKConfig:
     """
 
     hidden_size: int
-    """H: width of a token row."""
+    """H: width of a token row (the model's hidden size)."""
     intermediate_size: int
     """I: intermediate width of one routed expert."""
     num_experts: int
-    """E: routed experts in the whole layer (all ranks together)."""
+    """E: routed experts in the whole layer (all ranks together); at EP > 1 a multiple of the
+    expert-parallel size."""
     top_k: int
-    """k: experts each token is routed to."""
+    """k: experts each token is routed to (at most E)."""
     shared_intermediate_size: int = 0
-    """Intermediate width of the shared expert that every token passes; 0 means no shared expert."""
+    """Intermediate width of the shared expert that every token passes (deepseek-v3, kimi-k2);
+    0 means no shared expert."""
     swiglu_limit: float | None = None
-    """Clamp L of SwiGLU: gate <= L and -L <= up <= L before silu(gate) * up. None: no clamp."""
+    """Clamp L of SwiGLU: gate <= L and -L <= up <= L before silu(gate) * up, in the routed and
+    the shared experts. Set it to the model's clamp (gpt-oss: 7); None: no clamp."""
     precision: Precision = Precision.BF16
-    """Numerics of the routed expert GEMMs."""
+    """Numerics of the routed expert GEMMs: `bf16`, or `mxfp8` to train or evaluate with MX
+    numerics (H and I multiples of 32; the `reference` and `triton` backends). On Hopper it
+    costs time rather than saving it: the products read the casts' values in bf16
+    (docs/mxfp8.md)."""
     backend: Backend = Backend.AUTO
-    """Implementation; `auto` picks the fastest available."""
+    """Implementation. `auto` takes the fastest that can run here: `triton` on CUDA GPUs where it
+    can, else `reference`. Name `fused` to overlap the exchange with the experts, `reference` for
+    the plain-PyTorch oracle; see `Backend`."""
     max_tokens_per_rank: int = 8192
-    """Largest T a rank passes in one call; sizes the communication buffers of fused backends."""
+    """Largest T a rank passes in one call. The `triton` and `fused` backends size the NVLink
+    exchange's buffers by it (EP > 1) and refuse a call with more tokens (MoKInputError): set it
+    to the largest micro-batch a rank runs, since a larger value only costs memory (`mok memory`
+    prints the buffer)."""
     comm_sms: int = 24
-    """Streaming multiprocessors given to communication by fused backends."""
+    """SMs the NVLink exchange's copy kernels run on (EP > 1), and the SMs the `fused` backend's
+    communication programs hold beside the expert products: more move rows faster and leave fewer
+    SMs to the products. Change it only where a profile shows the exchange or the products
+    waiting (docs/notes/comm-design.md, "Bandwidth")."""
     recv_capacity: int | None = None
-    """Rows of the per-rank receive buffer of fused backends; None sizes it for the worst case
-    (every token of every rank routed here), which can never overflow."""
+    """Rows of a rank's receive buffer in the NVLink exchange (EP > 1). None sizes it for the worst
+    case (every token of every rank routed here), which never overflows. A smaller one saves
+    memory where the routing is known to be balanced; tokens past it are dropped and
+    `Workspace.check()` raises MoKCapacityError."""
     recv_pair_capacity: int | None = None
-    """(token, expert) pairs a rank's experts can take in one call in fused backends: the rows of
-    the expert GEMMs' buffers and activations. None: top_k per receive-buffer row, which can never
-    overflow (2x the mean of a uniform routing at EP 2, 8x at EP 8). A
-    capacity factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and
-    reported by `Workspace.check()`."""
+    """(token, expert) pairs a rank's experts can take in one call (EP > 1, the NVLink exchange):
+    the rows of the expert GEMMs' buffers and activations. None: top_k per receive-buffer row,
+    which never overflows (2x the mean of a uniform routing at EP 2, 8x at EP 8). A capacity
+    factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and reported by
+    `Workspace.check()` (MoKCapacityError). Set one to bound memory where the routing is balanced;
+    `exact_buffers` saves memory without dropping, for a host synchronization."""
     exact_buffers: bool = False
     """Size each call's tensors with a row per received pair (the expert products' rows, their
     activations and gradients) by the pairs this rank received, read on the host after the
     routing, instead of by `recv_pair_capacity`: the memory of an all-to-all with exact sizes
     (the baseline's) for one device synchronization per forward (the host waits for the routing's
-    counts); the same results. Measured at EP 2: the triton backend's peak 1.10-1.16x the
-    baseline's against 1.15-1.29x with worst-case sizes; the fused backend's 0.95-1.00x, about
-    what it reaches without the option (it then keeps the tokens received instead of the grouped
-    rows, and its gate/up weight gradient reads them through an index: 1.03-1.08x that product's
-    time; with the option, the grouped rows at their exact size). A call under CUDA-graph
-    capture raises. No effect where the exchange sizes exactly already: EP 1, and the collective
-    exchange (which synchronizes anyway)."""
+    counts); the same results. Use it at EP > 1 where memory is short and that synchronization is
+    acceptable; a call under CUDA-graph capture raises. The `fused` backend's default (the tokens
+    received kept instead of the grouped rows, see `keep_grouped_rows`) reaches about the same
+    peak without it; there the option keeps the grouped rows at their exact size, for the gate/up
+    weight gradient on TMA tiles. Peaks measured: docs/tuning.md. No effect where the exchange
+    sizes exactly already: EP 1, and the collective exchange (which synchronizes anyway)."""
     keep_grouped_rows: bool = False
-    """Without it, the layer keeps for its backward the tokens its experts read, once each, not
-    the grouped rows (a copy per pair: k times the rows), and its gate/up weight gradient reads
-    them through each grouped row's index. At EP 1 (the triton and fused backends, bf16) those
-    tokens are x itself: the grouped rows (T x k x H, 1 GiB at qwen3-30b-a3b with 32768 tokens)
-    go with the forward. The `fused` backend at EP > 1 keeps the tokens received (EP x T rows at
-    most, where the grouped rows are sized for the worst routing: EP x T x k), measured at EP 2's
-    shapes at 1.03-1.08x that product's time and the layer's peak at 0.95-0.99x the baseline's.
-    True keeps the grouped rows: that product on TMA tiles, for k times the rows held between
-    the passes (at EP 2 the peak 1.05-1.09x the baseline's). The same results. No effect where
-    the grouped rows are kept anyway: MXFP8, the triton backend at EP > 1, and for the fused
-    backend at EP > 1 `exact_buffers` and the push dispatch."""
+    """Keep the grouped rows (a copy of a token per pair: k times the rows) for the backward, so
+    that the gate/up weight gradient reads them on TMA tiles. Without it (the default) the layer
+    keeps the tokens its experts read, once each, and that product reads them through each
+    grouped row's index, a little slower. At EP 1 (the triton and fused backends, bf16) those
+    tokens are x itself, so the grouped rows (T x k x H) go with the forward; the `fused` backend
+    at EP > 1 keeps the tokens received (EP x T rows at most, where the grouped rows are sized
+    for the worst routing: EP x T x k). Set it where memory is plentiful and that product's time
+    matters (time and peaks measured: docs/tuning.md). The same results. No effect where the
+    grouped rows are kept anyway: MXFP8, the triton backend at EP > 1, and for the fused backend
+    at EP > 1 `exact_buffers` and the push dispatch."""
     peer_timeout_s: float = 10.0
-    """Longest time a rank of a fused backend waits on the device for a peer (a barrier, rows in
-    flight) before it gives up, records the failure and lets the call finish; `Workspace.check()`
-    then raises `MoKTimeoutError`. It must exceed the longest lag between the ranks' GPUs reaching
-    the same layer call (the module's input agreement keeps the hosts together)."""
+    """Longest time a rank of the `triton` or `fused` backend waits on the device for a peer (a
+    barrier, rows in flight) before it gives up, records the failure and lets the call finish;
+    `Workspace.check()` then raises `MoKTimeoutError`. It must exceed the longest lag between the
+    ranks' GPUs reaching the same layer call (the module's input agreement keeps the hosts
+    together): raise it with `validation="local"` where one rank may stall between calls."""
     validation: Validation = Validation.COLLECTIVE
-    """How the ranks check each call's inputs: agreeing on them (`collective`) or each alone
-    (`local`, no host round trip); see `Validation`."""
+    """How the ranks check each call's inputs: agreeing on them (`collective`, the default: a bad
+    input raises on every rank) or each alone (`local`, no host round trip: for small layers bound
+    by the host); see `Validation`."""
     swiglu_alpha: float = 1.0
     """alpha of the activation gate * sigmoid(alpha * gate) * (up + swiglu_up_offset): 1 with an
-    offset of 0 is SwiGLU (silu(gate) * up); gpt-oss uses 1.702 and 1 (with its clamp at 7)."""
+    offset of 0 is SwiGLU (silu(gate) * up); gpt-oss uses 1.702 and 1 (with its clamp at 7;
+    `mok.presets.GPT_OSS_EXPERTS`)."""
     swiglu_up_offset: float = 0.0
     """Added to up (after its clamp) before the product; see `swiglu_alpha`."""
     expert_bias: bool = False
-    """Per-expert biases on the routed experts' gate, up and down projections (gpt-oss)."""
+    """Per-expert biases on the routed experts' gate, up and down projections, for models that
+    have them (gpt-oss)."""
     dispatch: Dispatch = Dispatch.AUTO
-    """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`."""
+    """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`. `auto` takes each
+    backend's choice; `push` and `pull` are there to compare them."""
     mx_rounding: ScaleRounding = ScaleRounding.RCEIL
     """How MXFP8 picks each block's scale (precision "mxfp8"): RCEIL (amax never saturates, the
-    default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`."""
+    default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`. Take the one of
+    the recipe the model is trained or evaluated with."""
     graphs: Graphs = Graphs.AUTO
-    """Whether calls replay CUDA graphs of the layer: `auto` for small layers; see `Graphs`."""
+    """Whether calls replay CUDA graphs of the layer: `auto` for small layers, whose calls the
+    host bounds; `off` where the memory the graphs keep matters more than host time; `on` for
+    every size. See `Graphs`."""
     mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
     """When the routed weights' MXFP8 casts are made and how long they are kept (precision
-    "mxfp8"): see `MXWeightCasts`."""
+    "mxfp8"): `auto` holds no copy of the weights between passes in training; `keep` trades two
+    bf16 copies of every routed weight for fewer casts. See `MXWeightCasts`."""
     recompute: Recompute = Recompute.NONE
     """Whether the backward makes the experts' h and pre-activations again instead of keeping
-    them from the forward (bf16): see `Recompute`."""
+    them from the forward (bf16): `gate_up` where many layers' activations do not fit, for one
+    more gate/up product in the backward and the same gradients. See `Recompute`."""
     router_gradient: RouterGradient = RouterGradient.SAVED_OUTPUTS
     """Where the router weights' gradient is formed, and so whether the forward keeps the pairs'
-    outputs: see `RouterGradient`."""
+    outputs: `epilogue` keeps none (T x k x H values a layer fewer) where memory is short, for a
+    slower down backward. See `RouterGradient`."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.

@@ -10,9 +10,11 @@ from mok.errors import MoKConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """One MoE layer shape from a model's published config."""
+    """One MoE layer shape from a model's published config: the shape fields are the
+    `MoKConfig` fields of the same names."""
 
     name: str
+    """What `mok bench --preset` and `get_preset` take."""
     hidden_size: int
     intermediate_size: int
     num_experts: int
