@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import mok
-from mok.comm.simulation import simulated_symmetric_memory
+from mok.comm.memory import simulated_symmetric_memory
 from mok.launch import run_ranks
 from mok.testing import global_weights, shared_file_allocator
 

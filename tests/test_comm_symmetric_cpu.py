@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
+from mok.comm.memory import StandInMemory
 from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKCapacityError
 from mok.launch import run_ranks
@@ -28,7 +29,7 @@ def make_exchange(directory, world, hidden, top_k, local, max_tokens, **options)
         shape,
         torch.device("cpu"),
         programs=2,
-        allocate=shared_file_allocator(directory),
+        memory=StandInMemory(shared_file_allocator(directory)),
     )
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import mok
 from mok.comm.layout import default_shape
-from mok.comm.simulation import simulated_symmetric_memory
+from mok.comm.memory import StandInMemory, simulated_symmetric_memory
 from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKTimeoutError
 from mok.kernels.sync import INTERPRETER_SLOWDOWN
@@ -76,7 +76,12 @@ def make_exchange(
     device, allocate = device_and_allocator(where, rank, tmp)
     shape = default_shape(HIDDEN, TOP_K, LOCAL_EXPERTS, 2, TOKENS, dtype=torch.float32)
     return SymmetricExchange(
-        dist.group.WORLD, shape, device, programs=2, allocate=allocate, timeout_s=timeout_s
+        dist.group.WORLD,
+        shape,
+        device,
+        programs=2,
+        memory=StandInMemory(allocate),
+        timeout_s=timeout_s,
     )
 
 

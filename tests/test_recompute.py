@@ -19,7 +19,7 @@ from test_triton_backend_cpu import CONFIG, SMALL, scenario
 
 import mok
 import mok.kernels.expert_mlp as em
-from mok.comm.simulation import simulated_symmetric_memory
+from mok.comm.memory import simulated_symmetric_memory
 from mok.kernels import Activation
 from mok.launch import run_ranks
 from mok.testing import (

@@ -32,7 +32,7 @@ from test_triton_backend_cpu import (
 )
 
 import mok
-from mok.comm.simulation import simulated_symmetric_memory
+from mok.comm.memory import simulated_symmetric_memory
 from mok.launch import run_ranks
 from mok.testing import compare_with_reference, global_weights, relative_error
 

@@ -20,7 +20,7 @@ from test_triton_backend import SHARING_PEER_TIMEOUT_S
 from test_triton_backend_cpu import scenario
 
 import mok
-from mok.comm.simulation import simulated_symmetric_memory
+from mok.comm.memory import simulated_symmetric_memory
 from mok.kernels.mx import MXRows
 from mok.launch import run_ranks
 from mok.testing import (

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mok.backends import select_backend
 from mok.backends.protocol import LayerBackend
-from mok.comm.simulation import simulated_allocator
+from mok.comm.memory import symmetric_memory
 from mok.config import MoKConfig, Validation
 from mok.distributed import (
     all_gather_int64,
@@ -169,7 +169,7 @@ def create_workspace(
         backend = dist.get_backend(group)
         if backend == "nccl" and device.type != "cuda":
             problem = f"the group uses NCCL, which moves CUDA tensors only, but device is {device}"
-        elif backend == "gloo" and device.type != "cpu" and simulated_allocator() is None:
+        elif backend == "gloo" and not symmetric_memory().carries(backend, device):
             problem = f"the group uses gloo; use an NCCL group for tensors on {device}"
     raise_if_any_rank_failed(problem, group)
     if group is not None:

@@ -293,8 +293,8 @@ class SharedBufferHandle:
 
 
 def shared_file_allocator(directory):
-    """An allocator for `mok.comm.symmetric` (the signature of `allocate_symmetric`) that maps one
-    new file under `directory` per allocation, shared by the CPU processes of a gloo group: the
+    """A buffer allocator (`mok.comm.memory.Allocate`) for `simulated_symmetric_memory` that maps
+    one new file under `directory` per allocation, shared by the CPU processes of a gloo group: the
     NVLink protocol with CPU tensors, kernels under the Triton interpreter (x86 keeps each
     process's stores in order, as the exchange's flags and barriers need). Every rank must
     allocate in the same order (the files are numbered, per process)."""
@@ -314,11 +314,11 @@ def shared_file_allocator(directory):
 
 
 def cuda_ipc_allocator(nbytes: int, device: torch.device, group) -> tuple:
-    """An allocator for `mok.comm.symmetric` (the signature of `allocate_symmetric`) for ranks that
-    share one GPU, as processes of a gloo group: the group's first rank allocates world * nbytes
-    bytes and the others map them through CUDA IPC. Ranks simulated on one GPU run the NVLink
-    protocol's kernels compiled, with real cross-process flags and timers (kernels of different
-    processes take turns on the GPU, so it is slow)."""
+    """A buffer allocator (`mok.comm.memory.Allocate`) for `simulated_symmetric_memory`, for ranks
+    that share one GPU, as processes of a gloo group: the group's first rank allocates
+    world * nbytes bytes and the others map them through CUDA IPC. Ranks simulated on one GPU run
+    the NVLink protocol's kernels compiled, with real cross-process flags and timers (kernels of
+    different processes take turns on the GPU, so it is slow)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from mok.backends.triton import TritonBackend, TritonRouting, _Saved
 from mok.comm.exchange import OverlappedExchange
-from mok.comm.simulation import simulated_allocator
+from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.weights import MoEGradients
@@ -136,11 +136,11 @@ class FusedBackend(TritonBackend):
                 "gave wrong gradients from the second call on; use backend='triton' (the same "
                 "results) or router_gradient='saved_outputs'"
             )
-        if ep > 1 and simulated_allocator() is None:
+        if ep > 1:
             symmetric = SymmetricExchange.unavailable_reason(group, device)
             if symmetric is not None:
                 return f"needs the NVLink exchange at EP > 1 ({symmetric})"
-            if dist.get_backend(group) != "nccl":
+            if not symmetric_memory().carries(dist.get_backend(group), device):
                 return "needs an nccl group at EP > 1"
         return None
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from mok.comm.exchange import Exchange, ExchangeRouting, GroupedPairOutputs
-from mok.comm.simulation import simulated_allocator
+from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.kernels._triton_compat import interpreting
@@ -189,8 +189,7 @@ class TritonBackend:
             if size % KERNEL_MULTIPLE:
                 return f"{name}={size} is not a multiple of {KERNEL_MULTIPLE}"
         collectives = "nccl" if device.type == "cuda" else "gloo"
-        simulated = simulated_allocator() is not None  # any group: ranks share a GPU or the CPU
-        if group is not None and dist.get_backend(group) != collectives and not simulated:
+        if group is not None and not symmetric_memory().carries(dist.get_backend(group), device):
             return f"expert parallelism on {device.type} tensors needs a {collectives} group"
         return None
 

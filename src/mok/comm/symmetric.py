@@ -59,8 +59,8 @@ import triton
 
 from mok.comm.exchange import ReceivedTokens
 from mok.comm.layout import ExchangeShape, buffer_layout, region_bytes
-from mok.comm.simulation import simulated_allocator
-from mok.distributed import group_rank_and_size, host_names, raise_if_any_rank_failed
+from mok.comm.memory import SymmetricMemory, symmetric_memory
+from mok.distributed import group_rank_and_size, raise_if_any_rank_failed
 from mok.errors import MoKCapacityError, MoKInputError, MoKTimeoutError
 from mok.kernels.constants import DeviceConstants
 from mok.kernels.host import RowScatter, RowsReady
@@ -227,16 +227,6 @@ class SymmetricRouting:
     flag_index: torch.Tensor
 
 
-def allocate_symmetric(nbytes: int, device: torch.device, group: dist.ProcessGroup):
-    """(this rank's buffer of nbytes uint8, its handle) from PyTorch symmetric memory. Collective.
-    The handle gives `buffer_ptrs` (every rank's buffer as mapped here), `get_buffer(rank, sizes,
-    dtype, storage_offset)`."""
-    import torch.distributed._symmetric_memory as symm_mem
-
-    buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    return buffer, symm_mem.rendezvous(buffer, group)
-
-
 class SymmetricExchange:
     """Dispatch and combine of one expert-parallel group over NVLink symmetric memory.
 
@@ -245,8 +235,8 @@ class SymmetricExchange:
     rows as were received, read on the host, after `route(..., exact_rows=True)`). Collective:
     all ranks create it together and make the same calls in the same order. `programs` is the
     number of SMs the NVLink copies use; local copies use every SM. `timeout_s` bounds every wait
-    on a peer. `allocate` replaces `allocate_symmetric` (the CPU tests map one shared file
-    instead).
+    on a peer. `memory` gives the buffers (None: `mok.comm.memory.symmetric_memory()`, PyTorch's
+    symmetric memory unless a test stands in for it).
     """
 
     def __init__(
@@ -255,7 +245,7 @@ class SymmetricExchange:
         shape: ExchangeShape,
         device: torch.device,
         programs: int = 24,
-        allocate=None,
+        memory: SymmetricMemory | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
@@ -272,9 +262,9 @@ class SymmetricExchange:
         for (name, _, _), nbytes in zip(layout, region_bytes(layout).values(), strict=True):
             offsets[name] = total
             total += nbytes
-        allocate = allocate or simulated_allocator() or allocate_symmetric
-        self._outside_allocator = allocate is allocate_symmetric
-        self._buffer, self._handle = allocate(total, device, self.group)
+        memory = memory or symmetric_memory()
+        self._outside_allocator = not memory.counted_by_allocator
+        self._buffer, self._handle = memory.allocate(total, device, self.group)
         self._regions = {
             name: _Region(self._handle, self._buffer, offsets[name], dims, dtype, self.rank)
             for name, dims, dtype in layout
@@ -348,25 +338,11 @@ class SymmetricExchange:
     @staticmethod
     def unavailable_reason(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
         """None if this exchange can run for `group` on `device`, else why not. Collective (the
-        ranks compare their host names). Anywhere inside `simulated_symmetric_memory`."""
+        ranks compare their host names). What the buffers' provider allows
+        (`mok.comm.memory.SymmetricMemory.unavailable_reason`)."""
         if not dist.is_available() or not dist.is_initialized():
             return "no torch.distributed process group"
-        if simulated_allocator() is not None:
-            return None
-        if device.type != "cuda":
-            return f"symmetric memory needs CUDA tensors, the device is {device}"
-        try:
-            import torch.distributed._symmetric_memory  # noqa: F401
-        except ImportError as error:
-            return f"torch.distributed._symmetric_memory is missing ({error})"
-        group = group if group is not None else dist.group.WORLD
-        hosts = len(set(host_names(group)))
-        if hosts > 1:
-            return f"the ranks run on {hosts} hosts: symmetric memory needs one"
-        size = dist.get_world_size(group)
-        if size > torch.cuda.device_count():
-            return f"{size} ranks share {torch.cuda.device_count()} GPUs: one GPU per rank needed"
-        return None
+        return symmetric_memory().unavailable_reason(group, device)
 
     @property
     def buffer_bytes(self) -> int:
