@@ -32,8 +32,8 @@ from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
 from mok.comm.symmetric import SymmetricExchange
 from mok.kernels.rows import COPY_ROWS, COPY_TILE, PUSH_TILE, copy_rows, push_rows
-from mok.launch import run_ranks
 from mok.presets import get_preset
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 
 PRESETS = ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "mixtral-8x7b"]

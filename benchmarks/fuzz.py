@@ -54,7 +54,7 @@ import torch.distributed as dist  # noqa: E402
 import mok  # noqa: E402
 from mok.backends import BACKENDS  # noqa: E402
 from mok.comm.memory import simulated_symmetric_memory  # noqa: E402
-from mok.launch import RankFailedError, run_ranks  # noqa: E402
+from mok.ranks import RankFailedError, run_ranks  # noqa: E402
 from mok.reference import moe_forward  # noqa: E402
 from mok.routing import ROUTINGS, make_routing  # noqa: E402
 from mok.testing import (  # noqa: E402

@@ -56,7 +56,7 @@ import torch.distributed as dist
 import mok
 from mok.baseline import BaselineMoE
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 from mok.testing import cuda_ipc_allocator, global_weights
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import mok
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 from mok.testing import global_weights
 

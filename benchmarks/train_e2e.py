@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import mok.integrations.transformers as mok_transformers
 from mok.bench import git_commit
-from mok.launch import init_from_env, run_ranks
+from mok.ranks import init_from_env, run_ranks
 
 VOCAB = 512
 MOK_VARIANTS = {

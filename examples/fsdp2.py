@@ -9,7 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import mok
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 
 config = mok.MoKConfig(hidden_size=32, intermediate_size=16, num_experts=4, top_k=2)
 

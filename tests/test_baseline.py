@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import mok
 from mok.baseline import BaselineMoE, baseline_moe
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import ROUTINGS
 from mok.testing import RankInputs, compare_with_reference, global_weights
 

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import mok
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import global_weights, shared_file_allocator
 
 CONFIG = mok.MoKConfig(

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import mok
 from mok.comm.collective import CollectiveExchange
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.reference import expert_mlp, grouped_expert_mlp, moe_forward
 from mok.testing import RankInputs, global_weights, relative_error
 

@@ -14,7 +14,7 @@ from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
 from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKCapacityError
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.reference import grouped_expert_mlp
 from mok.testing import global_weights
 

@@ -15,7 +15,7 @@ from mok.comm.layout import default_shape
 from mok.comm.memory import StandInMemory
 from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKCapacityError
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 from mok.testing import shared_file_allocator
 

@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from mok.distributed import agree_or_raise, gloo_twin, host_names
 from mok.errors import MoKInputError
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 
 
 def agree(rank, world):

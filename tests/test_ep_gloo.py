@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mok
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import random_weights
 from mok.testing import RankInputs
 

@@ -18,7 +18,7 @@ import mok
 from mok.backends.fused import FusedBackend
 from mok.backends.triton import TritonBackend
 from mok.baseline import BaselineMoE
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.reference.expert import expert_mlp
 from mok.testing import (
     RankInputs,

@@ -18,7 +18,7 @@ from torch import nn
 
 import mok
 from mok.errors import MoKInputError
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import global_weights, relative_error
 
 CONFIG = mok.MoKConfig(

@@ -26,7 +26,7 @@ from test_triton_backend_cpu import CONFIG, SMALL, Scenario, check_verdict, scen
 
 import mok
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import (
     RankInputs,
     capture_in_graph,

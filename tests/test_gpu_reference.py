@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mok
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import global_weights, relative_error
 
 from ep_cases import (

@@ -279,7 +279,7 @@ def test_ddp_with_accumulation_averages_the_fused_gradients(backend):
     bf16 rounding). Catches the fused accumulation (the second micro-batch's gradient added by
     the layer, none handed to autograd) bypassing DDP's reducer: the ranks would keep their own
     sums, or DDP would wait for gradients that never come."""
-    from mok.launch import run_ranks
+    from mok.ranks import run_ranks
 
     if backend == "triton" and DEVICE.type == "cpu" and not _interpreting():
         pytest.skip("the triton backend needs a GPU or the interpreter")

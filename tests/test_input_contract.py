@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_triton_backend_cpu import CONFIG, assert_matches_oracle, run_scenarios, scenario
 
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.weights import ROUTED_FIELDS
 
 BACKENDS = [

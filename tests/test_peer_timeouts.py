@@ -26,7 +26,7 @@ from mok.comm.memory import StandInMemory, simulated_symmetric_memory
 from mok.comm.symmetric import SymmetricExchange
 from mok.errors import MoKTimeoutError
 from mok.kernels.sync import INTERPRETER_SLOWDOWN
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,

@@ -21,7 +21,7 @@ import mok
 import mok.kernels.expert_mlp as em
 from mok.comm.memory import simulated_symmetric_memory
 from mok.kernels import Activation
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import (
     RankInputs,
     cuda_ipc_allocator,

@@ -33,7 +33,7 @@ from test_triton_backend_cpu import (
 
 import mok
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import compare_with_reference, global_weights, relative_error
 
 CPU = torch.device("cpu")

@@ -276,7 +276,7 @@ def test_under_torchtitans_own_expert_parallelism_mok_matches_its_path():
     import torchtitan.distributed.parallel_dims as parallel_dims_module
     import torchtitan.distributed.utils as titan_distributed
 
-    from mok.launch import run_ranks
+    from mok.ranks import run_ranks
 
     if not (
         hasattr(titan_distributed, "_spmd_backend") and hasattr(parallel_dims_module, "device_type")

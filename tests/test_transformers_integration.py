@@ -420,7 +420,7 @@ def test_sharded_experts_give_the_one_process_model(name):
     checkpoint loads sliced) and the model's logits are the one-process model's (the same expert
     math, the rows exchanged: fp32 reductions in another order at most). Catches a rank holding
     another rank's experts, a checkpoint loaded unsliced, tokens sent to the wrong rank."""
-    from mok.launch import run_ranks
+    from mok.ranks import run_ranks
 
     if torch.cuda.is_available():
         pytest.skip("gloo ranks on the CPU")

@@ -16,7 +16,7 @@ from test_triton_backend_cpu import (
 
 import mok
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.reference import combine, moe_forward
 from mok.reference.expert import swiglu
 from mok.routing import make_routing

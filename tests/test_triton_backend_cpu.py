@@ -16,7 +16,7 @@ import torch.distributed as dist
 import mok
 from mok.backends.triton import TritonBackend
 from mok.comm.memory import simulated_symmetric_memory
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,

@@ -22,7 +22,7 @@ from test_triton_backend_cpu import scenario
 import mok
 from mok.comm.memory import simulated_symmetric_memory
 from mok.kernels.mx import MXRows
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import (
     RankInputs,
     compare_with_reference,

@@ -17,7 +17,7 @@ from test_peer_timeouts import WHERE, backend_of, warm_layer
 import mok
 from mok import functional
 from mok.errors import MoKConfigError, MoKInputError, MoKTimeoutError
-from mok.launch import run_ranks
+from mok.ranks import run_ranks
 from mok.testing import RankInputs, compare_with_reference, global_weights, one_call_results
 
 TINY = mok.get_preset("tiny").config()

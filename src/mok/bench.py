@@ -35,8 +35,8 @@ import torch.distributed as dist
 import mok
 from mok.baseline import BaselineMoE
 from mok.distributed import all_gather_int64
-from mok.launch import init_from_env, run_ranks
 from mok.presets import get_preset
+from mok.ranks import init_from_env, run_ranks
 from mok.routing import make_routing
 from mok.testing import (
     RankInputs,

@@ -40,8 +40,8 @@ from mok.config import (
     Validation,
 )
 from mok.errors import MoKConfigError
-from mok.launch import RankFailedError
 from mok.presets import PRESETS
+from mok.ranks import RankFailedError
 from mok.routing import ROUTINGS
 
 GPU_DEFAULT_PRESET = "qwen3-235b-a22b"
