@@ -47,7 +47,6 @@ if not torch.cuda.is_available():
 import mok  # noqa: E402
 from mok.backends import BACKENDS  # noqa: E402
 from mok.bench import DEFAULT_CHECK_TOLERANCE, git_commit  # noqa: E402
-from mok.reference import moe_forward  # noqa: E402
 from mok.routing import make_routing  # noqa: E402
 from mok.testing import (  # noqa: E402
     RankInputs,
@@ -55,6 +54,7 @@ from mok.testing import (  # noqa: E402
     float64_results,
     global_weights,
     one_call_results,
+    reference_results,
     relative_error,
     weights_of_preactivation_std,
 )
@@ -110,17 +110,15 @@ def oracle_results(config, weights, inputs: RankInputs, device) -> dict[str, tor
     between, a correct MXFP8 layer reads 4e-2 off (one MX block's scale moves with a rounding)."""
     if device.type == "cuda":
         return layer_results(config.replace(backend=ORACLE), weights, inputs, device)
-    x = inputs.x.float().clone().requires_grad_(True)
-    w = inputs.topk_weights.float().clone().requires_grad_(True)
-    full = weights.map(lambda t: t.float().clone().requires_grad_(True))
-    y = moe_forward(x, inputs.topk_idx, w, full, **config.reference_options())
-    y.backward(inputs.grad_y.float())
-    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": w.grad}
-    for name, tensor in full.tensors().items():
-        if tensor is not None:
-            grad = tensor.grad
-            results[f"grad {name}"] = torch.zeros_like(tensor) if grad is None else grad
-    return results
+    return reference_results(
+        torch.float32,
+        inputs.x,
+        inputs.topk_idx,
+        inputs.topk_weights,
+        inputs.grad_y,
+        weights,
+        **config.reference_options(),
+    )
 
 
 def preset_rows(name, forms, backends, args, device, log) -> tuple[list[str], bool]:

@@ -102,23 +102,39 @@ def float64_results(
     swiglu_up_offset: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """y and every gradient of the single-process layer computed in float64 (exact math up to
-    float64 rounding), keyed as `one_call_results`: "y", "grad x", "grad topk_weights",
-    "grad <weight>" (zeros for experts no token reached). The activation as `mok.MoKConfig`'s
+    float64 rounding): `reference_results` in float64 with the activation as `mok.MoKConfig`'s
     (SwiGLU by default, gpt-oss's with alpha 1.702 and up offset 1)."""
-    x64 = x.double().requires_grad_(True)
-    w64 = topk_weights.double().requires_grad_(True)
-    full = weights.map(lambda t: t.double().requires_grad_(True))
-    y = moe_forward(
-        x64,
+    return reference_results(
+        torch.float64,
+        x,
         topk_idx,
-        w64,
-        full,
-        swiglu_limit,
+        topk_weights,
+        grad_y,
+        weights,
+        swiglu_limit=swiglu_limit,
         swiglu_alpha=swiglu_alpha,
         swiglu_up_offset=swiglu_up_offset,
     )
-    y.backward(grad_y.double())
-    results = {"y": y.detach(), "grad x": x64.grad, "grad topk_weights": w64.grad}
+
+
+def reference_results(
+    dtype: torch.dtype,
+    x: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    grad_y: torch.Tensor,
+    weights: MoEWeights,
+    **options,
+) -> dict[str, torch.Tensor]:
+    """y and every gradient of `mok.reference.moe_forward(**options)` on copies of the inputs
+    and weights in `dtype`, keyed as `one_call_results`: "y", "grad x", "grad topk_weights",
+    "grad <weight>" (zeros for experts no token reached)."""
+    x = x.to(dtype).clone().requires_grad_(True)
+    w = topk_weights.to(dtype).clone().requires_grad_(True)
+    full = weights.map(lambda t: t.to(dtype).clone().requires_grad_(True))
+    y = moe_forward(x, topk_idx, w, full, **options)
+    y.backward(grad_y.to(dtype))
+    results = {"y": y.detach(), "grad x": x.grad, "grad topk_weights": w.grad}
     for name, tensor in full.tensors().items():
         if tensor is not None:
             grad = tensor.grad
