@@ -59,6 +59,7 @@ from mok.kernels import (
     default_config,
     expert_mlp_backward,
     expert_mlp_forward,
+    host,
 )
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized as ws
@@ -785,7 +786,7 @@ def building_block(
             mine = (dest_rank == d).nonzero().flatten()
             dest_row[mine] = torch.randperm(mine.numel(), device="cuda", generator=gen).int()
         counts = torch.zeros(ep, ep, dtype=torch.int32, device="cuda")
-        scatter = gg.RowScatter(
+        scatter = host.RowScatter(
             out=buffers[rank],
             out_offsets=torch.arange(ep, device="cuda") * per_rank,
             dest_rank=dest_rank,
