@@ -712,6 +712,30 @@ class SymmetricExchange:
         row's gradient from its token's rank in grouped order, flagging every block of
         COPY_ROWS rows once written. Returns (gradients of the grouped rows [routing.rows, H],
         pull, their RowsReady, the router weights' gradient [T, k])."""
+        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
+            routing, grad_y, topk_weights, pair_out, programs, flagged=True
+        )
+        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
+        return grad_grouped, pull, ready, grad_w
+
+    def _pair_gradients_and_pull(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
+        programs: int,
+        flagged: bool,
+    ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
+        """The pair gradients written into this rank's buffer and the ranks met (on the current
+        stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
+        `pull` on `programs` programs from each row's token rank, flagging them in
+        `landed_backward` when `flagged`; the router weights' gradient [T, k])."""
+        if self.view.grad_pairs is None:
+            raise ValueError(
+                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
+                "pair gradients; its backward is unweighted_combine_backward"
+            )
         s = self.shape
         tokens = grad_y.shape[0]
         grad_w = pair_gradients(
@@ -721,9 +745,11 @@ class SymmetricExchange:
             self.view.grad_pairs.local[: tokens * s.top_k],
             PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
         )
-        self.backward_epoch.add_(1)
+        if flagged:
+            self.backward_epoch.add_(1)
         self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=pair_out.dtype, device=self.device)
+        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        flags = {"epoch": self.backward_epoch, "landed": self.landed_backward} if flagged else {}
 
         def pull() -> None:
             copy_rows(
@@ -735,13 +761,11 @@ class SymmetricExchange:
                 COPY_ROWS,
                 src_offsets=self.view.grad_pairs.offsets,
                 src_rank=routing.return_rank,
-                epoch=self.backward_epoch,
-                landed=self.landed_backward,
+                **flags,
                 **COPY_TILE,
             )
 
-        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
-        return grad_grouped, pull, ready, grad_w
+        return grad_grouped, pull, grad_w
 
     def unweighted_combine_backward_overlapped(
         self,
@@ -970,33 +994,10 @@ class SymmetricExchange:
         """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
         the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
         the summation order of their fp32 dot products); pair_out as `combine` saved it."""
-        if self.view.grad_pairs is None:
-            raise ValueError(
-                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
-                "pair gradients; its backward is unweighted_combine_backward"
-            )
-        s = self.shape
-        tokens = grad_y.shape[0]
-        grad_w = pair_gradients(
-            grad_y.contiguous(),
-            topk_weights.contiguous(),
-            pair_out,
-            self.view.grad_pairs.local[: tokens * s.top_k],
-            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
+        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
+            routing, grad_y, topk_weights, pair_out, self.programs, flagged=False
         )
-        self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        copy_rows(
-            grad_grouped,
-            self.view.grad_pairs.local,
-            routing.return_row,
-            routing.recv_pairs,
-            self.programs,
-            COPY_ROWS,
-            src_offsets=self.view.grad_pairs.offsets,
-            src_rank=routing.return_rank,
-            **COPY_TILE,
-        )
+        pull()
         return grad_grouped, grad_w
 
     def unweighted_combine_backward(
