@@ -18,8 +18,11 @@ SETTING = "MOK_WARP_SPECIALIZED"
 """Unset: the Gluon kernels on Hopper GPUs with a tested Triton; 1: with any Triton; 0: never."""
 
 
+@functools.cache
 def triton_version() -> tuple[int, int] | None:
-    """(major, minor) of the installed Triton; None without one."""
+    """(major, minor) of the installed Triton; None without one. Read once: the package lookup
+    scans the installed distributions, and every product of every layer call asks
+    (`warp_specialized.available`)."""
     try:
         version = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
