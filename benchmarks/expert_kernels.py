@@ -399,16 +399,23 @@ WGRAD_CHECKED_EXPERTS = 8
 """Experts whose gradients are compared with fp32 math (all are compared with the tl kernel)."""
 
 
+def product_line(name, product, tokens, m, label, timing, flops, dense, error, bitwise) -> str:
+    """One table row of a product's kernel: its time (median, min-max), TFLOP/s and share of
+    `dense`, its error, and whether it equals the tl kernel bitwise (None: n/a)."""
+    ms, low, high = timing
+    tflops = flops / ms / 1e9
+    same = "n/a" if bitwise is None else "yes" if bitwise else "no"
+    return (
+        f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
+        f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | {same} |"
+    )
+
+
 def cutlass_line(name, product, tokens, m, timing, flops, dense, error) -> str:
     """The table row of torch._grouped_mm (PyTorch's CUTLASS grouped GEMM) for a product's GEMM
     alone, as the native experts run it: without the epilogue our kernel fuses (SwiGLU, its
     backward), so its time is a lower bound for theirs."""
-    ms, low, high = timing
-    tflops = flops / ms / 1e9
-    return (
-        f"| {name} | {product} | {tokens} | {m} | {CUTLASS} | {ms:.3f} ({low:.3f}-{high:.3f}) "
-        f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | n/a |"
-    )
+    return product_line(name, product, tokens, m, CUTLASS, timing, flops, dense, error, None)
 
 
 GPT_OSS = Activation(1.702, 1.0)
@@ -519,12 +526,10 @@ def row_product(
                 strict=True,
             )
         )
-        ms, low, high = times[label]
-        tflops = flops / ms / 1e9
         lines.append(
-            f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
-            f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | "
-            f"{'yes' if bitwise else 'no'} |"
+            product_line(
+                name, product, tokens, m, label, times[label], flops, dense, error, bitwise
+            )
         )
         if error > 4e-3:
             raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
@@ -622,12 +627,10 @@ def data_gradient(
     for label in configs:
         error = relative_error(results[label], expected)
         bitwise = torch.equal(results[label], results[bitwise_label])
-        ms, low, high = times[label]
-        tflops = flops / ms / 1e9
         lines.append(
-            f"| {name} | {product} | {tokens} | {m} | {label} | {ms:.3f} ({low:.3f}-{high:.3f}) "
-            f"| {tflops:.0f} | {100 * tflops / dense:.0f} % | {error:.2e} | "
-            f"{'yes' if bitwise else 'no'} |"
+            product_line(
+                name, product, tokens, m, label, times[label], flops, dense, error, bitwise
+            )
         )
         if error > 4e-3 or (configs[label].block_k == 64 and not bitwise):
             raise AssertionError(f"{name} {product} {label}: error {error:.2e}, {bitwise=}")
@@ -729,12 +732,19 @@ def weight_gradient(
             fns[CUTLASS] = native
         times = time_each(fns, len(sets))
         for label in timed:
-            ms, low, high = times[label]
-            tflops = flops / ms / 1e9
             lines.append(
-                f"| {name} | {product} {mode} | {tokens} | {m} | {label} | {ms:.3f} "
-                f"({low:.3f}-{high:.3f}) | {tflops:.0f} | {100 * tflops / dense:.0f} % | "
-                f"{errors[label]:.2e} | {'yes' if bitwise[label] else 'no'} |"
+                product_line(
+                    name,
+                    f"{product} {mode}",
+                    tokens,
+                    m,
+                    label,
+                    times[label],
+                    flops,
+                    dense,
+                    errors[label],
+                    bitwise[label],
+                )
             )
         if CUTLASS in fns:
             product_mode = f"{product} {mode}"
