@@ -130,12 +130,6 @@ class FusedBackend(TritonBackend):
         from mok.comm.symmetric import SymmetricExchange
 
         _, ep = group_rank_and_size(group)
-        if ep > 1 and device.type == "cuda" and config.router_gradient.value == "epilogue":
-            return (
-                "withholds router_gradient='epilogue' at EP > 1 on GPUs: its overlapped backward "
-                "gave wrong gradients from the second call on; use backend='triton' (the same "
-                "results) or router_gradient='saved_outputs'"
-            )
         if ep > 1:
             symmetric = SymmetricExchange.unavailable_reason(group, device)
             if symmetric is not None:

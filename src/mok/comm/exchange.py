@@ -123,7 +123,13 @@ class OverlappedExchange(Exchange, Protocol):
     """What the overlapped layer (`mok.backends.fused`) calls besides: copies that run on the
     caller's communication stream while the products wait per tile for their rows, and the
     combine stored by the down product's epilogue (`LocalExchange`, `SymmetricExchange` with the
-    overlapped layout)."""
+    overlapped layout).
+
+    A returned copy (`pull`) makes the tensors only it reads when it runs, on the stream it runs
+    on: the caller may drop it once it is queued, keeping only the tensors returned beside it
+    (and marking those used on the communication stream for it, `Tensor.record_stream`). A
+    tensor made on the caller's stream and held only by the copy would go back to that stream's
+    memory pool when the copy is dropped, and be rewritten there while the copy still reads it."""
 
     def dispatch_overlapped(
         self, routing: ExchangeRouting, x: torch.Tensor, programs: int, timeout_s: float

@@ -151,14 +151,13 @@ class LocalExchange:
         blocks = -(-pairs // COPY_ROWS)
         if self._landed.numel() < blocks:
             self._landed = torch.zeros(blocks, dtype=torch.int32, device=self.device)
-        token_of_row = routing.grouped_token.long()
         count, landed = self._count(pairs), self._landed
 
         def pull() -> None:
             copy_rows(
                 grouped,
                 x,
-                token_of_row,
+                routing.grouped_token.long(),
                 count,
                 programs,
                 COPY_ROWS,

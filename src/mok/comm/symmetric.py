@@ -49,7 +49,6 @@ to piggyback on.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 
@@ -581,13 +580,13 @@ class SymmetricExchange:
         # Owners add into these counts only after the barrier below.
         self.view.combine_counts.local.zero_()
         self._barrier("dispatch: x copied for pulling")
-        staging = routing.grouped_to_staging
-        source = self.view.staging_source.local[staging.clamp(min=0)]
-        source_row = torch.where(staging >= 0, source[:, 1], -1)
-        source_rank = source[:, 0].contiguous()
         grouped = torch.empty(routing.rows, s.hidden, dtype=x.dtype, device=x.device)
 
         def pull() -> None:
+            staging = routing.grouped_to_staging
+            source = self.view.staging_source.local[staging.clamp(min=0)]
+            source_row = torch.where(staging >= 0, source[:, 1], -1)
+            source_rank = source[:, 0].contiguous()
             copy_rows(
                 grouped,
                 self.view.x_copy.local,
@@ -616,14 +615,16 @@ class SymmetricExchange:
         if not (s.overlapped and s.pull_dispatch) or exact or s.token_capacity >= rows:
             return None
         tokens = torch.empty(s.token_capacity, s.hidden, dtype=s.dtype, device=self.device)
-        sources = self._token_sources()
-        pull = functools.partial(self._pull_tokens, tokens, sources, routing.recv_tokens, programs)
+
+        def pull() -> None:
+            self._pull_tokens(tokens, self._token_sources(), routing.recv_tokens, programs)
+
         index = routing.grouped_to_staging[:rows].to(torch.int32)
         return ReceivedTokens(tokens, index, pull)
 
     def _token_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, rank) in its sender's copy of x of each staging row (this call's route wrote
-        them; read now, since the next route overwrites them)."""
+        them: read before the next route, which overwrites them)."""
         source = self.view.staging_source.local[: self.shape.token_capacity]
         return source[:, 1].contiguous(), source[:, 0].contiguous()
 
@@ -796,10 +797,13 @@ class SymmetricExchange:
         self.backward_epoch.add_(1)
         self._barrier("combine backward: gradient rows and router weights pushed")
         weights = view.row_weights.local[: routing.rows, 0].clone()
-        token_rows = torch.where(routing.return_row >= 0, routing.return_row // s.top_k, -1)
         grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
 
         def pull() -> None:
+            # Made here, on the stream that reads it: the caller may drop `pull` once queued,
+            # and a tensor made before on its stream would go back to that stream's pool while
+            # this copy still reads it.
+            token_rows = torch.where(routing.return_row >= 0, routing.return_row // s.top_k, -1)
             copy_rows(
                 grad_rows,
                 view.grad_pairs.local,
