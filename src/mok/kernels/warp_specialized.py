@@ -709,6 +709,212 @@ def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row
 
 
 @gluon.jit
+def _main_loop(
+    operands,
+    nth,
+    k_steps,
+    acc_layout: gl.constexpr,
+    ROLE: gl.constexpr,
+    DUAL: gl.constexpr,
+    W_BY_K: gl.constexpr,
+    GATHER: gl.constexpr,
+):
+    """Consumer ROLE's main loop over the program's nth task: its k_steps steps taken from the
+    loader's ring (A @ W, or A @ W.T unless W_BY_K), returned as fp32 accumulators (acc, and with
+    DUAL acc2, A @ W2.T; zeros otherwise)."""
+    a_desc, w_desc, a_bufs, w_bufs, w2_bufs = (
+        operands[0],
+        operands[2],
+        operands[4],
+        operands[5],
+        operands[6],
+    )
+    ready, empty, turns = operands[7], operands[8], operands[9]
+    WG_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
+    STAGES: gl.constexpr = w_bufs.type.shape[0]
+    SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
+    PART: gl.constexpr = ROLE if SPLIT > 1 else 0
+    step = nth * k_steps
+    if SPLIT == 1:
+        # Wait for the other consumer to have issued its tile's main loop: it has then waited
+        # on every slot before ours, so our ready waits are at most one phase ahead of the
+        # barriers (phase parity cannot tell a phase from the one two later). This also
+        # orders the two main loops on the tensor cores. Cooperative consumers need no
+        # turns: a slot refills only once both have released it.
+        mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
+    acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+    acc2 = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+    for k in range(k_steps):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), step // STAGES & 1)
+        if GATHER:
+            # The gathered rows were written by cp.async (the generic proxy); wgmma reads
+            # through the async proxy.
+            fence_async_shared()
+        a = a_bufs.index(slot * SPLIT + PART)
+        if W_BY_K:
+            w = w_bufs.index(slot)
+        else:
+            w = w_bufs.index(slot).permute((1, 0))
+        acc = warpgroup_mma(a, w, acc, is_async=True)
+        if DUAL:
+            acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
+            # At most this step's second wgmma in flight: the step before has read its slot.
+            acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
+        else:
+            acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+        step += 1
+    if SPLIT == 1:
+        mbarrier.arrive(turns.index(1 - ROLE))
+    if DUAL:
+        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+    return acc, acc2
+
+
+@gluon.jit
+def _down_dgrad_epilogue(
+    acc,
+    row_weights,
+    outputs,
+    first,
+    fetched,
+    phase,
+    row,
+    row_end,
+    n_off,
+    n_idx,
+    N,
+    acc_layout: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    WEIGHTED: gl.constexpr,
+):
+    """DOWN_DGRAD_SWIGLU's epilogue of one tile (grad_h in acc): once the saved pre-activations
+    (and with WEIGHTED h) fetched beside the main loop are in (`fetched` at `phase`), the router
+    weighting (WEIGHTED), then the activation's backward, stored as the gate | up gradients."""
+    (_, gate_desc, up_desc, _, gate_up_ptr, out_bufs, activation, _, _, _, _, weighting) = outputs
+    dtype: gl.constexpr = gate_desc.dtype
+    mbarrier.wait(fetched, phase)
+    if WEIGHTED:
+        acc = _router_weighting(
+            acc, row_weights, weighting, out_bufs.index(first + 2), row, row_end, n_off, n_idx, N,
+            acc_layout,
+        )  # fmt: skip
+    # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
+    grad_h = acc.to(dtype).to(gl.float32)
+    # Rows past row_end hold other groups' values: they reach only rows never stored.
+    gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
+    up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
+    grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT, PLAIN)
+    _store_pair(
+        gate_desc, up_desc, out_bufs, first, gate_up_ptr, grad_gate, grad_up, row, row_end, n_off,
+        N,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _product_epilogue(
+    acc,
+    acc2,
+    outputs,
+    expert_at,
+    first,
+    row,
+    row_end,
+    n_off,
+    N,
+    acc_layout: gl.constexpr,
+    HAS_LIMIT: gl.constexpr,
+    PLAIN: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    DUAL: gl.constexpr,
+    SCATTER_RANKS: gl.constexpr,
+):
+    """The epilogue of one tile of the other modes: the expert's biases (HAS_BIAS; its index
+    at expert_at), with DUAL the activation, stored locally or with SCATTER_RANKS by the
+    peer-store epilogue; with DUAL and two epilogue buffers, the pre-activations saved too."""
+    (
+        out_desc,
+        gate_desc,
+        up_desc,
+        out_ptr,
+        gate_up_ptr,
+        out_bufs,
+        activation,
+        biases,
+        _,
+        _,
+        target,
+        _,
+    ) = outputs
+    limit, limit_below, limit_above = activation[0], activation[1], activation[2]
+    OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
+    dtype: gl.constexpr = out_desc.dtype
+    if HAS_BIAS:
+        expert = gl.load(expert_at)
+        acc = _add_expert_bias(acc, biases[0], expert, n_off, N, acc_layout)
+        if DUAL:
+            acc2 = _add_expert_bias(acc2, biases[1], expert, n_off, N, acc_layout)
+    tma.store_wait(0)  # this consumer's previous stores have left its buffers
+    if DUAL:
+        value = _swiglu(acc, acc2, activation, HAS_LIMIT, PLAIN).to(dtype)
+    else:
+        value = acc.to(dtype)
+    out_bufs.index(first).store(value)
+    if SCATTER_RANKS > 0:
+        _scatter_staged(out_bufs.index(first), target, row, row_end, n_off, N, SCATTER_RANKS)
+    else:
+        _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
+    if DUAL and OUTPUTS == 2:
+        # The saved pre-activations: gate through the second buffer, then up through the
+        # first once h's store has left it (two buffers, not three: a deeper ring).
+        gate, up = _saved_preactivations(acc, acc2, limit, limit_below, limit_above, HAS_LIMIT)
+        gate_buf = out_bufs.index(first + 1)
+        gate_buf.store(gate.to(dtype))
+        _store_staged(gate_desc, gate_buf, gate_up_ptr, 2 * N, row, row_end, n_off, N)
+        tma.store_wait(1)
+        out_bufs.index(first).store(up.to(dtype))
+        _store_staged(
+            up_desc, out_bufs.index(first), gate_up_ptr + N, 2 * N, row, row_end, n_off, N
+        )
+
+
+@gluon.jit
+def _zero_rows_outside_groups(
+    outputs, problem, num_m, num_n, first, acc_layout: gl.constexpr, ROLE: gl.constexpr,
+    SPLIT: gl.constexpr,
+):  # fmt: skip
+    """GATE_UP_DGRAD: zeros into the rows outside every group, consumer ROLE's share of them by
+    the static stride, from no reduction (a static grid: the launcher does not let this mode
+    claim)."""
+    out_desc, out_ptr, out_bufs = outputs[0], outputs[3], outputs[5]
+    table_ptr, counts_ptr, capacity, N = problem[0], problem[1], problem[2], problem[3]
+    NUM_PROGRAMS: gl.constexpr = problem[6]
+    WG_M: gl.constexpr = out_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
+    PART: gl.constexpr = ROLE if SPLIT > 1 else 0
+    TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1
+    FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0
+    own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
+    outside = (gl.load(counts_ptr + 1) - num_m) * num_n
+    zeros = gl.zeros((WG_M, BLOCK_N), out_desc.dtype, acc_layout)
+    for task in range(own_start, outside, TAKES * NUM_PROGRAMS):
+        m_idx = num_m + task // num_n
+        n_off = task % num_n * BLOCK_N
+        row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
+        row_end = gl.load(table_ptr + 2 * capacity + m_idx)
+        if row < row_end:
+            tma.store_wait(0)
+            out_bufs.index(first).store(zeros)
+            _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
+
+
+@gluon.jit
 def _consume(
     operands,
     outputs,
@@ -723,30 +929,14 @@ def _consume(
     WEIGHTED: gl.constexpr,
     ROLE: gl.constexpr,
 ):
-    """Consumer ROLE (0 or 1): main loop, then epilogue. Ping-pong (SPLIT 1): tasks ROLE, ROLE +
-    2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of the program,
-    rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with the other.
-    CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
-    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
-        operands
-    )
-    (
-        out_desc,
-        gate_desc,
-        up_desc,
-        out_ptr,
-        gate_up_ptr,
-        out_bufs,
-        activation,
-        biases,
-        saved,
-        fetched,
-        target,
-        weighting,
-    ) = outputs
+    """Consumer ROLE (0 or 1): for each of its tasks, the main loop (`_main_loop`), then the
+    mode's epilogue (`_down_dgrad_epilogue`, `_product_epilogue`). Ping-pong (SPLIT 1): tasks
+    ROLE, ROLE + 2, ... of this program, a whole tile each. Cooperative (SPLIT 2): every task of
+    the program, rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with
+    the other. CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
+    a_desc, w_desc, a_bufs, w_bufs = operands[0], operands[2], operands[4], operands[5]
+    out_bufs, saved, fetched, weighting = outputs[5], outputs[8], outputs[9], outputs[11]
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
-    limit, limit_below, limit_above = activation[0], activation[1], activation[2]
-    (bias_ptr, bias2_ptr) = biases
     DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
     PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -759,7 +949,6 @@ def _consume(
     TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1  # one task in TAKES is this consumer's
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0  # this consumer's first, in the program
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
-    dtype: gl.constexpr = out_desc.dtype
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -773,6 +962,7 @@ def _consume(
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
         row_end = gl.load(table_ptr + 2 * capacity + m_idx)
         n_off = n_idx * BLOCK_N
+        row_weights = 0.0  # WEIGHTED's, else unused
         if MODE == DOWN_DGRAD_SWIGLU:
             # The saved pre-activations (and h) load while the main loop runs.
             _fetch_saved(
@@ -780,121 +970,22 @@ def _consume(
             )
             if WEIGHTED:
                 row_weights = _row_weights(weighting, row, row_end, WG_M, acc_layout)
-        step = nth * k_steps
-        if SPLIT == 1:
-            # Wait for the other consumer to have issued its tile's main loop: it has then waited
-            # on every slot before ours, so our ready waits are at most one phase ahead of the
-            # barriers (phase parity cannot tell a phase from the one two later). This also
-            # orders the two main loops on the tensor cores. Cooperative consumers need no
-            # turns: a slot refills only once both have released it.
-            mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
-        acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
-        acc2 = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
-        for k in range(k_steps):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), step // STAGES & 1)
-            if GATHER:
-                # The gathered rows were written by cp.async (the generic proxy); wgmma reads
-                # through the async proxy.
-                fence_async_shared()
-            a = a_bufs.index(slot * SPLIT + PART)
-            if W_BY_K:
-                w = w_bufs.index(slot)
-            else:
-                w = w_bufs.index(slot).permute((1, 0))
-            acc = warpgroup_mma(a, w, acc, is_async=True)
-            if DUAL:
-                acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
-                # At most this step's second wgmma in flight: the step before has read its slot.
-                acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
-            else:
-                acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-            step += 1
-        if SPLIT == 1:
-            mbarrier.arrive(turns.index(1 - ROLE))
-        if DUAL:
-            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
-        else:
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
-
-        # Epilogue; the other consumer's main loop runs meanwhile.
+        acc, acc2 = _main_loop(operands, nth, k_steps, acc_layout, ROLE, DUAL, W_BY_K, GATHER)
+        # The other consumer's main loop runs during this epilogue.
         if MODE == DOWN_DGRAD_SWIGLU:
-            mbarrier.wait(fetched.index(ROLE), nth // TAKES & 1)
-            if WEIGHTED:
-                acc = _router_weighting(
-                    acc, row_weights, weighting, out_bufs.index(first + 2), row, row_end, n_off,
-                    n_idx, N, acc_layout,
-                )  # fmt: skip
-            # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
-            grad_h = acc.to(dtype).to(gl.float32)
-            # Rows past row_end hold other groups' values: they reach only rows never stored.
-            gate = out_bufs.index(first).load(acc_layout).to(gl.float32)
-            up = out_bufs.index(first + 1).load(acc_layout).to(gl.float32)
-            grad_gate, grad_up = _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT, PLAIN)
-            _store_pair(
-                gate_desc,
-                up_desc,
-                out_bufs,
-                first,
-                gate_up_ptr,
-                grad_gate,
-                grad_up,
-                row,
-                row_end,
-                n_off,
-                N,
-            )
+            _down_dgrad_epilogue(
+                acc, row_weights, outputs, first, fetched.index(ROLE), nth // TAKES & 1, row,
+                row_end, n_off, n_idx, N, acc_layout, HAS_LIMIT, PLAIN, WEIGHTED,
+            )  # fmt: skip
         else:
-            if HAS_BIAS:
-                expert = gl.load(table_ptr + m_idx)
-                acc = _add_expert_bias(acc, bias_ptr, expert, n_off, N, acc_layout)
-                if DUAL:
-                    acc2 = _add_expert_bias(acc2, bias2_ptr, expert, n_off, N, acc_layout)
-            tma.store_wait(0)  # this consumer's previous stores have left its buffers
-            if DUAL:
-                value = _swiglu(acc, acc2, activation, HAS_LIMIT, PLAIN).to(dtype)
-            else:
-                value = acc.to(dtype)
-            out_bufs.index(first).store(value)
-            if SCATTER_RANKS > 0:
-                _scatter_staged(
-                    out_bufs.index(first), target, row, row_end, n_off, N, SCATTER_RANKS
-                )
-            else:
-                _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
-            if DUAL and OUTPUTS == 2:
-                # The saved pre-activations: gate through the second buffer, then up through the
-                # first once h's store has left it (two buffers, not three: a deeper ring).
-                gate, up = _saved_preactivations(
-                    acc, acc2, limit, limit_below, limit_above, HAS_LIMIT
-                )
-                gate_buf = out_bufs.index(first + 1)
-                gate_buf.store(gate.to(dtype))
-                _store_staged(gate_desc, gate_buf, gate_up_ptr, 2 * N, row, row_end, n_off, N)
-                tma.store_wait(1)
-                out_bufs.index(first).store(up.to(dtype))
-                _store_staged(
-                    up_desc, out_bufs.index(first), gate_up_ptr + N, 2 * N, row, row_end, n_off, N
-                )
+            _product_epilogue(
+                acc, acc2, outputs, table_ptr + m_idx, first, row, row_end, n_off, N, acc_layout,
+                HAS_LIMIT, PLAIN, HAS_BIAS, DUAL, SCATTER_RANKS,
+            )  # fmt: skip
         nth += TAKES
         task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
     if MODE == GATE_UP_DGRAD:
-        # The rows outside every group get zeros, from no reduction (a static grid: the
-        # launcher does not let this mode claim).
-        own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
-        outside = (gl.load(counts_ptr + 1) - num_m) * num_n
-        zeros = gl.zeros((WG_M, BLOCK_N), dtype, acc_layout)
-        for task in range(own_start, outside, TAKES * NUM_PROGRAMS):
-            m_idx = num_m + task // num_n
-            n_off = task % num_n * BLOCK_N
-            row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
-            row_end = gl.load(table_ptr + 2 * capacity + m_idx)
-            if row < row_end:
-                tma.store_wait(0)
-                out_bufs.index(first).store(zeros)
-                _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
+        _zero_rows_outside_groups(outputs, problem, num_m, num_n, first, acc_layout, ROLE, SPLIT)
     tma.store_wait(0)
 
 
