@@ -506,8 +506,8 @@ def test_memory_is_readable_at_80_columns_and_through_a_pipe():
 
 
 def test_help_lists_every_command_and_every_bench_option_with_its_default(capsys):
-    """Catches an option without help, a default the help does not show, and a subcommand
-    missing from `mok --help`."""
+    """Catches an option without help, a default the help does not show (a falsy one: 0), and a
+    subcommand missing from `mok --help`."""
     from mok.cli import _parser
 
     with pytest.raises(SystemExit) as exit_info:
@@ -528,16 +528,17 @@ def test_help_lists_every_command_and_every_bench_option_with_its_default(capsys
             if not action.option_strings or action.help == "show this help message and exit":
                 continue
             assert action.help, (name, action.option_strings)
-            if action.default not in (None, False):
-                assert "default" in " ".join(action.help.split()) or "(default: " in text, (
-                    name,
-                    action.option_strings,
-                )
+            assert action.option_strings[0] in text, (name, action.option_strings)
+            if action.default is not None and action.default is not False:
+                shown = sub._get_formatter()._get_help_string(action)
+                assert "default" in " ".join(shown.split()), (name, action.option_strings)
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
     bench_help = " ".join(capsys.readouterr().out.split())
     assert "--iters ITERS timed iterations per pass (default: 20)" in bench_help
     assert "(default: uniform)" in bench_help and "(default: auto)" in bench_help
+    assert "--seed SEED seed of the weights, inputs and routing (default: 0)" in bench_help
+    assert "output: --json PATH" in bench_help  # the options come in groups
 
 
 def test_an_unknown_preset_is_a_config_error_naming_the_known_ones():

@@ -121,7 +121,7 @@ class _HelpFormatter(argparse.HelpFormatter):
         default = action.default
         if (
             "default" not in text
-            and default not in (None, False, argparse.SUPPRESS)
+            and not any(default is absent for absent in (None, False, argparse.SUPPRESS))
             and action.option_strings
         ):
             shown = ",".join(map(str, default)) if isinstance(default, list) else default
@@ -135,7 +135,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_bench(commands)
+    _add_env_and_memory(commands)
+    return parser
 
+
+def _add_bench(commands) -> None:
+    """`mok bench` and its options, in groups: what runs, the layer's options, how it is timed,
+    where the results go."""
     bench = commands.add_parser(
         "bench",
         formatter_class=_HelpFormatter,
@@ -145,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
         "on the same inputs, for every preset and expert-parallel size given, spawning the ranks "
         "itself (or joining a torchrun job).",
     )
-    bench.add_argument(
+    workload = bench.add_argument_group("what runs")
+    workload.add_argument(
         "--preset",
         type=_preset_names,
         default=None,
@@ -153,27 +161,44 @@ def _parser() -> argparse.ArgumentParser:
         help=f"layer shapes, comma-separated: {', '.join(sorted(PRESETS))} (default: "
         f"{GPU_DEFAULT_PRESET} on GPUs, tiny on the CPU)",
     )
-    bench.add_argument(
+    workload.add_argument(
         "--ep",
         type=_positive_ints,
         default=None,
         metavar="N[,N...]",
         help="expert-parallel sizes, comma-separated (default: 2 on the CPU, all GPUs on CUDA)",
     )
-    bench.add_argument(
+    workload.add_argument(
         "--tokens",
         type=_positive_int,
         default=None,
         help="tokens per rank (default: each preset's)",
     )
-    bench.add_argument(
+    workload.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="uniform",
+        help="how tokens pick experts: uniform (top-k of a softmax over random logits), zipf "
+        "(skewed popularity), one-expert, half-empty, first-experts",
+    )
+    workload.add_argument(
+        "--seed", type=int, default=0, help="seed of the weights, inputs and routing"
+    )
+    workload.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: cuda when a GPU is present",
+    )
+    layer = bench.add_argument_group("the layer's options")
+    layer.add_argument(
         "--backend",
         choices=[b.value for b in Backend],
         default="auto",
         help="the implementation timed: auto (the fastest that runs here: triton on CUDA GPUs, "
         "the reference on the CPU), triton, fused, or reference (the plain-PyTorch oracle)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--precision",
         type=_precisions,
         default=["bf16"],
@@ -181,40 +206,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the layer's precisions, comma-separated: bf16, mxfp8 (each beside the bf16 "
         "baseline; bf16,mxfp8 times both in one run)",
     )
-    bench.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default="auto",
-        help="auto: cuda when a GPU is present",
-    )
-    bench.add_argument(
-        "--routing",
-        choices=ROUTINGS,
-        default="uniform",
-        help="how tokens pick experts: uniform (top-k of a softmax over random logits), zipf "
-        "(skewed popularity), one-expert, half-empty, first-experts",
-    )
-    bench.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per pass")
-    bench.add_argument(
-        "--warmup",
-        type=_non_negative_int,
-        default=5,
-        help="untimed iterations before them (compiling kernels, filling caches)",
-    )
-    bench.add_argument(
-        "--check-tokens",
-        type=_positive_int,
-        default=1024,
-        help="tokens per rank of the correctness check before timing",
-    )
-    bench.add_argument(
+    layer.add_argument(
         "--swiglu-limit",
         type=_positive_float,
         default=None,
         metavar="L",
         help="clamp the experts' pre-activations at L (default: the preset's; gpt-oss's 7)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--pair-capacity-factor",
         type=_positive_float,
         default=None,
@@ -223,34 +222,27 @@ def _parser() -> argparse.ArgumentParser:
         "instead of the worst case, the default (less memory; a routing that needs more raises "
         "MoKCapacityError after timing)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--exact-buffers",
         action="store_true",
         help="size the backend's per-pair tensors by the pairs each call received, read on the "
         "host (one synchronization per forward; the memory of an exact all-to-all)",
     )
-    bench.add_argument(
-        "--accumulate-grads",
-        action="store_true",
-        help="keep the weights' gradients between iterations, as gradient accumulation over "
-        "micro-batches does (every backward adds into existing .grad), instead of setting them to "
-        "None",
-    )
-    bench.add_argument(
+    layer.add_argument(
         "--validation",
         choices=[v.value for v in Validation],
         default=Validation.COLLECTIVE.value,
         help="how the ranks check each call's inputs: agreeing on them (one host round trip a "
         "call) or each its own (local)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--graphs",
         choices=[g.value for g in Graphs],
         default=Graphs.AUTO.value,
         help="whether the backend's layer replays its calls from its own CUDA graphs (auto: small "
         "layers, bound by the host; on; off: every call launches its kernels)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--mx-weight-casts",
         choices=[c.value for c in MXWeightCasts],
         default=MXWeightCasts.AUTO.value,
@@ -258,14 +250,14 @@ def _parser() -> argparse.ArgumentParser:
         "pass, as a training step does; keep: once, the weights being fixed between iterations; "
         "per_pass)",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--recompute",
         choices=[r.value for r in Recompute],
         default=Recompute.NONE.value,
         help="with bf16 experts: gate_up makes the experts' h and pre-activations again in the "
         "backward (one more gate/up product) instead of keeping them from the forward",
     )
-    bench.add_argument(
+    layer.add_argument(
         "--router-gradient",
         choices=[r.value for r in RouterGradient],
         default=RouterGradient.SAVED_OUTPUTS.value,
@@ -273,7 +265,28 @@ def _parser() -> argparse.ArgumentParser:
         "gradient in the down product's backward, so that the forward keeps no pair outputs "
         "(T x k x H a layer)",
     )
-    bench.add_argument(
+    timing = bench.add_argument_group("timing")
+    timing.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per pass")
+    timing.add_argument(
+        "--warmup",
+        type=_non_negative_int,
+        default=5,
+        help="untimed iterations before them (compiling kernels, filling caches)",
+    )
+    timing.add_argument(
+        "--check-tokens",
+        type=_positive_int,
+        default=1024,
+        help="tokens per rank of the correctness check before timing",
+    )
+    timing.add_argument(
+        "--accumulate-grads",
+        action="store_true",
+        help="keep the weights' gradients between iterations, as gradient accumulation over "
+        "micro-batches does (every backward adds into existing .grad), instead of setting them to "
+        "None",
+    )
+    timing.add_argument(
         "--cuda-graph",
         action="store_true",
         help="time the backend's layer replayed from one CUDA graph per pass, captured on the "
@@ -281,10 +294,7 @@ def _parser() -> argparse.ArgumentParser:
         "never synchronizes with the host, so it can be captured; the baseline reads its split "
         "sizes on the host and stays eager)",
     )
-    bench.add_argument(
-        "--seed", type=int, default=0, help="seed of the weights, inputs and routing"
-    )
-    bench.add_argument(
+    timing.add_argument(
         "--dense-tflops",
         type=_positive_float,
         default=None,
@@ -292,18 +302,22 @@ def _parser() -> argparse.ArgumentParser:
         f"that times are compared with (default on CUDA: {H200_DENSE_BF16_TFLOPS:g}, cuBLAS on "
         "an H200; on the CPU: no floor unless given)",
     )
-    bench.add_argument(
+    output = bench.add_argument_group("output")
+    output.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON (as in --out)"
     )
-    bench.add_argument(
+    output.add_argument(
         "--out",
         metavar="DIR",
         help=f"write {REPORT_NAME}.json, {REPORT_NAME}.md and {REPORT_NAME}.png (needs "
         "matplotlib: pip install 'mok[bench]') into DIR, stamped with date, commit and machine",
     )
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    output.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(command_parser=bench)
 
+
+def _add_env_and_memory(commands) -> None:
+    """`mok env` and `mok memory`."""
     env = commands.add_parser(
         "env",
         help="what this machine offers and which backends can run",
@@ -360,7 +374,6 @@ def _parser() -> argparse.ArgumentParser:
         "pair gradients)",
     )
     memory.set_defaults(command_parser=memory)
-    return parser
 
 
 def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
