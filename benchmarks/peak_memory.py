@@ -66,11 +66,11 @@ GIB = 2**30
 def symmetric_bytes(layer: mok.MoE, device: torch.device, rank: int) -> tuple[int, int]:
     """(this rank's symmetric buffer bytes, of them the bytes this process's caching allocator
     holds) of `layer`'s exchange; (0, 0) without an NVLink exchange."""
-    from mok.comm.symmetric import SymmetricExchange
+    from mok.comm.symmetric import SymmetricExchangeBase
     from mok.testing import SharedBufferHandle
 
     exchange = getattr(layer.workspace(device).backend, "exchange", None)
-    if not isinstance(exchange, SymmetricExchange):
+    if not isinstance(exchange, SymmetricExchangeBase):
         return 0, 0
     nbytes = exchange.buffer_bytes
     handle = exchange.handle

@@ -11,7 +11,7 @@ from mok.comm.symmetric import acquire_exchange, release_exchange
 
 @dataclasses.dataclass(eq=False)
 class FakeExchange:
-    """Stands in for SymmetricExchange (whose buffers need CUDA and a process group)."""
+    """Stands in for the NVLink exchanges (whose buffers need CUDA and a process group)."""
 
     group: object
     shape: object
@@ -30,7 +30,7 @@ class FakeGroup:
 
 
 def test_one_exchange_per_key_freed_by_its_last_user(monkeypatch):
-    monkeypatch.setattr(symmetric, "SymmetricExchange", FakeExchange)
+    monkeypatch.setattr(symmetric, "symmetric_exchange", FakeExchange)
     monkeypatch.setattr(symmetric, "_SHARED_EXCHANGES", {})
     group, device = FakeGroup("ep"), torch.device("cuda", 0)
     shape = default_shape(64, 2, 4, 2, 128)

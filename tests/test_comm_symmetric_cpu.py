@@ -4,6 +4,7 @@ math is wrong). Every phase (counts, metadata, pushes with readiness flags and t
 barriers, capacity) runs as on GPUs; results must equal the collective exchange bit for bit.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
 from mok.comm.memory import StandInMemory
-from mok.comm.symmetric import SymmetricExchange
+from mok.comm.symmetric import OverlappedSymmetricExchange, SymmetricExchange, symmetric_exchange
 from mok.errors import MoKCapacityError
 from mok.ranks import run_ranks
 from mok.routing import make_routing
@@ -142,3 +143,36 @@ def test_default_shape_capacities():
     assert default_shape(16, 4, 2, 3, 10, recv_capacity=7).pair_capacity == 28
     assert default_shape(16, 4, 2, 3, 10, pair_capacity=25).pair_capacity == 25
     assert default_shape(16, 4, 2, 3, 10, pair_capacity=999).pair_capacity == 120
+
+
+def layout_exchange_kinds(rank, world, directory):
+    """Rank worker: the class `symmetric_exchange` makes for the staged and the overlapped shape
+    (each released after)."""
+    kinds = []
+    staged = default_shape(24, 2, 2, world, 8, dtype=torch.float32)
+    for shape in (staged, dataclasses.replace(staged, overlapped=True, pull_dispatch=True)):
+        memory = StandInMemory(shared_file_allocator(directory))
+        exchange = symmetric_exchange(dist.group.WORLD, shape, torch.device("cpu"), 2, memory)
+        kinds.append(type(exchange).__name__)
+        exchange.release()
+    return kinds
+
+
+def test_each_buffer_layout_has_its_own_exchange(tmp_path):
+    """The staged layout (the triton backend's) is `SymmetricExchange`'s and the overlapped one
+    (the fused backend's) `OverlappedSymmetricExchange`'s, each with only the calls its regions
+    serve; each class refuses the other's shape before allocating, naming the class that takes
+    it. Bug caught: an overlapped shape built as the staged exchange, whose dispatch would find
+    no staging region."""
+    assert (
+        run_ranks(layout_exchange_kinds, 2, args=(str(tmp_path),))
+        == [["SymmetricExchange", "OverlappedSymmetricExchange"]] * 2
+    )
+    staged = default_shape(24, 2, 2, 2, 8, dtype=torch.float32)
+    overlapped = dataclasses.replace(staged, overlapped=True)
+    with pytest.raises(ValueError, match="is OverlappedSymmetricExchange's"):
+        SymmetricExchange(None, overlapped, torch.device("cpu"))
+    with pytest.raises(ValueError, match="is SymmetricExchange's"):
+        OverlappedSymmetricExchange(None, staged, torch.device("cpu"))
+    assert not hasattr(OverlappedSymmetricExchange, "dispatch")
+    assert not hasattr(SymmetricExchange, "dispatch_overlapped")

@@ -74,7 +74,7 @@ def test_the_fused_backend_at_ep_is_the_triton_backend_bitwise(world, dispatch, 
     config = CONFIG.replace(dispatch=dispatch, **EPILOGUE, **GPT_OSS_EXPERTS)
     per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
     for rank, outcomes in enumerate(per_rank):
-        assert outcomes[0][1]["exchange"] == "SymmetricExchange", rank
+        assert outcomes[0][1]["exchange"] == "OverlappedSymmetricExchange", rank
         assert_bitwise_equal(outcomes)
 
 

@@ -6,7 +6,7 @@
 Forward, per call:
   dispatch  `comm_sms` programs on a side stream load every grouped row from its token's rank
             (NVLink or local HBM) straight into the expert order, flagging each block of rows
-            once written (`SymmetricExchange.dispatch_overlapped`); meanwhile the shared expert
+            once written (`OverlappedExchange.dispatch_overlapped`); meanwhile the shared expert
             and the gate/up + SwiGLU product run on the other SMs, each gate/up tile waiting for
             the flags of its rows (`host.RowsReady`). The grid of the products beside the
             copy is held to SMs - comm_sms, so both are resident at once: the products' waits are
@@ -127,11 +127,11 @@ class FusedBackend(TritonBackend):
             return reason
         if config.precision.value != "bf16":
             return f"computes bf16 only so far, not {config.precision.value}"
-        from mok.comm.symmetric import SymmetricExchange
+        from mok.comm.symmetric import SymmetricExchangeBase
 
         _, ep = group_rank_and_size(group)
         if ep > 1:
-            symmetric = SymmetricExchange.unavailable_reason(group, device)
+            symmetric = SymmetricExchangeBase.unavailable_reason(group, device)
             if symmetric is not None:
                 return f"needs the NVLink exchange at EP > 1 ({symmetric})"
             if not symmetric_memory().carries(dist.get_backend(group), device):

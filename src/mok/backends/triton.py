@@ -94,7 +94,7 @@ class TritonBackend:
         # Imported here: Triton is an optional dependency of the package.
         from mok.comm.collective import CollectiveExchange
         from mok.comm.local import LocalExchange
-        from mok.comm.symmetric import SymmetricExchange, acquire_exchange
+        from mok.comm.symmetric import SymmetricExchangeBase, acquire_exchange
 
         self.workspace = workspace
         self.exchange: Exchange
@@ -105,7 +105,7 @@ class TritonBackend:
         self.mxfp8 = config.precision.value == "mxfp8"
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
-        elif SymmetricExchange.unavailable_reason(group, device) is None:
+        elif SymmetricExchangeBase.unavailable_reason(group, device) is None:
             shape = self.exchange_shape(config, ep, self.dtype)
             self.exchange = acquire_exchange(
                 group, shape, device, config.comm_sms, config.peer_timeout_s
@@ -540,17 +540,17 @@ class TritonBackend:
         self.exchange.reset()
 
     def release(self) -> None:
-        from mok.comm.symmetric import SymmetricExchange, release_exchange
+        from mok.comm.symmetric import SymmetricExchangeBase, release_exchange
 
-        if isinstance(self.exchange, SymmetricExchange):
+        if isinstance(self.exchange, SymmetricExchangeBase):
             release_exchange(self.exchange)
         else:
             self.exchange.release()
 
     def memory_outside_allocator(self) -> int:
-        from mok.comm.symmetric import SymmetricExchange
+        from mok.comm.symmetric import SymmetricExchangeBase
 
-        if isinstance(self.exchange, SymmetricExchange):
+        if isinstance(self.exchange, SymmetricExchangeBase):
             return self.exchange.bytes_outside_allocator
         return 0
 

@@ -1,6 +1,7 @@
-"""What every token exchange provides (`LocalExchange`, `CollectiveExchange`, `SymmetricExchange`):
-the calls the triton backend makes, in this order per layer call, and what the overlapped layer
-calls besides (checked by type checkers)."""
+"""What the token exchanges provide: the calls every one has (`ExchangeBase`), the staged
+exchange's that the triton backend makes, in this order per layer call (`Exchange`:
+`LocalExchange`, `CollectiveExchange`, `SymmetricExchange`), and the overlapped layer's
+(`OverlappedExchange`: `LocalExchange`, `OverlappedSymmetricExchange`)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,44 @@ class ExchangeRouting(Protocol):
     """[E_loc + 1] int32: the grouped rows of each local expert, on the device."""
 
 
-class Exchange(Protocol):
+class ExchangeBase(Protocol):
+    """What every exchange provides, whichever layer calls it."""
+
     def route(self, topk_idx: torch.Tensor, exact_rows: bool = False) -> ExchangeRouting:
         """Where every (token, slot) pair of topk_idx [T, k] (valid global ids) goes.
         exact_rows: size the call's tensors with a row per received pair by the pairs received,
         read on the host, where the exchange would size them for a capacity otherwise."""
+
+    def tokens_of_grouped_rows(self, routing: ExchangeRouting) -> torch.Tensor | None:
+        """[M] int32: the row of this rank's x that each grouped row of `dispatch` copies (EP 1),
+        so that a backward can read x through it instead of keeping the grouped rows (k copies
+        of x's rows); None where grouped rows hold other ranks' tokens."""
+
+    def pair_values(self, routing: ExchangeRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: pair (t, j)'s value from row_values [rows] fp32, one per grouped row
+        (the router weights' dots), back on the token's rank; 0 for pairs dropped for capacity."""
+
+    def dispatch_backward(
+        self,
+        routing: ExchangeRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Gradient of x [T, H] from the grouped rows' gradients, plus `extra`, in fixed order."""
+
+    def check(self) -> None:
+        """Raise what the device found since the last check (a host synchronization)."""
+
+    def reset(self) -> None:
+        """Make the exchange usable again after a failed wait on a peer (collective)."""
+
+    def release(self) -> None:
+        """Free the exchange's buffers."""
+
+
+class Exchange(ExchangeBase, Protocol):
+    """The staged exchange (the triton backend's): each copy runs before or after the expert
+    products, on the caller's stream."""
 
     def dispatch(self, routing: ExchangeRouting, x: torch.Tensor) -> torch.Tensor:
         """x [T, W] -> the rows this rank's experts take, grouped by local expert. W is the
@@ -45,11 +79,6 @@ class Exchange(Protocol):
 
     def expert_output_buffer(self) -> torch.Tensor | None:
         """Where the expert outputs may be written so that combine copies nothing, or None."""
-
-    def tokens_of_grouped_rows(self, routing: ExchangeRouting) -> torch.Tensor | None:
-        """[M] int32: the row of this rank's x that each grouped row of `dispatch` copies (EP 1),
-        so that a backward can read x through it instead of keeping the grouped rows (k copies
-        of x's rows); None where grouped rows hold other ranks' tokens."""
 
     def combine(
         self,
@@ -81,27 +110,6 @@ class Exchange(Protocol):
         unweighted, [rows, H]; each grouped row's pair's weight, [rows] fp32). A token's row
         crosses to each owner once, as x's does in `dispatch`."""
 
-    def pair_values(self, routing: ExchangeRouting, row_values: torch.Tensor) -> torch.Tensor:
-        """[T, k] fp32: pair (t, j)'s value from row_values [rows] fp32, one per grouped row
-        (the router weights' dots), back on the token's rank; 0 for pairs dropped for capacity."""
-
-    def dispatch_backward(
-        self,
-        routing: ExchangeRouting,
-        grad_grouped: torch.Tensor,
-        extra: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Gradient of x [T, H] from the grouped rows' gradients, plus `extra`, in fixed order."""
-
-    def check(self) -> None:
-        """Raise what the device found since the last check (a host synchronization)."""
-
-    def reset(self) -> None:
-        """Make the exchange usable again after a failed wait on a peer (collective)."""
-
-    def release(self) -> None:
-        """Free the exchange's buffers."""
-
 
 @dataclasses.dataclass(frozen=True)
 class ReceivedTokens:
@@ -119,11 +127,10 @@ class ReceivedTokens:
     stream joins (the senders' copies of x are valid until then)."""
 
 
-class OverlappedExchange(Exchange, Protocol):
+class OverlappedExchange(ExchangeBase, Protocol):
     """What the overlapped layer (`mok.backends.fused`) calls besides: copies that run on the
     caller's communication stream while the products wait per tile for their rows, and the
-    combine stored by the down product's epilogue (`LocalExchange`, `SymmetricExchange` with the
-    overlapped layout).
+    combine stored by the down product's epilogue (`LocalExchange`, `OverlappedSymmetricExchange`).
 
     A returned copy (`pull`) makes the tensors only it reads when it runs, on the stream it runs
     on: the caller may drop it once it is queued, keeping only the tensors returned beside it

@@ -226,16 +226,16 @@ class SymmetricRouting:
     flag_index: torch.Tensor
 
 
-class SymmetricExchange:
-    """Dispatch and combine of one expert-parallel group over NVLink symmetric memory.
+class SymmetricExchangeBase:
+    """What the exchanges of both buffer layouts share: the symmetric buffer, the route, the
+    barriers and bounded waits, and the calls whose regions every layout has (the dispatch's
+    backward, the router-weight values, the pair gradients).
 
-    The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
-    [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid (or as many
-    rows as were received, read on the host, after `route(..., exact_rows=True)`). Collective:
-    all ranks create it together and make the same calls in the same order. `programs` is the
-    number of SMs the NVLink copies use; local copies use every SM. `timeout_s` bounds every wait
-    on a peer. `memory` gives the buffers (None: `mok.comm.memory.symmetric_memory()`, PyTorch's
-    symmetric memory unless a test stands in for it).
+    Collective: all ranks create an exchange together and make the same calls in the same
+    order. `programs` is the number of SMs the NVLink copies use; local copies use every SM.
+    `timeout_s` bounds every wait on a peer. `memory` gives the buffers (None:
+    `mok.comm.memory.symmetric_memory()`, PyTorch's symmetric memory unless a test stands in
+    for it).
     """
 
     def __init__(
@@ -298,13 +298,6 @@ class SymmetricExchange:
         )
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
-        # Readiness of the grouped rows the overlapped layer copies beside its products (local):
-        # forward's stamped with the routing epoch, backward's with a count of backward calls
-        # (two backwards may follow one route: layers of one shape share the exchange).
-        blocks = triton.cdiv(s.pair_capacity, COPY_ROWS)
-        self.landed = torch.zeros(blocks, dtype=torch.int32, device=device)
-        self.landed_backward = torch.zeros(blocks, dtype=torch.int32, device=device)
-        self.backward_epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
         self._restart()
 
@@ -312,8 +305,9 @@ class SymmetricExchange:
         """Zero this rank's flags, signals, epochs, barrier sequence and status between two
         meetings of every rank on the host: the first once every rank's queued work (which may
         still write into its peers' flags) is done, the second once every rank has zeroed (no
-        peer may signal into a buffer not yet zeroed). The overlapped layer's flags go too: the
-        epochs restart, and a flag left at a value they reach again would pass before its rows."""
+        peer may signal into a buffer not yet zeroed). A layout's own flags go too
+        (`_local_flags`): the epochs restart, and a flag left at a value they reach again would
+        pass before its rows."""
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
         for tensor in (
@@ -321,14 +315,16 @@ class SymmetricExchange:
             self.view.signals.local,
             self.view.epoch,
             self.view.sequence,
-            self.landed,
-            self.landed_backward,
-            self.backward_epoch,
+            *self._local_flags(),
         ):
             tensor.zero_()
         self.view.status.zero_()
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
+
+    def _local_flags(self) -> tuple[torch.Tensor, ...]:
+        """This rank's flags and epochs beyond the buffer's, zeroed with them (`_restart`)."""
+        return ()
 
     def _finish_queued_work(self) -> None:
         if self.device.type == "cuda":
@@ -502,17 +498,245 @@ class SymmetricExchange:
             flag_index=rows.flag_index,
         )
 
-    def _require_plain_layout(self, call: str) -> None:
-        if self.shape.overlapped:
+    def _token_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, rank) in its sender's copy of x of each staging row (this call's route wrote
+        them: read before the next route, which overwrites them)."""
+        source = self.view.staging_source.local[: self.shape.token_capacity]
+        return source[:, 1].contiguous(), source[:, 0].contiguous()
+
+    def _pull_tokens(self, out: torch.Tensor, sources, count: torch.Tensor, programs: int) -> None:
+        """Load the first `count` staging rows' tokens from their senders' copies of x into `out`
+        [token_capacity, W], on `programs` programs (`sources`: `_token_sources`)."""
+        source_row, source_rank = sources
+        copy_rows(
+            out,
+            self.view.x_copy.local,
+            source_row,
+            count,
+            programs,
+            COPY_ROWS,
+            src_offsets=self.view.x_copy.offsets,
+            src_rank=source_rank,
+            **COPY_TILE,
+        )
+
+    def _pair_gradients_and_pull(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
+        programs: int,
+        flagged: bool,
+    ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
+        """The pair gradients written into this rank's buffer and the ranks met (on the current
+        stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
+        `pull` on `programs` programs from each row's token rank, flagging them in
+        `landed_backward` when `flagged`; the router weights' gradient [T, k])."""
+        if self.view.grad_pairs is None:
             raise ValueError(
-                f"SymmetricExchange.{call}: this exchange has the overlapped layout (no staging or "
-                "expert-output regions); use dispatch_overlapped / combine_target"
+                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
+                "pair gradients; its backward is unweighted_combine_backward"
             )
+        s = self.shape
+        tokens = grad_y.shape[0]
+        grad_w = pair_gradients(
+            grad_y.contiguous(),
+            topk_weights.contiguous(),
+            pair_out,
+            self.view.grad_pairs.local[: tokens * s.top_k],
+            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
+        )
+        if flagged:
+            self.backward_epoch.add_(1)
+        self._barrier("combine backward: pair gradients written")
+        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        flags = {"epoch": self.backward_epoch, "landed": self.landed_backward} if flagged else {}
+
+        def pull() -> None:
+            copy_rows(
+                grad_grouped,
+                self.view.grad_pairs.local,
+                routing.return_row,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=self.view.grad_pairs.offsets,
+                src_rank=routing.return_rank,
+                **flags,
+                **COPY_TILE,
+            )
+
+        return grad_grouped, pull, grad_w
+
+    def _push_row_weights(self, routing: SymmetricRouting, topk_weights: torch.Tensor) -> None:
+        """Store each pair's weight (fp32) at its grouped row of its owner's row_weights (pairs
+        dropped for capacity skipped); the owners read them after the next barrier."""
+        view, tokens = self.view, topk_weights.shape[0]
+        copy_rows(
+            view.row_weights.local,
+            topk_weights.float().reshape(-1, 1).contiguous(),
+            self._pair_rows(tokens).view(-1),
+            self._row_count(tokens * self.shape.top_k),
+            self.programs,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            dst_offsets=view.row_weights.offsets,
+            dst_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+
+    def tokens_of_grouped_rows(self, routing: SymmetricRouting) -> None:
+        """None: the grouped rows are the tokens other ranks sent (`received_tokens` keeps
+        those once each)."""
+        return None
+
+    def _row_count(self, rows: int) -> torch.Tensor:
+        """A [1] device tensor holding `rows` (the copy kernels read their row count there)."""
+        return self._constants.get(
+            ("count", rows), lambda: torch.full((1,), rows, dtype=torch.int64, device=self.device)
+        )
+
+    def _owner_of_part(self, tokens: int) -> torch.Tensor:
+        """[tokens * ep]: rank d for row t * ep + d."""
+        return self._constants.get(
+            ("owner of part", tokens),
+            lambda: torch.arange(self.ep_size, device=self.device).repeat(tokens),
+        )
+
+    def _part_rows(self, tokens: int) -> torch.Tensor:
+        """[tokens, ep]: row t * ep + d of a [tokens * ep, H] matrix holds owner d's part."""
+        ep = self.ep_size
+        return self._constants.get(
+            ("part rows", tokens),
+            lambda: torch.arange(tokens * ep, device=self.device).view(tokens, ep),
+        )
+
+    def _pair_rows(self, tokens: int) -> torch.Tensor:
+        """[tokens, k]: row t * k + j of a [tokens * k, H] matrix holds pair (t, j)."""
+        top_k = self.shape.top_k
+        return self._constants.get(
+            ("pair rows", tokens),
+            lambda: torch.arange(tokens * top_k, device=self.device).view(tokens, top_k),
+        )
+
+    def pair_values(self, routing: SymmetricRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: each pair's value of row_values [routing.rows] fp32 (first recv_pairs
+        valid) on its owner, 0 for pairs dropped for capacity. Collective (a barrier)."""
+        view = self.view
+        if view.row_dots is None:
+            raise ValueError(
+                "SymmetricExchange.pair_values needs an exchange shape with router_values=True"
+            )
+        rows = min(row_values.shape[0], self.shape.pair_capacity)
+        view.row_dots.local[:rows, 0].copy_(row_values[:rows])
+        self._barrier("combine backward: the rows' router-weight dots written")
+        tokens, top_k = routing.pair_row.shape
+        values = torch.empty(tokens * top_k, 1, dtype=torch.float32, device=self.device)
+        copy_rows(
+            values,
+            view.row_dots.local,
+            routing.pair_row.view(-1),
+            self._row_count(tokens * top_k),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=view.row_dots.offsets,
+            src_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        return values.view(tokens, top_k)
+
+    def dispatch_backward(
+        self,
+        routing: SymmetricRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """grad of x [T, H] from the grads of the grouped rows (first recv_pairs valid): summed
+        in fp32 per staging row (ascending grouped row), then per token over owners (ascending
+        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`. The sums on
+        every SM, the pull of the owners' rows on the exchange's `programs`."""
+        s = self.shape
+        self._sum_staging_gradients(routing, grad_grouped, self.local_sms)
+        self._barrier("dispatch backward: staging gradients summed")
+        tokens, ep = routing.token_slot.shape
+        parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
+        copy_rows(
+            parts,
+            self.view.grad_staging.local,
+            routing.token_slot.view(-1),
+            self._row_count(parts.shape[0]),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=self.view.grad_staging.offsets,
+            src_rank=self._owner_of_part(tokens),
+            **COPY_TILE,
+        )
+        grad_x = torch.empty(tokens, s.hidden, dtype=grad_grouped.dtype, device=self.device)
+        part_rows = torch.where(routing.token_slot >= 0, self._part_rows(tokens), -1)
+        reduce_rows(
+            grad_x,
+            parts,
+            part_rows,
+            self.local_sms,
+            tail=None if extra is None else extra.contiguous(),
+            **LOCAL_SUM,
+        )
+        return grad_x
+
+    def _sum_staging_gradients(
+        self, routing: SymmetricRouting, grad_grouped: torch.Tensor, programs: int
+    ) -> None:
+        """grad_staging[r] = the fp32 sum of the grads of the grouped rows read from staging row
+        r, ascending grouped row, for the staging rows received (peers read it after a barrier)."""
+        s = self.shape
+        fan_in = staging_fan_in(
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            s.token_capacity,
+            s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
+        )
+        reduce_rows(
+            self.view.grad_staging.local,
+            grad_grouped,
+            fan_in,
+            programs,
+            count=routing.recv_tokens,
+            **LOCAL_SUM,
+        )
+
+
+class SymmetricExchange(SymmetricExchangeBase):
+    """Dispatch and combine of one expert-parallel group over NVLink symmetric memory, in the
+    staged layout (the `triton` backend's): each call's copies run before or after the expert
+    products, through the staging and expert-output regions.
+
+    The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
+    [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid (or as many
+    rows as were received, read on the host, after `route(..., exact_rows=True)`). Arguments as
+    `SymmetricExchangeBase`'s; the shape's layout must not be the overlapped one
+    (`symmetric_exchange` picks the class of a shape).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        shape: ExchangeShape,
+        device: torch.device,
+        programs: int = 24,
+        memory: SymmetricMemory | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if shape.overlapped:
+            raise ValueError(
+                "SymmetricExchange takes the staged layout; an overlapped shape is "
+                "OverlappedSymmetricExchange's (symmetric_exchange picks the class of a shape)"
+            )
+        super().__init__(group, shape, device, programs, memory, timeout_s)
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
         """Rows x [T, W] -> grouped rows [routing.rows, W] (first recv_pairs valid); W the
         shape's dispatch_columns, of its dtype."""
-        self._require_plain_layout("dispatch")
         s = self.shape
         if x.dim() != 2 or x.shape[1] != s.dispatch_columns or x.dtype != s.dtype:
             raise ValueError(
@@ -562,6 +786,160 @@ class SymmetricExchange:
         )
         return grouped
 
+    def expert_output_buffer(self) -> torch.Tensor:
+        """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
+        nothing. Valid until the next `route`."""
+        return self.view.expert_out.local
+
+    def combine(
+        self,
+        routing: SymmetricRouting,
+        expert_out: torch.Tensor,
+        topk_weights: torch.Tensor,
+        shared_out: torch.Tensor | None = None,
+        save_pair_out: bool = True,
+        pair_out_mx: ScaleRounding | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
+        """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
+        order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out, or
+        with pair_out_mx their MXFP8 cast along H (`MXRows` [T * k, H], made by the sum's pass)."""
+        s = self.shape
+        buffer = self.view.expert_out.local
+        if expert_out.data_ptr() != buffer.data_ptr():
+            rows = min(expert_out.shape[0], s.pair_capacity)
+            buffer[:rows].copy_(expert_out[:rows])
+        self._barrier("combine: expert outputs written")
+        tokens = routing.pair_row.shape[0]
+        pair_out = torch.empty(tokens, s.top_k, s.hidden, dtype=buffer.dtype, device=self.device)
+        pairs = pair_out.view(-1, s.hidden)
+        copy_rows(
+            pairs,
+            buffer,
+            routing.pair_row.view(-1),
+            self._row_count(pairs.shape[0]),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=self.view.expert_out.offsets,
+            src_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        y = torch.empty(tokens, s.hidden, dtype=buffer.dtype, device=self.device)
+        gathered = None
+        if save_pair_out and pair_out_mx is not None:
+            gathered = MXRows.empty(pairs.shape[0], s.hidden, self.device)
+        reduce_rows(
+            y,
+            pairs,
+            self._pair_rows(tokens),
+            self.local_sms,
+            weight=topk_weights.contiguous(),
+            init=None if shared_out is None else shared_out.contiguous(),
+            gathered=gathered,
+            gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
+            **LOCAL_SUM,
+        )
+        if gathered is not None:
+            return y, gathered
+        return y, pair_out if save_pair_out else None
+
+    def combine_backward(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
+        the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
+        the summation order of their fp32 dot products); pair_out as `combine` saved it."""
+        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
+            routing, grad_y, topk_weights, pair_out, self.programs, flagged=False
+        )
+        pull()
+        return grad_grouped, grad_w
+
+    def unweighted_combine_backward(
+        self, routing: SymmetricRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y's row of each grouped row's token [routing.rows, H], first recv_pairs valid;
+        each grouped row's pair's weight [routing.rows] fp32): the values of
+        `CollectiveExchange.unweighted_combine_backward`. Needs the `router_values` layout.
+
+        Each token's row goes once to each owner, into its staging rows: nothing reads staging
+        between a forward's expand, done before that forward's combine barrier, and the next
+        route (a push dispatch writes it only after the route's barriers). No readiness flags:
+        the epoch's are the forward dispatch's already, so the barrier orders the stores."""
+        s, view = self.shape, self.view
+        if view.row_weights is None:
+            raise ValueError(
+                "SymmetricExchange.unweighted_combine_backward needs an exchange shape with "
+                "router_values=True"
+            )
+        if grad_y.dim() != 2 or grad_y.shape[1] != s.dispatch_columns or grad_y.dtype != s.dtype:
+            raise ValueError(
+                f"SymmetricExchange.unweighted_combine_backward takes rows of "
+                f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
+            )
+        push_rows(
+            grad_y.contiguous(),
+            routing.token_slot,
+            view.staging.local,
+            view.staging.offsets,
+            self.programs,
+            s.block_tokens,
+            **PUSH_TILE,
+        )
+        self._push_row_weights(routing, topk_weights)
+        self._barrier("combine backward: gradient rows and router weights pushed")
+        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        copy_rows(
+            grad_rows,
+            view.staging.local,
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            self.local_sms,
+            COPY_ROWS,
+            **COPY_TILE,
+        )
+        # A copy: the next backward's pushes rewrite the region once every rank passed this
+        # one's `pair_values` barrier, and the caller may keep the weights longer.
+        weights = view.row_weights.local[: routing.rows, 0].clone()
+        return grad_rows, weights
+
+
+class OverlappedSymmetricExchange(SymmetricExchangeBase):
+    """The exchange of the overlapped layer (the `fused` backend) over NVLink symmetric memory,
+    in the overlapped layout: the copies run on the caller's communication stream beside the
+    expert products, which wait per tile for their rows (`OverlappedExchange`), and the down
+    product stores each output straight into its token's rank. Arguments as
+    `SymmetricExchangeBase`'s; the shape's layout must be the overlapped one."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        shape: ExchangeShape,
+        device: torch.device,
+        programs: int = 24,
+        memory: SymmetricMemory | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        if not shape.overlapped:
+            raise ValueError(
+                "OverlappedSymmetricExchange takes the overlapped layout; a staged shape is "
+                "SymmetricExchange's (symmetric_exchange picks the class of a shape)"
+            )
+        # Readiness of the grouped rows copied beside the products (local): forward's stamped
+        # with the routing epoch, backward's with a count of backward calls (two backwards may
+        # follow one route: layers of one shape share the exchange).
+        blocks = triton.cdiv(shape.pair_capacity, COPY_ROWS)
+        self.landed = torch.zeros(blocks, dtype=torch.int32, device=device)
+        self.landed_backward = torch.zeros(blocks, dtype=torch.int32, device=device)
+        self.backward_epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        super().__init__(group, shape, device, programs, memory, timeout_s)
+
+    def _local_flags(self) -> tuple[torch.Tensor, ...]:
+        return (self.landed, self.landed_backward, self.backward_epoch)
+
     def dispatch_overlapped(
         self, routing: SymmetricRouting, x: torch.Tensor, programs: int, timeout_s: float
     ) -> tuple[torch.Tensor, Callable[[], None], RowsReady]:
@@ -572,8 +950,6 @@ class SymmetricExchange:
         COPY_ROWS rows once written (the RowsReady the gate/up product waits on beside it).
         Returns (grouped rows [routing.rows, H], first recv_pairs valid; pull; ready)."""
         s = self.shape
-        if not s.overlapped:
-            raise ValueError("dispatch_overlapped needs an exchange of the overlapped layout")
         if not s.pull_dispatch:
             return self._push_overlapped(routing, x, programs, timeout_s)
         self.view.x_copy.local[: x.shape[0]].copy_(x)
@@ -621,28 +997,6 @@ class SymmetricExchange:
 
         index = routing.grouped_to_staging[:rows].to(torch.int32)
         return ReceivedTokens(tokens, index, pull)
-
-    def _token_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, rank) in its sender's copy of x of each staging row (this call's route wrote
-        them: read before the next route, which overwrites them)."""
-        source = self.view.staging_source.local[: self.shape.token_capacity]
-        return source[:, 1].contiguous(), source[:, 0].contiguous()
-
-    def _pull_tokens(self, out: torch.Tensor, sources, count: torch.Tensor, programs: int) -> None:
-        """Load the first `count` staging rows' tokens from their senders' copies of x into `out`
-        [token_capacity, W], on `programs` programs (`sources`: `_token_sources`)."""
-        source_row, source_rank = sources
-        copy_rows(
-            out,
-            self.view.x_copy.local,
-            source_row,
-            count,
-            programs,
-            COPY_ROWS,
-            src_offsets=self.view.x_copy.offsets,
-            src_rank=source_rank,
-            **COPY_TILE,
-        )
 
     def _copied_rows(self, flags: torch.Tensor, epoch: torch.Tensor, timeout_s: float) -> RowsReady:
         """The readiness of grouped rows that a copy beside the products flags per COPY_ROWS."""
@@ -719,55 +1073,6 @@ class SymmetricExchange:
         ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
         return grad_grouped, pull, ready, grad_w
 
-    def _pair_gradients_and_pull(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        pair_out: torch.Tensor | MXRows,
-        programs: int,
-        flagged: bool,
-    ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
-        """The pair gradients written into this rank's buffer and the ranks met (on the current
-        stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
-        `pull` on `programs` programs from each row's token rank, flagging them in
-        `landed_backward` when `flagged`; the router weights' gradient [T, k])."""
-        if self.view.grad_pairs is None:
-            raise ValueError(
-                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
-                "pair gradients; its backward is unweighted_combine_backward"
-            )
-        s = self.shape
-        tokens = grad_y.shape[0]
-        grad_w = pair_gradients(
-            grad_y.contiguous(),
-            topk_weights.contiguous(),
-            pair_out,
-            self.view.grad_pairs.local[: tokens * s.top_k],
-            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
-        )
-        if flagged:
-            self.backward_epoch.add_(1)
-        self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        flags = {"epoch": self.backward_epoch, "landed": self.landed_backward} if flagged else {}
-
-        def pull() -> None:
-            copy_rows(
-                grad_grouped,
-                self.view.grad_pairs.local,
-                routing.return_row,
-                routing.recv_pairs,
-                programs,
-                COPY_ROWS,
-                src_offsets=self.view.grad_pairs.offsets,
-                src_rank=routing.return_rank,
-                **flags,
-                **COPY_TILE,
-            )
-
-        return grad_grouped, pull, grad_w
-
     def unweighted_combine_backward_overlapped(
         self,
         routing: SymmetricRouting,
@@ -820,23 +1125,6 @@ class SymmetricExchange:
 
         ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
         return grad_rows, pull, ready, weights
-
-    def _push_row_weights(self, routing: SymmetricRouting, topk_weights: torch.Tensor) -> None:
-        """Store each pair's weight (fp32) at its grouped row of its owner's row_weights (pairs
-        dropped for capacity skipped); the owners read them after the next barrier."""
-        view, tokens = self.view, topk_weights.shape[0]
-        copy_rows(
-            view.row_weights.local,
-            topk_weights.float().reshape(-1, 1).contiguous(),
-            self._pair_rows(tokens).view(-1),
-            self._row_count(tokens * self.shape.top_k),
-            self.programs,
-            COPY_ROWS,
-            dst_row=routing.pair_row.view(-1),
-            dst_offsets=view.row_weights.offsets,
-            dst_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
 
     def combine_target(
         self, routing: SymmetricRouting, hidden: int, dtype: torch.dtype
@@ -896,227 +1184,6 @@ class SymmetricExchange:
         )
         return y, pair_out
 
-    def tokens_of_grouped_rows(self, routing: SymmetricRouting) -> None:
-        """None: the grouped rows are the tokens other ranks sent (`received_tokens` keeps
-        those once each)."""
-        return None
-
-    def expert_output_buffer(self) -> torch.Tensor:
-        """[pair_capacity, H]: where the expert GEMM may write its outputs so combine copies
-        nothing. Valid until the next `route`."""
-        self._require_plain_layout("expert_output_buffer")
-        return self.view.expert_out.local
-
-    def combine(
-        self,
-        routing: SymmetricRouting,
-        expert_out: torch.Tensor,
-        topk_weights: torch.Tensor,
-        shared_out: torch.Tensor | None = None,
-        save_pair_out: bool = True,
-        pair_out_mx: ScaleRounding | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | MXRows | None]:
-        """y [T, H] from the grouped expert outputs (first recv_pairs rows), in the reference's
-        order; also the pairs' outputs [T, k, H] (for combine_backward) when save_pair_out, or
-        with pair_out_mx their MXFP8 cast along H (`MXRows` [T * k, H], made by the sum's pass)."""
-        self._require_plain_layout("combine")
-        s = self.shape
-        buffer = self.view.expert_out.local
-        if expert_out.data_ptr() != buffer.data_ptr():
-            rows = min(expert_out.shape[0], s.pair_capacity)
-            buffer[:rows].copy_(expert_out[:rows])
-        self._barrier("combine: expert outputs written")
-        tokens = routing.pair_row.shape[0]
-        pair_out = torch.empty(tokens, s.top_k, s.hidden, dtype=buffer.dtype, device=self.device)
-        pairs = pair_out.view(-1, s.hidden)
-        copy_rows(
-            pairs,
-            buffer,
-            routing.pair_row.view(-1),
-            self._row_count(pairs.shape[0]),
-            self.programs,
-            COPY_ROWS,
-            src_offsets=self.view.expert_out.offsets,
-            src_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
-        y = torch.empty(tokens, s.hidden, dtype=buffer.dtype, device=self.device)
-        gathered = None
-        if save_pair_out and pair_out_mx is not None:
-            gathered = MXRows.empty(pairs.shape[0], s.hidden, self.device)
-        reduce_rows(
-            y,
-            pairs,
-            self._pair_rows(tokens),
-            self.local_sms,
-            weight=topk_weights.contiguous(),
-            init=None if shared_out is None else shared_out.contiguous(),
-            gathered=gathered,
-            gathered_rounding=pair_out_mx or ScaleRounding.RCEIL,
-            **LOCAL_SUM,
-        )
-        if gathered is not None:
-            return y, gathered
-        return y, pair_out if save_pair_out else None
-
-    def _row_count(self, rows: int) -> torch.Tensor:
-        """A [1] device tensor holding `rows` (the copy kernels read their row count there)."""
-        return self._constants.get(
-            ("count", rows), lambda: torch.full((1,), rows, dtype=torch.int64, device=self.device)
-        )
-
-    def _owner_of_part(self, tokens: int) -> torch.Tensor:
-        """[tokens * ep]: rank d for row t * ep + d."""
-        return self._constants.get(
-            ("owner of part", tokens),
-            lambda: torch.arange(self.ep_size, device=self.device).repeat(tokens),
-        )
-
-    def _part_rows(self, tokens: int) -> torch.Tensor:
-        """[tokens, ep]: row t * ep + d of a [tokens * ep, H] matrix holds owner d's part."""
-        ep = self.ep_size
-        return self._constants.get(
-            ("part rows", tokens),
-            lambda: torch.arange(tokens * ep, device=self.device).view(tokens, ep),
-        )
-
-    def _pair_rows(self, tokens: int) -> torch.Tensor:
-        """[tokens, k]: row t * k + j of a [tokens * k, H] matrix holds pair (t, j)."""
-        top_k = self.shape.top_k
-        return self._constants.get(
-            ("pair rows", tokens),
-            lambda: torch.arange(tokens * top_k, device=self.device).view(tokens, top_k),
-        )
-
-    def combine_backward(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        pair_out: torch.Tensor | MXRows,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
-        the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
-        the summation order of their fp32 dot products); pair_out as `combine` saved it."""
-        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
-            routing, grad_y, topk_weights, pair_out, self.programs, flagged=False
-        )
-        pull()
-        return grad_grouped, grad_w
-
-    def unweighted_combine_backward(
-        self, routing: SymmetricRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grad_y's row of each grouped row's token [routing.rows, H], first recv_pairs valid;
-        each grouped row's pair's weight [routing.rows] fp32): the values of
-        `CollectiveExchange.unweighted_combine_backward`. Needs the `router_values` layout.
-
-        Each token's row goes once to each owner, into its staging rows: nothing reads staging
-        between a forward's expand, done before that forward's combine barrier, and the next
-        route (a push dispatch writes it only after the route's barriers). No readiness flags:
-        the epoch's are the forward dispatch's already, so the barrier orders the stores."""
-        self._require_plain_layout("unweighted_combine_backward")
-        s, view = self.shape, self.view
-        if view.row_weights is None:
-            raise ValueError(
-                "SymmetricExchange.unweighted_combine_backward needs an exchange shape with "
-                "router_values=True"
-            )
-        if grad_y.dim() != 2 or grad_y.shape[1] != s.dispatch_columns or grad_y.dtype != s.dtype:
-            raise ValueError(
-                f"SymmetricExchange.unweighted_combine_backward takes rows of "
-                f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
-            )
-        push_rows(
-            grad_y.contiguous(),
-            routing.token_slot,
-            view.staging.local,
-            view.staging.offsets,
-            self.programs,
-            s.block_tokens,
-            **PUSH_TILE,
-        )
-        self._push_row_weights(routing, topk_weights)
-        self._barrier("combine backward: gradient rows and router weights pushed")
-        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        copy_rows(
-            grad_rows,
-            view.staging.local,
-            routing.grouped_to_staging,
-            routing.recv_pairs,
-            self.local_sms,
-            COPY_ROWS,
-            **COPY_TILE,
-        )
-        # A copy: the next backward's pushes rewrite the region once every rank passed this
-        # one's `pair_values` barrier, and the caller may keep the weights longer.
-        weights = view.row_weights.local[: routing.rows, 0].clone()
-        return grad_rows, weights
-
-    def pair_values(self, routing: SymmetricRouting, row_values: torch.Tensor) -> torch.Tensor:
-        """[T, k] fp32: each pair's value of row_values [routing.rows] fp32 (first recv_pairs
-        valid) on its owner, 0 for pairs dropped for capacity. Collective (a barrier)."""
-        view = self.view
-        if view.row_dots is None:
-            raise ValueError(
-                "SymmetricExchange.pair_values needs an exchange shape with router_values=True"
-            )
-        rows = min(row_values.shape[0], self.shape.pair_capacity)
-        view.row_dots.local[:rows, 0].copy_(row_values[:rows])
-        self._barrier("combine backward: the rows' router-weight dots written")
-        tokens, top_k = routing.pair_row.shape
-        values = torch.empty(tokens * top_k, 1, dtype=torch.float32, device=self.device)
-        copy_rows(
-            values,
-            view.row_dots.local,
-            routing.pair_row.view(-1),
-            self._row_count(tokens * top_k),
-            self.programs,
-            COPY_ROWS,
-            src_offsets=view.row_dots.offsets,
-            src_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
-        return values.view(tokens, top_k)
-
-    def dispatch_backward(
-        self,
-        routing: SymmetricRouting,
-        grad_grouped: torch.Tensor,
-        extra: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """grad of x [T, H] from the grads of the grouped rows (first recv_pairs valid): summed
-        in fp32 per staging row (ascending grouped row), then per token over owners (ascending
-        rank), plus `extra` last, rounded once; the values of `CollectiveExchange`. The sums on
-        every SM, the pull of the owners' rows on the exchange's `programs`."""
-        s = self.shape
-        self._sum_staging_gradients(routing, grad_grouped, self.local_sms)
-        self._barrier("dispatch backward: staging gradients summed")
-        tokens, ep = routing.token_slot.shape
-        parts = torch.empty(tokens * ep, s.hidden, dtype=torch.float32, device=self.device)
-        copy_rows(
-            parts,
-            self.view.grad_staging.local,
-            routing.token_slot.view(-1),
-            self._row_count(parts.shape[0]),
-            self.programs,
-            COPY_ROWS,
-            src_offsets=self.view.grad_staging.offsets,
-            src_rank=self._owner_of_part(tokens),
-            **COPY_TILE,
-        )
-        grad_x = torch.empty(tokens, s.hidden, dtype=grad_grouped.dtype, device=self.device)
-        part_rows = torch.where(routing.token_slot >= 0, self._part_rows(tokens), -1)
-        reduce_rows(
-            grad_x,
-            parts,
-            part_rows,
-            self.local_sms,
-            tail=None if extra is None else extra.contiguous(),
-            **LOCAL_SUM,
-        )
-        return grad_x
-
     def dispatch_backward_overlapped(
         self,
         routing: SymmetricRouting,
@@ -1152,26 +1219,19 @@ class SymmetricExchange:
 
         return give_back
 
-    def _sum_staging_gradients(
-        self, routing: SymmetricRouting, grad_grouped: torch.Tensor, programs: int
-    ) -> None:
-        """grad_staging[r] = the fp32 sum of the grads of the grouped rows read from staging row
-        r, ascending grouped row, for the staging rows received (peers read it after a barrier)."""
-        s = self.shape
-        fan_in = staging_fan_in(
-            routing.grouped_to_staging,
-            routing.recv_pairs,
-            s.token_capacity,
-            s.top_k,  # not min(k, E_loc): a token may pick one expert more than once
-        )
-        reduce_rows(
-            self.view.grad_staging.local,
-            grad_grouped,
-            fan_in,
-            programs,
-            count=routing.recv_tokens,
-            **LOCAL_SUM,
-        )
+
+def symmetric_exchange(
+    group: dist.ProcessGroup | None,
+    shape: ExchangeShape,
+    device: torch.device,
+    programs: int = 24,
+    memory: SymmetricMemory | None = None,
+    timeout_s: float = 10.0,
+) -> SymmetricExchange | OverlappedSymmetricExchange:
+    """The exchange of `shape`'s layout (collective): `OverlappedSymmetricExchange` for the
+    overlapped layout, else `SymmetricExchange`."""
+    kind = OverlappedSymmetricExchange if shape.overlapped else SymmetricExchange
+    return kind(group, shape, device, programs, memory, timeout_s)
 
 
 _SHARED_EXCHANGES: dict[tuple, list] = {}
@@ -1183,7 +1243,7 @@ def acquire_exchange(
     device: torch.device,
     programs: int,
     timeout_s: float = 10.0,
-) -> SymmetricExchange:
+) -> SymmetricExchange | OverlappedSymmetricExchange:
     """The exchange of (group, device, shape, programs, timeout), created on first use (collective)
     and then shared by every user of the same key, e.g. all MoE layers of one shape: their calls
     follow one another on the stream, and every buffer is rewritten only behind a barrier that its
@@ -1193,13 +1253,13 @@ def acquire_exchange(
     key = (group.group_name, str(device), shape, programs, timeout_s)
     entry = _SHARED_EXCHANGES.get(key)
     if entry is None:
-        exchange = SymmetricExchange(group, shape, device, programs, timeout_s=timeout_s)
+        exchange = symmetric_exchange(group, shape, device, programs, timeout_s=timeout_s)
         entry = _SHARED_EXCHANGES[key] = [exchange, 0]
     entry[1] += 1
     return entry[0]
 
 
-def release_exchange(exchange: SymmetricExchange) -> None:
+def release_exchange(exchange: SymmetricExchange | OverlappedSymmetricExchange) -> None:
     """Drop one user of a shared exchange; the last one frees its buffers (collective then)."""
     for key, entry in list(_SHARED_EXCHANGES.items()):
         if entry[0] is exchange:
