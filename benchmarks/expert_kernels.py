@@ -60,9 +60,9 @@ from mok.kernels import (
     expert_mlp_backward,
     expert_mlp_forward,
     host,
+    warp_specialized,
 )
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import warp_specialized as ws
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.expert import swiglu
 from mok.testing import grouped_expert_reference, relative_error
@@ -365,13 +365,13 @@ def bench_table(rows, dense_equiv) -> str:
 
 GLUON_TILES = {
     "down": {
-        "gluon 64x256": ws.PING_PONG,
+        "gluon 64x256": warp_specialized.PING_PONG,
         "gluon 128x128 coop": GemmTiles(128, 128, 64, num_warps=4, num_stages=4),
-        "gluon 128x256 coop": ws.COOPERATIVE,
+        "gluon 128x256 coop": warp_specialized.COOPERATIVE,
     },
     "gate_up": {
-        "gluon 64x128": ws.SWIGLU_PING_PONG,
-        "gluon 128x128 coop": ws.SWIGLU_COOPERATIVE,
+        "gluon 64x128": warp_specialized.SWIGLU_PING_PONG,
+        "gluon 128x128 coop": warp_specialized.SWIGLU_COOPERATIVE,
     },
     "wgrad": {
         "gluon 64x128": GemmTiles(64, 128, 64, num_warps=4, num_stages=6),
@@ -385,12 +385,12 @@ DGRAD_TILES = {
         # The tl kernel at the Gluon kernels' BLOCK_K: its results are the bitwise reference (the
         # two products alternate every BLOCK_K columns of the reduction).
         "tl 128x128 bk64": GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
-        "gluon 64x256": ws.PING_PONG,
-        "gluon 128x256 coop": ws.COOPERATIVE,
+        "gluon 64x256": warp_specialized.PING_PONG,
+        "gluon 128x256 coop": warp_specialized.COOPERATIVE,
     },
     "down_dgrad": {
-        "gluon 64x128": ws.DGRAD_SWIGLU_PING_PONG,
-        "gluon 128x128 coop": ws.DGRAD_SWIGLU_COOPERATIVE,
+        "gluon 64x128": warp_specialized.DGRAD_SWIGLU_PING_PONG,
+        "gluon 128x128 coop": warp_specialized.DGRAD_SWIGLU_COOPERATIVE,
     },
 }
 CUTLASS = "torch._grouped_mm, GEMM alone"
@@ -488,10 +488,10 @@ def row_product(
     def runner(label, cfg):
         tl_kernel = label.startswith("tl")
         if down:
-            kernel = gg.down if tl_kernel else ws.rows_wt
+            kernel = gg.down if tl_kernel else warp_specialized.down
             bias = biases[0] if gpt_oss else None
             return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg, bias=bias)
-        kernel = gg.gate_up_swiglu if tl_kernel else ws.gate_up_swiglu
+        kernel = gg.gate_up_swiglu if tl_kernel else warp_specialized.gate_up_swiglu
         return lambda i: kernel(
             sets[i][0], *weights, maps[i, cfg.block_m], limit, True, cfg, **options
         )
@@ -596,12 +596,12 @@ def data_gradient(
     def runner(label, cfg):
         tl_kernel = label.startswith("tl")
         if down:
-            kernel = gg.down_dgrad_swiglu if tl_kernel else ws.down_dgrad_swiglu
+            kernel = gg.down_dgrad_swiglu if tl_kernel else warp_specialized.down_dgrad_swiglu
             limit, options = (GPT_OSS_LIMIT, {"activation": GPT_OSS}) if gpt_oss else (None, {})
             return lambda i: kernel(
                 sets[i][0], weights[0], sets[i][1], maps[i, cfg.block_m], limit, cfg, **options
             )
-        kernel = gg.gate_up_dgrad if tl_kernel else ws.gate_up_dgrad
+        kernel = gg.gate_up_dgrad if tl_kernel else warp_specialized.gate_up_dgrad
         return lambda i: kernel(sets[i][0], *weights, maps[i, cfg.block_m], cfg)
 
     fns = {label: runner(label, cfg) for label, cfg in configs.items()}
@@ -661,17 +661,21 @@ def weight_gradient(
     default = default_config(torch.device("cuda"), hidden, inter, m / experts)
     tl_cfg = default.down_wgrad if down else default.gate_up_wgrad
     # The Gluon kernel takes gradients whose P is a multiple of 64 rows (`wgrad_supported`).
-    gluon = {label: cfg for label, cfg in GLUON_TILES["wgrad"].items() if p % ws.CONSUMER_ROWS == 0}
+    gluon = {
+        label: cfg
+        for label, cfg in GLUON_TILES["wgrad"].items()
+        if p % warp_specialized.CONSUMER_ROWS == 0
+    }
     configs = {f"tl {tl_cfg.block_m}x{tl_cfg.block_n}": tl_cfg, **gluon}
 
     def run(label, cfg, i, grads, accumulate):
         a, b, offsets = sets[i]
         tl_kernel = label.startswith("tl")
         if down:
-            kernel = gg.down_wgrad if tl_kernel else ws.down_wgrad
+            kernel = gg.down_wgrad if tl_kernel else warp_specialized.down_wgrad
             kernel(a, b, offsets, *grads, accumulate, cfg)
         else:
-            kernel = gg.gate_up_wgrad if tl_kernel else ws.gate_up_wgrad
+            kernel = gg.gate_up_wgrad if tl_kernel else warp_specialized.gate_up_wgrad
             kernel(a, b, offsets, *grads, accumulate, accumulate, cfg)
 
     def buffers(dtype):
@@ -806,22 +810,22 @@ def building_block(
             rank=rank,
         )
         fns = {
-            f"gluon {tile_label} tma rows": lambda: ws.rows_wt(
+            f"gluon {tile_label} tma rows": lambda: warp_specialized.down(
                 gathered_first, *weights, tiles, cfg
             ),
-            f"gluon {tile_label} gathered": lambda: ws.rows_wt(
+            f"gluon {tile_label} gathered": lambda: warp_specialized.down(
                 source, *weights, tiles, cfg, source_rows=index
             ),
-            f"gluon {tile_label} gathered + peer stores": lambda: ws.rows_wt_scatter(
+            f"gluon {tile_label} gathered + peer stores": lambda: warp_specialized.down_scatter(
                 source, *weights, tiles, scatter, cfg, source_rows=index
             ),
         }
     else:
         fns = {
-            f"gluon {tile_label} tma rows": lambda: ws.gate_up_swiglu(
+            f"gluon {tile_label} tma rows": lambda: warp_specialized.gate_up_swiglu(
                 gathered_first, *weights, tiles, None, True, cfg
             )[0],
-            f"gluon {tile_label} gathered": lambda: ws.gate_up_swiglu(
+            f"gluon {tile_label} gathered": lambda: warp_specialized.gate_up_swiglu(
                 source, *weights, tiles, None, True, cfg, source_rows=index
             )[0],
         }
@@ -830,7 +834,7 @@ def building_block(
     reference = next(iter(results.values()))
     if down:
         counts.zero_()
-        ws.rows_wt_scatter(source, *weights, tiles, scatter, cfg, source_rows=index)
+        warp_specialized.down_scatter(source, *weights, tiles, scatter, cfg, source_rows=index)
         landed = torch.cat([buffers[d][dest_row[dest_rank == d].long()] for d in range(ep)])
         order = torch.cat([(dest_rank == d).nonzero().flatten() for d in range(ep)])
         results[f"gluon {tile_label} gathered + peer stores"] = torch.empty_like(reference)

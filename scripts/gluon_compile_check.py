@@ -61,8 +61,7 @@ def compile_only(compiled: list):
     """Within: kernel launches compile and record (name, CompiledKernel) instead of running, with
     the persistent grid of an H200 (one program per SM)."""
     from mok.kernels import grouped_gemm as gg
-    from mok.kernels import mx
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import mx, warp_specialized
 
     def warmup(self, grid):
         def run(*args, **kwargs):
@@ -76,14 +75,16 @@ def compile_only(compiled: list):
     try:
         with (
             mock.patch.object(JITFunction, "__getitem__", warmup),
-            mock.patch.object(ws, "num_programs", lambda device, tasks, cfg: H200_SMS),
+            mock.patch.object(
+                warp_specialized, "num_programs", lambda device, tasks, cfg: H200_SMS
+            ),
             mock.patch.object(gg, "num_programs", lambda device, tasks, cfg: H200_SMS),
             mock.patch.object(mx, "num_programs", lambda device, tasks, cfg: H200_SMS),
             mock.patch.object(
                 mx, "_group_cast_kernel_is_gluon", lambda kernel, device, token_values: True
             ),
             mock.patch.object(gg, "use_scratch_allocator", lambda device: None),
-            mock.patch.object(ws, "available", lambda device: True),
+            mock.patch.object(warp_specialized, "available", lambda device: True),
         ):
             yield
     finally:
@@ -141,7 +142,7 @@ class _StandInClaims:
 
 def cases():
     """(label, callable) for each row-tiled kernel mode and tiling used or benchmarked."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
     from mok.kernels.host import SWIGLU, Activation, GemmTiles, RowScatter, RowsReady, RowTiles
 
     def tiles(cfg):
@@ -158,9 +159,9 @@ def cases():
     gate_up = torch.zeros(m, 2 * inter, dtype=bf16)
     grad, other_grad = gate_up[:, :inter], gate_up[:, inter:]
     single = {
-        "64x256": ws.PING_PONG,
+        "64x256": warp_specialized.PING_PONG,
         "64x128": GemmTiles(64, 128, 64, 4, 6),
-        "128x256 cooperative": ws.COOPERATIVE,
+        "128x256 cooperative": warp_specialized.COOPERATIVE,
     }
     source_rows = torch.zeros(m, dtype=torch.int32)
     int64 = torch.zeros(2, dtype=torch.int64)
@@ -174,34 +175,53 @@ def cases():
         rank=0,
     )
     for label, cfg in single.items():
-        down = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x)
-        gathered = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x, source_rows=source_rows)
-        scattered = ws._RowsProblem(
-            ws.ROWS_WT.value, grad, w_down, x, source_rows=source_rows, scatter=scatter
+        down = warp_specialized._RowsProblem(warp_specialized.DOWN.value, grad, w_down, x)
+        gathered = warp_specialized._RowsProblem(
+            warp_specialized.DOWN.value, grad, w_down, x, source_rows=source_rows
         )
-        yield f"down gather {label}", lambda p=gathered, c=cfg: ws._launch(p, tiles(c), c)
+        scattered = warp_specialized._RowsProblem(
+            warp_specialized.DOWN.value, grad, w_down, x, source_rows=source_rows, scatter=scatter
+        )
+        yield (
+            f"down gather {label}",
+            lambda p=gathered, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
         # K not a multiple of BLOCK_K (nor of 16 elements): the gather's column mask.
-        ragged = ws._RowsProblem(
-            ws.ROWS_WT.value,
+        ragged = warp_specialized._RowsProblem(
+            warp_specialized.DOWN.value,
             grad[:, :136],
             w_down[:, :, :136].contiguous(),
             x,
             source_rows=source_rows,
         )
-        yield f"down gather K=136 {label}", lambda p=ragged, c=cfg: ws._launch(p, tiles(c), c)
-        yield f"down gather+scatter {label}", lambda p=scattered, c=cfg: ws._launch(p, tiles(c), c)
-        dgrad = ws._RowsProblem(ws.GATE_UP_DGRAD.value, grad, w_gate, x, other_grad, w_gate)
-        yield f"down {label}", lambda p=down, c=cfg: ws._launch(p, tiles(c), c)
-        yield f"gate_up_dgrad {label}", lambda p=dgrad, c=cfg: ws._launch(p, tiles(c), c)
-    swiglu = {"64x128": ws.SWIGLU_PING_PONG, "128x128 cooperative": ws.SWIGLU_COOPERATIVE}
+        yield (
+            f"down gather K=136 {label}",
+            lambda p=ragged, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
+        yield (
+            f"down gather+scatter {label}",
+            lambda p=scattered, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
+        dgrad = warp_specialized._RowsProblem(
+            warp_specialized.GATE_UP_DGRAD.value, grad, w_gate, x, other_grad, w_gate
+        )
+        yield f"down {label}", lambda p=down, c=cfg: warp_specialized._launch(p, tiles(c), c)
+        yield (
+            f"gate_up_dgrad {label}",
+            lambda p=dgrad, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
+    swiglu = {
+        "64x128": warp_specialized.SWIGLU_PING_PONG,
+        "128x128 cooperative": warp_specialized.SWIGLU_COOPERATIVE,
+    }
     dgrad_swiglu = {
-        "64x128": ws.DGRAD_SWIGLU_PING_PONG,
-        "128x128 cooperative": ws.DGRAD_SWIGLU_COOPERATIVE,
+        "64x128": warp_specialized.DGRAD_SWIGLU_PING_PONG,
+        "128x128 cooperative": warp_specialized.DGRAD_SWIGLU_COOPERATIVE,
     }
 
     def swiglu_problem(limit=None, source=None, ready=None):
-        return ws._RowsProblem(
-            ws.GATE_UP_SWIGLU.value,
+        return warp_specialized._RowsProblem(
+            warp_specialized.GATE_UP_SWIGLU.value,
             x,
             w_gate,
             grad,
@@ -214,8 +234,8 @@ def cases():
 
     def dgrad_problem(limit=None, activation=SWIGLU, weighted=False, ready=None):
         weighting = (torch.zeros(m, inter, dtype=bf16), torch.zeros(m)) if weighted else None
-        return ws._RowsProblem(
-            ws.DOWN_DGRAD_SWIGLU.value,
+        return warp_specialized._RowsProblem(
+            warp_specialized.DOWN_DGRAD_SWIGLU.value,
             x,
             w_down,
             torch.zeros_like(gate_up),
@@ -230,55 +250,66 @@ def cases():
     ready = RowsReady(flags, 32, flags[:1], torch.zeros(4, dtype=torch.int64), 1.0, 0)
     for label, cfg in swiglu.items():
         problem = swiglu_problem(source=source_rows)
-        yield f"gate_up_swiglu gather {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+        yield (
+            f"gate_up_swiglu gather {label}",
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
         problem = swiglu_problem(ready=ready)
-        yield f"gate_up_swiglu waiting {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+        yield (
+            f"gate_up_swiglu waiting {label}",
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
     claiming = _StandInClaims()
     for label, cfg in swiglu.items():
         claimed = dataclasses.replace(cfg, claims=claiming)
         problem = swiglu_problem(ready=ready)
         yield (
             f"gate_up_swiglu waiting, claiming {label}",
-            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=claimed: warp_specialized._launch(p, tiles(c), c),
         )
         problem = swiglu_problem(source=source_rows)
         yield (
             f"gate_up_swiglu gather, claiming {label}",
-            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=claimed: warp_specialized._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():
         problem = dgrad_problem(weighted=True)
         yield (
             f"down_dgrad_swiglu weighted {label}",
-            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
         )
         # The fused backward's form: the rows land beside the product, its tasks claimed.
         problem = dgrad_problem(weighted=True, ready=ready)
         weighted_claimed = dataclasses.replace(cfg, claims=claiming)
         yield (
             f"down_dgrad_swiglu weighted waiting, claiming {label}",
-            lambda p=problem, c=weighted_claimed: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=weighted_claimed: warp_specialized._launch(p, tiles(c), c),
         )
         problem = dgrad_problem()
         claimed = dataclasses.replace(cfg, claims=claiming)
         yield (
             f"down_dgrad_swiglu claiming {label}",
-            lambda p=problem, c=claimed: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=claimed: warp_specialized._launch(p, tiles(c), c),
         )
     offsets = torch.zeros(experts + 1, dtype=torch.int32)
-    for dtype, cfg in ((bf16, ws.WGRAD_TILES.half), (torch.float32, ws.WGRAD_TILES.single)):
+    for dtype, cfg in (
+        (bf16, warp_specialized.WGRAD_TILES.half),
+        (torch.float32, warp_specialized.WGRAD_TILES.single),
+    ):
         grads = (torch.zeros(experts, inter, hidden, dtype=dtype),) * 2
         for claims in (None, claiming):
             c = dataclasses.replace(cfg, claims=claims)
             yield (
                 f"wgrad gate_up {dtype} {cfg.block_m}x{cfg.block_n}"
                 + (" claiming" if claims else ""),
-                lambda c=c, g=grads: ws._group_at_b(gate_up, x, offsets, g, (True, False), c),
+                lambda c=c, g=grads: warp_specialized._launch_weight_gradients(
+                    gate_up, x, offsets, g, (True, False), c
+                ),
             )
             yield (
                 f"wgrad gate_up {dtype} {cfg.block_m}x{cfg.block_n} gather"
                 + (" claiming" if claims else ""),
-                lambda c=c, g=grads: ws._group_at_b(
+                lambda c=c, g=grads: warp_specialized._launch_weight_gradients(
                     gate_up, x, offsets, g, (True, False), c, source_rows=source_rows
                 ),
             )
@@ -287,13 +318,13 @@ def cases():
             problem = swiglu_problem(limit)
             yield (
                 f"gate_up_swiglu {label} limit={limit}",
-                lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+                lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
             )
         for label, cfg in dgrad_swiglu.items():
             problem = dgrad_problem(limit)
             yield (
                 f"down_dgrad_swiglu {label} limit={limit}",
-                lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+                lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
             )
     # gpt-oss's experts: its activation, clamp and biases.
     gpt_oss = Activation(1.702, 1.0)
@@ -305,21 +336,26 @@ def cases():
         )
         yield (
             f"gate_up_swiglu gpt-oss gather {label}",
-            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
         )
     for label, cfg in dgrad_swiglu.items():
         problem = dgrad_problem(7.0, gpt_oss)
         yield (
             f"down_dgrad_swiglu gpt-oss {label}",
-            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
         )
     for label, cfg in single.items():
-        problem = ws._RowsProblem(ws.ROWS_WT.value, grad, w_down, x, bias=bias_h)
-        yield f"down bias {label}", lambda p=problem, c=cfg: ws._launch(p, tiles(c), c)
+        problem = warp_specialized._RowsProblem(
+            warp_specialized.DOWN.value, grad, w_down, x, bias=bias_h
+        )
+        yield (
+            f"down bias {label}",
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
+        )
         problem = dataclasses.replace(problem, source_rows=source_rows, scatter=scatter)
         yield (
             f"down bias gather+scatter {label}",
-            lambda p=problem, c=cfg: ws._launch(p, tiles(c), c),
+            lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
         )
 
 

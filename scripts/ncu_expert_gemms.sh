@@ -11,7 +11,7 @@ mkdir -p "$out"
 # The tensor pipe's wgmma activity, where this ncu knows the metric under that name.
 gmma=$(ncu --query-metrics --chip gh100 2>/dev/null | awk '$1 ~ /^sm__pipe_tensor_op_gmma_cycles_active$/ {print $1}')
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-ncu --clock-control none -k 'regex:_rows_wt_kernel|_group_at_b_kernel' --launch-count "$launches" \
+ncu --clock-control none -k 'regex:_row_tiles_kernel|_weight_gradient_kernel' --launch-count "$launches" \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section WarpStateStats --section SchedulerStats --section LaunchStats \
   ${gmma:+--metrics "$gmma.avg.pct_of_peak_sustained_active"} \

@@ -344,14 +344,16 @@ def test_the_weights_are_rows_the_hopper_kernels_read_in_place(name):
     the slower tl kernels, as contiguity checks once did (1.08x / 1.27x slower at qwen3-30b-a3b).
     gpt-oss's gate and up interleave along I: every other row of gate_up_proj, each expert's I
     rows 2H elements apart."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     _, model = build(name, mok_transformers.IMPLEMENTATION)
     modules = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     assert modules
     for module in modules:
         weights = mok_transformers._weights(module)
-        gate, up, down = (ws._expert_rows(w) for w in (weights.gate, weights.up, weights.down))
+        gate, up, down = (
+            warp_specialized._expert_rows(w) for w in (weights.gate, weights.up, weights.down)
+        )
         assert None not in (gate, up, down)
         if name == "gpt-oss":
             inter, hidden = weights.gate.shape[1:]

@@ -187,19 +187,19 @@ def test_one_gpu_backward_reads_x_instead_of_keeping_the_grouped_rows(backend, m
     with the index, one without), bitwise its product on TMA tiles of the grouped rows. Bugs
     caught: a compiled-only error in the gathering loader at EP 1 (x has T rows where the index
     has T x k), the kernel silently swapped for the tl fallback."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     device = torch.device("cuda")
     config = dict(preset_configs(num_experts=12))["qwen3-30b-a3b"]
     config = config.replace(backend=backend, graphs="off")
     inputs = rank_inputs(config, 250, "zipf", 7, device)
-    launch, gathered = ws.gate_up_wgrad, []
+    launch, gathered = warp_specialized.gate_up_wgrad, []
 
     def recording(*args, source_rows=None, **options):
         gathered.append(source_rows is not None)
         return launch(*args, source_rows=source_rows, **options)
 
-    monkeypatch.setattr(ws, "gate_up_wgrad", recording)
+    monkeypatch.setattr(warp_specialized, "gate_up_wgrad", recording)
     results, kept = without_and_with_grouped_rows(config, inputs, device, monkeypatch)
     assert_x_read_in_place_of_the_grouped_rows(results, kept, 250, config)
     assert gathered == [True, False]

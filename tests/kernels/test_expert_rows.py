@@ -8,11 +8,11 @@ a silent copy."""
 import pytest
 import torch
 
-from mok.kernels import warp_specialized as ws
+from mok.kernels import warp_specialized
 
 
 def _rows_match(w: torch.Tensor) -> None:
-    rows, per_expert = ws._expert_rows(w)
+    rows, per_expert = warp_specialized._expert_rows(w)
     assert rows.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()  # a view
     assert rows.data_ptr() == w.data_ptr()
     end = rows.storage_offset() + (rows.shape[0] - 1) * rows.stride(0) + rows.shape[1]
@@ -25,7 +25,7 @@ def _rows_match(w: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_contiguous_experts_are_one_row_block_each(dtype):
     w = torch.randn(3, 40, 64).to(dtype)
-    rows, per_expert = ws._expert_rows(w)
+    rows, per_expert = warp_specialized._expert_rows(w)
     assert per_expert == 40 and rows.shape == (120, 64)
     _rows_match(w)
 
@@ -34,7 +34,7 @@ def test_the_halves_of_a_fused_gate_up_tensor_keep_its_expert_distance():
     fused = torch.randn(4, 2 * 24, 32).bfloat16()  # [E, 2I, H]
     gate, up = fused[:, :24], fused[:, 24:]
     for half in (gate, up):
-        rows, per_expert = ws._expert_rows(half)
+        rows, per_expert = warp_specialized._expert_rows(half)
         assert per_expert == 48 and rows.shape == (3 * 48 + 24, 32)
         _rows_match(half)
 
@@ -45,20 +45,26 @@ def test_interleaved_gate_and_up_are_rows_twice_their_width_apart():
     fused = torch.randn(4, 2 * 24, 32).bfloat16()  # [E, 2I, H], gate and up interleaved
     gate, up = fused[:, ::2], fused[:, 1::2]
     for half in (gate, up):
-        rows, per_expert = ws._expert_rows(half)
+        rows, per_expert = warp_specialized._expert_rows(half)
         assert per_expert == 24 and rows.shape == (4 * 24, 32) and rows.stride() == (64, 1)
         _rows_match(half)
 
 
 def test_weights_not_laid_out_as_rows_are_refused():
     w = torch.randn(2, 16, 64).bfloat16()
-    assert ws._expert_rows(w.transpose(1, 2)) is None  # gpt-oss's [E, H, 2I] read along H
-    assert ws._expert_rows(w[:, :, ::2]) is None  # every other column
-    assert ws._expert_rows(torch.randn(2, 16, 20).bfloat16()[..., :16]) is None  # 40-byte rows
-    assert ws._expert_rows(w[:0]) is None  # no experts
-    assert ws._expert_rows(torch.randn(2, 16, 12).bfloat16()) is None  # 24-byte rows (TMA: 16)
+    assert (
+        warp_specialized._expert_rows(w.transpose(1, 2)) is None
+    )  # gpt-oss's [E, H, 2I] read along H
+    assert warp_specialized._expert_rows(w[:, :, ::2]) is None  # every other column
+    assert (
+        warp_specialized._expert_rows(torch.randn(2, 16, 20).bfloat16()[..., :16]) is None
+    )  # 40-byte rows
+    assert warp_specialized._expert_rows(w[:0]) is None  # no experts
+    assert (
+        warp_specialized._expert_rows(torch.randn(2, 16, 12).bfloat16()) is None
+    )  # 24-byte rows (TMA: 16)
     overlapping = w.as_strided((2, 16, 64), (8 * 64, 64, 1))  # experts sharing rows
-    assert ws._expert_rows(overlapping) is None
+    assert warp_specialized._expert_rows(overlapping) is None
 
 
 def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
@@ -67,7 +73,7 @@ def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
     from mok.kernels import host
 
     m, hidden, inter, experts = 128, 64, 32, 2
-    cfg = ws.PING_PONG
+    cfg = warp_specialized.PING_PONG
     capacity = m // cfg.block_m + experts + 2
     tiles = host.RowTiles(
         torch.zeros(3, capacity, dtype=torch.int32),
@@ -77,12 +83,14 @@ def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
     )
     rows, out = torch.zeros(m, hidden).bfloat16(), torch.zeros(m, inter).bfloat16()
     wide = torch.zeros(experts, inter, hidden + 4).bfloat16()  # 136-byte rows: not for TMA
-    sliced = ws._RowsProblem(ws.ROWS_WT.value, rows, wide[:, :, :hidden], out)
+    sliced = warp_specialized._RowsProblem(
+        warp_specialized.DOWN.value, rows, wide[:, :, :hidden], out
+    )
     with pytest.raises(ValueError, match="rows of one 2-D view"):
-        ws._launch(sliced, tiles, cfg)
+        warp_specialized._launch(sliced, tiles, cfg)
     fused = torch.zeros(experts, 2 * inter, hidden).bfloat16()
-    mixed = ws._RowsProblem(
-        ws.GATE_UP_SWIGLU.value,
+    mixed = warp_specialized._RowsProblem(
+        warp_specialized.GATE_UP_SWIGLU.value,
         rows,
         fused[:, :inter],
         out,
@@ -90,4 +98,4 @@ def test_a_launch_on_weights_it_cannot_read_raises_before_anything_runs():
         gate_up=torch.zeros(m, 2 * inter).bfloat16(),
     )
     with pytest.raises(ValueError, match="rows apart"):
-        ws._launch(mixed, tiles, cfg)
+        warp_specialized._launch(mixed, tiles, cfg)

@@ -53,7 +53,7 @@ KNOWN_SPILL_BYTES = {
 
 @pytest.mark.skipif(not PTXAS.is_dir(), reason="Triton without its NVIDIA backend (ptxas)")
 def test_every_gluon_kernel_compiles_for_hopper_within_its_resources(tmp_path):
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     out = tmp_path / "gluon.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -80,5 +80,5 @@ def test_every_gluon_kernel_compiles_for_hopper_within_its_resources(tmp_path):
             assert row["shared"] == 0 and row["registers"] <= 128, row
         else:
             assert 0 < row["shared"] <= 232448, row
-        assert row["registers"] <= ws.MAX_REGISTERS, row
+        assert row["registers"] <= warp_specialized.MAX_REGISTERS, row
         assert row["spill_bytes"] <= KNOWN_SPILL_BYTES.get(row["label"], 0), row

@@ -220,8 +220,7 @@ def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
     equal those of Triton's own launches bit for bit, for inputs that change values and
     addresses from call to call (the earlier ones kept alive: an encoding of an earlier call's
     tensor would read its values instead)."""
-    from mok.kernels import expert_mlp
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import expert_mlp, warp_specialized
 
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     experts, hidden, inter, rows = 4, 256, 128, 700
@@ -237,7 +236,7 @@ def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
         out, saved = expert_mlp.expert_mlp_forward(x, offsets, w_gate, w_up, w_down)
         return [out[:690], *expert_mlp.expert_mlp_backward(grad, saved)]
 
-    gluon_kernels = (ws._rows_wt_kernel, ws._group_at_b_kernel)
+    gluon_kernels = (warp_specialized._row_tiles_kernel, warp_specialized._weight_gradient_kernel)
     for kernel in gluon_kernels:
         kernel._direct.clear()  # other tests of this process launched other shapes
     kept = []
@@ -249,10 +248,11 @@ def test_the_expert_kernels_launch_directly_with_tritons_results(monkeypatch):
         monkeypatch.setenv("MOK_TRITON_LAUNCH", "fast")
         for got, want in zip(run(x, grad), expected, strict=True):
             assert torch.equal(got, want)
-    if ws.available(torch.device(DEVICE)):
+    if warp_specialized.available(torch.device(DEVICE)):
         for kernel in gluon_kernels:
             assert kernel._direct and all(d is not None for d in kernel._direct.values())
-            # One key per product (four modes of _rows_wt, two of _group_at_b): keys repeat.
+            # One key per product (four modes of _row_tiles_kernel, two of
+            # _weight_gradient_kernel): keys repeat.
             assert len(kernel._direct) <= 4
             # Triton 3.6's launcher: the descriptors' encodings kept, one per distinct tensor.
             assert all(d.encoded is not None for d in kernel._direct.values())

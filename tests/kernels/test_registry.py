@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import warp_specialized as ws
+from mok.kernels import warp_specialized
 from mok.kernels.expert_mlp import ExpertKernelConfig
 from mok.kernels.host import GemmTiles
 from mok.kernels.registry import Product, pick, runs_gluon
@@ -27,10 +27,10 @@ TL_TILES = {
 """Six distinct tl tiles (group_m tells them apart), so that a product given another's fails."""
 CONFIG = ExpertKernelConfig(
     **TL_TILES,
-    warp_specialized_gate_up=ws.SWIGLU_PING_PONG,
-    warp_specialized_down=ws.COOPERATIVE,
-    warp_specialized_dgrad=ws.DGRAD_TILES,
-    warp_specialized_wgrad=ws.WGRAD_TILES,
+    warp_specialized_gate_up=warp_specialized.SWIGLU_PING_PONG,
+    warp_specialized_down=warp_specialized.COOPERATIVE,
+    warp_specialized_dgrad=warp_specialized.DGRAD_TILES,
+    warp_specialized_wgrad=warp_specialized.WGRAD_TILES,
 )
 
 
@@ -59,14 +59,17 @@ def _operands(product: Product, grad_dtype=torch.bfloat16) -> tuple:
 
 
 GLUON = {
-    Product.GATE_UP: (ws.SWIGLU_PING_PONG, ws.gate_up_swiglu),
-    Product.DOWN: (ws.COOPERATIVE, ws.rows_wt),
-    Product.DOWN_SCATTER: (ws.COOPERATIVE, ws.rows_wt_scatter),
-    Product.DOWN_DGRAD: (ws.DGRAD_TILES.down, ws.down_dgrad_swiglu),
-    Product.DOWN_DGRAD_WEIGHTED: (ws.DGRAD_TILES.down, ws.down_dgrad_swiglu_weighted),
-    Product.GATE_UP_DGRAD: (ws.DGRAD_TILES.gate_up, ws.gate_up_dgrad),
-    Product.DOWN_WGRAD: (ws.WGRAD_TILES.half, ws.down_wgrad),
-    Product.GATE_UP_WGRAD: (ws.WGRAD_TILES.half, ws.gate_up_wgrad),
+    Product.GATE_UP: (warp_specialized.SWIGLU_PING_PONG, warp_specialized.gate_up_swiglu),
+    Product.DOWN: (warp_specialized.COOPERATIVE, warp_specialized.down),
+    Product.DOWN_SCATTER: (warp_specialized.COOPERATIVE, warp_specialized.down_scatter),
+    Product.DOWN_DGRAD: (warp_specialized.DGRAD_TILES.down, warp_specialized.down_dgrad_swiglu),
+    Product.DOWN_DGRAD_WEIGHTED: (
+        warp_specialized.DGRAD_TILES.down,
+        warp_specialized.down_dgrad_swiglu_weighted,
+    ),
+    Product.GATE_UP_DGRAD: (warp_specialized.DGRAD_TILES.gate_up, warp_specialized.gate_up_dgrad),
+    Product.DOWN_WGRAD: (warp_specialized.WGRAD_TILES.half, warp_specialized.down_wgrad),
+    Product.GATE_UP_WGRAD: (warp_specialized.WGRAD_TILES.half, warp_specialized.gate_up_wgrad),
 }
 TL = {
     Product.GATE_UP: (TL_TILES["gate_up"], gg.gate_up_swiglu),
@@ -82,7 +85,7 @@ TL = {
 
 @pytest.fixture
 def hopper(monkeypatch):
-    monkeypatch.setattr(ws, "available", lambda device: True)
+    monkeypatch.setattr(warp_specialized, "available", lambda device: True)
 
 
 @pytest.mark.parametrize("product", list(Product), ids=lambda p: p.value)
@@ -93,7 +96,7 @@ def test_each_product_picks_its_gluon_kernel_and_tiles_where_they_run(product, h
 
 @pytest.mark.parametrize("product", list(Product), ids=lambda p: p.value)
 def test_each_product_picks_its_tl_twin_without_hopper(product, monkeypatch):
-    monkeypatch.setattr(ws, "available", lambda device: False)
+    monkeypatch.setattr(warp_specialized, "available", lambda device: False)
     assert pick(product, CONFIG, *_operands(product)) == TL[product]
     assert not runs_gluon(product, CONFIG, *_operands(product))
 
@@ -106,11 +109,11 @@ def test_a_config_without_gluon_tiles_picks_the_tl_twin(product, hopper):
 
 def test_fp32_gradient_buffers_take_the_wider_epilogue_tiles(hopper):
     for product, kernel in (
-        (Product.DOWN_WGRAD, ws.down_wgrad),
-        (Product.GATE_UP_WGRAD, ws.gate_up_wgrad),
+        (Product.DOWN_WGRAD, warp_specialized.down_wgrad),
+        (Product.GATE_UP_WGRAD, warp_specialized.gate_up_wgrad),
     ):
         assert pick(product, CONFIG, *_operands(product, torch.float32)) == (
-            ws.WGRAD_TILES.single,
+            warp_specialized.WGRAD_TILES.single,
             kernel,
         )
 
@@ -127,5 +130,6 @@ def test_operands_the_gluon_kernels_cannot_take_go_to_the_tl_twins(hopper):
         == TL[Product.GATE_UP_WGRAD]
     )
     assert (
-        pick(Product.DOWN_WGRAD, CONFIG, grad_out, h, torch.zeros(E, H, INTER))[1] is ws.down_wgrad
+        pick(Product.DOWN_WGRAD, CONFIG, grad_out, h, torch.zeros(E, H, INTER))[1]
+        is warp_specialized.down_wgrad
     )

@@ -339,9 +339,9 @@ def _hopper() -> bool:
 def test_warp_specialized_gate_up_waits_like_its_twin(cooperative):
     """The Gluon loader's readiness wait: with every block landed, the tl twin's result bit for
     bit; with one block missing, a bounded wait that names it (no hang, no trap)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
-    cfg = ws.SWIGLU_COOPERATIVE if cooperative else ws.SWIGLU_PING_PONG
+    cfg = warp_specialized.SWIGLU_COOPERATIVE if cooperative else warp_specialized.SWIGLU_PING_PONG
     sizes = [300, 0, 77, 129]
     m = sum(sizes)
     _, x, _, w_gate, w_up, offsets = operands(sizes, 256, 128, m, seed=5)
@@ -349,12 +349,14 @@ def test_warp_specialized_gate_up_waits_like_its_twin(cooperative):
     epoch = torch.full((1,), 7, dtype=torch.int32, device=DEVICE)
     status = new_status(DEVICE)
     ready = host.RowsReady(landed_flags(m, 32, 7), 32, epoch, status, 1000.0, 9)
-    h, gate_up = ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, True, cfg, ready=ready)
+    h, gate_up = warp_specialized.gate_up_swiglu(
+        x, w_gate, w_up, tiles, 3.0, True, cfg, ready=ready
+    )
     twin_cfg = GemmTiles(cfg.block_m, cfg.block_n, cfg.block_k, num_warps=4, num_stages=3)
     twin_tiles = row_tile_map(offsets, m, twin_cfg.block_m)
     h_twin, gate_up_twin = gg.gate_up_swiglu(x, w_gate, w_up, twin_tiles, 3.0, True, twin_cfg)
     assert torch.equal(h, h_twin) and torch.equal(gate_up, gate_up_twin)
     assert status.tolist() == [0, 0, 0, 0]
     missing = host.RowsReady(landed_flags(m, 32, 7, missing=12), 32, epoch, status, 0.05, 9)
-    ws.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, False, cfg, ready=missing)
+    warp_specialized.gate_up_swiglu(x, w_gate, w_up, tiles, 3.0, False, cfg, ready=missing)
     assert status.tolist() == [TIMED_OUT, 9, 12, 6]

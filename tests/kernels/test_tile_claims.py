@@ -13,8 +13,7 @@ import torch
 
 from mok.kernels import expert_mlp as em
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import host
-from mok.kernels import warp_specialized as ws
+from mok.kernels import host, warp_specialized
 from mok.kernels.host import GemmTiles
 
 
@@ -56,10 +55,10 @@ def _hopper_like_config() -> em.ExpertKernelConfig:
     small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1)
     return em.ExpertKernelConfig(
         *([small] * 6),
-        warp_specialized_gate_up=ws.SWIGLU_PING_PONG,
-        warp_specialized_down=ws.PING_PONG,
-        warp_specialized_dgrad=ws.DGRAD_TILES,
-        warp_specialized_wgrad=ws.WGRAD_TILES,
+        warp_specialized_gate_up=warp_specialized.SWIGLU_PING_PONG,
+        warp_specialized_down=warp_specialized.PING_PONG,
+        warp_specialized_dgrad=warp_specialized.DGRAD_TILES,
+        warp_specialized_wgrad=warp_specialized.WGRAD_TILES,
     )
 
 
@@ -95,13 +94,13 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
     def zeros(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
-    cfg = dataclasses.replace(ws.PING_PONG, claims=_Claims())
+    cfg = dataclasses.replace(warp_specialized.PING_PONG, claims=_Claims())
     capacity = m // cfg.block_m + experts + 2
     tiles = host.RowTiles(
         zeros(3, capacity, dtype=torch.int32), zeros(2, dtype=torch.int32), capacity, cfg.block_m
     )
-    dgrad = ws._RowsProblem(
-        ws.GATE_UP_DGRAD.value,
+    dgrad = warp_specialized._RowsProblem(
+        warp_specialized.GATE_UP_DGRAD.value,
         zeros(m, inter),
         zeros(experts, inter, hidden),
         zeros(m, hidden),
@@ -109,7 +108,7 @@ def test_the_warp_specialized_launcher_refuses_claims_it_cannot_take():
         zeros(experts, inter, hidden),
     )
     with pytest.raises(ValueError, match="TileClaims"):
-        ws._launch(dgrad, tiles, cfg)
+        warp_specialized._launch(dgrad, tiles, cfg)
     assert cfg.claims.counters == []
 
 

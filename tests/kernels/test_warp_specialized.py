@@ -51,8 +51,8 @@ CASES = {
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("tiles", list(ROWS_TILINGS))
 @pytest.mark.parametrize("name", list(CASES))
-def test_rows_wt_matches_its_twin_bitwise(name, tiles):
-    from mok.kernels import warp_specialized as ws
+def test_down_matches_its_twin_bitwise(name, tiles):
+    from mok.kernels import warp_specialized
 
     sizes, n, k = CASES[name]
     cfg = ROWS_TILINGS[tiles]
@@ -65,7 +65,7 @@ def test_rows_wt_matches_its_twin_bitwise(name, tiles):
     offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
     tiles_map = row_tile_map(offsets, m, bm)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    ws.rows_wt(rows, weights, tiles_map, cfg, out=out)
+    warp_specialized.down(rows, weights, tiles_map, cfg, out=out)
     twin = gg.down(rows, weights, tiles_map, GemmTiles(bm, 128, 64, num_warps=4, num_stages=3))
     inside = slice(before, before + sum(sizes))
     assert torch.equal(out[inside], twin[inside])
@@ -83,8 +83,8 @@ def test_rows_wt_matches_its_twin_bitwise(name, tiles):
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
-def test_rows_wt_is_repeatable_and_handles_no_rows():
-    from mok.kernels import warp_specialized as ws
+def test_down_is_repeatable_and_handles_no_rows():
+    from mok.kernels import warp_specialized
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     sizes = [700, 0, 1500, 33]
@@ -92,11 +92,15 @@ def test_rows_wt_is_repeatable_and_handles_no_rows():
     rows = torch.randn(m, k, generator=gen, device="cuda").bfloat16()
     weights = torch.randn(len(sizes), n, k, generator=gen, device="cuda").bfloat16()
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
-    tiles_map = row_tile_map(offsets, m, ws.PING_PONG.block_m)
-    first = ws.rows_wt(rows, weights, tiles_map)
-    assert all(torch.equal(first, ws.rows_wt(rows, weights, tiles_map)) for _ in range(3))
+    tiles_map = row_tile_map(offsets, m, warp_specialized.PING_PONG.block_m)
+    first = warp_specialized.down(rows, weights, tiles_map)
+    assert all(
+        torch.equal(first, warp_specialized.down(rows, weights, tiles_map)) for _ in range(3)
+    )
     empty = torch.zeros(len(sizes) + 1, dtype=torch.int32, device="cuda")
-    none = ws.rows_wt(rows[:0], weights, row_tile_map(empty, 0, ws.PING_PONG.block_m))
+    none = warp_specialized.down(
+        rows[:0], weights, row_tile_map(empty, 0, warp_specialized.PING_PONG.block_m)
+    )
     assert none.shape == (0, n)
 
 
@@ -109,10 +113,14 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     equal the tl kernel's bit for bit; a swapped gate/up, a clamp applied to the wrong operand or
     a pre-activation saved into the other half of gate | up would not; nor would a cooperative
     consumer computing or storing the other one's rows."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = CASES[name]
-    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
+    cfg = (
+        warp_specialized.SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.SWIGLU_COOPERATIVE
+    )
     gen = torch.Generator(device="cuda").manual_seed(2)
     before, after = 2, 7
     m = before + sum(sizes) + after
@@ -124,7 +132,7 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     w_up = (torch.randn(len(sizes), inter, hidden, generator=gen, device="cuda") * scale).bfloat16()
     offsets = (torch.tensor([0, *sizes], device="cuda").cumsum(0) + before).to(torch.int32)
     tiles_map = row_tile_map(offsets, m, cfg.block_m)
-    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, True, cfg)
+    h, gate_up = warp_specialized.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, True, cfg)
     twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
     twin_h, twin_gate_up = gg.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, True, twin_cfg)
     inside = slice(before, before + sum(sizes))
@@ -132,7 +140,7 @@ def test_gate_up_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     assert torch.equal(gate_up[inside], twin_gate_up[inside])
     if limit is not None and sum(sizes) > 100:
         assert (gate_up[inside].float().abs() > limit).float().mean() > 0.05  # the clamp is active
-    h_only, none = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, False, cfg)
+    h_only, none = warp_specialized.gate_up_swiglu(rows, w_gate, w_up, tiles_map, limit, False, cfg)
     assert none is None and torch.equal(h_only[inside], h[inside])
 
 
@@ -145,7 +153,7 @@ def test_gate_up_products_read_the_halves_of_one_fused_weight(name, tiles):
     to the tl twins on the same views bit for bit. Catches an expert's weight rows taken at
     e * I instead of e * 2I (the other half's or another expert's weights), a descriptor that
     runs past the fused tensor's storage (the last expert's up half), and a silent copy."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(21)
@@ -155,20 +163,28 @@ def test_gate_up_products_read_the_halves_of_one_fused_weight(name, tiles):
         torch.randn(len(sizes), 2 * inter, hidden, generator=gen, device="cuda") * hidden**-0.5
     ).bfloat16()
     w_gate, w_up = fused[:, :inter], fused[:, inter:]
-    assert ws.supported(rows, w_gate, w_up)
-    assert not ws.supported(rows, w_gate, fused[:, :inter].contiguous())  # rows apart differ
-    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
+    assert warp_specialized.supported(rows, w_gate, w_up)
+    assert not warp_specialized.supported(
+        rows, w_gate, fused[:, :inter].contiguous()
+    )  # rows apart differ
+    cfg = (
+        warp_specialized.SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.SWIGLU_COOPERATIVE
+    )
     tiles_map = row_tile_map(offsets, m, cfg.block_m)
-    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 0.75, True, cfg)
+    h, gate_up = warp_specialized.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 0.75, True, cfg)
     twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
     twin_h, twin_gate_up = gg.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 0.75, True, twin_cfg)
     assert torch.equal(h[inside], twin_h[inside])
     assert torch.equal(gate_up[inside], twin_gate_up[inside])
-    dgrad_cfg = ws.SHORT_DGRAD_TILES if tiles == "ping-pong" else ws.DGRAD_TILES
+    dgrad_cfg = (
+        warp_specialized.SHORT_DGRAD_TILES if tiles == "ping-pong" else warp_specialized.DGRAD_TILES
+    )
     if inter % dgrad_cfg.gate_up.block_k == 0:
-        assert ws.dgrad_supported(gate_up, dgrad_cfg.gate_up, w_gate, w_up)
+        assert warp_specialized.dgrad_supported(gate_up, dgrad_cfg.gate_up, w_gate, w_up)
         bm = dgrad_cfg.gate_up.block_m
-        grad_x = ws.gate_up_dgrad(
+        grad_x = warp_specialized.gate_up_dgrad(
             gate_up, w_gate, w_up, row_tile_map(offsets, m, bm), dgrad_cfg.gate_up
         )
         twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
@@ -185,8 +201,7 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     one 2-D view holds their rows), W_down falls back to tl."""
     import dataclasses
 
-    from mok.kernels import default_config, expert_mlp_forward
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import default_config, expert_mlp_forward, warp_specialized
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     sizes, hidden, inter = [400, 0, 129, 700], 256, 192
@@ -210,8 +225,10 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     tl_only = dataclasses.replace(cfg, warp_specialized_down=None, warp_specialized_gate_up=None)
     gluon, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
     tl, tl_saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
-    assert ws.supported(rows, fused[:, :inter], fused[:, inter:])
-    assert ws.supported(rows, w_down_view) and not ws.supported(rows, odd_rows)
+    assert warp_specialized.supported(rows, fused[:, :inter], fused[:, inter:])
+    assert warp_specialized.supported(rows, w_down_view) and not warp_specialized.supported(
+        rows, odd_rows
+    )
     in_place, _ = expert_mlp_forward(
         rows, offsets, fused[:, :inter], fused[:, inter:], w_down_view, config=cfg
     )
@@ -256,13 +273,13 @@ def _source_case(name, gen):
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
 @pytest.mark.parametrize("tiles", ["64x256", "128x256"])
 @pytest.mark.parametrize("name", list(SOURCE_CASES))
-def test_gathered_rows_wt_and_gate_up_equal_the_rows_gathered_first(name, tiles):
+def test_gathered_down_and_gate_up_equal_the_rows_gathered_first(name, tiles):
     """The gathering A source (cp.async through the index, into the ring's swizzled slots) against
     TMA tiles of the rows gathered beforehand, and against the tl twin's gather: bitwise. Bugs
     caught: a cp.async piece in the wrong swizzled place, a slot released before its copies
     landed (the barrier counting of cp.async arrivals), a missing proxy fence (wgmma reading stale
     shared memory), rows past M or columns past K not zero, chunks of 16 rows mixed up."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     rows, index, offsets, n = _source_case(name, gen)
@@ -272,18 +289,22 @@ def test_gathered_rows_wt_and_gate_up_equal_the_rows_gathered_first(name, tiles)
     weights = torch.randn(offsets.numel() - 1, n, k, generator=gen, device="cuda") * k**-0.5
     weights = weights.bfloat16()
     first = rows[index.long()].contiguous()
-    gathered = ws.rows_wt(rows, weights, tiles_map, cfg, source_rows=index)
-    assert torch.equal(gathered, ws.rows_wt(first, weights, tiles_map, cfg))
+    gathered = warp_specialized.down(rows, weights, tiles_map, cfg, source_rows=index)
+    assert torch.equal(gathered, warp_specialized.down(first, weights, tiles_map, cfg))
     twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
     twin = gg.down(rows, weights, tiles_map, twin_cfg, source_rows=index)
     assert torch.equal(gathered, twin)
-    swiglu_cfg = ws.SWIGLU_PING_PONG if cfg.block_m == 64 else ws.SWIGLU_COOPERATIVE
+    swiglu_cfg = (
+        warp_specialized.SWIGLU_PING_PONG
+        if cfg.block_m == 64
+        else warp_specialized.SWIGLU_COOPERATIVE
+    )
     w_up = weights.flip(0).contiguous()
     swiglu_map = row_tile_map(offsets, m, swiglu_cfg.block_m)
-    h, gate_up = ws.gate_up_swiglu(
+    h, gate_up = warp_specialized.gate_up_swiglu(
         rows, weights, w_up, swiglu_map, None, True, swiglu_cfg, source_rows=index
     )
-    h_first, gate_up_first = ws.gate_up_swiglu(
+    h_first, gate_up_first = warp_specialized.gate_up_swiglu(
         first, weights, w_up, swiglu_map, None, True, swiglu_cfg
     )
     assert torch.equal(h, h_first) and torch.equal(gate_up, gate_up_first)
@@ -294,14 +315,14 @@ def test_gathered_rows_wt_and_gate_up_equal_the_rows_gathered_first(name, tiles)
 @pytest.mark.parametrize("gather", [False, True], ids=["tma rows", "gathered rows"])
 @pytest.mark.parametrize("tiles", ["64x256", "128x256"])
 @pytest.mark.parametrize("name", list(SOURCE_CASES))
-def test_rows_wt_scatter_matches_its_twin(name, tiles, gather, bias):
+def test_down_scatter_matches_its_twin(name, tiles, gather, bias):
     """The peer-store epilogue against the tl twin's (`grouped_gemm.down_scatter`): the same rows
     in the same places of two simulated ranks' buffers (one GPU), nothing else written, and the
     same readiness counts. Bugs caught: a row to the wrong rank or row, dropped rows (-1) stored,
     a tail tile storing past its group, a count added by every thread of a row instead of once
     per tile and rank, or missing for the second consumer's rows; with an expert bias (gpt-oss),
     the bias lost or taken from another expert before the store."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     rows, index, offsets, n = _source_case(name, gen)
@@ -334,7 +355,7 @@ def test_rows_wt_scatter_matches_its_twin(name, tiles, gather, bias):
         )
         source = index if gather else None
         if kernel == "gluon":
-            ws.rows_wt_scatter(
+            warp_specialized.down_scatter(
                 rows, weights, tiles_map, scatter, cfg, source_rows=source, bias=expert_bias
             )
         else:
@@ -370,7 +391,7 @@ def test_gate_up_dgrad_matches_its_twin_bitwise(name, tiles):
     and fp32 math. Catches the two products' steps out of order or paired with the wrong weight,
     a step reading the next expert's weight rows, a ring position that ignores the doubled
     steps, and outside rows skipped or read."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, hidden, inter = DGRAD_CASES[name]
     bm, bn = map(int, tiles.split("x"))
@@ -386,8 +407,10 @@ def test_gate_up_dgrad_matches_its_twin_bitwise(name, tiles):
         ).bfloat16()
         for _ in range(2)
     )
-    assert ws.dgrad_supported(grad_gate_up, cfg, w_gate, w_up)
-    grad_x = ws.gate_up_dgrad(grad_gate_up, w_gate, w_up, row_tile_map(offsets, m, bm), cfg)
+    assert warp_specialized.dgrad_supported(grad_gate_up, cfg, w_gate, w_up)
+    grad_x = warp_specialized.gate_up_dgrad(
+        grad_gate_up, w_gate, w_up, row_tile_map(offsets, m, bm), cfg
+    )
     twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
     twin = gg.gate_up_dgrad(grad_gate_up, w_gate, w_up, row_tile_map(offsets, m, 128), twin_cfg)
     assert torch.equal(grad_x, twin)
@@ -421,10 +444,14 @@ def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     gate and up tiles fetched for the wrong rows or swapped, a fetch-barrier phase off by one
     (the previous tile's pre-activations), grad_h not rounded like h, a clamp mask flipped, and
     the gradients written into the wrong half of gate | up."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = DGRAD_CASES[name]
-    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    cfg = (
+        warp_specialized.DGRAD_SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.DGRAD_SWIGLU_COOPERATIVE
+    )
     gen = torch.Generator(device="cuda").manual_seed(9)
     m, offsets, inside = _groups(sizes, before=2, after=7)
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
@@ -432,8 +459,8 @@ def test_down_dgrad_swiglu_matches_its_twin_bitwise(name, limit, tiles):
     w_down = (
         torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * hidden**-0.5
     ).bfloat16()
-    assert ws.dgrad_supported(grad_out, cfg, w_down)
-    ours = ws.down_dgrad_swiglu(
+    assert warp_specialized.dgrad_supported(grad_out, cfg, w_down)
+    ours = warp_specialized.down_dgrad_swiglu(
         grad_out, w_down, gate_up, row_tile_map(offsets, m, cfg.block_m), limit, cfg
     )
     twin_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=4)
@@ -462,11 +489,15 @@ def test_weighted_down_dgrad_matches_its_twin_and_the_rounding_points(name, tile
     Catches w applied after the rounding of grad_h or to the rows, h read or written at another
     tile's rows or columns, a dot stored at the wrong column tile, rows past a group's end
     written, and the dots' rows outside the groups left unzeroed."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
     from mok.reference.expert import weighted_down_backward
 
     sizes, inter, hidden = DGRAD_CASES[name]
-    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    cfg = (
+        warp_specialized.DGRAD_SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.DGRAD_SWIGLU_COOPERATIVE
+    )
     gen = torch.Generator(device="cuda").manual_seed(17)
     m, offsets, inside = _groups(sizes, before=2, after=7)
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
@@ -478,7 +509,7 @@ def test_weighted_down_dgrad_matches_its_twin_and_the_rounding_points(name, tile
     row_weights = torch.rand(m, generator=gen, device="cuda")
     row_weights[::5] = 0.0
     ours_h, twin_h = h.clone(), h.clone()
-    ours, ours_dots = ws.down_dgrad_swiglu_weighted(
+    ours, ours_dots = warp_specialized.down_dgrad_swiglu_weighted(
         grad_out, w_down, gate_up, ours_h, row_weights, row_tile_map(offsets, m, cfg.block_m),
         None, cfg,
     )  # fmt: skip
@@ -533,11 +564,15 @@ def test_gpt_oss_forward_products_match_their_twins_bitwise(name, tiles, gather)
     to the formula in fp32. Catches a bias taken from another expert or column tile, added
     after the activation or to the other pre-activation, alpha on the wrong operand, the offset
     added before the clamp, and the plain SwiGLU run in its place."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = CASES[name]
-    cfg = ws.SWIGLU_PING_PONG if tiles == "ping-pong" else ws.SWIGLU_COOPERATIVE
-    down_cfg = ws.PING_PONG if tiles == "ping-pong" else ws.COOPERATIVE
+    cfg = (
+        warp_specialized.SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.SWIGLU_COOPERATIVE
+    )
+    down_cfg = warp_specialized.PING_PONG if tiles == "ping-pong" else warp_specialized.COOPERATIVE
     gen = torch.Generator(device="cuda").manual_seed(31)
     m, offsets, inside = _groups(sizes, before=2, after=7)
     experts = len(sizes)
@@ -559,7 +594,9 @@ def test_gpt_oss_forward_products_match_their_twins_bitwise(name, tiles, gather)
     down_bias = torch.randn(experts, hidden, generator=gen, device="cuda").bfloat16()
     tiles_map = row_tile_map(offsets, m, cfg.block_m)
     options = {"source_rows": source_rows, "activation": GPT_OSS, "biases": (gate_bias, up_bias)}
-    h, gate_up = ws.gate_up_swiglu(rows, w_gate, w_up, tiles_map, 7.0, True, cfg, **options)
+    h, gate_up = warp_specialized.gate_up_swiglu(
+        rows, w_gate, w_up, tiles_map, 7.0, True, cfg, **options
+    )
     twin_cfg = GemmTiles(cfg.block_m, 128, 64, num_warps=4, num_stages=3)
     twin_h, twin_gate_up = gg.gate_up_swiglu(
         rows, w_gate, w_up, tiles_map, 7.0, True, twin_cfg, **options
@@ -567,7 +604,7 @@ def test_gpt_oss_forward_products_match_their_twins_bitwise(name, tiles, gather)
     assert torch.equal(h[inside], twin_h[inside])
     assert torch.equal(gate_up[inside], twin_gate_up[inside])
     down_map = row_tile_map(offsets, m, down_cfg.block_m)
-    out = ws.rows_wt(h, w_down, down_map, down_cfg, bias=down_bias)
+    out = warp_specialized.down(h, w_down, down_map, down_cfg, bias=down_bias)
     twin_down_cfg = GemmTiles(down_cfg.block_m, 128, 64, num_warps=4, num_stages=3)
     twin_out = gg.down(h, w_down, down_map, twin_down_cfg, bias=down_bias)
     assert torch.equal(out[inside], twin_out[inside])
@@ -592,10 +629,14 @@ def test_gpt_oss_down_dgrad_matches_its_twin_bitwise(name, tiles):
     equal the tl kernel's bit for bit and autograd's of the formula in fp32. Catches the plain
     SwiGLU backward run in its place, alpha missing from the sigmoid's derivative, the up offset
     missing from the gate's gradient, and the clamp masks of the plain form."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = DGRAD_CASES[name]
-    cfg = ws.DGRAD_SWIGLU_PING_PONG if tiles == "ping-pong" else ws.DGRAD_SWIGLU_COOPERATIVE
+    cfg = (
+        warp_specialized.DGRAD_SWIGLU_PING_PONG
+        if tiles == "ping-pong"
+        else warp_specialized.DGRAD_SWIGLU_COOPERATIVE
+    )
     gen = torch.Generator(device="cuda").manual_seed(32)
     m, offsets, inside = _groups(sizes, before=2, after=7)
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
@@ -603,7 +644,7 @@ def test_gpt_oss_down_dgrad_matches_its_twin_bitwise(name, tiles):
     w_down = (
         torch.randn(len(sizes), hidden, inter, generator=gen, device="cuda") * hidden**-0.5
     ).bfloat16()
-    ours = ws.down_dgrad_swiglu(
+    ours = warp_specialized.down_dgrad_swiglu(
         grad_out,
         w_down,
         gate_up,
@@ -681,7 +722,7 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     shared tiles a slot released before both consumers read it or their rows swapped; where P is
     not a multiple of the 128-row tile (64, 192), the second consumer's rows past P fetched or
     stored (into the next expert's gradient)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, p, q = WGRAD_CASES[name]
     halves = 2 if product == "gate_up" else 1
@@ -702,13 +743,13 @@ def test_wgrad_matches_its_twin_bitwise(name, product, out_dtype, accumulate):
     # The default tiles (128 rows, shared by both consumers) and 64-row ones (ping-pong).
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
-    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        assert ws.wgrad_supported(a, b, initial[0], cfg)
+    for cfg in (warp_specialized.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+        assert warp_specialized.wgrad_supported(a, b, initial[0], cfg)
         ours = [t.clone() for t in initial[:halves]]
         if product == "down":
-            ws.down_wgrad(a, b, offsets, ours[0], accumulate, cfg)
+            warp_specialized.down_wgrad(a, b, offsets, ours[0], accumulate, cfg)
         else:
-            ws.gate_up_wgrad(a, b, offsets, *ours, accumulate, accumulate, cfg)
+            warp_specialized.gate_up_wgrad(a, b, offsets, *ours, accumulate, accumulate, cfg)
         _check_wgrad(ours, twin, initial, exact, sizes, accumulate, f"{cfg.block_m}x{cfg.block_n}")
 
 
@@ -721,7 +762,7 @@ def test_gate_up_wgrad_adds_into_the_halves_of_one_gradient(name, out_dtype):
     for bit what each adds into two separate buffers. Catches a half's tiles stored or read at
     the other half's rows (the experts taken as P rows apart instead of 2P), an empty expert's
     rows overwritten."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, p, q = WGRAD_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(8)
@@ -729,14 +770,18 @@ def test_gate_up_wgrad_adds_into_the_halves_of_one_gradient(name, out_dtype):
     joined = torch.randn(len(sizes), 2 * p, q, generator=gen, device="cuda").to(out_dtype)
     twin_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
     kernels = {
-        "gluon": lambda gate, up: ws.gate_up_wgrad(a, b, offsets, gate, up, True, True),
+        "gluon": lambda gate, up: warp_specialized.gate_up_wgrad(
+            a, b, offsets, gate, up, True, True
+        ),
         "tl": lambda gate, up: gg.gate_up_wgrad(a, b, offsets, gate, up, True, True, twin_cfg),
     }
     for kernel_name, kernel in kernels.items():
         separate = [joined[:, :p].clone(), joined[:, p:].clone()]
         kernel(*separate)
         halves = joined.clone()
-        assert ws.wgrad_supported(a, b, halves[:, :p], ws.WGRAD_TILES.for_grad(out_dtype))
+        assert warp_specialized.wgrad_supported(
+            a, b, halves[:, :p], warp_specialized.WGRAD_TILES.for_grad(out_dtype)
+        )
         kernel(halves[:, :p], halves[:, p:])
         assert torch.equal(halves[:, :p], separate[0]), kernel_name
         assert torch.equal(halves[:, p:], separate[1]), kernel_name
@@ -755,7 +800,7 @@ def test_gathered_gate_up_wgrad_matches_its_twin_bitwise(name, out_dtype, accumu
     a slot completing before its gathered rows landed (the arrival after the expect), a missing
     proxy fence before wgmma (stale shared memory), rows past a group's end or a negative index
     read instead of zeros, and with shared tiles the consumers reading different B rows."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, p, q = WGRAD_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(6)
@@ -777,13 +822,13 @@ def test_gathered_gate_up_wgrad_matches_its_twin_bitwise(name, out_dtype, accumu
     assert not twin.isnan().any()
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
-    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
-        assert ws.wgrad_supported(a, source, initial[0], cfg, gather=True)
+    for cfg in (warp_specialized.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+        assert warp_specialized.wgrad_supported(a, source, initial[0], cfg, gather=True)
         gathered, first = initial.clone(), initial.clone()
-        ws.gate_up_wgrad(
+        warp_specialized.gate_up_wgrad(
             a, source, offsets, *gathered, accumulate, accumulate, cfg, source_rows=index
         )
-        ws.gate_up_wgrad(a, grouped, offsets, *first, accumulate, accumulate, cfg)
+        warp_specialized.gate_up_wgrad(a, grouped, offsets, *first, accumulate, accumulate, cfg)
         label = f"{cfg.block_m}x{cfg.block_n}"
         assert torch.equal(gathered, twin), label
         assert torch.equal(gathered, first), label
@@ -800,7 +845,7 @@ def test_gate_up_wgrad_writes_the_halves_of_one_fused_gradient(name, out_dtype, 
     or added into what it holds, with the Gluon kernel and the tl twin. Catches tiles stored at
     the contiguous layout's rows (expert e at e * P: into the other half or the wrong expert),
     a half left unwritten, and the fused layout refused (the slower tl kernel, silently)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
     from mok.weights import gate_up_halves
 
     sizes, p, q = WGRAD_CASES[name]
@@ -819,11 +864,11 @@ def test_gate_up_wgrad_writes_the_halves_of_one_fused_gradient(name, out_dtype, 
     assert torch.equal(twin_fused, torch.cat(separate, dim=1)), "tl"
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
-    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+    for cfg in (warp_specialized.WGRAD_TILES.for_grad(out_dtype), ping_pong):
         fused = initial.clone()
         halves = gate_up_halves(fused)
-        assert all(ws.wgrad_supported(a, b, half, cfg) for half in halves)
-        ws.gate_up_wgrad(a, b, offsets, *halves, accumulate, accumulate, cfg)
+        assert all(warp_specialized.wgrad_supported(a, b, half, cfg) for half in halves)
+        warp_specialized.gate_up_wgrad(a, b, offsets, *halves, accumulate, accumulate, cfg)
         label = f"{cfg.block_m}x{cfg.block_n}"
         assert torch.equal(fused, twin_fused), label
         initial_halves = [half.contiguous() for half in gate_up_halves(initial)]
@@ -847,17 +892,17 @@ def test_wgrad_tilings_agree_and_calls_repeat():
     """Other tilings (128 x 128 shared, 64 x 256 ping-pong) equal the default 128 x 256 one bit
     for bit, and repeated calls are bitwise equal (no race between the consumers' epilogues and
     the loader)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     sizes, p, q = [900, 0, 1300, 77], 128, 640
     a, b, offsets, _ = _wgrad_operands(sizes, p, q, 2, gen)
-    narrow = ws.WGRAD_TILES.single
+    narrow = warp_specialized.WGRAD_TILES.single
     ping_pong = GemmTiles(64, 256, 64, num_warps=4, num_stages=4)
     results = []
     for cfg in (None, narrow, ping_pong, None, None):
         grads = [torch.empty(len(sizes), p, q, dtype=torch.bfloat16, device="cuda") for _ in "gu"]
-        ws.gate_up_wgrad(a, b, offsets, *grads, False, False, cfg)
+        warp_specialized.gate_up_wgrad(a, b, offsets, *grads, False, False, cfg)
         results.append(grads)
     for grads in results[1:]:
         assert all(torch.equal(x, y) for x, y in zip(grads, results[0], strict=True))
@@ -874,8 +919,12 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
     kernel (the Gluon one would spill a tile's last rows into the next expert's gradient)."""
     import dataclasses
 
-    from mok.kernels import default_config, expert_mlp_backward, expert_mlp_forward
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import (
+        default_config,
+        expert_mlp_backward,
+        expert_mlp_forward,
+        warp_specialized,
+    )
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     sizes, inter = [400, 0, 129, 700], 256
@@ -893,8 +942,8 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
     wgrad_rows = cfg.warp_specialized_wgrad.for_grad(torch.bfloat16).block_m
     assert (hidden % wgrad_rows == 0) == (hidden == 384)  # H 192: W_down's gradient goes to tl
     dgrad = cfg.warp_specialized_dgrad
-    assert ws.dgrad_supported(rows, dgrad.gate_up, w_gate, w_up)
-    assert ws.dgrad_supported(grad_out, dgrad.down, w_down)
+    assert warp_specialized.dgrad_supported(rows, dgrad.gate_up, w_gate, w_up)
+    assert warp_specialized.dgrad_supported(grad_out, dgrad.down, w_down)
     tl_only = dataclasses.replace(
         cfg,
         warp_specialized_wgrad=None,
@@ -920,14 +969,14 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
 def test_the_wgrad_kernel_refuses_gradients_off_its_tiles():
     """Bug caught: a direct call with P not a multiple of a consumer's 64 rows writing a tile's
     last rows into the next expert's gradient instead of raising."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     a = torch.randn(300, 160, device="cuda").bfloat16()
     b = torch.randn(300, 128, device="cuda").bfloat16()
     offsets = torch.tensor([0, 100, 300], dtype=torch.int32, device="cuda")
     grad = torch.zeros(2, 160, 128, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="wgrad_supported"):
-        ws.down_wgrad(a, b, offsets, grad, False, ws.WGRAD_TILES.single)
+        warp_specialized.down_wgrad(a, b, offsets, grad, False, warp_specialized.WGRAD_TILES.single)
     assert not grad.any()
 
 
@@ -1016,7 +1065,7 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     time). "gathered": gate/up reads its rows through an index (`source_rows`), its four-warp
     loader claiming once for all its warps (a claim per warp would skip tasks: rows never
     computed, and the counter past tasks + programs)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, inter, hidden = DGRAD_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(12)
@@ -1042,11 +1091,17 @@ def test_claimed_row_tiles_equal_the_static_grid_bitwise(name, tiles, join):
     if tiles == "tl twins":
         swiglu_cfg = dgrad_cfg = GemmTiles(128, 128, 64, num_warps=8, num_stages=3)
     elif tiles == "ping-pong":
-        swiglu_cfg, dgrad_cfg = ws.SWIGLU_PING_PONG, ws.DGRAD_SWIGLU_PING_PONG
-        kernels = (ws.gate_up_swiglu, ws.down_dgrad_swiglu)
+        swiglu_cfg, dgrad_cfg = (
+            warp_specialized.SWIGLU_PING_PONG,
+            warp_specialized.DGRAD_SWIGLU_PING_PONG,
+        )
+        kernels = (warp_specialized.gate_up_swiglu, warp_specialized.down_dgrad_swiglu)
     else:
-        swiglu_cfg, dgrad_cfg = ws.SWIGLU_COOPERATIVE, ws.DGRAD_SWIGLU_COOPERATIVE
-        kernels = (ws.gate_up_swiglu, ws.down_dgrad_swiglu)
+        swiglu_cfg, dgrad_cfg = (
+            warp_specialized.SWIGLU_COOPERATIVE,
+            warp_specialized.DGRAD_SWIGLU_COOPERATIVE,
+        )
+        kernels = (warp_specialized.gate_up_swiglu, warp_specialized.down_dgrad_swiglu)
     gate_up_swiglu, down_dgrad_swiglu = kernels
     claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
     held = 3
@@ -1086,7 +1141,7 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
     also with its rows read through an index (the four-warp gathering loader): equal to the
     grouped rows' product, and one claim per task for the whole loader, not one per warp (the
     counter would end far past the end)."""
-    from mok.kernels import warp_specialized as ws
+    from mok.kernels import warp_specialized
 
     sizes, p, q = WGRAD_CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(13)
@@ -1099,16 +1154,18 @@ def test_claimed_weight_gradients_equal_the_static_grid_bitwise(name, out_dtype,
     initial.append(torch.randn_like(initial[0]))
     fp32 = out_dtype == torch.float32
     ping_pong = GemmTiles(64, 128 if fp32 else 256, 64, 4, num_stages=6 if fp32 else 4)
-    for cfg in (ws.WGRAD_TILES.for_grad(out_dtype), ping_pong):
+    for cfg in (warp_specialized.WGRAD_TILES.for_grad(out_dtype), ping_pong):
         claims = _JoinedOnAnotherStream(extra=5, during=CLAIM_JOINS[join])
         results = []
         for tiles in (cfg, _claiming(cfg, 3, claims)):
             grads = [t.clone() for t in initial]
-            ws.gate_up_wgrad(a, b, offsets, *grads, True, True, tiles)
+            warp_specialized.gate_up_wgrad(a, b, offsets, *grads, True, True, tiles)
             down = initial[0].clone()
-            ws.down_wgrad(a[:, :p], b, offsets, down, True, tiles)
+            warp_specialized.down_wgrad(a[:, :p], b, offsets, down, True, tiles)
             gathered = [t.clone() for t in initial]
-            ws.gate_up_wgrad(a, source, offsets, *gathered, True, True, tiles, source_rows=index)
+            warp_specialized.gate_up_wgrad(
+                a, source, offsets, *gathered, True, True, tiles, source_rows=index
+            )
             torch.cuda.synchronize()
             results.append([*grads, down, *gathered])
         label = f"{cfg.block_m}x{cfg.block_n}"

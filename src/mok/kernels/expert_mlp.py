@@ -31,8 +31,7 @@ from collections.abc import Callable
 import torch
 
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import host
-from mok.kernels import warp_specialized as ws
+from mok.kernels import host, warp_specialized
 from mok.kernels._triton_compat import interpreting
 from mok.kernels.host import (
     SWIGLU,
@@ -70,10 +69,10 @@ class ExpertKernelConfig:
     warp_specialized_down: GemmTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
     of the tl one where it can (Hopper, `warp_specialized.supported`); None: the tl kernel."""
-    warp_specialized_dgrad: ws.DgradTiles | None = None
+    warp_specialized_dgrad: warp_specialized.DgradTiles | None = None
     """Tiles of the warp-specialized Gluon kernels that run both data gradients instead of the
     tl ones where they can (Hopper, `warp_specialized.dgrad_supported`); None: the tl kernels."""
-    warp_specialized_wgrad: ws.WgradTiles | None = None
+    warp_specialized_wgrad: warp_specialized.WgradTiles | None = None
     """Tiles of the warp-specialized Gluon kernel that runs both weight gradients instead of the
     tl ones where it can (Hopper, `warp_specialized.wgrad_supported`); None: the tl kernels."""
 
@@ -95,18 +94,28 @@ def default_config(
         return ExpertKernelConfig(small, small, small, small, small, small)
     short = rows_per_expert is not None and rows_per_expert < 192
     wgrad = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
-    hopper = ws.available(device)
+    hopper = warp_specialized.available(device)
     # gate/up's epilogue (h and both pre-activations) weighs most in short reductions, where
     # ping-pong consumers hide it behind each other's main loops: faster than cooperative tiles
     # at H = 2048, slower at H = 4096 (benchmarks/results/2026-12-01-issue12-all-products-h200.md).
-    swiglu = ws.SWIGLU_PING_PONG if short or hidden < 4096 else ws.SWIGLU_COOPERATIVE
+    swiglu = (
+        warp_specialized.SWIGLU_PING_PONG
+        if short or hidden < 4096
+        else warp_specialized.SWIGLU_COOPERATIVE
+    )
     return ExpertKernelConfig(
         warp_specialized_gate_up=swiglu if hopper else None,
-        warp_specialized_down=(ws.PING_PONG if short else ws.COOPERATIVE) if hopper else None,
-        warp_specialized_dgrad=(ws.SHORT_DGRAD_TILES if short else ws.DGRAD_TILES)
+        warp_specialized_down=(
+            warp_specialized.PING_PONG if short else warp_specialized.COOPERATIVE
+        )
         if hopper
         else None,
-        warp_specialized_wgrad=ws.WGRAD_TILES if hopper else None,
+        warp_specialized_dgrad=(
+            warp_specialized.SHORT_DGRAD_TILES if short else warp_specialized.DGRAD_TILES
+        )
+        if hopper
+        else None,
+        warp_specialized_wgrad=warp_specialized.WGRAD_TILES if hopper else None,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
         down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),
@@ -128,7 +137,7 @@ def gathers_rows_well(
     2026-12-01-issue12-building-blocks-h200.md)."""
     return (
         runs_gluon(Product.GATE_UP, config, rows, w_gate, w_up)
-        and config.warp_specialized_gate_up.block_m == ws.CONSUMER_ROWS
+        and config.warp_specialized_gate_up.block_m == warp_specialized.CONSUMER_ROWS
         and rows.shape[1] < 4096
     )
 

@@ -25,13 +25,13 @@ the spot whose rows end where the group does, so nothing outside the group is ev
 Building blocks, meant to be called from any task loop, including that of a later fused kernel:
 an A-row source (`row_block`: TMA tiles, or rows gathered through an index, e.g. dispatched rows
 where they landed), the weight operand (`weight_block`), the main loops (`rows_tile`, and its
-two-output and two-input forms `rows_dual_tile`, `rows_pair_tile`; `group_at_b_tile` for weight
-gradients), each computing one fp32 accumulator tile, and the epilogues (`swiglu_tile`,
-`saved_preactivations`, `swiglu_backward_tile`, `store_row_tile`, `store_weight_tile` with its
-accumulation into an existing gradient, and `scatter_row_tile`: the peer-store epilogue, rows to
-other ranks' buffers with readiness counts that `mok.kernels.sync.wait_counts` waits on). The
-kernels are dtype-generic: on GPUs they run bf16; the CPU interpreter runs them exactly in fp32
-(its bf16 arithmetic is wrong).
+two-output and two-input forms `rows_two_weights_tile`, `rows_two_products_tile`;
+`weight_gradient_tile` for weight gradients), each computing one fp32 accumulator tile, and the
+epilogues (`swiglu_tile`, `saved_preactivations`, `swiglu_backward_tile`, `store_row_tile`,
+`store_weight_tile` with its accumulation into an existing gradient, and `scatter_row_tile`: the
+peer-store epilogue, rows to other ranks' buffers with readiness counts that
+`mok.kernels.sync.wait_counts` waits on). The kernels are dtype-generic: on GPUs they run bf16;
+the CPU interpreter runs them exactly in fp32 (its bf16 arithmetic is wrong).
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def rows_tile(
 
 
 @triton.jit
-def rows_dual_tile(
+def rows_two_weights_tile(
     a_source,  # see `row_block`
     w1_desc,  # [E, N, K]
     w2_desc,  # [E, N, K]
@@ -271,7 +271,7 @@ def rows_dual_tile(
 
 
 @triton.jit
-def rows_pair_tile(
+def rows_two_products_tile(
     a1_desc,
     a2_desc,
     w1_desc,  # [E, K, N]
@@ -299,7 +299,7 @@ def rows_pair_tile(
 
 
 @triton.jit
-def group_at_b_tile(
+def weight_gradient_tile(
     a_desc,  # [rows of the group, MA], block [BLOCK_K, BLOCK_M]
     b_source,  # see below
     first,
@@ -568,7 +568,7 @@ def _gate_up_swiglu_task(
     n_off = n_idx * BLOCK_N
     if WAIT_ROWS:
         wait_rows_ready(ready, row, row_end, FLAG_ROWS, FLAGS)
-    gate, up = rows_dual_tile(
+    gate, up = rows_two_weights_tile(
         a_source,
         w_gate_desc,
         w_up_desc,
@@ -955,7 +955,7 @@ def _gate_up_dgrad_kernel(
         expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
         n_off = n_idx * BLOCK_N
         if expert >= 0:
-            acc = rows_pair_tile(
+            acc = rows_two_products_tile(
                 grad_gate_desc,
                 grad_up_desc,
                 w_gate_desc,
@@ -1022,7 +1022,7 @@ def _down_wgrad_kernel(
                 h_ptr + start * inter, [num_rows, inter], [inter, 1], [BLOCK_K, BLOCK_N]
             )
             cached = expert
-        acc = group_at_b_tile(
+        acc = weight_gradient_tile(
             a_desc,
             (b_desc,),
             first,
@@ -1074,7 +1074,8 @@ def _gate_up_wgrad_kernel(
 
     Tasks run expert by expert, and within an expert the gate half before the up half; a task's
     half says which columns of grad_gate_up it reads and which gradient it writes. GATHER: the
-    rows are read through their index (`group_at_b_tile`), the same values in the same order."""
+    rows are read through their index (`weight_gradient_tile`), the same values in the same
+    order."""
     m_tiles = tl.cdiv(inter, BLOCK_M)
     n_tiles = tl.cdiv(hidden, BLOCK_N)
     per_half = m_tiles * n_tiles
@@ -1113,7 +1114,7 @@ def _gate_up_wgrad_kernel(
             x_source = (x_ptr, x_stride, source_rows_ptr, hidden)
         else:
             x_source = (x_desc,)
-        acc = group_at_b_tile(
+        acc = weight_gradient_tile(
             a_desc, x_source, first, m_off, n_off, num_rows, GATHER, BLOCK_M, BLOCK_N, BLOCK_K
         )
         # An expert without rows leaves an accumulation buffer untouched.

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import warp_specialized as ws
+from mok.kernels import warp_specialized
 from mok.kernels.host import GemmTiles
 
 
@@ -56,7 +56,7 @@ def _row_product(field: str) -> Callable[..., GemmTiles | None]:
 
     def tiles(config, rows: torch.Tensor, *weights: torch.Tensor) -> GemmTiles | None:
         chosen = getattr(config, field)
-        return chosen if chosen is not None and ws.supported(rows, *weights) else None
+        return chosen if chosen is not None and warp_specialized.supported(rows, *weights) else None
 
     return tiles
 
@@ -67,7 +67,9 @@ def _data_gradient(part: str) -> Callable[..., GemmTiles | None]:
     def tiles(config, rows: torch.Tensor, *weights: torch.Tensor) -> GemmTiles | None:
         both = config.warp_specialized_dgrad
         chosen = both and getattr(both, part)
-        return chosen if chosen and ws.dgrad_supported(rows, chosen, *weights) else None
+        return (
+            chosen if chosen and warp_specialized.dgrad_supported(rows, chosen, *weights) else None
+        )
 
     return tiles
 
@@ -80,33 +82,48 @@ def _weight_gradient(
     if both is None or len({grad.dtype for grad in grads}) != 1:
         return None
     chosen = both.for_grad(grads[0].dtype)
-    fits = chosen and all(ws.wgrad_supported(a, b, grad, chosen, gather) for grad in grads)
+    fits = chosen and all(
+        warp_specialized.wgrad_supported(a, b, grad, chosen, gather) for grad in grads
+    )
     return chosen if fits else None
 
 
 _PRODUCTS = {
     Product.GATE_UP: _Twins(
-        ws.gate_up_swiglu, gg.gate_up_swiglu, _row_product("warp_specialized_gate_up"), "gate_up"
+        warp_specialized.gate_up_swiglu,
+        gg.gate_up_swiglu,
+        _row_product("warp_specialized_gate_up"),
+        "gate_up",
     ),
-    Product.DOWN: _Twins(ws.rows_wt, gg.down, _row_product("warp_specialized_down"), "down"),
+    Product.DOWN: _Twins(
+        warp_specialized.down, gg.down, _row_product("warp_specialized_down"), "down"
+    ),
     Product.DOWN_SCATTER: _Twins(
-        ws.rows_wt_scatter, gg.down_scatter, _row_product("warp_specialized_down"), "down"
+        warp_specialized.down_scatter,
+        gg.down_scatter,
+        _row_product("warp_specialized_down"),
+        "down",
     ),
     Product.DOWN_DGRAD: _Twins(
-        ws.down_dgrad_swiglu, gg.down_dgrad_swiglu, _data_gradient("down"), "down_dgrad"
+        warp_specialized.down_dgrad_swiglu,
+        gg.down_dgrad_swiglu,
+        _data_gradient("down"),
+        "down_dgrad",
     ),
     Product.DOWN_DGRAD_WEIGHTED: _Twins(
-        ws.down_dgrad_swiglu_weighted,
+        warp_specialized.down_dgrad_swiglu_weighted,
         gg.down_dgrad_swiglu_weighted,
         _data_gradient("down"),
         "down_dgrad",
     ),
     Product.GATE_UP_DGRAD: _Twins(
-        ws.gate_up_dgrad, gg.gate_up_dgrad, _data_gradient("gate_up"), "gate_up_dgrad"
+        warp_specialized.gate_up_dgrad, gg.gate_up_dgrad, _data_gradient("gate_up"), "gate_up_dgrad"
     ),
-    Product.DOWN_WGRAD: _Twins(ws.down_wgrad, gg.down_wgrad, _weight_gradient, "down_wgrad"),
+    Product.DOWN_WGRAD: _Twins(
+        warp_specialized.down_wgrad, gg.down_wgrad, _weight_gradient, "down_wgrad"
+    ),
     Product.GATE_UP_WGRAD: _Twins(
-        ws.gate_up_wgrad, gg.gate_up_wgrad, _weight_gradient, "gate_up_wgrad"
+        warp_specialized.gate_up_wgrad, gg.gate_up_wgrad, _weight_gradient, "gate_up_wgrad"
     ),
 }
 

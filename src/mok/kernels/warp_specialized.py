@@ -1,7 +1,7 @@
 """Warp-specialized persistent grouped GEMMs for Hopper, in Gluon: all six products of the expert
 MLP, forward and backward.
 
-    out[rows of group e]    = A @ W[e].T                                 (`rows_wt`: down)
+    out[rows of group e]    = A @ W[e].T                                 (`down`: down)
     h[rows of group e]      = swiglu(A @ W[e].T, A @ W2[e].T), both saved  (`gate_up_swiglu`)
     grad_x[rows of group e] = A @ W[e] + A2 @ W2[e]                        (`gate_up_dgrad`)
     gate | up gradients     = swiglu_backward(A @ W[e], saved gate, up)    (`down_dgrad_swiglu`)
@@ -31,7 +31,7 @@ The building blocks of the fused layer (their tl twins: `grouped_gemm.row_block`
 `grouped_gemm.scatter_row_tile`): the loader's A-row source is TMA tiles or, with a row index
 (`source_rows`), rows gathered by cp.async from where they lie, a whole warpgroup issuing the
 copies, each thread's arrival on the slot's barrier counted (forward products); the down product's
-epilogue stores locally or through the peer-store epilogue (`rows_wt_scatter`: rows to other
+epilogue stores locally or through the peer-store epilogue (`down_scatter`: rows to other
 ranks' buffers, then release adds to per-rank readiness counts); the weight gradients' epilogue
 adds into an existing gradient buffer.
 
@@ -139,7 +139,7 @@ shapes but deepseek-v3's, where it is even (measured:
 benchmarks/results/2026-12-01-issue12-all-products-h200.md); six slots because four were slower
 (docs/notes/warp-specialized-gemm.md, "Data gradients")."""
 
-ROWS_WT = gl.constexpr(0)
+DOWN = gl.constexpr(0)
 """Kernel mode: out = A @ W[e].T (the forward's down projection)."""
 GATE_UP_SWIGLU = gl.constexpr(1)
 """Kernel mode: h = swiglu(A @ W[e].T, A @ W2[e].T), and the two products saved."""
@@ -485,8 +485,8 @@ def _load_partition(
         operands
     )
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows) = problem
-    DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
-    PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
+    SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
+    TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
@@ -495,7 +495,7 @@ def _load_partition(
     WG_M: gl.constexpr = a_desc.block_type.shape[0]
     # Gathered A tiles are counted by their copies' arrivals, not in bytes.
     step_bytes: gl.constexpr = (0 if GATHER else SPLIT * a_desc.block_type.nbytes) + (
-        1 + DUAL
+        1 + SECOND_WEIGHT
     ) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     step = 0
@@ -525,7 +525,7 @@ def _load_partition(
             else:
                 w_row = expert * w_expert_rows + n_off
                 w_col = k
-            for product in gl.static_range(1 + PAIRED):
+            for product in gl.static_range(1 + TWO_PRODUCTS):
                 slot = step % STAGES
                 # A fresh barrier counts as having completed the phase before its first: the first
                 # pass over the ring does not wait.
@@ -552,7 +552,7 @@ def _load_partition(
                     _tma_load(w_desc, [w_row, w_col], bar, w_bufs.index(slot))
                 else:
                     _tma_load(w2_desc, [w_row, w_col], bar, w_bufs.index(slot))
-                if DUAL:
+                if SECOND_WEIGHT:
                     _tma_load(w2_desc, [w_row, w_col], bar, w2_bufs.index(slot))
                 step += 1
         if CLAIM:
@@ -715,13 +715,13 @@ def _main_loop(
     k_steps,
     acc_layout: gl.constexpr,
     ROLE: gl.constexpr,
-    DUAL: gl.constexpr,
+    SECOND_WEIGHT: gl.constexpr,
     W_BY_K: gl.constexpr,
     GATHER: gl.constexpr,
 ):
     """Consumer ROLE's main loop over the program's nth task: its k_steps steps taken from the
     loader's ring (A @ W, or A @ W.T unless W_BY_K), returned as fp32 accumulators (acc, and with
-    DUAL acc2, A @ W2.T; zeros otherwise)."""
+    SECOND_WEIGHT acc2, A @ W2.T; zeros otherwise)."""
     a_desc, w_desc, a_bufs, w_bufs, w2_bufs = (
         operands[0],
         operands[2],
@@ -758,7 +758,7 @@ def _main_loop(
         else:
             w = w_bufs.index(slot).permute((1, 0))
         acc = warpgroup_mma(a, w, acc, is_async=True)
-        if DUAL:
+        if SECOND_WEIGHT:
             acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
             # At most this step's second wgmma in flight: the step before has read its slot.
             acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
@@ -768,7 +768,7 @@ def _main_loop(
         step += 1
     if SPLIT == 1:
         mbarrier.arrive(turns.index(1 - ROLE))
-    if DUAL:
+    if SECOND_WEIGHT:
         acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
     else:
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -832,12 +832,13 @@ def _product_epilogue(
     HAS_LIMIT: gl.constexpr,
     PLAIN: gl.constexpr,
     HAS_BIAS: gl.constexpr,
-    DUAL: gl.constexpr,
+    SECOND_WEIGHT: gl.constexpr,
     SCATTER_RANKS: gl.constexpr,
 ):
-    """The epilogue of one tile of the other modes: the expert's biases (HAS_BIAS; its index
-    at expert_at), with DUAL the activation, stored locally or with SCATTER_RANKS by the
-    peer-store epilogue; with DUAL and two epilogue buffers, the pre-activations saved too."""
+    """The epilogue of one tile of the other modes: the expert's biases (HAS_BIAS; its index at
+    expert_at), with SECOND_WEIGHT the activation, stored locally or with SCATTER_RANKS by the
+    peer-store epilogue; with SECOND_WEIGHT and two epilogue buffers, the pre-activations saved
+    too."""
     (
         out_desc,
         gate_desc,
@@ -858,10 +859,10 @@ def _product_epilogue(
     if HAS_BIAS:
         expert = gl.load(expert_at)
         acc = _add_expert_bias(acc, biases[0], expert, n_off, N, acc_layout)
-        if DUAL:
+        if SECOND_WEIGHT:
             acc2 = _add_expert_bias(acc2, biases[1], expert, n_off, N, acc_layout)
     tma.store_wait(0)  # this consumer's previous stores have left its buffers
-    if DUAL:
+    if SECOND_WEIGHT:
         value = _swiglu(acc, acc2, activation, HAS_LIMIT, PLAIN).to(dtype)
     else:
         value = acc.to(dtype)
@@ -870,7 +871,7 @@ def _product_epilogue(
         _scatter_staged(out_bufs.index(first), target, row, row_end, n_off, N, SCATTER_RANKS)
     else:
         _store_staged(out_desc, out_bufs.index(first), out_ptr, N, row, row_end, n_off, N)
-    if DUAL and OUTPUTS == 2:
+    if SECOND_WEIGHT and OUTPUTS == 2:
         # The saved pre-activations: gate through the second buffer, then up through the
         # first once h's store has left it (two buffers, not three: a deeper ring).
         gate, up = _saved_preactivations(acc, acc2, limit, limit_below, limit_above, HAS_LIMIT)
@@ -898,12 +899,12 @@ def _zero_rows_outside_groups(
     WG_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     PART: gl.constexpr = ROLE if SPLIT > 1 else 0
-    TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1
+    TASK_STRIDE: gl.constexpr = CONSUMERS if SPLIT == 1 else 1
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0
     own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
     outside = (gl.load(counts_ptr + 1) - num_m) * num_n
     zeros = gl.zeros((WG_M, BLOCK_N), out_desc.dtype, acc_layout)
-    for task in range(own_start, outside, TAKES * NUM_PROGRAMS):
+    for task in range(own_start, outside, TASK_STRIDE * NUM_PROGRAMS):
         m_idx = num_m + task // num_n
         n_off = task % num_n * BLOCK_N
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
@@ -937,8 +938,8 @@ def _consume(
     a_desc, w_desc, a_bufs, w_bufs = operands[0], operands[2], operands[4], operands[5]
     out_bufs, saved, fetched, weighting = outputs[5], outputs[8], outputs[9], outputs[11]
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
-    DUAL: gl.constexpr = MODE == GATE_UP_SWIGLU
-    PAIRED: gl.constexpr = MODE == GATE_UP_DGRAD
+    SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
+    TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
     WG_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -946,14 +947,16 @@ def _consume(
     STAGES: gl.constexpr = w_bufs.type.shape[0]
     SPLIT: gl.constexpr = a_bufs.type.shape[0] // STAGES
     PART: gl.constexpr = ROLE if SPLIT > 1 else 0
-    TAKES: gl.constexpr = CONSUMERS if SPLIT == 1 else 1  # one task in TAKES is this consumer's
+    TASK_STRIDE: gl.constexpr = (
+        CONSUMERS if SPLIT == 1 else 1
+    )  # one task in TASK_STRIDE is this consumer's
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0  # this consumer's first, in the program
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
-    k_steps = gl.cdiv(K, BLOCK_K) * (1 + PAIRED)
+    k_steps = gl.cdiv(K, BLOCK_K) * (1 + TWO_PRODUCTS)
     first = ROLE * OUTPUTS
     nth = FIRST_TASK  # the program's task index
     task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
@@ -970,19 +973,21 @@ def _consume(
             )
             if WEIGHTED:
                 row_weights = _row_weights(weighting, row, row_end, WG_M, acc_layout)
-        acc, acc2 = _main_loop(operands, nth, k_steps, acc_layout, ROLE, DUAL, W_BY_K, GATHER)
+        acc, acc2 = _main_loop(
+            operands, nth, k_steps, acc_layout, ROLE, SECOND_WEIGHT, W_BY_K, GATHER
+        )
         # The other consumer's main loop runs during this epilogue.
         if MODE == DOWN_DGRAD_SWIGLU:
             _down_dgrad_epilogue(
-                acc, row_weights, outputs, first, fetched.index(ROLE), nth // TAKES & 1, row,
+                acc, row_weights, outputs, first, fetched.index(ROLE), nth // TASK_STRIDE & 1, row,
                 row_end, n_off, n_idx, N, acc_layout, HAS_LIMIT, PLAIN, WEIGHTED,
             )  # fmt: skip
         else:
             _product_epilogue(
                 acc, acc2, outputs, table_ptr + m_idx, first, row, row_end, n_off, N, acc_layout,
-                HAS_LIMIT, PLAIN, HAS_BIAS, DUAL, SCATTER_RANKS,
+                HAS_LIMIT, PLAIN, HAS_BIAS, SECOND_WEIGHT, SCATTER_RANKS,
             )  # fmt: skip
-        nth += TAKES
+        nth += TASK_STRIDE
         task = _program_task(claims, nth, NUM_PROGRAMS, CLAIM)
     if MODE == GATE_UP_DGRAD:
         _zero_rows_outside_groups(outputs, problem, num_m, num_n, first, acc_layout, ROLE, SPLIT)
@@ -991,7 +996,7 @@ def _consume(
 
 @fast_launch
 @gluon.jit(do_not_specialize=["capacity", "num_rows", "rank", "ready_timeout_ns", "ready_wait_id"])
-def _rows_wt_kernel(
+def _row_tiles_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
     w_desc,  # W's rows [R, K], block [BLOCK_N, BLOCK_K]; W_BY_K modes: [R, N], block [BK, BN]
@@ -1014,7 +1019,7 @@ def _rows_wt_kernel(
     limit_above,  # float, the smallest value of the output dtype > limit
     alpha,  # float: the activation gate * sigmoid(alpha * gate) * (up + up_offset) unless PLAIN
     up_offset,
-    bias_ptr,  # HAS_BIAS: [E, N] added to the product (ROWS_WT) or to gate (GATE_UP_SWIGLU)
+    bias_ptr,  # HAS_BIAS: [E, N] added to the product (DOWN) or to gate (GATE_UP_SWIGLU)
     bias2_ptr,  # HAS_BIAS: [E, N] added to up (GATE_UP_SWIGLU)
     a_ptr,  # GATHER: [S, K] the A rows, read through source_rows (else a placeholder)
     a_stride,
@@ -1060,7 +1065,7 @@ def _rows_wt_kernel(
     tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
     ping-pong) or both consumers' (SPLIT 2, cooperative).
     For every group's rows, by MODE:
-    ROWS_WT            out = A @ W[e].T (+ bias[e])
+    DOWN            out = A @ W[e].T (+ bias[e])
     GATE_UP_SWIGLU     out = act(A @ W[e].T (+ bias[e]), A @ W2[e].T (+ bias2[e])), with
                        SAVE_PREACT both pre-activations saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
@@ -1071,7 +1076,7 @@ def _rows_wt_kernel(
     act: SwiGLU when PLAIN, else gpt-oss's form (`_swiglu`); the clamp with HAS_LIMIT; the
     biases (fp32 adds) with HAS_BIAS.
     The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
-    epilogue: local stores, or with SCATTER_RANKS (ROWS_WT) the peer-store epilogue with
+    epilogue: local stores, or with SCATTER_RANKS (DOWN) the peer-store epilogue with
     readiness counts (`_scatter_staged`). WAIT_FLAGS > 0: every task waits for its A rows to land
     first (`_wait_rows_ready`; the rows come from a kernel running beside this one)."""
     dtype: gl.constexpr = a_desc.dtype
@@ -1329,7 +1334,7 @@ benchmarks/results/2026-12-01-issue12-all-products-h200.md)."""
 
 @dataclasses.dataclass(frozen=True)
 class _RowsProblem:
-    """The operands of one `_rows_wt_kernel` launch (unused descriptors repeat another)."""
+    """The operands of one `_row_tiles_kernel` launch (unused descriptors repeat another)."""
 
     mode: int
     a: torch.Tensor  # [M, K]
@@ -1340,10 +1345,10 @@ class _RowsProblem:
     gate_up: torch.Tensor | None = None  # [M, 2N] saved pre-activations: out, or in (dgrad)
     swiglu_limit: float | None = None
     source_rows: torch.Tensor | None = None  # [M] int32: A is [S, K], read through this index
-    scatter: RowScatter | None = None  # ROWS_WT: out's rows to the ranks' buffers instead
+    scatter: RowScatter | None = None  # DOWN: out's rows to the ranks' buffers instead
     ready: RowsReady | None = None  # the A rows land while the product runs
     activation: Activation = SWIGLU  # GATE_UP_SWIGLU, DOWN_DGRAD_SWIGLU
-    bias: torch.Tensor | None = None  # [E, N]: ROWS_WT's outputs' bias, GATE_UP_SWIGLU's gate's
+    bias: torch.Tensor | None = None  # [E, N]: DOWN's outputs' bias, GATE_UP_SWIGLU's gate's
     bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
     weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
 
@@ -1423,7 +1428,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
                 f"[{w.shape[0]}, {n}] {a.dtype}"
             )
     if len(biases) != (0 if problem.bias is None else 1 + (mode == GATE_UP_SWIGLU.value)):
-        raise ValueError("expert biases: one for ROWS_WT, gate's and up's for GATE_UP_SWIGLU")
+        raise ValueError("expert biases: one for DOWN, gate's and up's for GATE_UP_SWIGLU")
     # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
     bias, bias2 = (bias_arg(b, tiles.table) for b in (problem.bias, problem.bias2))
     activation = problem.activation
@@ -1436,7 +1441,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
         weighting_args = (_descriptor(h, [bm, bn]), h, row_weights, dots, dots.shape[1])
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
-        _rows_wt_kernel[(programs,)](
+        _row_tiles_kernel[(programs,)](
             a_desc,
             a2_desc,
             w_desc,
@@ -1493,7 +1498,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     return dots
 
 
-def rows_wt(
+def down(
     rows: torch.Tensor,
     weights: torch.Tensor,
     tiles: RowTiles,
@@ -1511,14 +1516,12 @@ def rows_wt(
         out = torch.empty(m, weights.shape[1], dtype=rows.dtype, device=rows.device)
     out = out[:m]
     if m:
-        problem = _RowsProblem(
-            ROWS_WT.value, rows, weights, out, source_rows=source_rows, bias=bias
-        )
+        problem = _RowsProblem(DOWN.value, rows, weights, out, source_rows=source_rows, bias=bias)
         _launch(problem, tiles, cfg)
     return out
 
 
-def rows_wt_scatter(
+def down_scatter(
     rows: torch.Tensor,
     weights: torch.Tensor,
     tiles: RowTiles,
@@ -1527,14 +1530,14 @@ def rows_wt_scatter(
     source_rows: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> None:
-    """`rows_wt`'s rows (with its `bias`) stored by the peer-store epilogue instead: grouped row
+    """`down`'s rows (with its `bias`) stored by the peer-store epilogue instead: grouped row
     r to row scatter.dest_row[r] of rank scatter.dest_rank[r]'s buffer, then one release add per
     destination rank and tile to that rank's count of this rank. The result of
     `grouped_gemm.down_scatter` (the same values and counts)."""
     m = gathered_rows(rows, source_rows)
     if m:
         problem = _RowsProblem(
-            ROWS_WT.value,
+            DOWN.value,
             rows,
             weights,
             scatter.out,
@@ -2093,7 +2096,7 @@ def _wgrad_consume(
 
 @fast_launch
 @gluon.jit
-def _group_at_b_kernel(
+def _weight_gradient_kernel(
     a_ptr,  # [M, HALVES * P], row stride a_stride
     b_ptr,  # [M, Q] contiguous; GATHER: [S, Q] rows read through source_rows_ptr
     b_stride,  # GATHER: b's row stride (else unused)
@@ -2209,7 +2212,7 @@ def wgrad_supported(
     cfg: GemmTiles,
     gather: bool = False,
 ) -> bool:
-    """Whether `_group_at_b_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
+    """Whether `_weight_gradient_kernel` takes these operands: 16-bit A and B on a Hopper GPU, unit
     column strides, an fp32 or 16-bit gradient [E, P, Q] whose P is a multiple of a consumer's
     rows (64: a tile of two consumers' rows may end past P, gpt-oss's 2880) and whose experts
     each hold P contiguous rows (the experts may lie further apart: the halves
@@ -2239,7 +2242,7 @@ def _gradient_rows(grad: torch.Tensor, rows_per_expert: int) -> torch.Tensor:
     return grad.as_strided(((num_experts - 1) * rows_per_expert + p, q), (q, 1))
 
 
-def _group_at_b(
+def _launch_weight_gradients(
     a: torch.Tensor,
     b: torch.Tensor,
     group_offsets: torch.Tensor,
@@ -2274,7 +2277,7 @@ def _group_at_b(
     use_scratch_allocator(a.device)
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
-        _group_at_b_kernel[(programs,)](
+        _weight_gradient_kernel[(programs,)](
             a,
             b,
             b.stride(0),
@@ -2320,7 +2323,7 @@ def down_wgrad(
     the result of `grouped_gemm.down_wgrad` (`wgrad_supported` operands). cfg None: the tiles of
     WGRAD_TILES for the gradient's dtype."""
     cfg = cfg or WGRAD_TILES.for_grad(grad_w_down.dtype)
-    _group_at_b(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
+    _launch_weight_gradients(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
 
 
 def gate_up_wgrad(
@@ -2339,7 +2342,7 @@ def gate_up_wgrad(
     dtype), source_rows included (the grouped rows read through it from rows [S, H]). cfg None:
     the tiles of WGRAD_TILES for the gradients' dtype."""
     cfg = cfg or WGRAD_TILES.for_grad(grad_w_gate.dtype)
-    _group_at_b(
+    _launch_weight_gradients(
         grad_gate_up,
         rows,
         group_offsets,
