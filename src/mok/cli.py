@@ -152,7 +152,15 @@ def _add_bench(commands) -> None:
         "on the same inputs, for every preset and expert-parallel size given, spawning the ranks "
         "itself (or joining a torchrun job).",
     )
-    workload = bench.add_argument_group("what runs")
+    _add_workload_options(bench.add_argument_group("what runs"))
+    _add_layer_options(bench.add_argument_group("the layer's options"))
+    _add_timing_options(bench.add_argument_group("timing"))
+    _add_output_options(bench.add_argument_group("output"))
+    bench.set_defaults(command_parser=bench)
+
+
+def _add_workload_options(workload) -> None:
+    """`mok bench`: the shapes, sizes, routing and device that run."""
     workload.add_argument(
         "--preset",
         type=_preset_names,
@@ -190,7 +198,10 @@ def _add_bench(commands) -> None:
         default="auto",
         help="auto: cuda when a GPU is present",
     )
-    layer = bench.add_argument_group("the layer's options")
+
+
+def _add_layer_options(layer) -> None:
+    """`mok bench`: the layer's `MoKConfig` options."""
     layer.add_argument(
         "--backend",
         choices=[b.value for b in Backend],
@@ -265,7 +276,10 @@ def _add_bench(commands) -> None:
         "gradient in the down product's backward, so that the forward keeps no pair outputs "
         "(T x k x H a layer)",
     )
-    timing = bench.add_argument_group("timing")
+
+
+def _add_timing_options(timing) -> None:
+    """`mok bench`: how the passes are checked and timed."""
     timing.add_argument("--iters", type=_positive_int, default=20, help="timed iterations per pass")
     timing.add_argument(
         "--warmup",
@@ -302,7 +316,10 @@ def _add_bench(commands) -> None:
         f"that times are compared with (default on CUDA: {H200_DENSE_BF16_TFLOPS:g}, cuBLAS on "
         "an H200; on the CPU: no floor unless given)",
     )
-    output = bench.add_argument_group("output")
+
+
+def _add_output_options(output) -> None:
+    """`mok bench`: where the results go."""
     output.add_argument(
         "--json", metavar="PATH", help="also write the results as JSON (as in --out)"
     )
@@ -313,7 +330,6 @@ def _add_bench(commands) -> None:
         "matplotlib: pip install 'mok[bench]') into DIR, stamped with date, commit and machine",
     )
     output.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.set_defaults(command_parser=bench)
 
 
 def _add_env_and_memory(commands) -> None:
@@ -377,11 +393,46 @@ def _add_env_and_memory(commands) -> None:
 
 
 def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
-    from rich import box
+    """`mok bench`: the options checked (a one-line error before anything runs), the runs, their
+    tables, and the reports asked for."""
     from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
 
+    device, eps = _bench_device_and_eps(args, parser)
+    dense_tflops = args.dense_tflops
+    if dense_tflops is None and device == "cuda":
+        dense_tflops = H200_DENSE_BF16_TFLOPS
+    specs = _bench_specs(args, device, eps, dense_tflops)
+    _check_bench_specs(args, parser, specs, device)
+    console = Console()
+    if args.out and not matplotlib_available():
+        console.print("matplotlib is not installed: --out writes no PNG (pip install 'mok[bench]')")
+    try:
+        results = run_bench(specs)
+    except (torch.OutOfMemoryError, RankFailedError) as error:
+        # A spawned rank's failure arrives as the text of its traceback.
+        if not isinstance(error, torch.OutOfMemoryError) and "OutOfMemoryError" not in str(error):
+            raise
+        largest = max(specs, key=estimated_peak_bytes)
+        need, have = _memory_need_and_size(largest)
+        message = _memory_message(largest, need, have, ran_out=True)
+        parser.exit(1, f"mok bench: error: {message}\n")
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return 0
+    for result in results:
+        _print_bench_result(console, result, device, dense_tflops)
+    header = report_header(device, dense_tflops, command)
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(json_report(header, results), handle, indent=2)
+    if args.out:
+        for path in write_report(Path(args.out), header, results):
+            console.print(f"wrote {path}")
+    return 0
+
+
+def _bench_device_and_eps(args, parser: argparse.ArgumentParser) -> tuple[str, list[int]]:
+    """(the device, the EP sizes) of a `mok bench` run, its presets filled in where not given;
+    `parser.error` for options that cannot run here."""
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -416,10 +467,12 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
                     f"--ep {ep} needs {ep} GPUs (one per rank); this machine has "
                     f"{torch.cuda.device_count()}"
                 )
-    dense_tflops = args.dense_tflops
-    if dense_tflops is None and device == "cuda":
-        dense_tflops = H200_DENSE_BF16_TFLOPS
-    specs = [
+    return device, eps
+
+
+def _bench_specs(args, device: str, eps: list[int], dense_tflops: float | None) -> list[BenchSpec]:
+    """One run per preset, EP size and precision asked for."""
+    return [
         BenchSpec(
             preset=preset,
             ep=ep,
@@ -449,6 +502,11 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
         for ep in eps
         for precision in args.precision
     ]
+
+
+def _check_bench_specs(args, parser: argparse.ArgumentParser, specs, device: str) -> None:
+    """`parser.error` for a run that cannot start: a config the options make invalid, a backend
+    that cannot run it here, memory it would not fit in, a report path that cannot be written."""
     for spec in specs:
         try:
             config = spec.config()
@@ -470,64 +528,48 @@ def _bench(args, parser: argparse.ArgumentParser, command: str) -> int:
             problem = _unwritable(Path(path) if option == "--out" else Path(path).parent)
             if problem:
                 parser.error(f"{option} {path}: {problem}")
-    console = Console()
-    if args.out and not matplotlib_available():
-        console.print("matplotlib is not installed: --out writes no PNG (pip install 'mok[bench]')")
-    try:
-        results = run_bench(specs)
-    except (torch.OutOfMemoryError, RankFailedError) as error:
-        # A spawned rank's failure arrives as the text of its traceback.
-        if not isinstance(error, torch.OutOfMemoryError) and "OutOfMemoryError" not in str(error):
-            raise
-        largest = max(specs, key=estimated_peak_bytes)
-        need, have = _memory_need_and_size(largest)
-        message = _memory_message(largest, need, have, ran_out=True)
-        parser.exit(1, f"mok bench: error: {message}\n")
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return 0
+
+
+def _print_bench_result(console, result, device: str, dense_tflops: float | None) -> None:
+    """One run's table (forward and forward+backward beside the baseline) and its check."""
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
     floor = (
         f"x floor: time / (FLOPs / {dense_tflops:g} TFLOP/s dense bf16, --dense-tflops)"
         if dense_tflops is not None
         else "no compute floor (pass --dense-tflops)"
     )
-    for result in results:
-        spec = result.spec
-        title = (
-            f"mok bench: {spec.preset}, ep={spec.ep}, {spec.tokens_per_rank} tokens/rank, "
-            f"{spec.routing} routing, backend={result.backend.name}"
-            + (" (the oracle, not a fast path)" if result.is_oracle else "")
-            + f", {device}"
-        )
-        caption = (
-            "per rank; time: median over iterations of the slowest rank, min-max: its fastest "
-            f"and slowest iteration; {floor}; peak memory: "
-            f"{result.memory_kind}; speedup: baseline time / backend time"
-        )
-        if any(result.noisy(pass_name) for pass_name in PASSES):
-            caption += f"; {NOISY_NOTE}"
-        table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
-        columns, rows = result.table()
-        for index, column in enumerate(columns):
-            # Headers on three lines: the table fits 80 columns (a pipe's width) uncut.
-            header = column.replace("forward+backward", "forward+\nbackward")
-            table.add_column(header, justify="left" if index == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-        if result.is_oracle:
-            console.print(f"[bold]Note:[/bold] {escape(REFERENCE_NOTE)}")
-        console.print("checked against the reference backend (relative error):")
-        for measurement in (result.backend, result.baseline):
-            errors = ", ".join(f"{n} {e:.1e}" for n, e in measurement.check_errors.items())
-            console.print(f"  {measurement.name}: {errors or 'the oracle itself, not checked'}")
-    header = report_header(device, dense_tflops, command)
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(json_report(header, results), handle, indent=2)
-    if args.out:
-        for path in write_report(Path(args.out), header, results):
-            console.print(f"wrote {path}")
-    return 0
+    spec = result.spec
+    title = (
+        f"mok bench: {spec.preset}, ep={spec.ep}, {spec.tokens_per_rank} tokens/rank, "
+        f"{spec.routing} routing, backend={result.backend.name}"
+        + (" (the oracle, not a fast path)" if result.is_oracle else "")
+        + f", {device}"
+    )
+    caption = (
+        "per rank; time: median over iterations of the slowest rank, min-max: its fastest "
+        f"and slowest iteration; {floor}; peak memory: "
+        f"{result.memory_kind}; speedup: baseline time / backend time"
+    )
+    if any(result.noisy(pass_name) for pass_name in PASSES):
+        caption += f"; {NOISY_NOTE}"
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD)
+    columns, rows = result.table()
+    for index, column in enumerate(columns):
+        # Headers on three lines: the table fits 80 columns (a pipe's width) uncut.
+        header = column.replace("forward+backward", "forward+\nbackward")
+        table.add_column(header, justify="left" if index == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if result.is_oracle:
+        console.print(f"[bold]Note:[/bold] {escape(REFERENCE_NOTE)}")
+    console.print("checked against the reference backend (relative error):")
+    for measurement in (result.backend, result.baseline):
+        errors = ", ".join(f"{n} {e:.1e}" for n, e in measurement.check_errors.items())
+        console.print(f"  {measurement.name}: {errors or 'the oracle itself, not checked'}")
 
 
 def _memory_need_and_size(spec: BenchSpec) -> tuple[int, int]:

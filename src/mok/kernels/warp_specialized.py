@@ -1364,18 +1364,14 @@ def _consumer_split(block_m: int) -> int:
     return block_m // CONSUMER_ROWS
 
 
-def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor | None:
+def _descriptors(problem: _RowsProblem, cfg: GemmTiles, n: int) -> tuple:
+    """The nine TMA descriptors of a launch, in the kernel's order (those the mode does not use
+    repeat one it does: each is built once, host time), then the tensor holding the gate | up
+    halves (the pre-activations out, or the gradients of DOWN_DGRAD_SWIGLU) and the distance
+    between the weights' experts in rows; ValueError where the two weights' distances differ."""
     mode, a, w = problem.mode, problem.a, problem.w
-    by_k = mode >= GATE_UP_DGRAD.value
-    k = a.shape[1]
-    n = w.shape[2] if by_k else w.shape[1]
-    if tiles.block_m != cfg.block_m:
-        raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
-    split = _consumer_split(cfg.block_m)
-    if problem.weighting is not None:
-        cfg = _with_epilogue_buffers(cfg, 3)
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
-    w_block = [bk, bn] if by_k else [bn, bk]
+    w_block = [bk, bn] if mode >= GATE_UP_DGRAD.value else [bn, bk]
     w_rows, w_expert_rows = _weight_rows(w)
     w2_desc = w_desc = _descriptor(w_rows, w_block)
     if problem.w2 is not None:
@@ -1389,7 +1385,6 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     a_desc = _descriptor(a, [bm, bk])
     a2_desc = a_desc if problem.a2 is None else _descriptor(problem.a2, [bm, bk])
     out = problem.out
-    # Descriptors the mode does not use repeat one it does (each is built once: host time).
     if mode == DOWN_DGRAD_SWIGLU.value:
         gate_up = out  # the gradients' gate | up halves; the saved ones come in
         gate_desc = out_desc = _descriptor(out[:, :n], [bm, bn])
@@ -1403,10 +1398,21 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
             gate_up = problem.gate_up
             gate_desc = _descriptor(gate_up[:, :n], [bm, bn])
             up_desc = _descriptor(gate_up[:, n:], [bm, bn])
-    limit = problem.swiglu_limit
-    m = gathered_rows(a, problem.source_rows)
-    gather = problem.source_rows is not None
-    if gather and (k * a.element_size() % 16 or a.stride(0) * a.element_size() % 16):
+    descriptors = (
+        a_desc, a2_desc, w_desc, w2_desc, out_desc, gate_desc, up_desc, saved_gate, saved_up
+    )  # fmt: skip
+    return descriptors, gate_up, w_expert_rows
+
+
+def _check_options(problem: _RowsProblem, cfg: GemmTiles, m: int, n: int) -> None:
+    """Raise ValueError where the launch's options do not fit its operands: gathered rows not in
+    16-byte pieces, readiness flags or a scatter target too small, claims in GATE_UP_DGRAD,
+    expert biases of another shape or count."""
+    mode, a = problem.mode, problem.a
+    k = a.shape[1]
+    if problem.source_rows is not None and (
+        k * a.element_size() % 16 or a.stride(0) * a.element_size() % 16
+    ):
         raise ValueError(
             f"gathered rows of {k} columns, row stride {a.stride(0)}: both must be multiples "
             "of 16 bytes (cp.async copies 16-byte pieces)"
@@ -1422,19 +1428,40 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
         raise ValueError("TileClaims: GATE_UP_DGRAD's zeros take their tasks by the static stride")
     biases = [b for b in (problem.bias, problem.bias2) if b is not None]
     for bias in biases:
-        if bias.shape != (w.shape[0], n) or bias.dtype != a.dtype:
+        if bias.shape != (problem.w.shape[0], n) or bias.dtype != a.dtype:
             raise ValueError(
                 f"expert bias of shape {tuple(bias.shape)} {bias.dtype}: expected "
-                f"[{w.shape[0]}, {n}] {a.dtype}"
+                f"[{problem.w.shape[0]}, {n}] {a.dtype}"
             )
     if len(biases) != (0 if problem.bias is None else 1 + (mode == GATE_UP_SWIGLU.value)):
         raise ValueError("expert biases: one for DOWN, gate's and up's for GATE_UP_SWIGLU")
+
+
+def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor | None:
+    """Launch `_row_tiles_kernel` on `problem` (its tiles and config checked first); returns the
+    router weights' partial dots [M, column tiles] fp32 with `problem.weighting`, else None."""
+    mode, a, w = problem.mode, problem.a, problem.w
+    k = a.shape[1]
+    n = w.shape[2] if mode >= GATE_UP_DGRAD.value else w.shape[1]
+    if tiles.block_m != cfg.block_m:
+        raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
+    split = _consumer_split(cfg.block_m)
+    if problem.weighting is not None:
+        cfg = _with_epilogue_buffers(cfg, 3)
+    bm, bn = CONSUMER_ROWS, cfg.block_n
+    descriptors, gate_up, w_expert_rows = _descriptors(problem, cfg, n)
+    out = problem.out
+    limit = problem.swiglu_limit
+    m = gathered_rows(a, problem.source_rows)
+    gather = problem.source_rows is not None
+    scatter, ready = problem.scatter, problem.ready
+    _check_options(problem, cfg, m, n)
     # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
     bias, bias2 = (bias_arg(b, tiles.table) for b in (problem.bias, problem.bias2))
     activation = problem.activation
     dots = None
     if problem.weighting is None:
-        weighting_args = (saved_gate, tiles.table, tiles.table, tiles.table, 0)
+        weighting_args = (descriptors[7], tiles.table, tiles.table, tiles.table, 0)
     else:
         h, row_weights = problem.weighting
         dots = torch.zeros(m, triton.cdiv(n, bn), dtype=torch.float32, device=h.device)
@@ -1442,15 +1469,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
         _row_tiles_kernel[(programs,)](
-            a_desc,
-            a2_desc,
-            w_desc,
-            w2_desc,
-            out_desc,
-            gate_desc,
-            up_desc,
-            saved_gate,
-            saved_up,
+            *descriptors,
             out,
             gate_up,
             tiles.table,
