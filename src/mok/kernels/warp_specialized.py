@@ -894,17 +894,17 @@ def _zero_rows_outside_groups(
     the static stride, from no reduction (a static grid: the launcher does not let this mode
     claim)."""
     out_desc, out_ptr, out_bufs = outputs[0], outputs[3], outputs[5]
-    table_ptr, counts_ptr, capacity, N = problem[0], problem[1], problem[2], problem[3]
-    NUM_PROGRAMS: gl.constexpr = problem[6]
+    # A value, not a constexpr, where Triton passes the tuple's constexprs as values (3.6).
+    (table_ptr, counts_ptr, capacity, N, _, _, num_programs, _, _) = problem
     WG_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     PART: gl.constexpr = ROLE if SPLIT > 1 else 0
     TASK_STRIDE: gl.constexpr = CONSUMERS if SPLIT == 1 else 1
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0
-    own_start = gl.program_id(0) + FIRST_TASK * NUM_PROGRAMS
+    own_start = gl.program_id(0) + FIRST_TASK * num_programs
     outside = (gl.load(counts_ptr + 1) - num_m) * num_n
     zeros = gl.zeros((WG_M, BLOCK_N), out_desc.dtype, acc_layout)
-    for task in range(own_start, outside, TASK_STRIDE * NUM_PROGRAMS):
+    for task in range(own_start, outside, TASK_STRIDE * num_programs):
         m_idx = num_m + task // num_n
         n_off = task % num_n * BLOCK_N
         row = gl.load(table_ptr + capacity + m_idx) + PART * WG_M
