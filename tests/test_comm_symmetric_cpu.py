@@ -158,16 +158,20 @@ def layout_exchange_kinds(rank, world, directory):
     return kinds
 
 
+@pytest.mark.interpreter
 def test_each_buffer_layout_has_its_own_exchange(tmp_path):
     """The staged layout (the triton backend's) is `SymmetricExchange`'s and the overlapped one
-    (the fused backend's) `OverlappedSymmetricExchange`'s, each with only the calls its regions
-    serve; each class refuses the other's shape before allocating, naming the class that takes
-    it. Bug caught: an overlapped shape built as the staged exchange, whose dispatch would find
-    no staging region."""
+    (the fused backend's) `OverlappedSymmetricExchange`'s. Bug caught: an overlapped shape built
+    as the staged exchange, whose dispatch would find no staging region."""
     assert (
         run_ranks(layout_exchange_kinds, 2, args=(str(tmp_path),))
         == [["SymmetricExchange", "OverlappedSymmetricExchange"]] * 2
     )
+
+
+def test_each_exchange_class_refuses_the_other_layout():
+    """Each class has only the calls its regions serve, and refuses the other's shape before
+    allocating anything, naming the class that takes it."""
     staged = default_shape(24, 2, 2, 2, 8, dtype=torch.float32)
     overlapped = dataclasses.replace(staged, overlapped=True)
     with pytest.raises(ValueError, match="is OverlappedSymmetricExchange's"):
