@@ -6,6 +6,8 @@ One GPU (EP = 1), two GPUs over NCCL (EP = 2, the NVLink exchange), and EP 2 and
 processes sharing one GPU (the NVLink exchange's kernels compiled, symmetric memory by CUDA IPC).
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,19 +189,22 @@ def test_one_gpu_backward_reads_x_instead_of_keeping_the_grouped_rows(backend, m
     with the index, one without), bitwise its product on TMA tiles of the grouped rows. Bugs
     caught: a compiled-only error in the gathering loader at EP 1 (x has T rows where the index
     has T x k), the kernel silently swapped for the tl fallback."""
-    from mok.kernels import warp_specialized
+    from mok.kernels import registry
 
     device = torch.device("cuda")
     config = dict(preset_configs(num_experts=12))["qwen3-30b-a3b"]
     config = config.replace(backend=backend, graphs="off")
     inputs = rank_inputs(config, 250, "zipf", 7, device)
-    launch, gathered = warp_specialized.gate_up_wgrad, []
+    twins = registry._PRODUCTS[registry.Product.GATE_UP_WGRAD]
+    launch, gathered = twins.gluon, []
 
     def recording(*args, source_rows=None, **options):
         gathered.append(source_rows is not None)
         return launch(*args, source_rows=source_rows, **options)
 
-    monkeypatch.setattr(warp_specialized, "gate_up_wgrad", recording)
+    # The registry holds the kernels it picks from: the Gluon one is recorded there.
+    replaced = dataclasses.replace(twins, gluon=recording)
+    monkeypatch.setitem(registry._PRODUCTS, registry.Product.GATE_UP_WGRAD, replaced)
     results, kept = without_and_with_grouped_rows(config, inputs, device, monkeypatch)
     assert_x_read_in_place_of_the_grouped_rows(results, kept, 250, config)
     assert gathered == [True, False]
