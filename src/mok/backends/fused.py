@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mok.backends.triton import TritonBackend, TritonRouting, _Saved
+from mok.backends.triton import TritonBackend, TritonRouting, TritonSaved
 from mok.comm.exchange import OverlappedExchange
 from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
@@ -231,10 +231,14 @@ class FusedBackend(TritonBackend):
         y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
-        return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+        return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
     def backward(
-        self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
+        self,
+        schedule: TritonRouting,
+        saved: TritonSaved,
+        grad_y: torch.Tensor,
+        accumulate_into: dict,
     ) -> MoEGradients:
         """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1:
 

@@ -66,8 +66,8 @@ class TritonRouting:
 
 
 @dataclasses.dataclass
-class _Saved:
-    """What forward keeps for backward."""
+class TritonSaved:
+    """What the triton (and fused) backend's forward keeps for its backward."""
 
     routing: ExchangeRouting
     weights: torch.Tensor
@@ -270,7 +270,7 @@ class TritonBackend:
         y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
-        return y, _Saved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+        return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
     def _mx_weight_casts(self, weights: MoEWeights, rounding, need_backward: bool):
         """The routed weights' MXFP8 casts for this call, as `MoKConfig.mx_weight_casts` says."""
@@ -376,7 +376,11 @@ class TritonBackend:
         )
 
     def backward(
-        self, schedule: TritonRouting, saved: _Saved, grad_y: torch.Tensor, accumulate_into: dict
+        self,
+        schedule: TritonRouting,
+        saved: TritonSaved,
+        grad_y: torch.Tensor,
+        accumulate_into: dict,
     ) -> MoEGradients:
         """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
         that buffer by the weight-gradient kernels themselves (no extra pass). `saved` serves this
@@ -465,7 +469,7 @@ class TritonBackend:
             grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up, dots
 
-    def _weighted_down_gradients(self, saved: _Saved, grad_y, into: dict, grads: dict):
+    def _weighted_down_gradients(self, saved: TritonSaved, grad_y, into: dict, grads: dict):
         """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
         fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
         to their pairs' grouped rows unweighted with each row's weight
@@ -489,7 +493,7 @@ class TritonBackend:
         return gate_up_data_gradient(grad_gate_up, experts)
 
     @staticmethod
-    def _shared_backward(saved: _Saved, grad_y: torch.Tensor, into: dict):
+    def _shared_backward(saved: TritonSaved, grad_y: torch.Tensor, into: dict):
         """(the shared expert's gradient of x or None, its weights' gradients by name)."""
         from mok.kernels import expert_mlp_backward
 
@@ -510,7 +514,9 @@ class TritonBackend:
         }
 
     @staticmethod
-    def _gradients(saved: _Saved, grad_x, grad_router, grads: dict, into: dict) -> MoEGradients:
+    def _gradients(
+        saved: TritonSaved, grad_x, grad_router, grads: dict, into: dict
+    ) -> MoEGradients:
         """The gradients in the API's dtypes (accumulation buffers returned as they are)."""
         return MoEGradients(
             x=grad_x.to(saved.dtypes["x"]),

@@ -331,6 +331,20 @@ def cached_row_tiles(
     return saved_tiles[block_m]
 
 
+def _check_forward_buffers(rows, w_gate, m: int, out, biases) -> None:
+    """Raise ValueError unless `out` (or None) holds M contiguous rows of the rows' dtype and the
+    biases (or None) are gate's, up's [E, I] and down's [E, H] in it."""
+    if biases is not None:
+        experts, inter, hidden = w_gate.shape
+        shapes = ((experts, inter), (experts, inter), (experts, hidden))
+        for name, bias, shape in zip(("gate", "up", "down"), biases, shapes, strict=True):
+            _check(f"{name} bias", bias, shape, (rows.dtype,), rows.device)
+    if out is not None:
+        _check("out", out[:m], (m, rows.shape[1]), (rows.dtype,), rows.device)
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+
+
 def expert_mlp_forward(
     rows: torch.Tensor,
     group_offsets: torch.Tensor,
@@ -389,38 +403,27 @@ def expert_mlp_forward(
     if combine is not None and out is not None:
         raise ValueError("expert_mlp_forward: pass out or combine, not both")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
-    if biases is not None:
-        experts, inter, hidden = w_gate.shape
-        shapes = ((experts, inter), (experts, inter), (experts, hidden))
-        for name, bias, shape in zip(("gate", "up", "down"), biases, shapes, strict=True):
-            _check(f"{name} bias", bias, shape, (rows.dtype,), rows.device)
     m = host.gathered_rows(rows, source_rows)
-    hidden = rows.shape[1]
-    if out is not None:
-        _check("out", out[:m], (m, hidden), (rows.dtype,), rows.device)
-        if not out.is_contiguous():
-            raise ValueError("out must be contiguous")
-    inter = w_gate.shape[1]
+    _check_forward_buffers(rows, w_gate, m, out, biases)
+    hidden, inter = rows.shape[1], w_gate.shape[1]
     cfg = config or default_config(rows.device, hidden, inter, m / w_gate.shape[0])
     if m == 0:
-        out = torch.empty(0, hidden, dtype=rows.dtype, device=rows.device)
-        h = torch.empty(0, inter, dtype=rows.dtype, device=rows.device)
-        gate_up = torch.empty(0, 2 * inter, dtype=rows.dtype, device=rows.device)
         saved = ExpertMLPSaved(
             rows[:0],
             group_offsets,
             w_gate,
             w_up,
             w_down,
-            h,
-            gate_up,
+            rows.new_empty(0, inter),
+            rows.new_empty(0, 2 * inter),
             {},
             swiglu_limit,
             cfg,
             activation,
             biases,
         )
-        return None if combine else out, saved if save_for_backward else None
+        out = None if combine else rows.new_empty(0, hidden)
+        return out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
     gate_up_cfg, gate_up_swiglu = pick(Product.GATE_UP, cfg, rows, w_gate, w_up)
     keep = save_for_backward and keep_activations
