@@ -247,6 +247,13 @@ class SymmetricExchangeBase:
         memory: SymmetricMemory | None = None,
         timeout_s: float = 10.0,
     ) -> None:
+        if shape.overlapped != self.overlapped_layout:
+            kind = "an overlapped" if shape.overlapped else "a staged"
+            other = "OverlappedSymmetricExchange" if shape.overlapped else "SymmetricExchange"
+            raise ValueError(
+                f"{type(self).__name__} takes the other buffer layout: {kind} shape is {other}'s "
+                "(symmetric_exchange picks the class of a shape)"
+            )
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
         self.shape, self.device, self.programs = shape, device, programs
@@ -299,15 +306,24 @@ class SymmetricExchangeBase:
         self.overflowed = torch.zeros(1, dtype=torch.bool, device=device)
         self.most_needed = torch.zeros(2, dtype=torch.int64, device=device)
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
+        self._layout_flags = self._make_local_flags()
         self._restart()
+
+    overlapped_layout: bool
+    """Whether the class serves the overlapped layout (`ExchangeShape.overlapped`)."""
+
+    def _make_local_flags(self) -> tuple[torch.Tensor, ...]:
+        """This rank's flags and epochs beyond the buffer's that the layout needs (made once,
+        zeroed with the buffer's by `_restart`)."""
+        return ()
 
     def _restart(self) -> None:
         """Zero this rank's flags, signals, epochs, barrier sequence and status between two
         meetings of every rank on the host: the first once every rank's queued work (which may
         still write into its peers' flags) is done, the second once every rank has zeroed (no
         peer may signal into a buffer not yet zeroed). A layout's own flags go too
-        (`_local_flags`): the epochs restart, and a flag left at a value they reach again would
-        pass before its rows."""
+        (`_make_local_flags`): the epochs restart, and a flag left at a value they reach again
+        would pass before its rows."""
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
         for tensor in (
@@ -315,16 +331,12 @@ class SymmetricExchangeBase:
             self.view.signals.local,
             self.view.epoch,
             self.view.sequence,
-            *self._local_flags(),
+            *self._layout_flags,
         ):
             tensor.zero_()
         self.view.status.zero_()
         self._finish_queued_work()
         raise_if_any_rank_failed(None, self.group)
-
-    def _local_flags(self) -> tuple[torch.Tensor, ...]:
-        """This rank's flags and epochs beyond the buffer's, zeroed with them (`_restart`)."""
-        return ()
 
     def _finish_queued_work(self) -> None:
         if self.device.type == "cuda":
@@ -718,21 +730,7 @@ class SymmetricExchange(SymmetricExchangeBase):
     (`symmetric_exchange` picks the class of a shape).
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        shape: ExchangeShape,
-        device: torch.device,
-        programs: int = 24,
-        memory: SymmetricMemory | None = None,
-        timeout_s: float = 10.0,
-    ) -> None:
-        if shape.overlapped:
-            raise ValueError(
-                "SymmetricExchange takes the staged layout; an overlapped shape is "
-                "OverlappedSymmetricExchange's (symmetric_exchange picks the class of a shape)"
-            )
-        super().__init__(group, shape, device, programs, memory, timeout_s)
+    overlapped_layout = False
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
         """Rows x [T, W] -> grouped rows [routing.rows, W] (first recv_pairs valid); W the
@@ -914,30 +912,16 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
     product stores each output straight into its token's rank. Arguments as
     `SymmetricExchangeBase`'s; the shape's layout must be the overlapped one."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        shape: ExchangeShape,
-        device: torch.device,
-        programs: int = 24,
-        memory: SymmetricMemory | None = None,
-        timeout_s: float = 10.0,
-    ) -> None:
-        if not shape.overlapped:
-            raise ValueError(
-                "OverlappedSymmetricExchange takes the overlapped layout; a staged shape is "
-                "SymmetricExchange's (symmetric_exchange picks the class of a shape)"
-            )
+    overlapped_layout = True
+
+    def _make_local_flags(self) -> tuple[torch.Tensor, ...]:
         # Readiness of the grouped rows copied beside the products (local): forward's stamped
         # with the routing epoch, backward's with a count of backward calls (two backwards may
         # follow one route: layers of one shape share the exchange).
-        blocks = triton.cdiv(shape.pair_capacity, COPY_ROWS)
-        self.landed = torch.zeros(blocks, dtype=torch.int32, device=device)
-        self.landed_backward = torch.zeros(blocks, dtype=torch.int32, device=device)
-        self.backward_epoch = torch.zeros(1, dtype=torch.int32, device=device)
-        super().__init__(group, shape, device, programs, memory, timeout_s)
-
-    def _local_flags(self) -> tuple[torch.Tensor, ...]:
+        blocks = triton.cdiv(self.shape.pair_capacity, COPY_ROWS)
+        self.landed = torch.zeros(blocks, dtype=torch.int32, device=self.device)
+        self.landed_backward = torch.zeros(blocks, dtype=torch.int32, device=self.device)
+        self.backward_epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
         return (self.landed, self.landed_backward, self.backward_epoch)
 
     def dispatch_overlapped(
