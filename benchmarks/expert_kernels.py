@@ -783,10 +783,10 @@ def building_block(
     source = randn(tokens, k_dim, gen=gen)
     gathered_first = source[index.long()].contiguous()
     if down:
-        cfg = default.warp_specialized_down
+        cfg = default.gluon.down
         weights = [randn(experts, hidden, inter, gen=gen, scale=inter**-0.5)]
     else:
-        cfg = default.warp_specialized_gate_up
+        cfg = default.gluon.gate_up
         weights = [randn(experts, inter, hidden, gen=gen, scale=hidden**-0.5) for _ in range(2)]
     tiles = row_tile_map(offsets, m, cfg.block_m)
     tile_label = f"{cfg.block_m}x{cfg.block_n}"

@@ -13,7 +13,7 @@ import torch
 
 from mok.kernels import grouped_gemm as gg
 from mok.kernels import warp_specialized
-from mok.kernels.expert_mlp import ExpertKernelConfig
+from mok.kernels.expert_mlp import ExpertKernelConfig, GluonTiles
 from mok.kernels.host import GemmTiles
 from mok.kernels.registry import Product, pick, runs_gluon
 
@@ -27,10 +27,12 @@ TL_TILES = {
 """Six distinct tl tiles (group_m tells them apart), so that a product given another's fails."""
 CONFIG = ExpertKernelConfig(
     **TL_TILES,
-    warp_specialized_gate_up=warp_specialized.SWIGLU_PING_PONG,
-    warp_specialized_down=warp_specialized.COOPERATIVE,
-    warp_specialized_dgrad=warp_specialized.DGRAD_TILES,
-    warp_specialized_wgrad=warp_specialized.WGRAD_TILES,
+    gluon=GluonTiles(
+        gate_up=warp_specialized.SWIGLU_PING_PONG,
+        down=warp_specialized.COOPERATIVE,
+        dgrad=warp_specialized.DGRAD_TILES,
+        wgrad=warp_specialized.WGRAD_TILES,
+    ),
 )
 
 

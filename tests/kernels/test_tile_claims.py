@@ -55,10 +55,12 @@ def _hopper_like_config() -> em.ExpertKernelConfig:
     small = GemmTiles(16, 32, 32, num_warps=4, num_stages=1)
     return em.ExpertKernelConfig(
         *([small] * 6),
-        warp_specialized_gate_up=warp_specialized.SWIGLU_PING_PONG,
-        warp_specialized_down=warp_specialized.PING_PONG,
-        warp_specialized_dgrad=warp_specialized.DGRAD_TILES,
-        warp_specialized_wgrad=warp_specialized.WGRAD_TILES,
+        gluon=em.GluonTiles(
+            gate_up=warp_specialized.SWIGLU_PING_PONG,
+            down=warp_specialized.PING_PONG,
+            dgrad=warp_specialized.DGRAD_TILES,
+            wgrad=warp_specialized.WGRAD_TILES,
+        ),
     )
 
 
@@ -70,17 +72,17 @@ def test_held_configs_let_only_their_held_products_claim():
     change a config's equality or hash (configs key caches)."""
     cfg, claims = _hopper_like_config(), _Claims()
     forward = em.with_gate_up_sms(cfg, 100, claims)
-    assert forward.gate_up.claims is claims and forward.warp_specialized_gate_up.claims is claims
-    assert forward.warp_specialized_gate_up.max_sms == 100
-    assert forward.down.claims is None and forward.warp_specialized_down.claims is None
+    assert forward.gate_up.claims is claims and forward.gluon.gate_up.claims is claims
+    assert forward.gluon.gate_up.max_sms == 100
+    assert forward.down.claims is None and forward.gluon.down.claims is None
     backward = em._with_down_dgrad_sms(cfg, 100, claims)
-    assert backward.warp_specialized_dgrad.down.claims is claims
-    assert backward.warp_specialized_dgrad.gate_up.claims is None
+    assert backward.gluon.dgrad.down.claims is claims
+    assert backward.gluon.dgrad.gate_up.claims is None
     assert backward.down_dgrad.claims is claims and backward.gate_up_dgrad.claims is None
     weights = em.held_to(cfg, 100, claims=claims)
-    assert weights.warp_specialized_wgrad.half.claims is claims
-    assert weights.warp_specialized_wgrad.single.claims is claims
-    claimed = forward.warp_specialized_gate_up
+    assert weights.gluon.wgrad.half.claims is claims
+    assert weights.gluon.wgrad.single.claims is claims
+    claimed = forward.gluon.gate_up
     unclaimed = dataclasses.replace(claimed, claims=None)
     assert claimed == unclaimed and hash(claimed) == hash(unclaimed)
 

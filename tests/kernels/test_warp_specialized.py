@@ -221,8 +221,10 @@ def test_the_expert_mlp_forward_runs_it_with_the_tl_results():
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     fused = torch.cat([w_gate, w_up], 1)  # [E, 2I, H]: gate and up as views of one tensor
     cfg = default_config(rows.device, hidden, inter, m / 4)
-    assert cfg.warp_specialized_down is not None and cfg.warp_specialized_gate_up is not None
-    tl_only = dataclasses.replace(cfg, warp_specialized_down=None, warp_specialized_gate_up=None)
+    assert cfg.gluon.down is not None and cfg.gluon.gate_up is not None
+    tl_only = dataclasses.replace(
+        cfg, gluon=dataclasses.replace(cfg.gluon, down=None, gate_up=None)
+    )
     gluon, saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=cfg)
     tl, tl_saved = expert_mlp_forward(rows, offsets, w_gate, w_up, w_down, config=tl_only)
     assert warp_specialized.supported(rows, fused[:, :inter], fused[:, inter:])
@@ -938,16 +940,15 @@ def test_the_expert_mlp_backward_runs_it_with_the_tl_results(main_grad, hidden):
     grad_out = torch.randn(m, hidden, generator=gen, device="cuda").bfloat16()
     offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
     cfg = default_config(rows.device, hidden, inter, m / 4)
-    assert cfg.warp_specialized_wgrad is not None and cfg.warp_specialized_dgrad is not None
-    wgrad_rows = cfg.warp_specialized_wgrad.for_grad(torch.bfloat16).block_m
+    assert cfg.gluon.wgrad is not None and cfg.gluon.dgrad is not None
+    wgrad_rows = cfg.gluon.wgrad.for_grad(torch.bfloat16).block_m
     assert (hidden % wgrad_rows == 0) == (hidden == 384)  # H 192: W_down's gradient goes to tl
-    dgrad = cfg.warp_specialized_dgrad
+    dgrad = cfg.gluon.dgrad
     assert warp_specialized.dgrad_supported(rows, dgrad.gate_up, w_gate, w_up)
     assert warp_specialized.dgrad_supported(grad_out, dgrad.down, w_down)
     tl_only = dataclasses.replace(
         cfg,
-        warp_specialized_wgrad=None,
-        warp_specialized_dgrad=None,
+        gluon=dataclasses.replace(cfg.gluon, wgrad=None, dgrad=None),
         gate_up_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=3),
     )
     results = []
@@ -1001,7 +1002,7 @@ def test_the_environment_can_keep_the_tl_kernels(monkeypatch):
     for switch in ("1", "0"):
         monkeypatch.setenv("MOK_WARP_SPECIALIZED", switch)
         cfg = default_config(torch.device("cuda"), config.hidden_size, config.intermediate_size)
-        assert (cfg.warp_specialized_down is None) == (switch == "0")
+        assert (cfg.gluon.down is None) == (switch == "0")
         layer = mok.MoE(config, device="cuda")
         layer.load_global_weights(global_weights(config, 0, "cuda"))
         results[switch] = one_call_results(layer, case)

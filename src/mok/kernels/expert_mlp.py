@@ -47,8 +47,26 @@ from mok.weights import are_gate_up_halves, empty_gate_up_pair, has_contiguous_e
 
 
 @dataclasses.dataclass(frozen=True)
+class GluonTiles:
+    """Tiles of the warp-specialized Gluon kernels, each of which runs its products instead of
+    their tl twins where it can (Hopper; `warp_specialized.supported`, `dgrad_supported`,
+    `wgrad_supported`); a None field: its products run the tl kernels."""
+
+    gate_up: GemmTiles | None = None
+    """The forward gate/up + SwiGLU (contiguous experts, or W_gate and W_up the halves of one
+    fused tensor)."""
+    down: GemmTiles | None = None
+    """The forward down projection, with or without the peer-store epilogue."""
+    dgrad: warp_specialized.DgradTiles | None = None
+    """Both data gradients."""
+    wgrad: warp_specialized.WgradTiles | None = None
+    """Both weight gradients."""
+
+
+@dataclasses.dataclass(frozen=True)
 class ExpertKernelConfig:
-    """Tiles of the six kernels of the expert MLP."""
+    """Tiles of the six products of the expert MLP: the tl kernels', and the Gluon kernels'
+    where those run them (`gluon`)."""
 
     gate_up: GemmTiles
     """Forward gate/up + SwiGLU: rows x I output tiles, reduction over H."""
@@ -62,19 +80,8 @@ class ExpertKernelConfig:
     """grad of W_down: H x I tiles, reduction over the expert's rows."""
     gate_up_wgrad: GemmTiles
     """grads of W_gate and W_up: I x H tiles, reduction over the expert's rows."""
-    warp_specialized_gate_up: GemmTiles | None = None
-    """Tiles of the warp-specialized Gluon kernel that runs the forward gate/up + SwiGLU instead
-    of the tl one where it can (Hopper, `warp_specialized.supported`: contiguous experts, or
-    W_gate and W_up the halves of one fused tensor); None: the tl kernel."""
-    warp_specialized_down: GemmTiles | None = None
-    """Tiles of the warp-specialized Gluon kernel that runs the forward down projection instead
-    of the tl one where it can (Hopper, `warp_specialized.supported`); None: the tl kernel."""
-    warp_specialized_dgrad: warp_specialized.DgradTiles | None = None
-    """Tiles of the warp-specialized Gluon kernels that run both data gradients instead of the
-    tl ones where they can (Hopper, `warp_specialized.dgrad_supported`); None: the tl kernels."""
-    warp_specialized_wgrad: warp_specialized.WgradTiles | None = None
-    """Tiles of the warp-specialized Gluon kernel that runs both weight gradients instead of the
-    tl ones where it can (Hopper, `warp_specialized.wgrad_supported`); None: the tl kernels."""
+    gluon: GluonTiles = GluonTiles()
+    """The Gluon kernels' tiles (none: the tl kernels run every product)."""
 
 
 def default_config(
@@ -103,19 +110,16 @@ def default_config(
         if short or hidden < 4096
         else warp_specialized.SWIGLU_COOPERATIVE
     )
+    gluon = GluonTiles()
+    if hopper:
+        gluon = GluonTiles(
+            gate_up=swiglu,
+            down=warp_specialized.PING_PONG if short else warp_specialized.COOPERATIVE,
+            dgrad=warp_specialized.SHORT_DGRAD_TILES if short else warp_specialized.DGRAD_TILES,
+            wgrad=warp_specialized.WGRAD_TILES,
+        )
     return ExpertKernelConfig(
-        warp_specialized_gate_up=swiglu if hopper else None,
-        warp_specialized_down=(
-            warp_specialized.PING_PONG if short else warp_specialized.COOPERATIVE
-        )
-        if hopper
-        else None,
-        warp_specialized_dgrad=(
-            warp_specialized.SHORT_DGRAD_TILES if short else warp_specialized.DGRAD_TILES
-        )
-        if hopper
-        else None,
-        warp_specialized_wgrad=warp_specialized.WGRAD_TILES if hopper else None,
+        gluon=gluon,
         gate_up=GemmTiles(64, 128, 64, 4, 4) if short else GemmTiles(128, 128, 64, 8, 3),
         down=GemmTiles(64, 256, 64, 8, 4) if short else GemmTiles(128, 256, 64, 8, 3),
         down_dgrad=GemmTiles(128, 128, 64, num_warps=8, num_stages=4),
@@ -137,7 +141,7 @@ def gathers_rows_well(
     2026-12-01-issue12-building-blocks-h200.md)."""
     return (
         runs_gluon(Product.GATE_UP, config, rows, w_gate, w_up)
-        and config.warp_specialized_gate_up.block_m == warp_specialized.CONSUMER_ROWS
+        and config.gluon.gate_up.block_m == warp_specialized.CONSUMER_ROWS
         and rows.shape[1] < 4096
     )
 
@@ -301,7 +305,8 @@ def with_gate_up_sms(
     """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
     runs beside communication programs leaves them theirs (`GemmTiles.max_sms`); with `claims`,
     its tasks claimed (`held_to`)."""
-    return held_to(config, sms, ("gate_up", "warp_specialized_gate_up"), claims)
+    held = held_to(config, sms, ("gate_up",), claims)
+    return dataclasses.replace(held, gluon=held_to(config.gluon, sms, ("gate_up",), claims))
 
 
 def _with_down_dgrad_sms(
@@ -309,10 +314,8 @@ def _with_down_dgrad_sms(
 ) -> ExpertKernelConfig:
     """The config with the backward's first product (through W_down) held to `sms` SMs."""
     held = held_to(config, sms, ("down_dgrad",), claims)
-    return dataclasses.replace(
-        held,
-        warp_specialized_dgrad=held_to(config.warp_specialized_dgrad, sms, ("down",), claims),
-    )
+    dgrad = held_to(config.gluon.dgrad, sms, ("down",), claims)
+    return dataclasses.replace(held, gluon=dataclasses.replace(config.gluon, dgrad=dgrad))
 
 
 def down_tiles(config: ExpertKernelConfig, h: torch.Tensor, w_down: torch.Tensor) -> GemmTiles:

@@ -55,7 +55,7 @@ def _row_product(field: str) -> Callable[..., GemmTiles | None]:
     """Gluon tiles of a product over rows (rows [M, K] times weights [E, N, K])."""
 
     def tiles(config, rows: torch.Tensor, *weights: torch.Tensor) -> GemmTiles | None:
-        chosen = getattr(config, field)
+        chosen = getattr(config.gluon, field)
         return chosen if chosen is not None and warp_specialized.supported(rows, *weights) else None
 
     return tiles
@@ -65,7 +65,7 @@ def _data_gradient(part: str) -> Callable[..., GemmTiles | None]:
     """Gluon tiles of a data gradient (rows [M, K] times weights [E, K, N])."""
 
     def tiles(config, rows: torch.Tensor, *weights: torch.Tensor) -> GemmTiles | None:
-        both = config.warp_specialized_dgrad
+        both = config.gluon.dgrad
         chosen = both and getattr(both, part)
         return (
             chosen if chosen and warp_specialized.dgrad_supported(rows, chosen, *weights) else None
@@ -78,7 +78,7 @@ def _weight_gradient(
     config, a: torch.Tensor, b: torch.Tensor, *grads: torch.Tensor, gather: bool = False
 ) -> GemmTiles | None:
     """Gluon tiles of a weight gradient (a[e].T @ b[e] into each of `grads`, one dtype)."""
-    both = config.warp_specialized_wgrad
+    both = config.gluon.wgrad
     if both is None or len({grad.dtype for grad in grads}) != 1:
         return None
     chosen = both.for_grad(grads[0].dtype)
@@ -92,16 +92,14 @@ _PRODUCTS = {
     Product.GATE_UP: _Twins(
         warp_specialized.gate_up_swiglu,
         gg.gate_up_swiglu,
-        _row_product("warp_specialized_gate_up"),
+        _row_product("gate_up"),
         "gate_up",
     ),
-    Product.DOWN: _Twins(
-        warp_specialized.down, gg.down, _row_product("warp_specialized_down"), "down"
-    ),
+    Product.DOWN: _Twins(warp_specialized.down, gg.down, _row_product("down"), "down"),
     Product.DOWN_SCATTER: _Twins(
         warp_specialized.down_scatter,
         gg.down_scatter,
-        _row_product("warp_specialized_down"),
+        _row_product("down"),
         "down",
     ),
     Product.DOWN_DGRAD: _Twins(
