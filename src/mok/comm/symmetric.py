@@ -638,7 +638,7 @@ class SymmetricExchangeBase:
         view = self.view
         if view.row_dots is None:
             raise ValueError(
-                "SymmetricExchange.pair_values needs an exchange shape with router_values=True"
+                f"{type(self).__name__}.pair_values needs an exchange shape with router_values=True"
             )
         rows = min(row_values.shape[0], self.shape.pair_capacity)
         view.row_dots.local[:rows, 0].copy_(row_values[:rows])
@@ -1075,10 +1075,10 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
         (grad_y's rows [routing.rows, H], pull, their RowsReady, each grouped row's weight
         [routing.rows] fp32)."""
         s, view = self.shape, self.view
-        if view.row_weights is None or view.grad_pairs is None:
+        if view.row_weights is None:
             raise ValueError(
-                "SymmetricExchange.unweighted_combine_backward_overlapped needs the overlapped "
-                "layout with router_values=True"
+                "OverlappedSymmetricExchange.unweighted_combine_backward_overlapped needs an "
+                "exchange shape with router_values=True"
             )
         tokens = grad_y.shape[0]
         view.grad_pairs.local[:tokens].copy_(grad_y)
