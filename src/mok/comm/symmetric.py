@@ -539,12 +539,13 @@ class SymmetricExchangeBase:
         topk_weights: torch.Tensor,
         pair_out: torch.Tensor | MXRows,
         programs: int,
-        flagged: bool,
+        landed: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
         """The pair gradients written into this rank's buffer and the ranks met (on the current
         stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
-        `pull` on `programs` programs from each row's token rank, flagging them in
-        `landed_backward` when `flagged`; the router weights' gradient [T, k])."""
+        `pull` on `programs` programs from each row's token rank, with `landed` = (epoch, flags)
+        the epoch advanced first and every block of COPY_ROWS rows flagged with it once written;
+        the router weights' gradient [T, k])."""
         if self.view.grad_pairs is None:
             raise ValueError(
                 "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
@@ -559,11 +560,11 @@ class SymmetricExchangeBase:
             self.view.grad_pairs.local[: tokens * s.top_k],
             PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
         )
-        if flagged:
-            self.backward_epoch.add_(1)
+        if landed is not None:
+            landed[0].add_(1)
         self._barrier("combine backward: pair gradients written")
         grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        flags = {"epoch": self.backward_epoch, "landed": self.landed_backward} if flagged else {}
+        flags = {} if landed is None else {"epoch": landed[0], "landed": landed[1]}
 
         def pull() -> None:
             copy_rows(
@@ -851,7 +852,7 @@ class SymmetricExchange(SymmetricExchangeBase):
         the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
         the summation order of their fp32 dot products); pair_out as `combine` saved it."""
         grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
-            routing, grad_y, topk_weights, pair_out, self.programs, flagged=False
+            routing, grad_y, topk_weights, pair_out, self.programs
         )
         pull()
         return grad_grouped, grad_w
@@ -1052,7 +1053,12 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
         COPY_ROWS rows once written. Returns (gradients of the grouped rows [routing.rows, H],
         pull, their RowsReady, the router weights' gradient [T, k])."""
         grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
-            routing, grad_y, topk_weights, pair_out, programs, flagged=True
+            routing,
+            grad_y,
+            topk_weights,
+            pair_out,
+            programs,
+            landed=(self.backward_epoch, self.landed_backward),
         )
         ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
         return grad_grouped, pull, ready, grad_w
