@@ -1855,6 +1855,36 @@ def _copy_step(
 
 
 @gluon.jit
+def _next_group_descriptors(
+    operands, sets, changes, last_steps, step, first, rows, half, P, Q, a_stride,
+    GATHER: gl.constexpr,
+):  # fmt: skip
+    """The two descriptor sets (a_even, b_even, a_odd, b_odd) with the one due at this change
+    (even, then odd, alternately) remade for the group's rows [first, first + rows) and `half`,
+    once that set's last copies (at ring step `last_steps[0]` or `[1]`) have landed."""
+    a_ptr, b_ptr, a_bufs, b_bufs, ready = (
+        operands[0],
+        operands[1],
+        operands[2],
+        operands[3],
+        operands[4],
+    )
+    a_even, b_even, a_odd, b_odd = sets
+    STAGES: gl.constexpr = b_bufs.shape[0]
+    if changes % 2 == 0:
+        _wait_landed(ready, last_steps[0], step, STAGES)
+        a_even, b_even = _group_descriptors(
+            a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs, GATHER
+        )
+    else:
+        _wait_landed(ready, last_steps[1], step, STAGES)
+        a_odd, b_odd = _group_descriptors(
+            a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs, GATHER
+        )
+    return a_even, b_even, a_odd, b_odd
+
+
+@gluon.jit
 def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.constexpr):
     """Loader: the A and B tiles of every reduction step of this program's tasks, in order
     (CLAIM: tasks it claims and hands to the consumers, `_publish_task`).
@@ -1904,16 +1934,10 @@ def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.con
         expert, half, m_idx, n_idx = _wgrad_task(task, per_half, m_tiles, n_tiles, HALVES, GROUP_M)
         first, rows = _group_rows(offsets_ptr, expert)
         if task // per_half != cached:
-            if changes % 2 == 0:
-                _wait_landed(ready, last_even, step, STAGES)
-                a_even, b_even = _group_descriptors(
-                    a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs, GATHER
-                )
-            else:
-                _wait_landed(ready, last_odd, step, STAGES)
-                a_odd, b_odd = _group_descriptors(
-                    a_ptr, b_ptr, first, rows, half, P, Q, a_stride, a_bufs, b_bufs, GATHER
-                )
+            a_even, b_even, a_odd, b_odd = _next_group_descriptors(
+                operands, (a_even, b_even, a_odd, b_odd), changes, (last_even, last_odd), step,
+                first, rows, half, P, Q, a_stride, GATHER,
+            )  # fmt: skip
             cached = task // per_half
             changes += 1
         even = changes % 2 == 1  # the set made at the latest change
@@ -2003,6 +2027,49 @@ def _store_wgrad_tile(desc, buf, fetched, acc, row, col, loads, ACCUMULATE: gl.c
 
 
 @gluon.jit
+def _wgrad_main_loop(
+    operands, step, k_steps, mine, acc_layout: gl.constexpr, ROLE: gl.constexpr,
+    GATHER: gl.constexpr,
+):  # fmt: skip
+    """Consumer ROLE's main loop over its mine-th task: k_steps steps of A.T @ B from the
+    loader's ring, from ring step `step` on. Returns (the fp32 accumulator, the ring step after
+    them)."""
+    a_bufs, b_bufs, ready, empty, turns = (
+        operands[2],
+        operands[3],
+        operands[4],
+        operands[5],
+        operands[6],
+    )
+    STAGES: gl.constexpr = b_bufs.shape[0]
+    SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
+    WG_M: gl.constexpr = a_bufs.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.shape[2]
+    PART: gl.constexpr = ROLE if SPLIT > 1 else 0
+    if SPLIT == 1:
+        # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
+        mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
+    acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+    for k in range(k_steps):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), step // STAGES & 1)
+        if GATHER:
+            # The gathered rows were written by cp.async (the generic proxy); wgmma reads
+            # through the async proxy.
+            fence_async_shared()
+        a = a_bufs.index(slot * SPLIT + PART)
+        acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
+        acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+        step += 1
+    if SPLIT == 1:
+        mbarrier.arrive(turns.index(1 - ROLE))
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
+    return acc, step
+
+
+@gluon.jit
 def _wgrad_consume(
     operands,
     outputs,
@@ -2074,26 +2141,7 @@ def _wgrad_consume(
                 else:
                     if ACCUMULATE_SECOND:
                         _fetch_wgrad_tile(second_desc, buf, bar, row, col)
-            if SPLIT == 1:
-                # Turns as in `_consume`: every ready wait at most one phase ahead of its barrier.
-                mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
-            acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
-            for k in range(k_steps):
-                slot = step % STAGES
-                mbarrier.wait(ready.index(slot), step // STAGES & 1)
-                if GATHER:
-                    # The gathered rows were written by cp.async (the generic proxy); wgmma reads
-                    # through the async proxy.
-                    fence_async_shared()
-                a = a_bufs.index(slot * SPLIT + PART)
-                acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
-                acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
-                mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
-                step += 1
-            if SPLIT == 1:
-                mbarrier.arrive(turns.index(1 - ROLE))
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k_steps > 0)
+            acc, step = _wgrad_main_loop(operands, step, k_steps, mine, acc_layout, ROLE, GATHER)
             # Epilogue (ping-pong: while the other consumer's main loop runs).
             if half == 0:
                 if inside and (rows > 0 or not ACCUMULATE_FIRST):
