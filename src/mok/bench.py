@@ -667,13 +667,6 @@ def json_report(header: ReportHeader, results: Sequence[BenchResult]) -> dict:
 
 def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str:
     """A markdown page: the header, the method, one table row per spec and pass."""
-    first = results[0].spec
-    floor = (
-        f"compute floor = FLOPs / {header.dense_tflops:g} TFLOP/s (dense bf16, `--dense-tflops`), "
-        "x floor = time / floor"
-        if header.dense_tflops is not None
-        else "no compute floor (no `--dense-tflops` given)"
-    )
     lines = [
         "# mok bench: backend vs the standard PyTorch path",
         "",
@@ -681,6 +674,36 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
         f"torch {header.torch}",
         f"- Command: `{header.command}`"
         + "".join(f"; {name}={value}" for name, value in header.settings.items()),
+        _method_line(header, results),
+        "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
+        "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
+        "PyTorch, batched-matmul combine; autograd backward).",
+        "",
+        "| preset | ep | tokens/rank | pass | backend | time ms backend / baseline (min-max) "
+        "| speedup "
+        "| TFLOP/s backend / baseline | x floor backend / baseline "
+        "| peak GiB backend / baseline | max check error backend / baseline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    if any(result.is_oracle for result in results):
+        lines[2:2] = [f"- Note: {REFERENCE_NOTE}"]
+    if any(result.noisy(pass_name) for result in results for pass_name in PASSES):
+        lines[2:2] = [f"- {NOISY_NOTE}."]
+    for result in results:
+        lines.extend(_markdown_rows(result))
+    return "\n".join(lines) + "\n"
+
+
+def _method_line(header: ReportHeader, results: Sequence[BenchResult]) -> str:
+    """The report's method: how the runs were timed and which options they had."""
+    first = results[0].spec
+    floor = (
+        f"compute floor = FLOPs / {header.dense_tflops:g} TFLOP/s (dense bf16, `--dense-tflops`), "
+        "x floor = time / floor"
+        if header.dense_tflops is not None
+        else "no compute floor (no `--dense-tflops` given)"
+    )
+    return (
         f"- Method: {first.routing} routing; median over {first.iters} iterations (after "
         f"{first.warmup} warm-up) of the slowest rank's time; TFLOP/s per rank from "
         "2·T·k·3·H·I (+ 2·T·3·H·I_shared), forward+backward 3x; "
@@ -725,47 +748,36 @@ def markdown_report(header: ReportHeader, results: Sequence[BenchResult]) -> str
             if first.cuda_graph
             else ""
         )
-        + ". Both checked against the reference backend (same group and weights) first.",
-        "- Baseline: `mok.baseline` (counts exchanged and split sizes copied to the host, rows "
-        "permuted by gathers, `all_to_all_single`, `torch._grouped_mm` experts, SwiGLU in "
-        "PyTorch, batched-matmul combine; autograd backward).",
-        "",
-        "| preset | ep | tokens/rank | pass | backend | time ms backend / baseline (min-max) "
-        "| speedup "
-        "| TFLOP/s backend / baseline | x floor backend / baseline "
-        "| peak GiB backend / baseline | max check error backend / baseline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    if any(result.is_oracle for result in results):
-        lines[2:2] = [f"- Note: {REFERENCE_NOTE}"]
-    if any(result.noisy(pass_name) for result in results for pass_name in PASSES):
-        lines[2:2] = [f"- {NOISY_NOTE}."]
-    for result in results:
-        ours, base = result.backend, result.baseline
-        errors = " / ".join(
-            f"{max(m.check_errors.values()):.1e}" if m.check_errors else "oracle"
-            for m in (ours, base)
-        )
-        for pass_name in PASSES:
-            mine, theirs = ours.timing(pass_name), base.timing(pass_name)
-            mine_mark, theirs_mark = (NOISY_MARK if t.noisy else "" for t in (mine, theirs))
-            cells = [
-                result.spec.preset,
-                str(result.spec.ep),
-                str(result.spec.tokens_per_rank),
-                pass_name,
-                ours.name,
-                f"{mine.ms:.3f} ({mine.ms_min:.3f}-{mine.ms_max:.3f}){mine_mark} / "
-                f"{theirs.ms:.3f} ({theirs.ms_min:.3f}-{theirs.ms_max:.3f}){theirs_mark}",
-                f"{result.speedup(pass_name):.2f}x"
-                + (NOISY_MARK if result.noisy(pass_name) else ""),
-                f"{mine.tflops:.1f} / {theirs.tflops:.1f}",
-                f"{_format_ratio(mine.floor_ratio)} / {_format_ratio(theirs.floor_ratio)}",
-                f"{mine.peak_memory_gib:.2f} / {theirs.peak_memory_gib:.2f}",
-                errors,
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        + ". Both checked against the reference backend (same group and weights) first."
+    )
+
+
+def _markdown_rows(result: BenchResult) -> list[str]:
+    """One table row per pass of one run."""
+    rows = []
+    ours, base = result.backend, result.baseline
+    errors = " / ".join(
+        f"{max(m.check_errors.values()):.1e}" if m.check_errors else "oracle" for m in (ours, base)
+    )
+    for pass_name in PASSES:
+        mine, theirs = ours.timing(pass_name), base.timing(pass_name)
+        mine_mark, theirs_mark = (NOISY_MARK if t.noisy else "" for t in (mine, theirs))
+        cells = [
+            result.spec.preset,
+            str(result.spec.ep),
+            str(result.spec.tokens_per_rank),
+            pass_name,
+            ours.name,
+            f"{mine.ms:.3f} ({mine.ms_min:.3f}-{mine.ms_max:.3f}){mine_mark} / "
+            f"{theirs.ms:.3f} ({theirs.ms_min:.3f}-{theirs.ms_max:.3f}){theirs_mark}",
+            f"{result.speedup(pass_name):.2f}x" + (NOISY_MARK if result.noisy(pass_name) else ""),
+            f"{mine.tflops:.1f} / {theirs.tflops:.1f}",
+            f"{_format_ratio(mine.floor_ratio)} / {_format_ratio(theirs.floor_ratio)}",
+            f"{mine.peak_memory_gib:.2f} / {theirs.peak_memory_gib:.2f}",
+            errors,
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
 
 
 IMPLEMENTATION_COLOURS = {"backend": "tab:blue", "baseline": "tab:orange"}
