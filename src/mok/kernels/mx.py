@@ -954,22 +954,37 @@ def mx_group_casts(
         "BLOCK_ROWS": GROUP_ROWS,
     }
     if gluon_kernel:
-        tile = GLUON_GROUP_CAST_TILES["from bytes" if mx_in else "from values"]
-        blocks = group_cast_blocks(
-            tile["vector"], tile["row_lanes"], tile["blocks_per_thread"], tile["num_warps"]
-        )
-        cfg = GemmTiles(GROUP_ROWS, blocks * BLOCK, 32, programs_per_sm=4)
-        programs = num_programs(device, tiles.capacity * triton.cdiv(cols, cfg.block_n), cfg)
-        _mx_group_cast_gluon_kernel[(programs,)](
-            *args,
-            **flags,
-            VECTOR=tile["vector"],
-            ROW_LANES=tile["row_lanes"],
-            BLOCKS_PER_THREAD=tile["blocks_per_thread"],
-            NUM_PROGRAMS=programs,
-            num_warps=tile["num_warps"],
-        )
-        return GroupCasts(out_values, out_codes, out_tokens)
+        _launch_gluon_group_cast(args, flags, device, tiles.capacity, cols, mx_in)
+    else:
+        _launch_tl_group_cast(args, flags, device, tiles.capacity, cols, mx_in, token_values)
+    return GroupCasts(out_values, out_codes, out_tokens)
+
+
+def _launch_gluon_group_cast(
+    args: tuple, flags: dict, device, row_tiles: int, cols: int, mx_in: bool
+) -> None:
+    """`mx_group_casts`'s Gluon kernel on `row_tiles` row tiles of `cols` columns."""
+    tile = GLUON_GROUP_CAST_TILES["from bytes" if mx_in else "from values"]
+    blocks = group_cast_blocks(
+        tile["vector"], tile["row_lanes"], tile["blocks_per_thread"], tile["num_warps"]
+    )
+    cfg = GemmTiles(GROUP_ROWS, blocks * BLOCK, 32, programs_per_sm=4)
+    programs = num_programs(device, row_tiles * triton.cdiv(cols, cfg.block_n), cfg)
+    _mx_group_cast_gluon_kernel[(programs,)](
+        *args,
+        **flags,
+        VECTOR=tile["vector"],
+        ROW_LANES=tile["row_lanes"],
+        BLOCKS_PER_THREAD=tile["blocks_per_thread"],
+        NUM_PROGRAMS=programs,
+        num_warps=tile["num_warps"],
+    )
+
+
+def _launch_tl_group_cast(
+    args: tuple, flags: dict, device, row_tiles: int, cols: int, mx_in: bool, token_values: bool
+) -> None:
+    """`mx_group_casts`'s tl kernel on `row_tiles` row tiles of `cols` columns."""
     reads = "from values"
     if mx_in:
         reads = "from bytes, tokens" if token_values else "from bytes"
@@ -981,7 +996,7 @@ def mx_group_casts(
         num_warps=tile["num_warps"],
         programs_per_sm=tile.get("programs_per_sm", 1),
     )
-    programs = num_programs(device, tiles.capacity * triton.cdiv(cols, cfg.block_n), cfg)
+    programs = num_programs(device, row_tiles * triton.cdiv(cols, cfg.block_n), cfg)
     _mx_group_cast_kernel[(programs,)](
         *args,
         **flags,
@@ -989,7 +1004,6 @@ def mx_group_casts(
         NUM_PROGRAMS=programs,
         num_warps=cfg.num_warps,
     )
-    return GroupCasts(out_values, out_codes, out_tokens)
 
 
 def _group_cast_kernel_is_gluon(kernel: str, device: torch.device, token_values: bool) -> bool:
