@@ -278,6 +278,51 @@ def _drop_claim_ring(claims):
 
 
 @gluon.jit
+def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
+    """The barriers of a loader's ring and its consumers: per slot `ready` (the loader's copies
+    landed) and `empty` (released by each of the SPLIT consumers that read it), and per consumer
+    `turns` (ping-pong order) and `fetched` (its epilogue's loads landed)."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    fetched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.init(turns.index(role), count=1)
+        mbarrier.init(fetched.index(role), count=1)
+    for slot in gl.static_range(STAGES):
+        mbarrier.init(ready.index(slot), count=1)
+        mbarrier.init(empty.index(slot), count=SPLIT)
+    return ready, empty, turns, fetched
+
+
+@gluon.jit
+def _task_claims(claims_ptr, ready, empty, readers: gl.constexpr, CLAIM: gl.constexpr):
+    """What the partitions take their tasks through: with CLAIM the ring of claimed task ids
+    that `readers` consumers read (`_claim_ring`) and the launch's counter; else placeholders
+    never read."""
+    if CLAIM:
+        ids, full, free = _claim_ring(readers)
+        claims = (ids, full, free, claims_ptr)
+    else:
+        claims = (ready, ready, empty, claims_ptr)
+    return claims
+
+
+@gluon.jit
+def _drop_ring(ready, empty, turns, fetched, claims, CLAIM: gl.constexpr):
+    """Invalidate `_ring_barriers`' barriers, and with CLAIM the claim ring's."""
+    STAGES: gl.constexpr = ready.shape[0]
+    for slot in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(slot))
+        mbarrier.invalidate(empty.index(slot))
+    for role in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(turns.index(role))
+        mbarrier.invalidate(fetched.index(role))
+    if CLAIM:
+        _drop_claim_ring(claims)
+
+
+@gluon.jit
 def _sigmoid(x):
     """`tl.sigmoid`'s formula, operation for operation."""
     return 1 / (1 + gl.exp(-x))
@@ -1094,21 +1139,8 @@ def _row_tiles_kernel(
     out_bufs = gl.allocate_shared_memory(
         dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    fetched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for role in gl.static_range(CONSUMERS):
-        mbarrier.init(turns.index(role), count=1)
-        mbarrier.init(fetched.index(role), count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=SPLIT)  # every consumer reading it releases it
-    if CLAIM:
-        ids, full, free = _claim_ring(SPLIT)  # ping-pong: one consumer reads a task's id
-        claims = (ids, full, free, claims_ptr)
-    else:
-        claims = (ready, ready, empty, claims_ptr)  # never read
+    ready, empty, turns, fetched = _ring_barriers(STAGES, SPLIT)
+    claims = _task_claims(claims_ptr, ready, empty, SPLIT, CLAIM)  # ping-pong: one reads an id
     gather = (a_ptr, a_stride, source_rows_ptr, num_rows, K)
     operands = (
         a_desc,
@@ -1212,14 +1244,7 @@ def _row_tiles_kernel(
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
     )
-    for slot in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(slot))
-        mbarrier.invalidate(empty.index(slot))
-    for role in gl.static_range(CONSUMERS):
-        mbarrier.invalidate(turns.index(role))
-        mbarrier.invalidate(fetched.index(role))
-    if CLAIM:
-        _drop_claim_ring(claims)
+    _drop_ring(ready, empty, turns, fetched, claims, CLAIM)
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -2210,21 +2235,8 @@ def _weight_gradient_kernel(
     out_bufs = gl.allocate_shared_memory(
         first_desc.dtype, [CONSUMERS, WG_M, BLOCK_N], first_desc.layout
     )
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turns = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    fetched = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for role in gl.static_range(CONSUMERS):
-        mbarrier.init(turns.index(role), count=1)
-        mbarrier.init(fetched.index(role), count=1)
-    for slot in gl.static_range(STAGES):
-        mbarrier.init(ready.index(slot), count=1)
-        mbarrier.init(empty.index(slot), count=SPLIT)  # released by every consumer that read it
-    if CLAIM:
-        ids, full, free = _claim_ring(CONSUMERS)  # both consumers read every task's id
-        claims = (ids, full, free, claims_ptr)
-    else:
-        claims = (ready, ready, empty, claims_ptr)  # never read
+    ready, empty, turns, fetched = _ring_barriers(STAGES, SPLIT)
+    claims = _task_claims(claims_ptr, ready, empty, CONSUMERS, CLAIM)  # both read every id
     m_tiles = gl.cdiv(P, BLOCK_M)
     n_tiles = gl.cdiv(Q, BLOCK_N)
     per_half = m_tiles * n_tiles
@@ -2262,14 +2274,7 @@ def _weight_gradient_kernel(
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
     )
-    for slot in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(slot))
-        mbarrier.invalidate(empty.index(slot))
-    for role in gl.static_range(CONSUMERS):
-        mbarrier.invalidate(turns.index(role))
-        mbarrier.invalidate(fetched.index(role))
-    if CLAIM:
-        _drop_claim_ring(claims)
+    _drop_ring(ready, empty, turns, fetched, claims, CLAIM)
 
 
 def wgrad_supported(
