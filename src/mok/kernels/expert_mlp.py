@@ -287,15 +287,19 @@ def held_to(
     """The config (an ExpertKernelConfig, or any dataclass of tiles; None stays None) with the
     grids of its products held to `sms` SMs (`GemmTiles.max_sms`; None: all), and with `claims`
     their tasks claimed where their kernels can (`TileClaims`: more programs may join once SMs
-    free up): of every product, or of the fields named in `only`."""
+    free up): of every product, or of the fields named in `only`, by their paths ("gate_up",
+    "gluon.dgrad.down")."""
     if config is None or isinstance(config, GemmTiles):
         return config and dataclasses.replace(config, max_sms=sms, claims=claims)
-    changes = {
-        field.name: held_to(value, sms, claims=claims)
-        for field in dataclasses.fields(config)
-        if (only is None or field.name in only)
-        and dataclasses.is_dataclass(value := getattr(config, field.name))
-    }
+    changes = {}
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if not dataclasses.is_dataclass(value):
+            continue
+        if only is None or field.name in only:
+            changes[field.name] = held_to(value, sms, claims=claims)
+        elif inner := tuple(p.split(".", 1)[1] for p in only if p.startswith(field.name + ".")):
+            changes[field.name] = held_to(value, sms, inner, claims)
     return dataclasses.replace(config, **changes)
 
 
@@ -305,17 +309,14 @@ def with_gate_up_sms(
     """The config with the forward gate/up product's grid held to `sms` SMs (None: all): what
     runs beside communication programs leaves them theirs (`GemmTiles.max_sms`); with `claims`,
     its tasks claimed (`held_to`)."""
-    held = held_to(config, sms, ("gate_up",), claims)
-    return dataclasses.replace(held, gluon=held_to(config.gluon, sms, ("gate_up",), claims))
+    return held_to(config, sms, ("gate_up", "gluon.gate_up"), claims)
 
 
 def _with_down_dgrad_sms(
     config: ExpertKernelConfig, sms: int, claims: TileClaims | None
 ) -> ExpertKernelConfig:
     """The config with the backward's first product (through W_down) held to `sms` SMs."""
-    held = held_to(config, sms, ("down_dgrad",), claims)
-    dgrad = held_to(config.gluon.dgrad, sms, ("down",), claims)
-    return dataclasses.replace(held, gluon=dataclasses.replace(config.gluon, dgrad=dgrad))
+    return held_to(config, sms, ("down_dgrad", "gluon.dgrad.down"), claims)
 
 
 def down_tiles(config: ExpertKernelConfig, h: torch.Tensor, w_down: torch.Tensor) -> GemmTiles:
