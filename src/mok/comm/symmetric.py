@@ -532,6 +532,36 @@ class SymmetricExchangeBase:
             **COPY_TILE,
         )
 
+    def _push_tokens(self, x: torch.Tensor, routing: SymmetricRouting, programs: int) -> None:
+        """Store this rank's token rows x into their owners' staging (once per token and owner)
+        on `programs` programs, setting a readiness flag per block of tokens on each owner."""
+        s = self.shape
+        push_rows(
+            x,
+            routing.token_slot,
+            self.view.staging.local,
+            self.view.staging.offsets,
+            programs,
+            s.block_tokens,
+            flags=self.view.flags.local,
+            flag_offsets=self.view.flags.offsets,
+            flag_base=self.rank * s.blocks_per_rank,
+            epoch=self.view.epoch,
+            **PUSH_TILE,
+        )
+
+    def _pushed_rows_waits(self, routing: SymmetricRouting, timeout_s: float) -> dict:
+        """`copy_rows`' arguments that make the expand of staging rows wait, bounded by
+        timeout_s, for the flags of the blocks `_push_tokens` stores them in."""
+        return {
+            "flags": self.view.flags.local,
+            "wait": routing.flag_index,
+            "epoch": self.view.epoch,
+            "status": self.view.status,
+            "timeout_s": timeout_s,
+            "wait_id": _PUSH_WAIT,
+        }
+
     def _pair_gradients_and_pull(
         self,
         routing: SymmetricRouting,
@@ -751,27 +781,8 @@ class SymmetricExchange(SymmetricExchangeBase):
             )
             waits = {}
         else:
-            push_rows(
-                x,
-                routing.token_slot,
-                self.view.staging.local,
-                self.view.staging.offsets,
-                self.programs,
-                s.block_tokens,
-                flags=self.view.flags.local,
-                flag_offsets=self.view.flags.offsets,
-                flag_base=self.rank * s.blocks_per_rank,
-                epoch=self.view.epoch,
-                **PUSH_TILE,
-            )
-            waits = {
-                "flags": self.view.flags.local,
-                "wait": routing.flag_index,
-                "epoch": self.view.epoch,
-                "status": self.view.status,
-                "timeout_s": self.view.timeout_s,
-                "wait_id": _PUSH_WAIT,
-            }
+            self._push_tokens(x, routing, self.programs)
+            waits = self._pushed_rows_waits(routing, self.view.timeout_s)
         grouped = torch.empty(routing.rows, s.dispatch_columns, dtype=x.dtype, device=x.device)
         copy_rows(
             grouped,
@@ -1004,19 +1015,7 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
         grouped = torch.empty(routing.rows, s.hidden, dtype=x.dtype, device=x.device)
 
         def pull() -> None:
-            push_rows(
-                x,
-                routing.token_slot,
-                self.view.staging.local,
-                self.view.staging.offsets,
-                programs,
-                s.block_tokens,
-                flags=self.view.flags.local,
-                flag_offsets=self.view.flags.offsets,
-                flag_base=self.rank * s.blocks_per_rank,
-                epoch=self.view.epoch,
-                **PUSH_TILE,
-            )
+            self._push_tokens(x, routing, programs)
             copy_rows(
                 grouped,
                 self.view.staging.local,
@@ -1024,13 +1023,8 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
                 routing.recv_pairs,
                 programs,
                 COPY_ROWS,
-                flags=self.view.flags.local,
-                wait=routing.flag_index,
-                epoch=self.view.epoch,
-                status=self.view.status,
-                timeout_s=timeout_s,
-                wait_id=_PUSH_WAIT,
                 landed=self.landed,
+                **self._pushed_rows_waits(routing, timeout_s),
                 **COPY_TILE,
             )
 
