@@ -194,8 +194,7 @@ def config_of(case: dict, everyone: list[RankInputs]) -> tuple[mok.MoKConfig, bo
         precision=case["precision"],
         router_gradient=case["router_gradient"],
         max_tokens_per_rank=max(1, *case["tokens"]),
-        exact_buffers=case["exact_buffers"],
-        graphs="off",
+        tuning=mok.MoKTuning(exact_buffers=case["exact_buffers"], graphs="off"),
         **capacities,
     )
     return config, overflow

@@ -66,7 +66,7 @@ of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8
 casts made by each pass, as training defaults to), `mok-mxfp8-keep` with both casts of the
 weights kept until the weights change, `mok-unfused` the micro-batches' weight gradients added by
 autograd instead of by the layer's kernels, `mok-recompute` the experts' h and pre-activations
-made again in the backward (`MoKConfig.recompute`), `mok-router-epilogue` the router weights'
+made again in the backward (`MoKTuning.recompute`), `mok-router-epilogue` the router weights'
 gradient formed by the down product's backward, no pair outputs kept
 (`MoKConfig.router_gradient`)."""
 
@@ -681,7 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
         "mok-mxfp8: mok with the routed experts in MXFP8 (mok-mxfp8-keep: their weights' "
         "casts kept between steps); mok-unfused: mok with the micro-batches' weight gradients "
-        "added by autograd; mok-recompute, mok-router-epilogue: mok with MoKConfig.recompute="
+        "added by autograd; mok-recompute, mok-router-epilogue: mok with MoKTuning.recompute="
         "gate_up, router_gradient=epilogue",
     )
     parser.add_argument(

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import mok
 from mok import functional, graphs
+from mok.config import TUNING_FIELDS
 from mok.reference import moe_forward
 from mok.reference.mx import ScaleRounding
 from mok.testing import global_weights
@@ -143,9 +144,16 @@ STORED_TYPES = {
 }
 
 
+def stored_value(config, name):
+    """The value of field `name` of `config` or of its `tuning`."""
+    return getattr(config.tuning if name in TUNING_FIELDS else config, name)
+
+
 def test_every_config_field_has_its_limits_tested():
-    """Catches a new MoKConfig field added without limit cases (and so, likely, without checks)."""
-    assert set(FIELD_LIMITS) == {field.name for field in dataclasses.fields(mok.MoKConfig)}
+    """Catches a new MoKConfig or MoKTuning field added without limit cases (and so, likely,
+    without checks)."""
+    fields = {field.name for field in dataclasses.fields(mok.MoKConfig)} - {"tuning"}
+    assert set(FIELD_LIMITS) == fields | {field.name for field in dataclasses.fields(mok.MoKTuning)}
 
 
 @pytest.mark.parametrize(
@@ -155,7 +163,7 @@ def test_every_config_field_has_its_limits_tested():
 def test_config_accepts_each_field_at_its_limits(name, value):
     """Catches a bound off by one (rejecting a field at its minimum, top_k = num_experts) and a
     value stored unparsed (a string for an enum, an int for a float)."""
-    stored = getattr(LIMITS_BASE.replace(**{name: value}), name)
+    stored = stored_value(LIMITS_BASE.replace(**{name: value}), name)
     assert stored == value
     if value is not None:
         assert type(stored) is STORED_TYPES.get(name, int)
@@ -176,6 +184,40 @@ def test_config_rejects_each_field_past_its_limits(name, value, message):
         LIMITS_BASE.replace(**{name: value})
     assert name in str(raised.value)
     assert message in str(raised.value)
+
+
+def test_tuning_is_taken_as_settings_a_mapping_or_names_beside_the_config_fields():
+    """The three ways to set a `MoKTuning` field give the same config, and each refuses what is not
+    one. Catches a tuning name dropped on the way (replace, from_fields, a preset or an adapter's
+    options would then run the default), a mapping stored unparsed, and an unknown name accepted
+    in silence."""
+    tuning = mok.MoKTuning(comm_sms=16, recompute="gate_up", graphs="off")
+    settings = {"comm_sms": 16, "recompute": "gate_up", "graphs": "off"}
+    made = [
+        TINY.replace(tuning=tuning),
+        TINY.replace(tuning=settings),
+        TINY.replace(**settings),
+        mok.MoKConfig.from_fields(**{**vars_of(TINY), **settings}),
+        mok.get_preset("tiny").config(**settings),
+    ]
+    assert all(config.tuning == tuning for config in made)
+    assert made[0] == made[2] and made[0] != TINY
+    assert TINY.replace(tuning=tuning).replace(comm_sms=8).tuning.recompute is mok.Recompute.GATE_UP
+    with pytest.raises(mok.MoKConfigError, match="'comm_sm' is not a MoKTuning field"):
+        TINY.replace(tuning={"comm_sm": 16})
+    with pytest.raises(mok.MoKConfigError, match="tuning must be a MoKTuning, got int"):
+        TINY.replace(tuning=16)
+    with pytest.raises(TypeError, match="comm_sm"):
+        TINY.replace(comm_sm=16)
+    with pytest.raises(mok.MoKConfigError, match="applies to bf16 experts"):
+        TINY.replace(precision="mxfp8", tuning=settings)
+
+
+def vars_of(config):
+    """`config`'s own fields (not `tuning`) by name."""
+    return {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "tuning"
+    }
 
 
 def test_config_accepts_strings_and_reports_layout():

@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import operator
 import os
 import subprocess
 import sys
@@ -247,8 +248,8 @@ def test_pair_capacity_factor_sizes_the_expert_buffers():
     top_k = PRESETS["tiny"].top_k
     assert spec.config().recv_pair_capacity == math.ceil(1.25 * 37 * top_k)
     assert BenchSpec(preset="tiny").config().recv_pair_capacity is None
-    assert BenchSpec(preset="tiny", exact_buffers=True).config().exact_buffers
-    assert not BenchSpec(preset="tiny").config().exact_buffers
+    assert BenchSpec(preset="tiny", exact_buffers=True).config().tuning.exact_buffers
+    assert not BenchSpec(preset="tiny").config().tuning.exact_buffers
     with pytest.raises(SystemExit):
         main(["bench", "--pair-capacity-factor", "0"])
 
@@ -334,12 +335,15 @@ def test_bench_runs_the_backend_with_local_validation(tmp_path):
     ("option", "value", "field", "kind"),
     [
         # --graphs on is refused on the CPU (BAD_OPTIONS)
-        *(("--graphs", value, "graphs", mok.Graphs) for value in ("auto", "off")),
+        *(("--graphs", value, "tuning.graphs", mok.Graphs) for value in ("auto", "off")),
         *(
-            ("--mx-weight-casts", value, "mx_weight_casts", mok.MXWeightCasts)
+            ("--mx-weight-casts", value, "tuning.mx_weight_casts", mok.MXWeightCasts)
             for value in ("auto", "keep", "per_pass")
         ),
-        *(("--recompute", value, "recompute", mok.Recompute) for value in ("none", "gate_up")),
+        *(
+            ("--recompute", value, "tuning.recompute", mok.Recompute)
+            for value in ("none", "gate_up")
+        ),
         *(
             ("--router-gradient", value, "router_gradient", mok.RouterGradient)
             for value in ("saved_outputs", "epilogue")
@@ -365,8 +369,8 @@ def test_bench_passes_config_options_to_the_layer(monkeypatch, option, value, fi
     with pytest.raises(Captured):
         main(["bench", "--no-progress", "--device", "cpu", option, value])
     (spec,) = captured
-    assert getattr(spec.config(), field) is kind(value)
-    assert getattr(BenchSpec().config(), field) is next(iter(kind))
+    assert operator.attrgetter(field)(spec.config()) is kind(value)
+    assert operator.attrgetter(field)(BenchSpec().config()) is next(iter(kind))
     with pytest.raises(SystemExit):
         main(["bench", option, "sometimes"])
 

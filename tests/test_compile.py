@@ -69,7 +69,7 @@ def test_compiled_block_equals_eager_bitwise(precision):
     mxfp8 (sizes multiples of 32; the weights cast per pass, the backward checking they did not
     change in place): caught besides, an MX saved state handed to the wrong backward, or the
     compiled backward casting other weights than its forward read. bf16-recompute
-    (`MoKConfig.recompute`): a saved state without activations through the ops, replayed in
+    (`MoKTuning.recompute`): a saved state without activations through the ops, replayed in
     the compiled backward. bf16-router-epilogue (`MoKConfig.router_gradient`): a saved state
     without pair outputs. bf16-reference: the reference backend inside the custom ops, whose
     autograd graph is recorded off the op's thread (there autograd would record nothing, and
@@ -203,7 +203,7 @@ def test_reduce_overhead_steps_match_the_block_compiled_without_graphs():
         for name, value in want.items():
             assert relative_error(got[name], value) < 2e-2, (step, name)
     assert not ops._saved
-    # Between Inductor's graphs the small layer's ops replay the layer's own (MoKConfig.graphs
+    # Between Inductor's graphs the small layer's ops replay the layer's own (MoKTuning.graphs
     # auto): the first call of the token count runs eagerly, the next ones replay.
     assert all(count >= 3 for count in replays), replays
 

@@ -91,6 +91,8 @@ def call_with_bad_input(rank, world, problem):
     config = TINY
     if problem == "config" and rank == 1:
         config = TINY.replace(swiglu_limit=3.0)
+    if problem == "tuning" and rank == 1:
+        config = TINY.replace(comm_sms=8)
     layer = mok.MoE(config, group=dist.group.WORLD)
     inputs = rank_inputs(config, 10, "uniform", rank)
     x, idx, w = inputs.x, inputs.topk_idx, inputs.topk_weights
@@ -107,7 +109,7 @@ def call_with_bad_input(rank, world, problem):
         layer(x, idx, w)
     except mok.MoKInputError as error:
         raised = str(error)
-    if problem != "config":
+    if problem not in ("config", "tuning"):
         good = rank_inputs(config, 10, "uniform", rank)
         layer(good.x, good.topk_idx, good.topk_weights)
     return raised
@@ -120,11 +122,12 @@ def call_with_bad_input(rank, world, problem):
         ("dtype", "x has dtype float32"),
         ("tokens", r"topk_weights has shape \(7, 2\)"),
         ("config", r"different configs \(swiglu_limit: rank 0 None, rank 1 3\.0\)"),
+        ("tuning", r"different configs \(tuning\.comm_sms: rank 0 24, rank 1 8\)"),
     ],
 )
 def test_bad_input_on_one_rank_raises_on_every_rank(problem, message):
     raised = run_ranks(call_with_bad_input, 2, args=(problem,), timeout_s=120)
     assert all(raised), raised
     assert re.search(message, raised[1]), raised
-    if problem != "config":
+    if problem not in ("config", "tuning"):
         assert "rank(s) [1]" in raised[0], raised

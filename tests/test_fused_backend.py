@@ -48,8 +48,8 @@ GPU_CONFIG = mok.MoKConfig(
     swiglu_limit=6.0,
     backend="triton",
     max_tokens_per_rank=512,
-    comm_sms=16,
     peer_timeout_s=SHARING_PEER_TIMEOUT_S,
+    tuning=mok.MoKTuning(comm_sms=16),
 )
 
 GPT_OSS_EXPERTS = {"swiglu_alpha": 1.702, "swiglu_up_offset": 1.0, "expert_bias": True}
@@ -71,7 +71,7 @@ def both_backends(rank, world, scenarios, device, shared_dir=None, overlap=None)
         for case in scenarios:
             pair = []
             for backend in ("triton", "fused"):
-                config = dataclasses.replace(case.config, backend=backend)
+                config = case.config.replace(backend=backend)
                 layer = mok.MoE(config, group=group, device=device)
                 layer.load_global_weights(global_weights(config, case.seed, device))
                 if backend == "fused" and overlap is not None:
@@ -119,7 +119,7 @@ def cases(config, world) -> list[Scenario]:
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
     "config",
-    [CONFIG, SMALL, dataclasses.replace(CONFIG, **GPT_OSS_EXPERTS)],
+    [CONFIG, SMALL, CONFIG.replace(**GPT_OSS_EXPERTS)],
     ids=["shared-clamp", "small", "gpt-oss"],
 )
 def test_one_process_matches_the_triton_backend_bitwise(config):
@@ -138,9 +138,9 @@ def test_expert_parallel_matches_the_triton_backend_bitwise(world, dispatch, exp
     """Both dispatches of the overlapped layer (the push: staging, then the expand waiting on
     the senders' flags beside the products), against the triton backend's same dispatch; and
     gpt-oss's experts, whose down bias rides the peer-store epilogue to the token's rank."""
-    config = dataclasses.replace(CONFIG, dispatch=dispatch)
+    config = CONFIG.replace(dispatch=dispatch)
     if experts == "gpt-oss":
-        config = dataclasses.replace(config, **GPT_OSS_EXPERTS)
+        config = config.replace(**GPT_OSS_EXPERTS)
     per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
     for rank, outcomes in enumerate(per_rank):
         assert outcomes[0][0]["exchange"] == "SymmetricExchange", rank
@@ -152,7 +152,7 @@ def test_expert_parallel_matches_the_triton_backend_bitwise(world, dispatch, exp
 @pytest.mark.parametrize("dispatch", ["pull", "push"])
 def test_receive_buffers_too_small_drop_the_same_rows_and_raise(dispatch, tmp_path):
     """Capacity overflow: both backends drop the same pairs and check() raises on every rank."""
-    tight = dataclasses.replace(CONFIG, recv_pair_capacity=20, recv_capacity=25, dispatch=dispatch)
+    tight = CONFIG.replace(recv_pair_capacity=20, recv_capacity=25, dispatch=dispatch)
     per_rank = run_ranks(
         both_backends,
         2,
@@ -169,7 +169,7 @@ def call_reset_call(rank, world, shared_dir):
     group = dist.group.WORLD
     with simulated_symmetric_memory(shared_file_allocator(shared_dir)):
         first, second = scenario(CONFIG, [17, 11], seed=7), scenario(CONFIG, [9, 20], seed=8)
-        config = dataclasses.replace(CONFIG, backend="fused")
+        config = CONFIG.replace(backend="fused")
         layer = mok.MoE(config, group=group, device=CPU)
         layer.load_global_weights(global_weights(config, first.seed, CPU))
         one_call_results(layer, first.ranks[rank])
@@ -197,7 +197,7 @@ def fused_reasons(rank, world):
     on this CPU gloo group without simulated symmetric memory."""
     from mok.backends.fused import FusedBackend
 
-    config = dataclasses.replace(CONFIG, backend="fused")
+    config = CONFIG.replace(backend="fused")
     return (
         FusedBackend.unavailable_reason(config, CPU, dist.group.WORLD),
         FusedBackend.auto_skip_reason(CPU),
@@ -224,7 +224,7 @@ def test_one_gpu_matches_the_triton_backend_bitwise(overlap, experts):
     device = torch.device("cuda", 0)
     config = GPU_CONFIG
     if experts == "gpt-oss":
-        config = dataclasses.replace(GPU_CONFIG, **GPT_OSS_EXPERTS)
+        config = GPU_CONFIG.replace(**GPT_OSS_EXPERTS)
     outcomes = both_backends(0, 1, cases(config, 1), device, overlap=overlap)
     assert_bitwise_equal(outcomes)
 
@@ -308,9 +308,9 @@ def test_one_process_claimed_schedule_matches_the_triton_backend_bitwise(monkeyp
     # Three of the four calls have rows (the third has no tokens). Per call: gate/up (counter 0
     # of the forward), then the down dgrad (counter 0 of the backward).
     assert taken == [0, 0] * 3
-    assert launches == [[2, CONFIG.comm_sms]] * 6  # held, then joined
+    assert launches == [[2, CONFIG.tuning.comm_sms]] * 6  # held, then joined
     # Every task claimed, then one id past the end for each of the 2 + comm_sms programs.
-    assert all(end >= 2 + CONFIG.comm_sms for end in ends)
+    assert all(end >= 2 + CONFIG.tuning.comm_sms for end in ends)
 
 
 def stacked_layers(rank, world, scenario, device, shared_dir=None):
@@ -322,7 +322,7 @@ def stacked_layers(rank, world, scenario, device, shared_dir=None):
     results = []
     with simulated_symmetric_memory(allocator):
         for backend in ("triton", "fused"):
-            config = dataclasses.replace(scenario.config, backend=backend)
+            config = scenario.config.replace(backend=backend)
             layers = []
             for seed in (scenario.seed, scenario.seed + 1):
                 layer = mok.MoE(config, group=dist.group.WORLD, device=device)
@@ -404,7 +404,7 @@ def buffer_lifetimes(rank, world, backend, shared_dir, keep_grouped_rows=False):
     kernels.down_data_gradient = first_product
     kernels.gate_up_weight_gradients = weight_gradient
     kernels.gate_up_data_gradient = rows_gradient
-    config = dataclasses.replace(CONFIG, backend=backend, keep_grouped_rows=keep_grouped_rows)
+    config = CONFIG.replace(backend=backend, keep_grouped_rows=keep_grouped_rows)
     with simulated_symmetric_memory(shared_file_allocator(shared_dir)):
         layer = mok.MoE(config, group=dist.group.WORLD, device=CPU)
         layer.load_global_weights(global_weights(config, 0, CPU))
@@ -446,7 +446,7 @@ def test_backward_drops_each_buffer_after_its_last_product(backend, keep_grouped
 def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise(dispatch):
     """EP 2 with the NVLink protocol's kernels compiled, the ranks' processes sharing the GPU."""
     device = torch.device("cuda", 0)
-    config = dataclasses.replace(GPU_CONFIG, dispatch=dispatch)
+    config = GPU_CONFIG.replace(dispatch=dispatch)
     per_rank = run_ranks(both_backends, 2, args=(cases(config, 2), device))
     for outcomes in per_rank:
         assert outcomes[0][0]["exchange"] == "SymmetricExchange"
@@ -458,7 +458,7 @@ def test_ranks_sharing_one_gpu_match_the_triton_backend_bitwise(dispatch):
 def test_comm_sms_that_leave_no_sm_to_the_products_raise():
     device = torch.device("cuda", 0)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    config = dataclasses.replace(GPU_CONFIG, backend="fused", comm_sms=sms)
+    config = GPU_CONFIG.replace(backend="fused", comm_sms=sms)
     layer = mok.MoE(config, device=device)
     x = torch.randn(8, config.hidden_size, device=device, dtype=torch.bfloat16)
     idx = torch.zeros(8, config.top_k, dtype=torch.int64, device=device)
@@ -473,7 +473,7 @@ def test_fused_layer_never_synchronizes_with_the_host(overlap):
     the fused forward or backward; the call after the first (which compiles) must run under
     CUDA's sync debug mode set to raise."""
     device = torch.device("cuda", 0)
-    config = dataclasses.replace(GPU_CONFIG, backend="fused")
+    config = GPU_CONFIG.replace(backend="fused")
     layer = mok.MoE(config, device=device)
     layer.load_global_weights(global_weights(config, 0, device))
     layer.workspace(device).backend.overlap = overlap
@@ -521,9 +521,7 @@ def exact_and_capacity_sized(rank, world, scenarios, device, shared_dir=None):
                 for backend in ("triton", "fused"):
                     pair = []
                     for exact in (False, True):
-                        config = dataclasses.replace(
-                            case.config, backend=backend, exact_buffers=exact
-                        )
+                        config = case.config.replace(backend=backend, exact_buffers=exact)
                         layer = mok.MoE(config, group=dist.group.WORLD, device=device)
                         layer.load_global_weights(global_weights(config, case.seed, device))
                         inputs = case.ranks[rank]
@@ -561,7 +559,7 @@ def test_exact_buffers_size_the_pair_tensors_by_the_pairs_received(dispatch, tmp
     Bugs caught: a per-pair tensor still made at the capacity (the memory the option exists to
     save), a kernel grid or row count taken from the tensor's rows that now misses rows or reads
     past them (results differ), an empty rank's zero-row tensors breaking a launch."""
-    config = dataclasses.replace(CONFIG, dispatch=dispatch)
+    config = CONFIG.replace(dispatch=dispatch)
     scenarios = [cases(config, 2)[index] for index in (1, 3)]
     per_rank = run_ranks(exact_and_capacity_sized, 2, args=(scenarios, CPU, tmp_path))
     assert_exact_sizes_change_only_the_sizes(per_rank)
@@ -573,7 +571,7 @@ def exact_buffers_under_capture(rank, world, backend):
     """Rank worker: the message a CUDA-graph capture of an `exact_buffers` layer call raises
     (after an eager call), and whether an eager call after it still works (y finite)."""
     device = torch.device("cuda", 0)
-    config = dataclasses.replace(GPU_CONFIG, backend=backend, exact_buffers=True)
+    config = GPU_CONFIG.replace(backend=backend, exact_buffers=True)
     with simulated_symmetric_memory(cuda_ipc_allocator):
         layer = mok.MoE(config, group=dist.group.WORLD, device=device)
         layer.load_global_weights(global_weights(config, 0, device))

@@ -1,4 +1,4 @@
-"""The layer's calls replayed from its own CUDA graphs (`MoKConfig.graphs`, `mok.graphs`).
+"""The layer's calls replayed from its own CUDA graphs (`MoKTuning.graphs`, `mok.graphs`).
 
 The policy (which token counts capture) on any machine; on a GPU, every replayed call against
 the same call launched eagerly by a twin layer on the same weights, bit for bit: across calls

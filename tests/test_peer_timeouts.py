@@ -13,7 +13,6 @@ Run three ways, with the same rank workers:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import pytest
@@ -229,7 +228,7 @@ def warm_layer(where: str, rank: int, world: int, tmp: str, **options):
         if device.type == "cuda":
             # Compile on both ranks first under a bound no compile outlasts: with many test
             # workers compiling at once, a peer's first call can take longer than TIMEOUT_S.
-            patient = dataclasses.replace(config, peer_timeout_s=COMPILE_BOUND_S)
+            patient = config.replace(peer_timeout_s=COMPILE_BOUND_S)
             compiling = mok.MoE(patient, group=dist.group.WORLD, device=device)
             compiling.load_global_weights(full)
             compare_with_reference(compiling, full, everyone, rank)

@@ -1,4 +1,4 @@
-"""`MoKConfig.recompute`: the backward makes the experts' h and pre-activations again instead of
+"""`MoKTuning.recompute`: the backward makes the experts' h and pre-activations again instead of
 keeping them from the forward. The results must be those of the layer that keeps them, bit for
 bit (the same gate/up product on the same rows), and the forward must keep less.
 
@@ -34,11 +34,11 @@ CPU = torch.device("cpu")
 
 
 def test_config_refuses_recompute_where_it_does_not_apply():
-    assert CONFIG.replace(recompute="gate_up").recompute is mok.Recompute.GATE_UP
+    assert CONFIG.replace(recompute="gate_up").tuning.recompute is mok.Recompute.GATE_UP
     with pytest.raises(mok.MoKConfigError, match="recompute must be one of 'none', 'gate_up'"):
         CONFIG.replace(recompute="all")
     with pytest.raises(mok.MoKConfigError, match="applies to bf16 experts"):
-        mok.MoKConfig(64, 32, 4, 2, precision="mxfp8", recompute="gate_up")
+        mok.MoKConfig(64, 32, 4, 2, precision="mxfp8", tuning={"recompute": "gate_up"})
 
 
 def recording_replays(monkeypatch) -> list[tuple[bool, bool]]:

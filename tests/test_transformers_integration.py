@@ -279,8 +279,8 @@ def test_other_config_fields_reach_every_layer():
         config = cached(model.model.layers[0].mlp.experts).config
     finally:
         mok_transformers.register()
-    assert config.validation.value == "local" and config.mx_weight_casts.value == "per_pass"
-    with pytest.raises(MoKConfigError, match="'nope' is not a MoKConfig field"):
+    assert config.validation.value == "local" and config.tuning.mx_weight_casts.value == "per_pass"
+    with pytest.raises(MoKConfigError, match="'nope' is not a MoKConfig or MoKTuning field"):
         mok_transformers.register(nope=1)
     with pytest.raises(MoKConfigError, match="'hidden_size' is taken from the model"):
         mok_transformers.register(hidden_size=8)

@@ -72,7 +72,7 @@ def errors_against_the_reference(rank, world, case, shared_dir):
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("rounding", ["rceil", "floor"])
 def test_mxfp8_layer_matches_the_reference(world, rounding, tmp_path):
-    config = dataclasses.replace(CONFIG, mx_rounding=rounding)
+    config = CONFIG.replace(mx_rounding=rounding)
     case = scenario(config, [23, 17][:world], seed=3)
     if world == 1:
         per_rank = [errors_against_the_reference(0, 1, case, tmp_path)]
@@ -91,8 +91,8 @@ def test_mxfp8_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
     """gpt-oss's activation and expert biases in MXFP8, on 2 ranks. Bugs caught: the MX path
     dropping the activation's alpha or offset or a bias (errors of O(1)), the biases' gradients
     missing from the layer's (absent keys) or not those of this rank's experts."""
-    config = dataclasses.replace(
-        CONFIG, swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True, swiglu_limit=1.0
+    config = CONFIG.replace(
+        swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True, swiglu_limit=1.0
     )
     case = scenario(config, [23, 17], seed=4)
     for errors, _ in run_ranks(errors_against_the_reference, 2, args=(case, tmp_path)):
@@ -107,7 +107,7 @@ def test_mxfp8_layer_with_exact_buffers_matches_the_reference(tmp_path):
     pairs received rather than the capacity. Bug caught: the MX views (`MXRows.from_rows`, the
     scales' blocks) still laid out for the capacity's rows, so that scales pair with the wrong
     rows (errors of whole rows, far past the tolerance)."""
-    config = dataclasses.replace(CONFIG, exact_buffers=True)
+    config = CONFIG.replace(exact_buffers=True)
     case = scenario(config, [23, 17], seed=5)
     for errors, _ in run_ranks(errors_against_the_reference, 2, args=(case, tmp_path)):
         for key, error in errors.items():
@@ -121,7 +121,7 @@ BF16 = torch.bfloat16
 def train_twice(policy: str) -> tuple[list[torch.Tensor], mok.MoE]:
     """Two training steps of the MXFP8 layer with `mx_weight_casts=policy`, an in-place update
     of the weights between them (as an optimizer step): y and every gradient of both."""
-    layer = mok.MoE(dataclasses.replace(CONFIG, mx_weight_casts=policy), device=DEVICE)
+    layer = mok.MoE(CONFIG.replace(mx_weight_casts=policy), device=DEVICE)
     layer.load_global_weights(global_weights(CONFIG, 3, DEVICE))
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
@@ -179,7 +179,7 @@ def test_each_weight_cast_policy_gives_the_same_training_steps():
 def test_weights_changed_between_forward_and_backward_raise_per_pass():
     """Casting per pass, the backward casts the weights again: changed in place since the
     forward, they would give the gradient of another layer. It raises, naming the weight."""
-    layer = mok.MoE(dataclasses.replace(CONFIG, mx_weight_casts="per_pass"), device=DEVICE)
+    layer = mok.MoE(CONFIG.replace(mx_weight_casts="per_pass"), device=DEVICE)
     layer.load_global_weights(global_weights(CONFIG, 3, DEVICE))
     x = torch.randn(16, CONFIG.hidden_size, device=DEVICE, dtype=BF16, requires_grad=True)
     idx = torch.randint(0, CONFIG.num_experts, (16, CONFIG.top_k), device=DEVICE)
@@ -220,7 +220,7 @@ def gpu_cases() -> list[tuple[str, mok.MoKConfig, str]]:
         ("deepseek-v3 zipf", configs["deepseek-v3"], "zipf"),
         ("qwen3-30b half-empty", configs["qwen3-30b-a3b"], "half-empty"),
         ("qwen3-30b one-expert", configs["qwen3-30b-a3b"], "one-expert"),
-        ("tiny clamp", dataclasses.replace(configs["tiny"], swiglu_limit=3.0), "zipf"),
+        ("tiny clamp", configs["tiny"].replace(swiglu_limit=3.0), "zipf"),
     ]
     return cases
 

@@ -92,7 +92,7 @@ class BenchSpec:
     """Pairs each rank's experts can take, as a multiple of the mean T * k
     (`MoKConfig.recv_pair_capacity`); None: the worst case."""
     exact_buffers: bool = False
-    """`MoKConfig.exact_buffers`: the per-pair tensors sized by the pairs each call received,
+    """`MoKTuning.exact_buffers`: the per-pair tensors sized by the pairs each call received,
     read on the host (one synchronization per forward)."""
     validation: str = "collective"
     """`MoKConfig.validation` of the backend's layer: the ranks agree on every call's inputs, or
@@ -103,14 +103,14 @@ class BenchSpec:
     precision: str = "bf16"
     """`MoKConfig.precision` of the backend's layer ("bf16" or "mxfp8"); the baseline is bf16."""
     graphs: str = "auto"
-    """`MoKConfig.graphs` of the backend's layer: whether its calls replay their own CUDA graphs
+    """`MoKTuning.graphs` of the backend's layer: whether its calls replay their own CUDA graphs
     ("auto": small layers; "on"; "off")."""
     mx_weight_casts: str = "auto"
-    """`MoKConfig.mx_weight_casts` of the backend's layer in MXFP8: "auto" casts the weights in
+    """`MoKTuning.mx_weight_casts` of the backend's layer in MXFP8: "auto" casts the weights in
     every timed pass (a training step's cost; the timed passes run with gradients), "keep" once
     (the weights never change between iterations)."""
     recompute: str = "none"
-    """`MoKConfig.recompute` of the backend's layer (bf16): "gate_up" makes the experts' h and
+    """`MoKTuning.recompute` of the backend's layer (bf16): "gate_up" makes the experts' h and
     pre-activations again in the backward instead of keeping them from the forward."""
     router_gradient: str = "saved_outputs"
     """`MoKConfig.router_gradient` of the backend's layer (bf16): "epilogue" forms the router
@@ -164,7 +164,7 @@ def estimated_peak_bytes(spec: BenchSpec) -> int:
     pairs = tokens * config.top_k
     if config.recv_pair_capacity is not None:
         pairs = min(config.recv_pair_capacity, spec.ep * pairs)
-    elif not config.exact_buffers:
+    elif not config.tuning.exact_buffers:
         pairs *= spec.ep
     per_pair = pairs * (2 * h + 3 * i) * element
     token_tensors = 6 * tokens * h * element
@@ -304,7 +304,7 @@ def _check_against_reference(spec, config, layer, rank, ep, device) -> dict[str,
         # a quarter of an H200, and a third set of them did not fit.
         return one_call_errors(layer, inputs, expected)
     actual = one_call_results(layer, inputs)
-    # The second call of a token count captures the layer's CUDA graphs (`MoKConfig.graphs`),
+    # The second call of a token count captures the layer's CUDA graphs (`MoKTuning.graphs`),
     # the third replays them: what the timed calls run must equal what was checked.
     for _ in range(2):
         again = one_call_results(layer, inputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 
 import torch
 
@@ -151,8 +152,77 @@ class RouterGradient(str, enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class MoKTuning:
+    """How the backends run a layer, with the same results at every setting (bit for bit): where
+    the time and memory go. The defaults suit most layers; change one where a profile or a memory
+    budget says so (docs/tuning.md). Validated on construction; part of the config the ranks
+    agree on."""
+
+    comm_sms: int = 24
+    """SMs the NVLink exchange's copy kernels run on (EP > 1), and the SMs the `fused` backend's
+    communication programs hold beside the expert products: more move rows faster and leave fewer
+    SMs to the products. Change it only where a profile shows the exchange or the products
+    waiting (docs/notes/comm-design.md, "Bandwidth")."""
+    exact_buffers: bool = False
+    """Size each call's tensors with a row per received pair (the expert products' rows, their
+    activations and gradients) by the pairs this rank received, read on the host after the
+    routing, instead of by `recv_pair_capacity`: the memory of an all-to-all with exact sizes
+    (the baseline's) for one device synchronization per forward (the host waits for the routing's
+    counts); the same results. Use it at EP > 1 where memory is short and that synchronization is
+    acceptable; a call under CUDA-graph capture raises. The `fused` backend's default (the tokens
+    received kept instead of the grouped rows, see `keep_grouped_rows`) reaches about the same
+    peak without it; there the option keeps the grouped rows at their exact size, for the gate/up
+    weight gradient on TMA tiles. Peaks measured: docs/tuning.md. No effect where the exchange
+    sizes exactly already: EP 1, and the collective exchange (which synchronizes anyway)."""
+    keep_grouped_rows: bool = False
+    """Keep the grouped rows (a copy of a token per pair: k times the rows) for the backward, so
+    that the gate/up weight gradient reads them on TMA tiles. Without it (the default) the layer
+    keeps the tokens its experts read, once each, and that product reads them through each
+    grouped row's index, a little slower. At EP 1 (the triton and fused backends, bf16) those
+    tokens are x itself, so the grouped rows (T x k x H) go with the forward; the `fused` backend
+    at EP > 1 keeps the tokens received (EP x T rows at most, where the grouped rows are sized
+    for the worst routing: EP x T x k). Set it where memory is plentiful and that product's time
+    matters (time and peaks measured: docs/tuning.md). The same results. No effect where the
+    grouped rows are kept anyway: MXFP8, the triton backend at EP > 1, and for the fused backend
+    at EP > 1 `exact_buffers` and the push dispatch."""
+    dispatch: Dispatch = Dispatch.AUTO
+    """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`. `auto` takes each
+    backend's choice; `push` and `pull` are there to compare them."""
+    graphs: Graphs = Graphs.AUTO
+    """Whether calls replay CUDA graphs of the layer: `auto` for small layers, whose calls the
+    host bounds; `off` where the memory the graphs keep matters more than host time; `on` for
+    every size. See `Graphs`."""
+    mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
+    """When the routed weights' MXFP8 casts are made and how long they are kept (precision
+    "mxfp8"): `auto` holds no copy of the weights between passes in training; `keep` trades two
+    bf16 copies of every routed weight for fewer casts. See `MXWeightCasts`."""
+    recompute: Recompute = Recompute.NONE
+    """Whether the backward makes the experts' h and pre-activations again instead of keeping
+    them from the forward (bf16): `gate_up` where many layers' activations do not fit, for one
+    more gate/up product in the backward and the same gradients. See `Recompute`."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dispatch", parse_enum(Dispatch, self.dispatch, "dispatch"))
+        object.__setattr__(self, "graphs", parse_enum(Graphs, self.graphs, "graphs"))
+        weight_casts = parse_enum(MXWeightCasts, self.mx_weight_casts, "mx_weight_casts")
+        object.__setattr__(self, "mx_weight_casts", weight_casts)
+        object.__setattr__(self, "recompute", parse_enum(Recompute, self.recompute, "recompute"))
+        _require_int(self, "comm_sms", minimum=1)
+        for name in ("exact_buffers", "keep_grouped_rows"):
+            if not isinstance(getattr(self, name), bool):
+                raise MoKConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+
+TUNING_FIELDS = frozenset(field.name for field in dataclasses.fields(MoKTuning))
+"""The names of `MoKTuning`'s fields, which `MoKConfig.replace` and the adapters' options take
+beside the config's own."""
+
+
+@dataclasses.dataclass(frozen=True)
 class MoKConfig:
-    """Shape, numerics and tunables of one MoE layer; validated on construction.
+    """What one MoE layer computes (its shape, numerics and activation), the backend that runs it,
+    its buffers' capacities and how its ranks check their inputs; `tuning` holds the settings
+    that change where time and memory go but not the results. Validated on construction.
 
     All ranks of an expert-parallel group must use equal configs. The expert-parallel size is not
     part of the config: it comes from the process group the workspace is built on.
@@ -187,11 +257,6 @@ class MoKConfig:
     exchange's buffers by it (EP > 1) and refuse a call with more tokens (MoKInputError): set it
     to the largest micro-batch a rank runs, since a larger value only costs memory (`mok memory`
     prints the buffer)."""
-    comm_sms: int = 24
-    """SMs the NVLink exchange's copy kernels run on (EP > 1), and the SMs the `fused` backend's
-    communication programs hold beside the expert products: more move rows faster and leave fewer
-    SMs to the products. Change it only where a profile shows the exchange or the products
-    waiting (docs/notes/comm-design.md, "Bandwidth")."""
     recv_capacity: int | None = None
     """Rows of a rank's receive buffer in the NVLink exchange (EP > 1). None sizes it for the worst
     case (every token of every rank routed here), which never overflows. A smaller one saves
@@ -203,29 +268,7 @@ class MoKConfig:
     which never overflows (2x the mean of a uniform routing at EP 2, 8x at EP 8). A capacity
     factor c is `ceil(c * max_tokens_per_rank * top_k)`; pairs past it are dropped and reported by
     `Workspace.check()` (MoKCapacityError). Set one to bound memory where the routing is balanced;
-    `exact_buffers` saves memory without dropping, for a host synchronization."""
-    exact_buffers: bool = False
-    """Size each call's tensors with a row per received pair (the expert products' rows, their
-    activations and gradients) by the pairs this rank received, read on the host after the
-    routing, instead of by `recv_pair_capacity`: the memory of an all-to-all with exact sizes
-    (the baseline's) for one device synchronization per forward (the host waits for the routing's
-    counts); the same results. Use it at EP > 1 where memory is short and that synchronization is
-    acceptable; a call under CUDA-graph capture raises. The `fused` backend's default (the tokens
-    received kept instead of the grouped rows, see `keep_grouped_rows`) reaches about the same
-    peak without it; there the option keeps the grouped rows at their exact size, for the gate/up
-    weight gradient on TMA tiles. Peaks measured: docs/tuning.md. No effect where the exchange
-    sizes exactly already: EP 1, and the collective exchange (which synchronizes anyway)."""
-    keep_grouped_rows: bool = False
-    """Keep the grouped rows (a copy of a token per pair: k times the rows) for the backward, so
-    that the gate/up weight gradient reads them on TMA tiles. Without it (the default) the layer
-    keeps the tokens its experts read, once each, and that product reads them through each
-    grouped row's index, a little slower. At EP 1 (the triton and fused backends, bf16) those
-    tokens are x itself, so the grouped rows (T x k x H) go with the forward; the `fused` backend
-    at EP > 1 keeps the tokens received (EP x T rows at most, where the grouped rows are sized
-    for the worst routing: EP x T x k). Set it where memory is plentiful and that product's time
-    matters (time and peaks measured: docs/tuning.md). The same results. No effect where the
-    grouped rows are kept anyway: MXFP8, the triton backend at EP > 1, and for the fused backend
-    at EP > 1 `exact_buffers` and the push dispatch."""
+    `tuning.exact_buffers` saves memory without dropping, for a host synchronization."""
     peer_timeout_s: float = 10.0
     """Longest time a rank of the `triton` or `fused` backend waits on the device for a peer (a
     barrier, rows in flight) before it gives up, records the failure and lets the call finish;
@@ -245,29 +288,17 @@ class MoKConfig:
     expert_bias: bool = False
     """Per-expert biases on the routed experts' gate, up and down projections, for models that
     have them (gpt-oss)."""
-    dispatch: Dispatch = Dispatch.AUTO
-    """Who moves the rows of the NVLink dispatch (EP > 1): see `Dispatch`. `auto` takes each
-    backend's choice; `push` and `pull` are there to compare them."""
     mx_rounding: ScaleRounding = ScaleRounding.RCEIL
     """How MXFP8 picks each block's scale (precision "mxfp8"): RCEIL (amax never saturates, the
     default) or FLOOR (amax's own power of two over 256), as torchao's `to_mx`. Take the one of
     the recipe the model is trained or evaluated with."""
-    graphs: Graphs = Graphs.AUTO
-    """Whether calls replay CUDA graphs of the layer: `auto` for small layers, whose calls the
-    host bounds; `off` where the memory the graphs keep matters more than host time; `on` for
-    every size. See `Graphs`."""
-    mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
-    """When the routed weights' MXFP8 casts are made and how long they are kept (precision
-    "mxfp8"): `auto` holds no copy of the weights between passes in training; `keep` trades two
-    bf16 copies of every routed weight for fewer casts. See `MXWeightCasts`."""
-    recompute: Recompute = Recompute.NONE
-    """Whether the backward makes the experts' h and pre-activations again instead of keeping
-    them from the forward (bf16): `gate_up` where many layers' activations do not fit, for one
-    more gate/up product in the backward and the same gradients. See `Recompute`."""
     router_gradient: RouterGradient = RouterGradient.SAVED_OUTPUTS
     """Where the router weights' gradient is formed, and so whether the forward keeps the pairs'
     outputs: `epilogue` keeps none (T x k x H values a layer fewer) where memory is short, for a
     slower down backward. See `RouterGradient`."""
+    tuning: MoKTuning = dataclasses.field(default_factory=MoKTuning)
+    """The backends' settings that keep the results (`MoKTuning`); a mapping of its fields is
+    taken too. `replace` changes one by its name (`config.replace(comm_sms=16)`)."""
 
     def __post_init__(self) -> None:
         # Accept the plain strings too ("bf16", "reference"): configs come from command lines.
@@ -276,14 +307,18 @@ class MoKConfig:
         object.__setattr__(
             self, "validation", parse_enum(Validation, self.validation, "validation")
         )
-        object.__setattr__(self, "dispatch", parse_enum(Dispatch, self.dispatch, "dispatch"))
-        object.__setattr__(self, "graphs", parse_enum(Graphs, self.graphs, "graphs"))
-        weight_casts = parse_enum(MXWeightCasts, self.mx_weight_casts, "mx_weight_casts")
-        object.__setattr__(self, "mx_weight_casts", weight_casts)
         rounding = parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
-        recompute = parse_enum(Recompute, self.recompute, "recompute")
-        object.__setattr__(self, "recompute", recompute)
+        tuning = self.tuning
+        if isinstance(tuning, Mapping):
+            unknown = sorted(set(tuning) - TUNING_FIELDS)
+            if unknown:
+                raise MoKConfigError(f"tuning: {unknown[0]!r} is not a MoKTuning field")
+            tuning = MoKTuning(**tuning)
+        if not isinstance(tuning, MoKTuning):
+            raise MoKConfigError(f"tuning must be a MoKTuning, got {type(tuning).__name__}")
+        object.__setattr__(self, "tuning", tuning)
+        recompute = tuning.recompute
         if recompute is not Recompute.NONE and self.precision is not Precision.BF16:
             raise MoKConfigError(
                 f"recompute={recompute.value!r} applies to bf16 experts; precision "
@@ -306,8 +341,7 @@ class MoKConfig:
                         f"precision='mxfp8' needs {name} to be a multiple of {MX_BLOCK} (its "
                         f"scale blocks along the reduction), got {getattr(self, name)}"
                     )
-        for name in ("max_tokens_per_rank", "comm_sms"):
-            _require_int(self, name, minimum=1)
+        _require_int(self, "max_tokens_per_rank", minimum=1)
         _require_int(self, "shared_intermediate_size", minimum=0)
         if self.top_k > self.num_experts:
             raise MoKConfigError(
@@ -319,9 +353,8 @@ class MoKConfig:
         _require_positive_float(self, "peer_timeout_s", "a number")
         _require_positive_float(self, "swiglu_alpha", "a number")
         _require_finite_float(self, "swiglu_up_offset")
-        for name in ("expert_bias", "exact_buffers", "keep_grouped_rows"):
-            if not isinstance(getattr(self, name), bool):
-                raise MoKConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.expert_bias, bool):
+            raise MoKConfigError(f"expert_bias must be a bool, got {self.expert_bias!r}")
         for name in ("recv_capacity", "recv_pair_capacity"):
             if getattr(self, name) is not None:
                 _require_int(self, name, minimum=1)
@@ -366,8 +399,23 @@ class MoKConfig:
             "router_gradient": self.router_gradient.value,
         }
 
+    @classmethod
+    def from_fields(cls, **fields) -> MoKConfig:
+        """A config from the fields of `MoKConfig` and of `MoKTuning` named side by side (a
+        command line's, an adapter's options): the tuning names go to `tuning`."""
+        tuning = {name: fields.pop(name) for name in TUNING_FIELDS & fields.keys()}
+        config = cls(**fields)
+        return config.replace(**tuning) if tuning else config
+
     def replace(self, **changes) -> MoKConfig:
-        """A copy with some fields changed (validated again)."""
+        """A copy with some fields changed (validated again); a `MoKTuning` field's name changes
+        that field of `tuning`."""
+        knobs = {name: changes.pop(name) for name in TUNING_FIELDS & changes.keys()}
+        if knobs:
+            tuning = changes.get("tuning", self.tuning)
+            if isinstance(tuning, Mapping):
+                tuning = MoKTuning(**tuning)
+            changes["tuning"] = dataclasses.replace(tuning, **knobs)
         return dataclasses.replace(self, **changes)
 
 
@@ -380,7 +428,7 @@ def parse_enum(enum_type, value, name):
         raise MoKConfigError(f"{name} must be one of {allowed}; got {value!r}") from None
 
 
-def _require_positive_float(config: MoKConfig, name: str, expected: str) -> None:
+def _require_positive_float(config: object, name: str, expected: str) -> None:
     """The field must be a finite number > 0; stored as a float."""
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -390,7 +438,7 @@ def _require_positive_float(config: MoKConfig, name: str, expected: str) -> None
     object.__setattr__(config, name, float(value))
 
 
-def _require_finite_float(config: MoKConfig, name: str) -> None:
+def _require_finite_float(config: object, name: str) -> None:
     """The field must be a finite number; stored as a float."""
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -398,7 +446,7 @@ def _require_finite_float(config: MoKConfig, name: str) -> None:
     object.__setattr__(config, name, float(value))
 
 
-def _require_int(config: MoKConfig, name: str, minimum: int) -> None:
+def _require_int(config: object, name: str, minimum: int) -> None:
     value = getattr(config, name)
     if isinstance(value, bool) or not isinstance(value, int):
         raise MoKConfigError(f"{name} must be an int, got {type(value).__name__} {value!r}")

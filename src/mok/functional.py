@@ -55,7 +55,7 @@ class Workspace:
     local_experts: int
     backend: LayerBackend | None = dataclasses.field(repr=False, default=None)
     graphs: GraphCache | None = dataclasses.field(repr=False, default=None)
-    """The calls captured in CUDA graphs (`MoKConfig.graphs`); None where nothing is."""
+    """The calls captured in CUDA graphs (`MoKTuning.graphs`); None where nothing is."""
     accepted_inputs: tuple | None = dataclasses.field(repr=False, default=None)
     """The `call_key` of the last call whose inputs passed the host checks."""
 
@@ -110,11 +110,24 @@ def resolve_device(device) -> torch.device:
     return device
 
 
+def _config_fields(config) -> list[tuple[str, dataclasses.Field, object]]:
+    """(dotted name, field, value) of every leaf field of `config`, `tuning`'s fields included
+    ("tuning.comm_sms")."""
+    leaves = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if dataclasses.is_dataclass(value):
+            nested = _config_fields(value)
+            leaves += [(f"{field.name}.{name}", f, v) for name, f, v in nested]
+        else:
+            leaves.append((field.name, field, value))
+    return leaves
+
+
 def _config_fingerprint(config: MoKConfig) -> list[tuple[str, int]]:
     """(field, value as int64) for every config field: what ranks compare to agree on it."""
     fields = []
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
+    for name, _, value in _config_fields(config):
         if value is None:
             encoded = -1
         elif isinstance(value, float):
@@ -123,20 +136,20 @@ def _config_fingerprint(config: MoKConfig) -> list[tuple[str, int]]:
             encoded = [member for member in type(value)].index(value)
         else:
             encoded = int(value)
-        fields.append((field.name, encoded))
+        fields.append((name, encoded))
     return fields
 
 
 def _config_value(config: MoKConfig, name: str, encoded: int):
     """The config value a rank's `_config_fingerprint` entry stands for (to print it)."""
-    annotation = str(next(f.type for f in dataclasses.fields(config) if f.name == name))
+    field, current = next((f, v) for n, f, v in _config_fields(config) if n == name)
+    annotation = str(field.type)
     if encoded == -1 and "None" in annotation:
         return None
     if annotation == "bool":
         return bool(encoded)
     if annotation.startswith("float"):
         return struct.unpack("<d", struct.pack("<q", encoded))[0]
-    current = getattr(config, name)
     if hasattr(current, "value"):  # enums
         return list(type(current))[encoded].value
     return encoded
@@ -337,7 +350,7 @@ def schedule_and_forward(
     """`build_schedule` then `forward`, with one agreement of the ranks on all inputs instead of
     two (each is a round trip between the hosts). Returns (schedule, y, saved). Collective.
 
-    graphs: the call may replay a CUDA graph where `MoKConfig.graphs` says so (`mok.graphs`;
+    graphs: the call may replay a CUDA graph where `MoKTuning.graphs` says so (`mok.graphs`;
     `mok.MoE` and `mok.moe` ask for it). The schedule and saved state of a replayed call then
     serve its own backward only: the next replay rewrites them."""
     ws = _live(workspace)

@@ -1,4 +1,4 @@
-"""The layer's calls replayed from CUDA graphs (`MoKConfig.graphs`).
+"""The layer's calls replayed from CUDA graphs (`MoKTuning.graphs`).
 
 A small layer is bound by the host: its 20-30 kernel launches and the Python around them take
 1-2 ms a forward where the GPU needs microseconds. The layer never synchronizes with the host and
@@ -61,22 +61,22 @@ def kept_bytes(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: 
     """Bytes the graphs of one token count keep between calls, roughly: the weights' gradients
     (the backward's outputs) and the per-pair activations (rows, pre-activations, h, outputs) of
     the most pairs a rank can receive from `ep_size` ranks of `num_tokens` tokens (h and the
-    pre-activations only where the forward keeps them, `MoKConfig.recompute`; the outputs only
+    pre-activations only where the forward keeps them, `MoKTuning.recompute`; the outputs only
     where the router weights' gradient reads them, `MoKConfig.router_gradient`)."""
     hidden, inter = config.hidden_size, config.intermediate_size
     weights = local_experts * 3 * hidden * inter + 3 * config.shared_intermediate_size * hidden
     pairs = ep_size * num_tokens * config.top_k
     element = config.activation_dtype.itemsize
-    kept_inter = 3 * inter if config.recompute is Recompute.NONE else 0
+    kept_inter = 3 * inter if config.tuning.recompute is Recompute.NONE else 0
     kept_hidden = hidden if config.router_gradient is RouterGradient.EPILOGUE else 2 * hidden
     return element * (weights + pairs * (kept_hidden + kept_inter))
 
 
 def captures(config: MoKConfig, local_experts: int, ep_size: int, num_tokens: int) -> bool:
-    """Whether calls of `num_tokens` tokens replay graphs under `config.graphs`."""
-    if config.graphs is Graphs.OFF or config.exact_buffers or num_tokens == 0:
+    """Whether calls of `num_tokens` tokens replay graphs under `config.tuning.graphs`."""
+    if config.tuning.graphs is Graphs.OFF or config.tuning.exact_buffers or num_tokens == 0:
         return False
-    if config.graphs is Graphs.ON:
+    if config.tuning.graphs is Graphs.ON:
         return True
     return (
         config.precision is Precision.BF16
@@ -256,7 +256,7 @@ class GraphCache:
             self.failed = f"{type(error).__name__}: {error}"
             warnings.warn(
                 f"mok: capturing the layer's CUDA graph failed ({self.failed}); its calls launch "
-                "their kernels from now on (MoKConfig.graphs='off' skips the attempt)",
+                "their kernels from now on (MoKTuning.graphs='off' skips the attempt)",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -37,7 +37,7 @@ class Preset:
             **dict(self.expert_options),
         )
         fields.update(overrides)
-        return MoKConfig(**fields)
+        return MoKConfig.from_fields(**fields)
 
 
 GPT_OSS_EXPERTS = (

@@ -97,7 +97,7 @@ class FusedBackend(TritonBackend):
     def __init__(self, workspace) -> None:
         super().__init__(workspace)
         device = workspace.device
-        self.comm_programs = workspace.config.comm_sms
+        self.comm_programs = workspace.config.tuning.comm_sms
         self.overlap = group_rank_and_size(workspace.group)[1] > 1
         """Copy the grouped rows beside the products (True) or first on every SM. Default: at
         EP > 1 only; at EP 1 nothing travels and the local expand is cheaper before the products
@@ -178,7 +178,7 @@ class FusedBackend(TritonBackend):
                 routing, x, self.comm_programs, timeout
             )
             self._beside(pull)
-            if need_backward and not config.keep_grouped_rows:
+            if need_backward and not config.tuning.keep_grouped_rows:
                 tokens = self.exchange.received_tokens(routing, self.comm_programs)
             if tokens is not None:
                 self._beside(tokens.pull)

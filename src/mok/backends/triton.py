@@ -108,7 +108,7 @@ class TritonBackend:
         elif SymmetricExchangeBase.unavailable_reason(group, device) is None:
             shape = self.exchange_shape(config, ep, self.dtype)
             self.exchange = acquire_exchange(
-                group, shape, device, config.comm_sms, config.peer_timeout_s
+                group, shape, device, config.tuning.comm_sms, config.peer_timeout_s
             )
         else:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
@@ -118,7 +118,7 @@ class TritonBackend:
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import MXWeightCache
 
-            # The routed weights' MX casts kept between calls (`MoKConfig.mx_weight_casts`).
+            # The routed weights' MX casts kept between calls (`MoKTuning.mx_weight_casts`).
             self.mx_weights = MXWeightCache()
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
@@ -164,9 +164,9 @@ class TritonBackend:
     def _pulls(cls, config) -> bool:
         from mok.config import Dispatch
 
-        if config.dispatch is Dispatch.AUTO:
+        if config.tuning.dispatch is Dispatch.AUTO:
             return cls.pull_by_default
-        return config.dispatch is Dispatch.PULL
+        return config.tuning.dispatch is Dispatch.PULL
 
     @staticmethod
     def unavailable_reason(config, device: torch.device, group) -> str | None:
@@ -207,7 +207,7 @@ class TritonBackend:
         from mok.kernels.placement import checked_ids
 
         safe, valid = checked_ids(topk_idx, self.workspace.config.num_experts, self.bad_ids)
-        exact = self.workspace.config.exact_buffers
+        exact = self.workspace.config.tuning.exact_buffers
         return TritonRouting(self.exchange.route(safe, exact_rows=exact), valid)
 
     def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
@@ -273,11 +273,11 @@ class TritonBackend:
         return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
     def _mx_weight_casts(self, weights: MoEWeights, rounding, need_backward: bool):
-        """The routed weights' MXFP8 casts for this call, as `MoKConfig.mx_weight_casts` says."""
+        """The routed weights' MXFP8 casts for this call, as `MoKTuning.mx_weight_casts` says."""
         from mok.config import MXWeightCasts
         from mok.kernels.mx_expert_mlp import MXWeightsCastPerPass
 
-        policy = self.workspace.config.mx_weight_casts
+        policy = self.workspace.config.tuning.mx_weight_casts
         routed = (weights.gate, weights.up, weights.down)
         if policy is MXWeightCasts.PER_PASS or (policy is MXWeightCasts.AUTO and need_backward):
             self.mx_weights.clear()  # casts an evaluation kept are stale by the next step
@@ -296,7 +296,7 @@ class TritonBackend:
 
         config = self.workspace.config
         tokens = self.exchange.tokens_of_grouped_rows(routing)
-        if tokens is not None and not config.keep_grouped_rows:
+        if tokens is not None and not config.tuning.keep_grouped_rows:
             x = x.contiguous()
             per_expert = tokens.shape[0] / weights.gate.shape[0]
             kernel_config = default_config(
@@ -312,7 +312,7 @@ class TritonBackend:
         """Unless `keep_grouped_rows`: where the grouped rows are copies of x's rows (EP 1), the
         saved experts keep x and each grouped row's token instead (`read_rows_through`), so that
         the grouped rows (k copies of x's rows) go with the forward."""
-        if experts is None or self.workspace.config.keep_grouped_rows:
+        if experts is None or self.workspace.config.tuning.keep_grouped_rows:
             return
         tokens = self.exchange.tokens_of_grouped_rows(routing)
         if tokens is not None:
@@ -338,10 +338,10 @@ class TritonBackend:
         return self.workspace.config.router_gradient is RouterGradient.EPILOGUE
 
     def _keeps_activations(self) -> bool:
-        """Whether the experts' forward keeps h and the pre-activations (`MoKConfig.recompute`)."""
+        """Whether the experts' forward keeps h and the pre-activations (`MoKTuning.recompute`)."""
         from mok.config import Recompute
 
-        return self.workspace.config.recompute is Recompute.NONE
+        return self.workspace.config.tuning.recompute is Recompute.NONE
 
     def _activation(self):
         """The experts' activation (`host.Activation`) of the config."""

@@ -453,7 +453,7 @@ class SymmetricExchangeBase:
         s, rank = self.shape, self.rank
         if exact_rows and topk_idx.is_cuda and torch.cuda.is_current_stream_capturing():
             raise MoKInputError(
-                "MoKConfig.exact_buffers reads each call's received pairs on the host, which a "
+                "MoKTuning.exact_buffers reads each call's received pairs on the host, which a "
                 "CUDA graph cannot capture: capture with exact_buffers=False"
             )
         tokens, top_k = topk_idx.shape

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mok import ops
-from mok.config import MoKConfig
+from mok.config import TUNING_FIELDS, MoKConfig
 from mok.errors import MoKConfigError, MoKInputError
 from mok.functional import Workspace, create_workspace
 
@@ -32,14 +32,14 @@ SET_BY_ADAPTERS = (
 
 
 def checked_config_options(options: dict, also_set: tuple[str, ...] = ()) -> dict:
-    """`options` (MoKConfig fields an adapter's user sets: `mx_weight_casts`, `validation`,
-    `graphs`, `comm_sms`, ...), refused with MoKConfigError where they name no field or one the
-    adapter takes from the model (`SET_BY_ADAPTERS`, and that adapter's `also_set`); values are
-    checked when the config is made."""
-    fields = {field.name for field in dataclasses.fields(MoKConfig)}
+    """`options` (fields of MoKConfig or MoKTuning an adapter's user sets: `validation`,
+    `mx_weight_casts`, `graphs`, `comm_sms`, ...), refused with MoKConfigError where they name no
+    field or one the adapter takes from the model (`SET_BY_ADAPTERS`, and that adapter's
+    `also_set`); values are checked when the config is made."""
+    fields = {field.name for field in dataclasses.fields(MoKConfig)} | TUNING_FIELDS
     for name in options:
         if name not in fields:
-            raise MoKConfigError(f"{name!r} is not a MoKConfig field")
+            raise MoKConfigError(f"{name!r} is not a MoKConfig or MoKTuning field")
         if name in SET_BY_ADAPTERS or name in also_set:
             raise MoKConfigError(f"{name!r} is taken from the model; it cannot be set here")
     return dict(options)

@@ -75,7 +75,7 @@ class _MoKRoutedExperts(nn.Module):
         group, backend, max_tokens, precision = self._mok
         _, ep = group_rank_and_size(group)
         local_experts, hidden_dim, dim = weights.gate.shape
-        config = MoKConfig(
+        config = MoKConfig.from_fields(
             hidden_size=dim,
             intermediate_size=hidden_dim,
             num_experts=local_experts * ep,
@@ -121,9 +121,9 @@ def use_mok(
     "mxfp8": the routed experts in MXFP8, dim and hidden_dim multiples of 32).
     fuse_grad_accumulation: as `mok.moe`'s, in eager mode, for w1, w3 and w2 where they are
     plain parameters (a DTensor's local shard is not a leaf: autograd adds its gradient).
-    config_options: other `MoKConfig` fields of every layer (`mx_weight_casts`, `validation`,
-    `graphs`, ...; not those taken from the model: MoKConfigError). Returns how many were
-    switched."""
+    config_options: other fields of every layer's `MoKConfig` or `MoKTuning` (`validation`,
+    `graphs`, `mx_weight_casts`, ...; not those taken from the model: MoKConfigError). Returns
+    how many were switched."""
     from torchtitan.models.common.moe import RoutedExperts
 
     precision = parse_enum(Precision, precision, "precision")

@@ -181,7 +181,7 @@ def _workspace(
     _, ep = group_rank_and_size(group)
     if backend == "auto" and any(w.stride(-1) != 1 for w in (weights.gate, weights.down)):
         backend = "reference"  # the triton kernels read K-contiguous weights only
-    config = MoKConfig(
+    config = MoKConfig.from_fields(
         hidden_size=hidden_size,
         intermediate_size=inter,
         num_experts=local_experts * ep,
@@ -309,8 +309,8 @@ def register(
     32). fuse_grad_accumulation: as `mok.moe`'s, in eager mode: once `gate_up_proj` or
     `down_proj` has a `.grad` (gradient accumulation over micro-batches), the kernels add into
     it in place; False where a tensor hook on them must see each micro-batch's gradient.
-    config_options: other `MoKConfig` fields of every layer (`mx_weight_casts`, `validation`,
-    `graphs`, ...; not those taken from the model: MoKConfigError)."""
+    config_options: other fields of every layer's `MoKConfig` or `MoKTuning` (`validation`,
+    `graphs`, `mx_weight_casts`, ...; not those taken from the model: MoKConfigError)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     precision = parse_enum(Precision, precision, "precision")

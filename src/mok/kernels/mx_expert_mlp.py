@@ -119,7 +119,7 @@ class MXWeightValues:
 
 class MXWeightsCastPerPass:
     """The routed weights, cast by each pass that reads them, in the layout it reads, and
-    dropped after it: no cast outlives a pass (`MoKConfig.mx_weight_casts`). The backward casts
+    dropped after it: no cast outlives a pass (`MoKTuning.mx_weight_casts`). The backward casts
     the weights the forward read; one changed in place in between raises MoKInputError, as
     autograd refuses a saved tensor changed in place."""
 
