@@ -12,7 +12,7 @@ import torch.distributed as dist
 import mok
 from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
-from mok.comm.symmetric import SymmetricExchange
+from mok.comm.symmetric import symmetric_exchange
 from mok.errors import MoKCapacityError
 from mok.ranks import run_ranks
 from mok.reference import grouped_expert_mlp
@@ -48,7 +48,7 @@ def make_exchange(config, world, max_tokens, **options):
         options.pop("recv_capacity", None),
         **options,
     )
-    return SymmetricExchange(dist.group.WORLD, shape, device, programs=programs)
+    return symmetric_exchange(dist.group.WORLD, shape, device, programs=programs)
 
 
 def inputs_on_rank(rank, config, tokens, kind, seed):

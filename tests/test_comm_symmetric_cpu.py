@@ -14,7 +14,13 @@ import torch.distributed as dist
 from mok.comm.collective import CollectiveExchange
 from mok.comm.layout import default_shape
 from mok.comm.memory import StandInMemory
-from mok.comm.symmetric import OverlappedSymmetricExchange, SymmetricExchange, symmetric_exchange
+from mok.comm.symmetric import (
+    OverlappedSymmetricExchange,
+    OverlappedSymmetricRouterValuesExchange,
+    SymmetricExchange,
+    SymmetricRouterValuesExchange,
+    symmetric_exchange,
+)
 from mok.errors import MoKCapacityError
 from mok.ranks import run_ranks
 from mok.routing import make_routing
@@ -25,7 +31,7 @@ from exchange_checks import compare_exchanges
 
 def make_exchange(directory, world, hidden, top_k, local, max_tokens, **options):
     shape = default_shape(hidden, top_k, local, world, max_tokens, dtype=torch.float32, **options)
-    return SymmetricExchange(
+    return symmetric_exchange(
         dist.group.WORLD,
         shape,
         torch.device("cpu"),
@@ -145,12 +151,32 @@ def test_default_shape_capacities():
     assert default_shape(16, 4, 2, 3, 10, pair_capacity=999).pair_capacity == 120
 
 
-def layout_exchange_kinds(rank, world, directory):
-    """Rank worker: the class `symmetric_exchange` makes for the staged and the overlapped shape
-    (each released after)."""
-    kinds = []
+def layout_shapes(world: int) -> list:
+    """The four layouts' shapes: staged, overlapped, each with the pair gradients and with the
+    router values."""
     staged = default_shape(24, 2, 2, world, 8, dtype=torch.float32)
-    for shape in (staged, dataclasses.replace(staged, overlapped=True, pull_dispatch=True)):
+    overlapped = dataclasses.replace(staged, overlapped=True, pull_dispatch=True)
+    return [
+        shape
+        for base in (staged, overlapped)
+        for shape in (base, dataclasses.replace(base, router_values=True))
+    ]
+
+
+LAYOUT_CLASSES = [
+    SymmetricExchange,
+    SymmetricRouterValuesExchange,
+    OverlappedSymmetricExchange,
+    OverlappedSymmetricRouterValuesExchange,
+]
+"""The exchange class of each of `layout_shapes`."""
+
+
+def layout_exchange_kinds(rank, world, directory):
+    """Rank worker: the class `symmetric_exchange` makes for each layout's shape (each released
+    after)."""
+    kinds = []
+    for shape in layout_shapes(world):
         memory = StandInMemory(shared_file_allocator(directory))
         exchange = symmetric_exchange(dist.group.WORLD, shape, torch.device("cpu"), 2, memory)
         kinds.append(type(exchange).__name__)
@@ -160,23 +186,34 @@ def layout_exchange_kinds(rank, world, directory):
 
 @pytest.mark.interpreter
 def test_each_buffer_layout_has_its_own_exchange(tmp_path):
-    """The staged layout (the triton backend's) is `SymmetricExchange`'s and the overlapped one
-    (the fused backend's) `OverlappedSymmetricExchange`'s. Bug caught: an overlapped shape built
-    as the staged exchange, whose dispatch would find no staging region."""
-    assert (
-        run_ranks(layout_exchange_kinds, 2, args=(str(tmp_path),))
-        == [["SymmetricExchange", "OverlappedSymmetricExchange"]] * 2
-    )
+    """The staged layouts are the triton backend's exchanges, the overlapped ones the fused
+    backend's, each with the pair gradients or the router values. Bugs caught: an overlapped
+    shape built as a staged exchange, whose dispatch would find no staging region; a
+    router-values shape built with `combine_backward`, whose pair-gradient region it lacks."""
+    names = [kind.__name__ for kind in LAYOUT_CLASSES]
+    assert run_ranks(layout_exchange_kinds, 2, args=(str(tmp_path),)) == [names] * 2
 
 
-def test_each_exchange_class_refuses_the_other_layout():
-    """Each class has only the calls its regions serve, and refuses the other's shape before
-    allocating anything, naming the class that takes it."""
-    staged = default_shape(24, 2, 2, 2, 8, dtype=torch.float32)
-    overlapped = dataclasses.replace(staged, overlapped=True)
-    with pytest.raises(ValueError, match="is OverlappedSymmetricExchange's"):
-        SymmetricExchange(None, overlapped, torch.device("cpu"))
-    with pytest.raises(ValueError, match="is SymmetricExchange's"):
-        OverlappedSymmetricExchange(None, staged, torch.device("cpu"))
-    assert not hasattr(OverlappedSymmetricExchange, "dispatch")
-    assert not hasattr(SymmetricExchange, "dispatch_overlapped")
+LAYOUT_CALLS = {
+    "dispatch": [True, True, False, False],
+    "dispatch_overlapped": [False, False, True, True],
+    "combine_backward": [True, False, False, False],
+    "unweighted_combine_backward": [False, True, False, False],
+    "combine_backward_overlapped": [False, False, True, False],
+    "unweighted_combine_backward_overlapped": [False, False, False, True],
+    "pair_values": [False, True, False, True],
+}
+"""Which of `LAYOUT_CLASSES` has each layout-bound call."""
+
+
+def test_each_exchange_class_has_only_its_layouts_calls_and_refuses_the_others_shapes():
+    """Each class has only the calls its regions serve, and refuses every other layout's shape
+    before allocating anything, naming the class that takes it."""
+    for call, has in LAYOUT_CALLS.items():
+        assert [hasattr(kind, call) for kind in LAYOUT_CLASSES] == has, call
+    shapes = layout_shapes(2)
+    for kind in LAYOUT_CLASSES:
+        for shape, owner in zip(shapes, LAYOUT_CLASSES, strict=True):
+            if owner is not kind:
+                with pytest.raises(ValueError, match=f"is {owner.__name__}'s"):
+                    kind(None, shape, torch.device("cpu"))

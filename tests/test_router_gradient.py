@@ -74,7 +74,7 @@ def test_the_fused_backend_at_ep_is_the_triton_backend_bitwise(world, dispatch, 
     config = CONFIG.replace(dispatch=dispatch, **EPILOGUE, **GPT_OSS_EXPERTS)
     per_rank = run_ranks(both_backends, world, args=(cases(config, world), CPU, tmp_path))
     for rank, outcomes in enumerate(per_rank):
-        assert outcomes[0][1]["exchange"] == "OverlappedSymmetricExchange", rank
+        assert outcomes[0][1]["exchange"] == "OverlappedSymmetricRouterValuesExchange", rank
         assert_bitwise_equal(outcomes)
 
 
@@ -112,8 +112,10 @@ def test_the_triton_backend_follows_float64_at_ep(world, exchange, tmp_path):
     per_rank = run_ranks(run_scenarios, world, args=(scenarios, shared_dir), timeout_s=300)
     for rank, outcomes in enumerate(per_rank):
         for case, results in zip(scenarios, outcomes, strict=True):
-            name = "CollectiveExchange" if exchange == "collective" else "SymmetricExchange"
-            assert results["exchange"] == name
+            symmetric = "SymmetricRouterValuesExchange"
+            assert results["exchange"] == (
+                "CollectiveExchange" if exchange == "collective" else symmetric
+            )
             assert_matches_oracle(case, rank, results)
             assert_id_error_on_its_rank(case, rank, results)
 

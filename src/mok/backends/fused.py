@@ -6,7 +6,7 @@
 Forward, per call:
   dispatch  `comm_sms` programs on a side stream load every grouped row from its token's rank
             (NVLink or local HBM) straight into the expert order, flagging each block of rows
-            once written (`OverlappedExchange.dispatch_overlapped`); meanwhile the shared expert
+            once written (`OverlappedExchangeBase.dispatch_overlapped`); meanwhile the shared expert
             and the gate/up + SwiGLU product run on the other SMs, each gate/up tile waiting for
             the flags of its rows (`host.RowsReady`). The grid of the products beside the
             copy is held to SMs - comm_sms, so both are resident at once: the products' waits are
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from mok.backends.triton import TritonBackend, TritonRouting, TritonSaved
-from mok.comm.exchange import OverlappedExchange
+from mok.comm.exchange import OverlappedExchange, OverlappedRouterValuesExchange
 from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
@@ -92,7 +92,7 @@ class FusedBackend(TritonBackend):
     name = "fused"
     exchange_layout = {"overlapped": True}
     pull_by_default = True
-    exchange: OverlappedExchange
+    exchange: OverlappedExchange | OverlappedRouterValuesExchange
 
     def __init__(self, workspace) -> None:
         super().__init__(workspace)
@@ -257,7 +257,7 @@ class FusedBackend(TritonBackend):
         (`_ClaimsAfterCopy`). With `router_gradient="epilogue"` the pull brings grad_y's rows
         unweighted (each pair's weight stored at its owner before), the down dgrad applies the
         weights in its epilogue, and each pair's dot comes back after the join
-        (`Exchange.pair_values`)."""
+        (`RouterValues.pair_values`)."""
         if not self.overlap:
             return super().backward(schedule, saved, grad_y, accumulate_into)
         from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients

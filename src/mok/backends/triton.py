@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from mok.comm.exchange import Exchange, ExchangeRouting, GroupedPairOutputs
+from mok.comm.exchange import (
+    Exchange,
+    ExchangeRouting,
+    GroupedPairOutputs,
+    RouterValuesExchange,
+)
 from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
@@ -97,7 +102,7 @@ class TritonBackend:
         from mok.comm.symmetric import SymmetricExchangeBase, acquire_exchange
 
         self.workspace = workspace
-        self.exchange: Exchange
+        self.exchange: Exchange | RouterValuesExchange
         config, device, group = workspace.config, workspace.device, workspace.group
         # The kernels' dtype: the config's on GPUs, fp32 on the CPU (the interpreter's bf16 is off).
         self.dtype = config.activation_dtype if device.type == "cuda" else torch.float32
@@ -473,7 +478,7 @@ class TritonBackend:
         """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
         fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
         to their pairs' grouped rows unweighted with each row's weight
-        (`Exchange.unweighted_combine_backward`), then `_down_gradients` of them."""
+        (`RouterValuesExchange.unweighted_combine_backward`), then `_down_gradients` of them."""
         grad_rows, row_weights = self.exchange.unweighted_combine_backward(
             saved.routing, grad_y, saved.weights
         )

@@ -1,7 +1,9 @@
-"""What the token exchanges provide: the calls every one has (`ExchangeBase`), the staged
-exchange's that the triton backend makes, in this order per layer call (`Exchange`:
-`LocalExchange`, `CollectiveExchange`, `SymmetricExchange`), and the overlapped layer's
-(`OverlappedExchange`: `LocalExchange`, `OverlappedSymmetricExchange`)."""
+"""What the token exchanges provide: the calls every one has (`ExchangeBase`); the staged
+exchange's that the triton backend makes, in this order per layer call (`StagedExchange`), and the
+overlapped layer's (`OverlappedExchangeBase`); each with the combine's backward of one router
+gradient form, the pair gradients (`Exchange`, `OverlappedExchange`) or the router values
+(`RouterValuesExchange`, `OverlappedRouterValuesExchange`). `LocalExchange` and
+`CollectiveExchange` provide every one; each NVLink exchange one (`mok.comm.symmetric`)."""
 
 from __future__ import annotations
 
@@ -46,10 +48,6 @@ class ExchangeBase(Protocol):
         so that a backward can read x through it instead of keeping the grouped rows (k copies
         of x's rows); None where grouped rows hold other ranks' tokens."""
 
-    def pair_values(self, routing: ExchangeRouting, row_values: torch.Tensor) -> torch.Tensor:
-        """[T, k] fp32: pair (t, j)'s value from row_values [rows] fp32, one per grouped row
-        (the router weights' dots), back on the token's rank; 0 for pairs dropped for capacity."""
-
     def dispatch_backward(
         self,
         routing: ExchangeRouting,
@@ -68,7 +66,7 @@ class ExchangeBase(Protocol):
         """Free the exchange's buffers."""
 
 
-class Exchange(ExchangeBase, Protocol):
+class StagedExchange(ExchangeBase, Protocol):
     """The staged exchange (the triton backend's): each copy runs before or after the expert
     products, on the caller's stream."""
 
@@ -93,6 +91,10 @@ class Exchange(ExchangeBase, Protocol):
         pair_out_mx, their MXFP8 cast along H rounded so, `MXRows` [T * k, H]; or, where the
         exchange reads them in place, `GroupedPairOutputs`): what `combine_backward` takes."""
 
+
+class Exchange(StagedExchange, Protocol):
+    """The staged exchange with the pair gradients (`router_gradient="saved_outputs"`)."""
+
     def combine_backward(
         self,
         routing: ExchangeRouting,
@@ -101,6 +103,18 @@ class Exchange(ExchangeBase, Protocol):
         pair_out: torch.Tensor | MXRows | GroupedPairOutputs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(gradients of the grouped expert outputs, gradient of topk_weights [T, k])."""
+
+
+class RouterValues(Protocol):
+    """What the router values' backward (`router_gradient="epilogue"`) adds in either layout."""
+
+    def pair_values(self, routing: ExchangeRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: pair (t, j)'s value from row_values [rows] fp32, one per grouped row
+        (the router weights' dots), back on the token's rank; 0 for pairs dropped for capacity."""
+
+
+class RouterValuesExchange(StagedExchange, RouterValues, Protocol):
+    """The staged exchange with the router values (`router_gradient="epilogue"`)."""
 
     def unweighted_combine_backward(
         self, routing: ExchangeRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
@@ -127,7 +141,7 @@ class ReceivedTokens:
     stream joins (the senders' copies of x are valid until then)."""
 
 
-class OverlappedExchange(ExchangeBase, Protocol):
+class OverlappedExchangeBase(ExchangeBase, Protocol):
     """What the overlapped layer (`mok.backends.fused`) calls besides: copies that run on the
     caller's communication stream while the products wait per tile for their rows, and the
     combine stored by the down product's epilogue (`LocalExchange`, `OverlappedSymmetricExchange`).
@@ -165,6 +179,21 @@ class OverlappedExchange(ExchangeBase, Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(y [T, H], the pairs' outputs [T, k, H] or None) once every output landed."""
 
+    def dispatch_backward_overlapped(
+        self,
+        routing: ExchangeRouting,
+        grad_grouped: torch.Tensor,
+        extra: torch.Tensor | None,
+        programs: int,
+    ) -> Callable[[], torch.Tensor]:
+        """`Exchange.dispatch_backward` in two parts: what reads grad_grouped, now, on the current
+        stream (the caller may drop it after); returned, the rest, to run on the caller's
+        communication stream on `programs` SMs, which returns grad x [T, H]."""
+
+
+class OverlappedExchange(OverlappedExchangeBase, Protocol):
+    """The overlapped exchange with the pair gradients."""
+
     def combine_backward_overlapped(
         self,
         routing: ExchangeRouting,
@@ -177,6 +206,10 @@ class OverlappedExchange(ExchangeBase, Protocol):
         """(grouped rows' gradients, the copy to run beside the products, their readiness
         flags, the router weights' gradient)."""
 
+
+class OverlappedRouterValuesExchange(OverlappedExchangeBase, RouterValues, Protocol):
+    """The overlapped exchange with the router values."""
+
     def unweighted_combine_backward_overlapped(
         self,
         routing: ExchangeRouting,
@@ -188,14 +221,3 @@ class OverlappedExchange(ExchangeBase, Protocol):
         """(grad_y's rows of the grouped rows, unweighted, the copy to run beside the products,
         their readiness flags, each grouped row's router weight [rows] fp32): the epilogue
         form's combine backward (`MoKConfig.router_gradient="epilogue"`)."""
-
-    def dispatch_backward_overlapped(
-        self,
-        routing: ExchangeRouting,
-        grad_grouped: torch.Tensor,
-        extra: torch.Tensor | None,
-        programs: int,
-    ) -> Callable[[], torch.Tensor]:
-        """`Exchange.dispatch_backward` in two parts: what reads grad_grouped, now, on the current
-        stream (the caller may drop it after); returned, the rest, to run on the caller's
-        communication stream on `programs` SMs, which returns grad x [T, H]."""

@@ -43,8 +43,9 @@ class ExchangeShape:
     router_values: bool = False
     """The backward of `MoKConfig.router_gradient="epilogue"`: two fp32 values per grouped row
     (the router weights in, their gradient's dots out) for `unweighted_combine_backward` and
-    `pair_values`, and, unless overlapped, no pair gradients (`combine_backward` refused): T x k
-    rows of H fewer."""
+    `pair_values`, and, unless overlapped, no pair gradients: T x k rows of H fewer. The
+    exchanges of this layout (`SymmetricRouterValuesExchange`,
+    `OverlappedSymmetricRouterValuesExchange`) have no `combine_backward`."""
 
     def __post_init__(self):
         if self.overlapped and self.dispatch_width not in (None, self.hidden):

@@ -134,7 +134,7 @@ class LocalExchange:
         return grouped
 
     def received_tokens(self, routing: LocalRouting, programs: int) -> None:
-        """None: the grouped rows here are exactly the pairs (`OverlappedExchange`)."""
+        """None: the grouped rows here are exactly the pairs (`OverlappedExchangeBase`)."""
         return None
 
     def dispatch_overlapped(

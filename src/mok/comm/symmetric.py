@@ -37,6 +37,11 @@ Why the barriers suffice: every phase writes into a peer only after a barrier th
 passes only once its earlier work on that buffer is done (stream order), and reads a peer's
 buffer only after a barrier (or a flag) that the peer passes after writing it.
 
+Classes: one per buffer layout (`exchange_class`): `SymmetricExchange` and
+`SymmetricRouterValuesExchange` (staged, the `triton` backend's), `OverlappedSymmetricExchange`
+and `OverlappedSymmetricRouterValuesExchange` (the `fused` backend's); the router-values ones
+serve `router_gradient="epilogue"`.
+
 Capacity: staging holds `token_capacity` rows and the grouped/output buffers `pair_capacity`
 rows on every rank. Every rank sees all counts, so all of them detect an overflow identically
 on the device: rows past a capacity are dropped (never written out of bounds; their expert
@@ -227,9 +232,12 @@ class SymmetricRouting:
 
 
 class SymmetricExchangeBase:
-    """What the exchanges of both buffer layouts share: the symmetric buffer, the route, the
-    barriers and bounded waits, and the calls whose regions every layout has (the dispatch's
-    backward, the router-weight values, the pair gradients).
+    """What the exchanges of every buffer layout share: the symmetric buffer, the route, the
+    barriers and bounded waits, and the dispatch's backward. A layout is staged or overlapped,
+    with the pair gradients or the router values; each has its class (`exchange_class`),
+    composed of the layout's part (`_StagedSymmetricExchange`, `_OverlappedSymmetricExchange`)
+    and the backward form's (`_PairGradients`, `_RouterValues`), so that every method it has
+    works in its layout.
 
     Collective: all ranks create an exchange together and make the same calls in the same
     order. `programs` is the number of SMs the NVLink copies use; local copies use every SM.
@@ -247,12 +255,11 @@ class SymmetricExchangeBase:
         memory: SymmetricMemory | None = None,
         timeout_s: float = 10.0,
     ) -> None:
-        if shape.overlapped != self.overlapped_layout:
-            kind = "an overlapped" if shape.overlapped else "a staged"
-            other = "OverlappedSymmetricExchange" if shape.overlapped else "SymmetricExchange"
+        if exchange_class(shape) is not type(self):
             raise ValueError(
-                f"{type(self).__name__} takes the other buffer layout: {kind} shape is {other}'s "
-                "(symmetric_exchange picks the class of a shape)"
+                f"{type(self).__name__} takes another buffer layout: this shape is "
+                f"{exchange_class(shape).__name__}'s (symmetric_exchange picks the class of a "
+                "shape)"
             )
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.ep_size = group_rank_and_size(self.group)
@@ -308,9 +315,6 @@ class SymmetricExchangeBase:
         self.placement_kernels = PlacementKernels(ep, s.local_experts, s.top_k, device)
         self._layout_flags = self._make_local_flags()
         self._restart()
-
-    overlapped_layout: bool
-    """Whether the class serves the overlapped layout (`ExchangeShape.overlapped`)."""
 
     def _make_local_flags(self) -> tuple[torch.Tensor, ...]:
         """This rank's flags and epochs beyond the buffer's that the layout needs (made once,
@@ -562,73 +566,6 @@ class SymmetricExchangeBase:
             "wait_id": _PUSH_WAIT,
         }
 
-    def _pair_gradients_and_pull(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        pair_out: torch.Tensor | MXRows,
-        programs: int,
-        landed: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
-        """The pair gradients written into this rank's buffer and the ranks met (on the current
-        stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
-        `pull` on `programs` programs from each row's token rank, with `landed` = (epoch, flags)
-        the epoch advanced first and every block of COPY_ROWS rows flagged with it once written;
-        the router weights' gradient [T, k])."""
-        if self.view.grad_pairs is None:
-            raise ValueError(
-                "SymmetricExchange.combine_backward: this exchange's layout (router_values) has no "
-                "pair gradients; its backward is unweighted_combine_backward"
-            )
-        s = self.shape
-        tokens = grad_y.shape[0]
-        grad_w = pair_gradients(
-            grad_y.contiguous(),
-            topk_weights.contiguous(),
-            pair_out,
-            self.view.grad_pairs.local[: tokens * s.top_k],
-            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
-        )
-        if landed is not None:
-            landed[0].add_(1)
-        self._barrier("combine backward: pair gradients written")
-        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        flags = {} if landed is None else {"epoch": landed[0], "landed": landed[1]}
-
-        def pull() -> None:
-            copy_rows(
-                grad_grouped,
-                self.view.grad_pairs.local,
-                routing.return_row,
-                routing.recv_pairs,
-                programs,
-                COPY_ROWS,
-                src_offsets=self.view.grad_pairs.offsets,
-                src_rank=routing.return_rank,
-                **flags,
-                **COPY_TILE,
-            )
-
-        return grad_grouped, pull, grad_w
-
-    def _push_row_weights(self, routing: SymmetricRouting, topk_weights: torch.Tensor) -> None:
-        """Store each pair's weight (fp32) at its grouped row of its owner's row_weights (pairs
-        dropped for capacity skipped); the owners read them after the next barrier."""
-        view, tokens = self.view, topk_weights.shape[0]
-        copy_rows(
-            view.row_weights.local,
-            topk_weights.float().reshape(-1, 1).contiguous(),
-            self._pair_rows(tokens).view(-1),
-            self._row_count(tokens * self.shape.top_k),
-            self.programs,
-            COPY_ROWS,
-            dst_row=routing.pair_row.view(-1),
-            dst_offsets=view.row_weights.offsets,
-            dst_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
-
     def tokens_of_grouped_rows(self, routing: SymmetricRouting) -> None:
         """None: the grouped rows are the tokens other ranks sent (`received_tokens` keeps
         those once each)."""
@@ -662,32 +599,6 @@ class SymmetricExchangeBase:
             ("pair rows", tokens),
             lambda: torch.arange(tokens * top_k, device=self.device).view(tokens, top_k),
         )
-
-    def pair_values(self, routing: SymmetricRouting, row_values: torch.Tensor) -> torch.Tensor:
-        """[T, k] fp32: each pair's value of row_values [routing.rows] fp32 (first recv_pairs
-        valid) on its owner, 0 for pairs dropped for capacity. Collective (a barrier)."""
-        view = self.view
-        if view.row_dots is None:
-            raise ValueError(
-                f"{type(self).__name__}.pair_values needs an exchange shape with router_values=True"
-            )
-        rows = min(row_values.shape[0], self.shape.pair_capacity)
-        view.row_dots.local[:rows, 0].copy_(row_values[:rows])
-        self._barrier("combine backward: the rows' router-weight dots written")
-        tokens, top_k = routing.pair_row.shape
-        values = torch.empty(tokens * top_k, 1, dtype=torch.float32, device=self.device)
-        copy_rows(
-            values,
-            view.row_dots.local,
-            routing.pair_row.view(-1),
-            self._row_count(tokens * top_k),
-            self.programs,
-            COPY_ROWS,
-            src_offsets=view.row_dots.offsets,
-            src_rank=routing.owner.view(-1),
-            **COPY_TILE,
-        )
-        return values.view(tokens, top_k)
 
     def dispatch_backward(
         self,
@@ -749,7 +660,7 @@ class SymmetricExchangeBase:
         )
 
 
-class SymmetricExchange(SymmetricExchangeBase):
+class _StagedSymmetricExchange(SymmetricExchangeBase):
     """Dispatch and combine of one expert-parallel group over NVLink symmetric memory, in the
     staged layout (the `triton` backend's): each call's copies run before or after the expert
     products, through the staging and expert-output regions.
@@ -757,11 +668,8 @@ class SymmetricExchange(SymmetricExchangeBase):
     The API of `CollectiveExchange`, except that row counts stay on the device: `dispatch` returns
     [pair_capacity, H] grouped rows of which the first `routing.recv_pairs` are valid (or as many
     rows as were received, read on the host, after `route(..., exact_rows=True)`). Arguments as
-    `SymmetricExchangeBase`'s; the shape's layout must not be the overlapped one
-    (`symmetric_exchange` picks the class of a shape).
+    `SymmetricExchangeBase`'s.
     """
-
-    overlapped_layout = False
 
     def dispatch(self, routing: SymmetricRouting, x: torch.Tensor) -> torch.Tensor:
         """Rows x [T, W] -> grouped rows [routing.rows, W] (first recv_pairs valid); W the
@@ -852,79 +760,13 @@ class SymmetricExchange(SymmetricExchangeBase):
             return y, gathered
         return y, pair_out if save_pair_out else None
 
-    def combine_backward(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        pair_out: torch.Tensor | MXRows,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
-        the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
-        the summation order of their fp32 dot products); pair_out as `combine` saved it."""
-        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
-            routing, grad_y, topk_weights, pair_out, self.programs
-        )
-        pull()
-        return grad_grouped, grad_w
 
-    def unweighted_combine_backward(
-        self, routing: SymmetricRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(grad_y's row of each grouped row's token [routing.rows, H], first recv_pairs valid;
-        each grouped row's pair's weight [routing.rows] fp32): the values of
-        `CollectiveExchange.unweighted_combine_backward`. Needs the `router_values` layout.
-
-        Each token's row goes once to each owner, into its staging rows: nothing reads staging
-        between a forward's expand, done before that forward's combine barrier, and the next
-        route (a push dispatch writes it only after the route's barriers). No readiness flags:
-        the epoch's are the forward dispatch's already, so the barrier orders the stores."""
-        s, view = self.shape, self.view
-        if view.row_weights is None:
-            raise ValueError(
-                "SymmetricExchange.unweighted_combine_backward needs an exchange shape with "
-                "router_values=True"
-            )
-        if grad_y.dim() != 2 or grad_y.shape[1] != s.dispatch_columns or grad_y.dtype != s.dtype:
-            raise ValueError(
-                f"SymmetricExchange.unweighted_combine_backward takes rows of "
-                f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
-            )
-        push_rows(
-            grad_y.contiguous(),
-            routing.token_slot,
-            view.staging.local,
-            view.staging.offsets,
-            self.programs,
-            s.block_tokens,
-            **PUSH_TILE,
-        )
-        self._push_row_weights(routing, topk_weights)
-        self._barrier("combine backward: gradient rows and router weights pushed")
-        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-        copy_rows(
-            grad_rows,
-            view.staging.local,
-            routing.grouped_to_staging,
-            routing.recv_pairs,
-            self.local_sms,
-            COPY_ROWS,
-            **COPY_TILE,
-        )
-        # A copy: the next backward's pushes rewrite the region once every rank passed this
-        # one's `pair_values` barrier, and the caller may keep the weights longer.
-        weights = view.row_weights.local[: routing.rows, 0].clone()
-        return grad_rows, weights
-
-
-class OverlappedSymmetricExchange(SymmetricExchangeBase):
+class _OverlappedSymmetricExchange(SymmetricExchangeBase):
     """The exchange of the overlapped layer (the `fused` backend) over NVLink symmetric memory,
     in the overlapped layout: the copies run on the caller's communication stream beside the
-    expert products, which wait per tile for their rows (`OverlappedExchange`), and the down
+    expert products, which wait per tile for their rows (`OverlappedExchangeBase`), and the down
     product stores each output straight into its token's rank. Arguments as
-    `SymmetricExchangeBase`'s; the shape's layout must be the overlapped one."""
-
-    overlapped_layout = True
+    `SymmetricExchangeBase`'s."""
 
     def _make_local_flags(self) -> tuple[torch.Tensor, ...]:
         # Readiness of the grouped rows copied beside the products (local): forward's stamped
@@ -1031,85 +873,6 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
         ready = self._copied_rows(self.landed, self.view.epoch, timeout_s)
         return grouped, pull, ready
 
-    def combine_backward_overlapped(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        pair_out: torch.Tensor,
-        programs: int,
-        timeout_s: float,
-    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None, torch.Tensor]:
-        """`combine_backward` with its pull beside the products: on the current stream the pair
-        gradients go into this rank's symmetric buffer and the ranks meet; the returned `pull`,
-        run on the caller's communication stream, has `programs` programs load each grouped
-        row's gradient from its token's rank in grouped order, flagging every block of
-        COPY_ROWS rows once written. Returns (gradients of the grouped rows [routing.rows, H],
-        pull, their RowsReady, the router weights' gradient [T, k])."""
-        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
-            routing,
-            grad_y,
-            topk_weights,
-            pair_out,
-            programs,
-            landed=(self.backward_epoch, self.landed_backward),
-        )
-        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
-        return grad_grouped, pull, ready, grad_w
-
-    def unweighted_combine_backward_overlapped(
-        self,
-        routing: SymmetricRouting,
-        grad_y: torch.Tensor,
-        topk_weights: torch.Tensor,
-        programs: int,
-        timeout_s: float,
-    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady, torch.Tensor]:
-        """`unweighted_combine_backward` in the overlapped layout, its pull beside the products:
-        on the current stream grad_y's rows go into this rank's pair-gradient region (its first
-        T rows: the forward's pair outputs there were summed before, in stream order), each
-        pair's weight into its owner's row_weights, and the ranks meet; the returned `pull`, run
-        on the caller's communication stream, has `programs` programs load each grouped row's
-        token row from its token's rank in grouped order (a row per pair, as
-        `combine_backward_overlapped` loads), flagging every block of COPY_ROWS rows. Returns
-        (grad_y's rows [routing.rows, H], pull, their RowsReady, each grouped row's weight
-        [routing.rows] fp32)."""
-        s, view = self.shape, self.view
-        if view.row_weights is None:
-            raise ValueError(
-                "OverlappedSymmetricExchange.unweighted_combine_backward_overlapped needs an "
-                "exchange shape with router_values=True"
-            )
-        tokens = grad_y.shape[0]
-        view.grad_pairs.local[:tokens].copy_(grad_y)
-        self._push_row_weights(routing, topk_weights)
-        self.backward_epoch.add_(1)
-        self._barrier("combine backward: gradient rows and router weights pushed")
-        weights = view.row_weights.local[: routing.rows, 0].clone()
-        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
-
-        def pull() -> None:
-            # Made here, on the stream that reads it: the caller may drop `pull` once queued,
-            # and a tensor made before on its stream would go back to that stream's pool while
-            # this copy still reads it.
-            token_rows = torch.where(routing.return_row >= 0, routing.return_row // s.top_k, -1)
-            copy_rows(
-                grad_rows,
-                view.grad_pairs.local,
-                token_rows,
-                routing.recv_pairs,
-                programs,
-                COPY_ROWS,
-                src_offsets=view.grad_pairs.offsets,
-                src_rank=routing.return_rank,
-                epoch=self.backward_epoch,
-                landed=self.landed_backward,
-                **COPY_TILE,
-            )
-
-        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
-        return grad_rows, pull, ready, weights
-
     def combine_target(
         self, routing: SymmetricRouting, hidden: int, dtype: torch.dtype
     ) -> RowScatter:
@@ -1204,6 +967,267 @@ class OverlappedSymmetricExchange(SymmetricExchangeBase):
         return give_back
 
 
+class _PairGradients:
+    """The backward of `router_gradient="saved_outputs"`: each pair's gradient w * grad_y formed
+    on the token's rank (with the router weights' gradient from the saved pair outputs) and
+    loaded by its owner (the layouts with a pair-gradient region)."""
+
+    def _pair_gradients_and_pull(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
+        programs: int,
+        landed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, Callable[[], None], torch.Tensor]:
+        """The pair gradients written into this rank's buffer and the ranks met (on the current
+        stream); returns (the grouped rows' gradients [routing.rows, H], yet to be loaded by
+        `pull` on `programs` programs from each row's token rank, with `landed` = (epoch, flags)
+        the epoch advanced first and every block of COPY_ROWS rows flagged with it once written;
+        the router weights' gradient [T, k])."""
+        s = self.shape
+        tokens = grad_y.shape[0]
+        grad_w = pair_gradients(
+            grad_y.contiguous(),
+            topk_weights.contiguous(),
+            pair_out,
+            self.view.grad_pairs.local[: tokens * s.top_k],
+            PAIR_GRADIENT_PROGRAMS_PER_SM * self.local_sms,
+        )
+        if landed is not None:
+            landed[0].add_(1)
+        self._barrier("combine backward: pair gradients written")
+        grad_grouped = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        flags = {} if landed is None else {"epoch": landed[0], "landed": landed[1]}
+
+        def pull() -> None:
+            copy_rows(
+                grad_grouped,
+                self.view.grad_pairs.local,
+                routing.return_row,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=self.view.grad_pairs.offsets,
+                src_rank=routing.return_rank,
+                **flags,
+                **COPY_TILE,
+            )
+
+        return grad_grouped, pull, grad_w
+
+
+class _RouterValues:
+    """The backward of `router_gradient="epilogue"`: grad_y's rows cross unweighted, each pair's
+    weight goes to its owner's `row_weights`, and each grouped row's dot comes back from
+    `row_dots` (the layouts with `router_values`)."""
+
+    def _push_row_weights(self, routing: SymmetricRouting, topk_weights: torch.Tensor) -> None:
+        """Store each pair's weight (fp32) at its grouped row of its owner's row_weights (pairs
+        dropped for capacity skipped); the owners read them after the next barrier."""
+        view, tokens = self.view, topk_weights.shape[0]
+        copy_rows(
+            view.row_weights.local,
+            topk_weights.float().reshape(-1, 1).contiguous(),
+            self._pair_rows(tokens).view(-1),
+            self._row_count(tokens * self.shape.top_k),
+            self.programs,
+            COPY_ROWS,
+            dst_row=routing.pair_row.view(-1),
+            dst_offsets=view.row_weights.offsets,
+            dst_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+
+    def pair_values(self, routing: SymmetricRouting, row_values: torch.Tensor) -> torch.Tensor:
+        """[T, k] fp32: each pair's value of row_values [routing.rows] fp32 (first recv_pairs
+        valid) on its owner, 0 for pairs dropped for capacity. Collective (a barrier)."""
+        view = self.view
+        rows = min(row_values.shape[0], self.shape.pair_capacity)
+        view.row_dots.local[:rows, 0].copy_(row_values[:rows])
+        self._barrier("combine backward: the rows' router-weight dots written")
+        tokens, top_k = routing.pair_row.shape
+        values = torch.empty(tokens * top_k, 1, dtype=torch.float32, device=self.device)
+        copy_rows(
+            values,
+            view.row_dots.local,
+            routing.pair_row.view(-1),
+            self._row_count(tokens * top_k),
+            self.programs,
+            COPY_ROWS,
+            src_offsets=view.row_dots.offsets,
+            src_rank=routing.owner.view(-1),
+            **COPY_TILE,
+        )
+        return values.view(tokens, top_k)
+
+
+class SymmetricExchange(_PairGradients, _StagedSymmetricExchange):
+    """The staged layout with the pair gradients (`router_gradient="saved_outputs"`): the
+    `triton` backend's exchange (`Exchange`)."""
+
+    def combine_backward(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor | MXRows,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grads of the grouped expert outputs [routing.rows, H], grad of topk_weights [T, k]):
+        the values of `CollectiveExchange.combine_backward` (the router-weight gradients up to
+        the summation order of their fp32 dot products); pair_out as `combine` saved it."""
+        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
+            routing, grad_y, topk_weights, pair_out, self.programs
+        )
+        pull()
+        return grad_grouped, grad_w
+
+
+class SymmetricRouterValuesExchange(_RouterValues, _StagedSymmetricExchange):
+    """The staged layout with the router values (`router_gradient="epilogue"`): the `triton`
+    backend's exchange of that form (`RouterValuesExchange`)."""
+
+    def unweighted_combine_backward(
+        self, routing: SymmetricRouting, grad_y: torch.Tensor, topk_weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(grad_y's row of each grouped row's token [routing.rows, H], first recv_pairs valid;
+        each grouped row's pair's weight [routing.rows] fp32): the values of
+        `CollectiveExchange.unweighted_combine_backward`.
+
+        Each token's row goes once to each owner, into its staging rows: nothing reads staging
+        between a forward's expand, done before that forward's combine barrier, and the next
+        route (a push dispatch writes it only after the route's barriers). No readiness flags:
+        the epoch's are the forward dispatch's already, so the barrier orders the stores."""
+        s, view = self.shape, self.view
+        if grad_y.dim() != 2 or grad_y.shape[1] != s.dispatch_columns or grad_y.dtype != s.dtype:
+            raise ValueError(
+                f"SymmetricRouterValuesExchange.unweighted_combine_backward takes rows of "
+                f"{s.dispatch_columns} {s.dtype} elements, got {tuple(grad_y.shape)} {grad_y.dtype}"
+            )
+        push_rows(
+            grad_y.contiguous(),
+            routing.token_slot,
+            view.staging.local,
+            view.staging.offsets,
+            self.programs,
+            s.block_tokens,
+            **PUSH_TILE,
+        )
+        self._push_row_weights(routing, topk_weights)
+        self._barrier("combine backward: gradient rows and router weights pushed")
+        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+        copy_rows(
+            grad_rows,
+            view.staging.local,
+            routing.grouped_to_staging,
+            routing.recv_pairs,
+            self.local_sms,
+            COPY_ROWS,
+            **COPY_TILE,
+        )
+        # A copy: the next backward's pushes rewrite the region once every rank passed this
+        # one's `pair_values` barrier, and the caller may keep the weights longer.
+        weights = view.row_weights.local[: routing.rows, 0].clone()
+        return grad_rows, weights
+
+
+class OverlappedSymmetricExchange(_PairGradients, _OverlappedSymmetricExchange):
+    """The overlapped layout with the pair gradients: the `fused` backend's exchange
+    (`OverlappedExchange`)."""
+
+    def combine_backward_overlapped(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        pair_out: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady | None, torch.Tensor]:
+        """`combine_backward` with its pull beside the products: on the current stream the pair
+        gradients go into this rank's symmetric buffer and the ranks meet; the returned `pull`,
+        run on the caller's communication stream, has `programs` programs load each grouped
+        row's gradient from its token's rank in grouped order, flagging every block of
+        COPY_ROWS rows once written. Returns (gradients of the grouped rows [routing.rows, H],
+        pull, their RowsReady, the router weights' gradient [T, k])."""
+        grad_grouped, pull, grad_w = self._pair_gradients_and_pull(
+            routing,
+            grad_y,
+            topk_weights,
+            pair_out,
+            programs,
+            landed=(self.backward_epoch, self.landed_backward),
+        )
+        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
+        return grad_grouped, pull, ready, grad_w
+
+
+class OverlappedSymmetricRouterValuesExchange(_RouterValues, _OverlappedSymmetricExchange):
+    """The overlapped layout with the router values: the `fused` backend's exchange of the
+    epilogue form (`OverlappedRouterValuesExchange`)."""
+
+    def unweighted_combine_backward_overlapped(
+        self,
+        routing: SymmetricRouting,
+        grad_y: torch.Tensor,
+        topk_weights: torch.Tensor,
+        programs: int,
+        timeout_s: float,
+    ) -> tuple[torch.Tensor, Callable[[], None], RowsReady, torch.Tensor]:
+        """`unweighted_combine_backward` in the overlapped layout, its pull beside the products:
+        on the current stream grad_y's rows go into this rank's pair-gradient region (its first
+        T rows: the forward's pair outputs there were summed before, in stream order), each
+        pair's weight into its owner's row_weights, and the ranks meet; the returned `pull`, run
+        on the caller's communication stream, has `programs` programs load each grouped row's
+        token row from its token's rank in grouped order (a row per pair, as
+        `combine_backward_overlapped` loads), flagging every block of COPY_ROWS rows. Returns
+        (grad_y's rows [routing.rows, H], pull, their RowsReady, each grouped row's weight
+        [routing.rows] fp32)."""
+        s, view = self.shape, self.view
+        tokens = grad_y.shape[0]
+        view.grad_pairs.local[:tokens].copy_(grad_y)
+        self._push_row_weights(routing, topk_weights)
+        self.backward_epoch.add_(1)
+        self._barrier("combine backward: gradient rows and router weights pushed")
+        weights = view.row_weights.local[: routing.rows, 0].clone()
+        grad_rows = torch.empty(routing.rows, s.hidden, dtype=grad_y.dtype, device=self.device)
+
+        def pull() -> None:
+            # Made here, on the stream that reads it: the caller may drop `pull` once queued,
+            # and a tensor made before on its stream would go back to that stream's pool while
+            # this copy still reads it.
+            token_rows = torch.where(routing.return_row >= 0, routing.return_row // s.top_k, -1)
+            copy_rows(
+                grad_rows,
+                view.grad_pairs.local,
+                token_rows,
+                routing.recv_pairs,
+                programs,
+                COPY_ROWS,
+                src_offsets=view.grad_pairs.offsets,
+                src_rank=routing.return_rank,
+                epoch=self.backward_epoch,
+                landed=self.landed_backward,
+                **COPY_TILE,
+            )
+
+        ready = self._copied_rows(self.landed_backward, self.backward_epoch, timeout_s)
+        return grad_rows, pull, ready, weights
+
+
+def exchange_class(shape: ExchangeShape) -> type[SymmetricExchangeBase]:
+    """The exchange class of `shape`'s layout: staged or overlapped, with the pair gradients or
+    the router values."""
+    if shape.overlapped:
+        return (
+            OverlappedSymmetricRouterValuesExchange
+            if shape.router_values
+            else OverlappedSymmetricExchange
+        )
+    return SymmetricRouterValuesExchange if shape.router_values else SymmetricExchange
+
+
 def symmetric_exchange(
     group: dist.ProcessGroup | None,
     shape: ExchangeShape,
@@ -1211,11 +1235,9 @@ def symmetric_exchange(
     programs: int = 24,
     memory: SymmetricMemory | None = None,
     timeout_s: float = 10.0,
-) -> SymmetricExchange | OverlappedSymmetricExchange:
-    """The exchange of `shape`'s layout (collective): `OverlappedSymmetricExchange` for the
-    overlapped layout, else `SymmetricExchange`."""
-    kind = OverlappedSymmetricExchange if shape.overlapped else SymmetricExchange
-    return kind(group, shape, device, programs, memory, timeout_s)
+) -> SymmetricExchangeBase:
+    """The exchange of `shape`'s layout (`exchange_class`), made (collective)."""
+    return exchange_class(shape)(group, shape, device, programs, memory, timeout_s)
 
 
 _SHARED_EXCHANGES: dict[tuple, list] = {}
@@ -1227,7 +1249,7 @@ def acquire_exchange(
     device: torch.device,
     programs: int,
     timeout_s: float = 10.0,
-) -> SymmetricExchange | OverlappedSymmetricExchange:
+) -> SymmetricExchangeBase:
     """The exchange of (group, device, shape, programs, timeout), created on first use (collective)
     and then shared by every user of the same key, e.g. all MoE layers of one shape: their calls
     follow one another on the stream, and every buffer is rewritten only behind a barrier that its
@@ -1243,7 +1265,7 @@ def acquire_exchange(
     return entry[0]
 
 
-def release_exchange(exchange: SymmetricExchange | OverlappedSymmetricExchange) -> None:
+def release_exchange(exchange: SymmetricExchangeBase) -> None:
     """Drop one user of a shared exchange; the last one frees its buffers (collective then)."""
     for key, entry in list(_SHARED_EXCHANGES.items()):
         if entry[0] is exchange:
