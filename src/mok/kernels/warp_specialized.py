@@ -1910,6 +1910,22 @@ def _next_group_descriptors(
 
 
 @gluon.jit
+def _copy_step_of_set(
+    descriptors, even, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT: gl.constexpr, gather,
+    GATHER: gl.constexpr,
+):  # fmt: skip
+    """`_copy_step` with the descriptors of the set in use: descriptors = (A, B of the even set,
+    A, B of the odd set), even: whether the even set is in use (`_wgrad_load_partition`)."""
+    a_even, b_even, a_odd, b_odd = descriptors
+    if even:
+        _copy_step(
+            a_even, b_even, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT, gather, GATHER
+        )
+    else:
+        _copy_step(a_odd, b_odd, k, m_off, n_off, bar, a_bufs, b_bufs, slot, SPLIT, gather, GATHER)
+
+
+@gluon.jit
 def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.constexpr):
     """Loader: the A and B tiles of every reduction step of this program's tasks, in order
     (CLAIM: tasks it claims and hands to the consumers, `_publish_task`).
@@ -1980,39 +1996,10 @@ def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.con
                 gather = source
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
-            bar = ready.index(slot)
-            m_off = m_idx * BLOCK_M
-            n_off = n_idx * BLOCK_N
-            if even:
-                _copy_step(
-                    a_even,
-                    b_even,
-                    k,
-                    m_off,
-                    n_off,
-                    bar,
-                    a_bufs,
-                    b_bufs,
-                    slot,
-                    SPLIT,
-                    gather,
-                    GATHER,
-                )
-            else:
-                _copy_step(
-                    a_odd,
-                    b_odd,
-                    k,
-                    m_off,
-                    n_off,
-                    bar,
-                    a_bufs,
-                    b_bufs,
-                    slot,
-                    SPLIT,
-                    gather,
-                    GATHER,
-                )
+            _copy_step_of_set(
+                (a_even, b_even, a_odd, b_odd), even, k, m_idx * BLOCK_M, n_idx * BLOCK_N,
+                ready.index(slot), a_bufs, b_bufs, slot, SPLIT, gather, GATHER,
+            )  # fmt: skip
             step += 1
         if rows > 0:
             if even:
