@@ -259,6 +259,22 @@ def test_a_refused_capture_warns_and_the_calls_launch(toy_cache, monkeypatch, fa
     assert toy_forward_call(toy_cache, inputs) is None
 
 
+@pytest.mark.gpu
+def test_a_capture_cuda_refuses_leaves_the_stream_and_the_random_generator_as_they_were():
+    """A real capture that CUDA refuses (a host synchronization while capturing). Catches the
+    failure leaving the capture's side stream current, or PyTorch's CUDA generator mid-capture:
+    the layer swallows the failure and goes on, and every later random operation of the process
+    would raise ("Offset increment outside graph capture"), far from the cause."""
+    before = torch.cuda.current_stream()
+    with pytest.raises(RuntimeError):
+        graphs._capture(torch.cuda.synchronize)
+    assert torch.cuda.current_stream() == before
+    torch.manual_seed(0)
+    drawn = torch.randn(1000, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(torch.randn(1000, device="cuda"), drawn)
+
+
 def test_clear_drops_the_captures_but_not_a_waiting_call(toy_cache):
     """Catches `clear` leaving captures (and their memory) behind, or breaking the backward of a
     call in flight when it runs."""

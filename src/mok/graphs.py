@@ -160,10 +160,22 @@ def _static(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _capture(run: Callable):
-    """(graph, what `run()` returned while it was captured)."""
+    """(graph, what `run()` returned while it was captured). A capture that CUDA refuses raises
+    RuntimeError and leaves the caller's stream and PyTorch's random generator as they were."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        result = run()
+    stream = torch.cuda.current_stream()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            result = run()
+    except RuntimeError:
+        # The graph's exit raised in capture_end, before it restored the stream and before
+        # PyTorch ended its CUDA generator's capture, which would then refuse every later random
+        # operation of the process ("Offset increment outside graph capture"); a capture that
+        # ends well ends it.
+        torch.cuda.set_stream(stream)
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.zeros(1, device=stream.device)
+        raise
     return graph, result
 
 
