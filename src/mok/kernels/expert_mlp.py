@@ -412,22 +412,15 @@ def expert_mlp_forward(
     hidden, inter = rows.shape[1], w_gate.shape[1]
     cfg = config or default_config(rows.device, hidden, inter, m / w_gate.shape[0])
     if m == 0:
-        saved = ExpertMLPSaved(
-            rows[:0],
-            group_offsets,
-            w_gate,
-            w_up,
-            w_down,
-            rows.new_empty(0, inter),
-            rows.new_empty(0, 2 * inter),
-            {},
-            swiglu_limit,
-            cfg,
-            activation,
-            biases,
-        )
         out = None if combine else rows.new_empty(0, hidden)
-        return out, saved if save_for_backward else None
+        if not save_for_backward:
+            return out, None
+        no_rows = {"h": rows.new_empty(0, inter), "gate_up": rows.new_empty(0, 2 * inter)}
+        weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+        return out, ExpertMLPSaved(
+            rows[:0], group_offsets, **weights, **no_rows, row_tiles={}, swiglu_limit=swiglu_limit,
+            config=cfg, activation=activation, biases=biases,
+        )  # fmt: skip
     tiles: dict[int, RowTiles] = {}
     gate_up_cfg, gate_up_swiglu = pick(Product.GATE_UP, cfg, rows, w_gate, w_up)
     keep = save_for_backward and keep_activations
@@ -445,15 +438,8 @@ def expert_mlp_forward(
         biases=None if biases is None else biases[:2],
     )
     h_in = h if down_operand is None else down_operand(h)
-    product = Product.DOWN if combine is None else Product.DOWN_SCATTER
-    down_cfg, down = pick(product, cfg, h_in, w_down)
-    row_tiles = cached_row_tiles(tiles, group_offsets, m, down_cfg.block_m)
     down_bias = None if biases is None else biases[2]
-    if combine is not None:
-        down(h_in, w_down, row_tiles, scatter=combine, cfg=down_cfg, bias=down_bias)
-        out = None
-    else:
-        out = down(h_in, w_down, row_tiles, down_cfg, out, bias=down_bias)
+    out = _down_product(h_in, w_down, tiles, group_offsets, cfg, out, combine, down_bias)
     del h_in
     if not save_for_backward:
         return out, None
@@ -474,6 +460,19 @@ def expert_mlp_forward(
         replay=not keep,
     )
     return out, saved
+
+
+def _down_product(h, w_down, tiles: dict, group_offsets, cfg, out, combine, bias):
+    """The down product of h [M, I] with w_down [E, H, I] (+ bias [E, H]) on the row tiles of
+    `group_offsets` (cached in `tiles` by block rows): into `out` (None: a new tensor), returned;
+    or, with `combine`, stored by the peer-store epilogue (`RowScatter`), returning None."""
+    product = Product.DOWN if combine is None else Product.DOWN_SCATTER
+    down_cfg, down = pick(product, cfg, h, w_down)
+    row_tiles = cached_row_tiles(tiles, group_offsets, h.shape[0], down_cfg.block_m)
+    if combine is None:
+        return down(h, w_down, row_tiles, down_cfg, out, bias=bias)
+    down(h, w_down, row_tiles, scatter=combine, cfg=down_cfg, bias=bias)
+    return None
 
 
 def replay_activations(saved: ExpertMLPSaved) -> None:
