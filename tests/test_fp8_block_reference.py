@@ -9,11 +9,12 @@ from mok.reference import fp8_block
 from mok.reference.fp8_block import (
     BLOCK,
     E4M3_MAX,
-    block_scaled_matmul,
+    block_rows,
     dequantize_blocks,
     dequantize_tiles,
     quantize_blocks,
     quantize_tiles,
+    scaled_matmul,
 )
 
 
@@ -130,15 +131,15 @@ def test_dequantized_tiles_and_blocks_are_within_half_an_e4m3_step():
 
 
 def test_the_gemm_adds_each_steps_scaled_partial_sums_in_order():
-    """`block_scaled_matmul` against the step-by-step sum written out, bit for bit, and against
-    float64 math on the dequantized operands. Catches the descales applied after the whole sum
-    (one scale for every step), B's block descales taken by column instead of row block, and a
-    ragged last step dropped."""
+    """`scaled_matmul` (B a block cast) against the step-by-step sum written out, bit for bit, and
+    against float64 math on the dequantized operands. Catches the descales applied after the
+    whole sum (one scale for every step), B's block descales taken by column instead of row
+    block, and a ragged last step dropped."""
     a = spread((96, 3 * BLOCK + 32), seed=6)
     b = spread((2 * BLOCK + 16, 3 * BLOCK + 32), seed=7)
     a_values, a_descales = quantize_tiles(a)
     b_values, b_descales = quantize_blocks(b)
-    got = block_scaled_matmul(a_values, a_descales, b_values, b_descales)
+    got = scaled_matmul(a_values, a_descales, b_values, block_rows(b_descales, b.shape[0]))
     want = torch.zeros_like(got)
     for step in range(a_descales.shape[1]):
         columns = slice(step * BLOCK, (step + 1) * BLOCK)

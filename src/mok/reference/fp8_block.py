@@ -6,7 +6,7 @@ each tile of them with one fp32 scale.
 - Activations and gradients: 1 x 128 tiles along the GEMM's reduction dimension (`quantize_tiles`);
   the weight gradient's operands, whose reduction runs over the tokens, in tiles along the tokens.
 - Weights: 128 x 128 blocks (`quantize_blocks`).
-- GEMM (`block_scaled_matmul`): each 128-element step of the reduction is a product of e4m3
+- GEMM (`scaled_matmul`): each 128-element step of the reduction is a product of e4m3
   values; its fp32 partial sums are scaled by the two operands' descales and added, in fp32, to
   the output, step by step (what the tensor cores' FP8 MMA and the promotion to the CUDA cores
   compute, up to the order of the fp32 sums inside a step and the rounding of each step's add).
@@ -102,25 +102,29 @@ def dequantize_blocks(values: torch.Tensor, descales: torch.Tensor, dtype=torch.
     return (values.to(torch.float32) * factor[..., :rows, :cols]).to(dtype)
 
 
-def block_scaled_matmul(
+def block_rows(descales: torch.Tensor, rows: int) -> torch.Tensor:
+    """The descales [..., ceil(N / 128), S] of 128 x 128 blocks repeated for each of their rows:
+    [..., N, S] (a block cast's descales as `scaled_matmul` takes them)."""
+    return descales.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
+
+
+def scaled_matmul(
     a_values: torch.Tensor,
     a_descales: torch.Tensor,
     b_values: torch.Tensor,
     b_descales: torch.Tensor,
 ) -> torch.Tensor:
-    """A @ B.T [M, N] fp32 of A [M, K] in 1 x 128 tiles along K (`quantize_tiles`) and B [N, K] in
-    128 x 128 blocks (`quantize_blocks`), as the recipe's GEMM forms it: for each 128-element
-    step s of K in ascending order, the fp32 partial sums of the step's e4m3 products times the
-    product of A's descale (of the row and step) and B's (of the block), added to the fp32
-    output. A kernel that fuses the multiply and the add (an FMA) rounds once where this rounds
-    twice."""
+    """A @ B.T [M, N] fp32 of A [M, K] and B [N, K] e4m3 scaled per row and 128-element step of K
+    (descales [M, S] and [N, S], S = ceil(K / 128): 1 x 128 tiles along K, or a block cast's
+    descales through `block_rows`), as the recipe's GEMM forms it: for each step s in ascending
+    order, the fp32 partial sums of the step's e4m3 products times the product of A's and B's
+    descales of the step, added to the fp32 output. A kernel that fuses the multiply and the add
+    (an FMA) rounds once where this rounds twice."""
     m, k = a_values.shape
-    n = b_values.shape[0]
-    out = torch.zeros(m, n, dtype=torch.float32, device=a_values.device)
-    b_rows = b_descales.repeat_interleave(BLOCK, dim=0)[:n]  # [N, ceil(K / 128)]
+    out = torch.zeros(m, b_values.shape[0], dtype=torch.float32, device=a_values.device)
     for step, start in enumerate(range(0, k, BLOCK)):
         a_step = a_values[:, start : start + BLOCK].to(torch.float32)
         b_step = b_values[:, start : start + BLOCK].to(torch.float32)
         partial = a_step @ b_step.T
-        out = out + partial * (a_descales[:, step, None] * b_rows[None, :, step])
+        out = out + partial * (a_descales[:, step, None] * b_descales[None, :, step])
     return out
