@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mok
 from mok.reference.expert import grouped_expert_mlp, saved_preactivations, swiglu
 from mok.reference.fp8_block import (
     block_rows,
@@ -163,3 +164,37 @@ def test_token_tiles_stay_inside_an_expert_group():
         grouped_expert_mlp, rows.double(), [w.double() for w in weights], grad.double(), sizes
     )
     assert relative_error(fp8_grads[1][1], exact[1][1]) < 0.1  # grad W_gate of expert 1
+
+
+def test_the_layer_in_the_128_block_recipe_on_the_reference_backend():
+    """mok.MoE with precision="fp8_block": the routed experts in the recipe (outputs within FP8
+    accuracy of the bf16 layer's, but not equal to them), repeatable bit for bit; the kernel
+    backends say they cannot run it instead of computing bf16. Catches the precision dropped on
+    the way to the reference's experts (the bf16 layer's results) and a kernel backend taking a
+    precision it would compute in bf16."""
+    config = mok.MoKConfig(
+        hidden_size=H, intermediate_size=INTER, num_experts=4, top_k=2, shared_intermediate_size=32
+    )
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(48, H, generator=gen).bfloat16()
+    idx = torch.argsort(torch.rand(48, 4, generator=gen), -1)[:, :2]
+    w = torch.softmax(torch.randn(48, 2, generator=gen), -1)
+    results = []
+    for precision in ("bf16", "fp8_block", "fp8_block"):
+        layer = mok.MoE(config.replace(precision=precision, backend="reference"))
+        layer.load_global_weights(mok.testing.global_weights(config, 0, torch.device("cpu")))
+        x_leaf = x.clone().requires_grad_(True)
+        layer(x_leaf, idx, w).float().square().sum().backward()
+        results.append((x_leaf.grad, layer.gate.grad))
+    (bf_x, bf_gate), (fp8_x, fp8_gate), (again_x, again_gate) = results
+    assert torch.equal(fp8_x, again_x) and torch.equal(fp8_gate, again_gate)
+    assert 0 < relative_error(fp8_x, bf_x) < 0.1
+    assert 0 < relative_error(fp8_gate, bf_gate) < 0.1
+    fp8 = config.replace(precision="fp8_block")
+    assert mok.create_workspace(fp8).backend_name == "reference"
+    from mok.backends.fused import FusedBackend
+    from mok.backends.triton import TritonBackend
+
+    for backend in (TritonBackend, FusedBackend):
+        reason = backend.unavailable_reason(fp8, torch.device("cuda", 0), None)
+        assert reason is not None and "fp8_block" in reason

@@ -21,6 +21,11 @@ class Precision(str, enum.Enum):
     """bf16 operands, fp32 accumulation."""
     MXFP8 = "mxfp8"
     """e4m3 operands with one power-of-two (e8m0) scale per 32 elements along the reduction."""
+    FP8_BLOCK = "fp8_block"
+    """The 128-block recipe (DeepSeek-V3's, Transformer Engine's block scaling): e4m3 operands,
+    activations and gradients with one fp32 scale per 1 x 128 tile along the reduction, weights
+    per 128 x 128 block; each 128-element step's partial sums scaled and added in fp32
+    (`mok.reference.fp8_block_expert`). The `reference` backend only, so far."""
 
 
 class Backend(str, enum.Enum):
@@ -245,9 +250,9 @@ class MoKConfig:
     the shared experts. Set it to the model's clamp (gpt-oss: 7); None: no clamp."""
     precision: Precision = Precision.BF16
     """Numerics of the routed expert GEMMs: `bf16`, or `mxfp8` to train or evaluate with MX
-    numerics (H and I multiples of 32; the `reference` and `triton` backends). On Hopper it
-    costs time rather than saving it: the products read the casts' values in bf16
-    (docs/mxfp8.md)."""
+    numerics (H and I multiples of 32; the `reference` and `triton` backends; on Hopper the
+    products read the casts' values in bf16, docs/mxfp8.md), or `fp8_block` for the 128-block
+    recipe's numerics (the `reference` backend: an emulation, to study its accuracy)."""
     backend: Backend = Backend.AUTO
     """Implementation. `auto` takes the fastest that can run here: `triton` on CUDA GPUs where it
     can, else `reference`. Name `fused` to overlap the exchange with the experts, `reference` for

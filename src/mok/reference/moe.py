@@ -19,6 +19,7 @@ from mok.reference.expert import (
     grouped_expert_mlp,
     weighted_grouped_expert_mlp,
 )
+from mok.reference.fp8_block_expert import fp8_block_grouped_expert_mlp
 from mok.reference.mx import ScaleRounding
 from mok.reference.mx_expert import mx_grouped_expert_mlp, quantized
 from mok.reference.routing import ReferenceRouting
@@ -123,9 +124,11 @@ def moe_forward(
     when already built (`ReferenceRouting.exchange`), else it is built here (a collective).
     precision "mxfp8": the routed experts in MXFP8 (`mok.reference.mx_expert`, scales rounded by
     `mx_rounding`); the shared expert and the combine stay bf16, the router weights' gradient
-    reads the expert outputs' MX cast (`mx_combine`). `swiglu_alpha`, `swiglu_up_offset`: the
-    activation of every expert, the shared one included (`mok.reference.expert.swiglu`); the
-    routed experts' biases come with `weights` (gate_bias, up_bias, down_bias).
+    reads the expert outputs' MX cast (`mx_combine`); "fp8_block": the routed experts in the
+    128-block FP8 recipe (`mok.reference.fp8_block_expert`), the rest as in bf16.
+    `swiglu_alpha`, `swiglu_up_offset`: the activation of every expert, the shared one included
+    (`mok.reference.expert.swiglu`); the routed experts' biases come with `weights` (gate_bias,
+    up_bias, down_bias).
     router_gradient "epilogue" (bf16): each pair's router weight travels with its row
     and the expert's backward applies it after the down product (`weighted_grouped_expert_mlp`);
     "saved_outputs": autograd's rounding points through the combine.
@@ -151,8 +154,11 @@ def moe_forward(
         return _moe_with_weighted_outputs(
             x, grouped, topk_weights, weights, swiglu_limit, group, routing, activation
         )
-    experts = mx_grouped_expert_mlp if precision == "mxfp8" else grouped_expert_mlp
-    options = {"rounding": mx_rounding} if precision == "mxfp8" else {}
+    experts, options = grouped_expert_mlp, {}
+    if precision == "mxfp8":
+        experts, options = mx_grouped_expert_mlp, {"rounding": mx_rounding}
+    elif precision == "fp8_block":
+        experts = fp8_block_grouped_expert_mlp
     expert_rows = experts(
         grouped,
         sizes,
