@@ -1,7 +1,8 @@
 """Accuracy of the layer against float64, y and every gradient, for each numerics form: bf16,
-MXFP8, an active SwiGLU clamp, and the router weights' gradient from the down product's epilogue.
+MXFP8, the 128-block FP8 recipe, an active SwiGLU clamp, and the router weights' gradient from the
+down product's epilogue.
 
-    python benchmarks/accuracy.py [--forms bf16,mxfp8,clamp,router-gradient]
+    python benchmarks/accuracy.py [--forms bf16,mxfp8,fp8_block,clamp,router-gradient]
                                   [--preset qwen3-30b-a3b,deepseek-v3] [--experts 16]
                                   [--tokens 512] [--backends triton,reference] [--limit 7]
                                   [--std 4] [--seed 0] [--out F]
@@ -15,6 +16,8 @@ weights of std 1/sqrt(fan_in). The forms (--forms):
 
   bf16             the preset's layer as configured
   mxfp8            precision="mxfp8": the routed experts' GEMMs in MXFP8 (32-element blocks)
+  fp8_block        precision="fp8_block": the routed experts' GEMMs in the 128-block recipe (the
+                   reference backend's emulation; the kernel backends are listed as withheld)
   clamp            swiglu_limit=--limit, the gate and up weights scaled so that the
                    pre-activations have standard deviation --std (as models trained with a clamp
                    reach): the share of routed gate/up elements the clamp changes is printed
@@ -23,7 +26,8 @@ weights of std 1/sqrt(fan_in). The forms (--forms):
 
 Per form and backend: the normwise relative error of y and of every gradient against the same
 layer computed in float64 on the same bf16 inputs and weights (`mok.testing.float64_results`;
-MXFP8 and the epilogue form move rounding points only, so their truth is the bf16 form's); the
+MXFP8, the 128-block recipe and the epilogue form move rounding points only, so their truth is
+the bf16 form's); the
 largest single weight-gradient entry error relative to the largest entry; and the largest
 normwise distance from the form's oracle (the `reference` backend: fp32 math, rounded where the
 form's contract rounds; on the CPU that reference on fp32 copies, see `oracle_results`). Check:
@@ -59,7 +63,7 @@ from mok.testing import (  # noqa: E402
     weights_of_preactivation_std,
 )
 
-FORMS = ("bf16", "mxfp8", "clamp", "router-gradient")
+FORMS = ("bf16", "mxfp8", "fp8_block", "clamp", "router-gradient")
 ORACLE = "reference"
 PASS_KEYS = ("y", "grad x", "grad topk_weights")
 """The keys of `one_call_results` that are not weight gradients."""
@@ -70,6 +74,7 @@ def form_config(base: mok.MoKConfig, form: str, limit: float) -> mok.MoKConfig:
     changes = {
         "bf16": {},
         "mxfp8": {"precision": "mxfp8"},
+        "fp8_block": {"precision": "fp8_block"},
         "clamp": {"swiglu_limit": limit},
         "router-gradient": {"router_gradient": "epilogue"},
     }[form]
