@@ -180,7 +180,10 @@ BAD_OPTIONS = [
     (["--device", "cpu", "--ep", "1,3"], "--ep 3: preset tiny's 8 experts cannot be split evenly"),
     (["--ep", "2,abc"], "--ep: expected integers >= 1 separated by commas, got '2,abc'"),
     (["--backend", "nope"], "--backend: invalid choice: 'nope'"),
-    (["--precision", "bf16,fp4"], "--precision: invalid choice: 'fp4' (choose from bf16, mxfp8, fp8_block)"),
+    (
+        ["--precision", "bf16,fp4"],
+        "--precision: invalid choice: 'fp4' (choose from bf16, mxfp8, fp8_block)",
+    ),
     (["--swiglu-limit", "-1"], "--swiglu-limit: must be a finite number > 0, got -1"),
     (["--tokens", "0"], "--tokens: must be >= 1, got 0"),
     (["--tokens", "abc"], "--tokens: expected an integer, got 'abc'"),

@@ -12,14 +12,23 @@ scale (errors of O(1)).
 from __future__ import annotations
 
 import pytest
+import quantized_expert_cases
 import torch
+from quantized_expert_cases import (
+    GPT_OSS,
+    assert_fp8_level_accuracy,
+    assert_the_layer_computes_in,
+    assert_token_blocks_stay_inside_a_group,
+    expert_biases,
+    run,
+    uneven,
+)
 
 import mok
 from mok.reference import expert, mx
-from mok.reference.expert import grouped_expert_mlp, swiglu
+from mok.reference.expert import swiglu
 from mok.reference.moe import mx_combine
 from mok.reference.mx_expert import mx_grouped_expert_mlp
-from mok.testing import relative_error
 
 H, INTER = 64, 96
 
@@ -34,33 +43,6 @@ def q_tokens(t: torch.Tensor) -> torch.Tensor:
     return q(torch.cat([t.float(), t.new_zeros(pad, t.shape[1]).float()]), 0)[: t.shape[0]]
 
 
-def uneven(t: torch.Tensor, gen) -> torch.Tensor:
-    """t with every row and every column scaled by its own power of two in [2^-6, 2^6]: MX blocks
-    along rows and along columns then get different scales (with Gaussian entries alone nearly
-    every block has the same scale, and quantizing along the wrong dimension goes unseen)."""
-    rows = torch.exp2(torch.randint(-6, 7, (*t.shape[:-1], 1), generator=gen).float())
-    cols = torch.exp2(torch.randint(-6, 7, (*t.shape[:-2], 1, t.shape[-1]), generator=gen).float())
-    return t * rows * cols
-
-
-def problem(sizes, seed=0, scale_rows=None):
-    gen = torch.Generator().manual_seed(seed)
-    experts = len(sizes)
-    rows = torch.randn(sum(sizes), H, generator=gen)
-    if scale_rows is not None:
-        rows = rows * scale_rows[:, None]
-    weights = [
-        torch.randn(experts, INTER, H, generator=gen) * H**-0.5,
-        torch.randn(experts, INTER, H, generator=gen) * H**-0.5,
-        torch.randn(experts, H, INTER, generator=gen) * INTER**-0.5,
-    ]
-    grad = torch.randn(sum(sizes), H, generator=gen)
-    if scale_rows is None:
-        rows, grad = uneven(rows, gen), uneven(grad, gen)
-        weights = [uneven(w, gen) for w in weights]
-    return rows.bfloat16(), [w.bfloat16() for w in weights], grad.bfloat16()
-
-
 def saved_preactivations(gate, up, limit):
     """The pre-activations as the MX layer saves them: cast along I from their bf16 rounding;
     under a clamp in bf16 as the bf16 layer saves them (clamp decisions kept)."""
@@ -69,22 +51,8 @@ def saved_preactivations(gate, up, limit):
     return expert.saved_preactivations(gate, up, limit, torch.bfloat16)
 
 
-def run(fn, rows, weights, grad, sizes, limit=None, biases=None, **activation):
-    """(out, gradients of rows, the weights and the biases, in that order) of one call."""
-    leaves = [t.clone().requires_grad_(True) for t in (rows, *weights, *(biases or ()))]
-    bias_leaves = tuple(leaves[4:]) if biases is not None else None
-    out = fn(leaves[0], sizes, *leaves[1:4], limit, biases=bias_leaves, **activation)
-    out.backward(grad)
-    return out.detach(), [t.grad for t in leaves]
-
-
-GPT_OSS = {"alpha": 1.702, "up_offset": 1.0}
-
-
-def expert_biases(sizes, seed=5):
-    gen = torch.Generator().manual_seed(seed)
-    shapes = [(len(sizes), INTER), (len(sizes), INTER), (len(sizes), H)]
-    return [(torch.randn(shape, generator=gen) / 4).bfloat16() for shape in shapes]
+def problem(sizes, seed=0, scale_rows=None):
+    return quantized_expert_cases.problem(sizes, H, INTER, seed, scale_rows)
 
 
 @pytest.mark.parametrize("limit, gpt_oss", [(None, False), (1.0, False), (None, True), (1.0, True)])
@@ -95,7 +63,7 @@ def test_every_gemm_reads_its_operands_as_the_table_says(limit, gpt_oss):
     sizes = [40, 0, 7, 33]
     rows, (w_gate, w_up, w_down), grad = problem(sizes)
     activation = GPT_OSS if gpt_oss else {}
-    biases = expert_biases(sizes) if gpt_oss else None
+    biases = expert_biases(sizes, H, INTER) if gpt_oss else None
     weights = [w_gate, w_up, w_down]
     out, (g_rows, g_gate, g_up, g_down, *g_biases) = run(
         mx_grouped_expert_mlp, rows, weights, grad, sizes, limit, biases, **activation
@@ -131,56 +99,15 @@ def test_every_gemm_reads_its_operands_as_the_table_says(limit, gpt_oss):
 
 
 def test_accuracy_against_float64_is_mxfp8_level():
-    """MXFP8 (3 mantissa bits) is ~8x coarser than bf16 (7 bits): the MX layer's error against
-    unquantized float64 math lies well above the bf16 reference's and well below O(1)."""
-    sizes = [64, 96, 32]
-    rows, weights, grad = problem(sizes, seed=1)
-    mx_out, mx_grads = run(mx_grouped_expert_mlp, rows, weights, grad, sizes)
-    bf_out, bf_grads = run(grouped_expert_mlp, rows, weights, grad, sizes)
-    exact_out, exact_grads = run(
-        grouped_expert_mlp, rows.double(), [w.double() for w in weights], grad.double(), sizes
-    )
-    for mx_t, bf_t, exact in zip(
-        [mx_out, *mx_grads], [bf_out, *bf_grads], [exact_out, *exact_grads], strict=True
-    ):
-        mx_error, bf_error = relative_error(mx_t, exact), relative_error(bf_t, exact)
-        assert 2 * bf_error < mx_error < 0.1, (mx_error, bf_error)
+    assert_fp8_level_accuracy(mx_grouped_expert_mlp, H, INTER)
 
 
 def test_token_blocks_stay_inside_an_expert_group():
-    """Expert 0's rows are 2^20 times larger than expert 1's: a 32-row block shared by the two
-    groups would flush expert 1's rows to zero in its weight gradients."""
-    sizes = [5, 27]
-    scale = torch.cat([torch.full((5,), 2.0**20), torch.ones(27)])
-    rows, weights, grad = problem(sizes, seed=2, scale_rows=scale)
-    _, mx_grads = run(mx_grouped_expert_mlp, rows, weights, grad, sizes)
-    _, exact = run(
-        grouped_expert_mlp, rows.double(), [w.double() for w in weights], grad.double(), sizes
-    )
-    assert relative_error(mx_grads[1][1], exact[1][1]) < 0.1  # grad W_gate of expert 1
+    assert_token_blocks_stay_inside_a_group(mx_grouped_expert_mlp, H, INTER)
 
 
 def test_the_layer_in_mxfp8_on_the_reference_backend():
-    """mok.MoE with precision="mxfp8": the routed experts in MXFP8 (outputs within MX accuracy of
-    the bf16 layer's, but not equal to them), repeatable bit for bit."""
-    config = mok.MoKConfig(
-        hidden_size=H, intermediate_size=INTER, num_experts=4, top_k=2, shared_intermediate_size=32
-    )
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(48, H, generator=gen).bfloat16()
-    idx = torch.argsort(torch.rand(48, 4, generator=gen), -1)[:, :2]
-    w = torch.softmax(torch.randn(48, 2, generator=gen), -1)
-    results = []
-    for precision in ("bf16", "mxfp8", "mxfp8"):
-        layer = mok.MoE(config.replace(precision=precision, backend="reference"))
-        layer.load_global_weights(mok.testing.global_weights(config, 0, torch.device("cpu")))
-        x_leaf = x.clone().requires_grad_(True)
-        layer(x_leaf, idx, w).float().square().sum().backward()
-        results.append((x_leaf.grad, layer.gate.grad))
-    (bf_x, bf_gate), (mx_x, mx_gate), (again_x, again_gate) = results
-    assert torch.equal(mx_x, again_x) and torch.equal(mx_gate, again_gate)
-    assert 0 < relative_error(mx_x, bf_x) < 0.1
-    assert 0 < relative_error(mx_gate, bf_gate) < 0.1
+    assert_the_layer_computes_in("mxfp8", H, INTER)
 
 
 def test_the_router_weights_gradient_reads_the_outputs_mx_cast():

@@ -68,6 +68,34 @@ def saved_preactivations(
     return gate.to(dtype), up.to(dtype)
 
 
+def activation_gradients(
+    gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor, activation: tuple, dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of the pre-activations gate and up (as saved) through `swiglu(gate, up,
+    *activation)` for grad_h, in fp32 and then rounded to `dtype` once: the quantized experts'
+    SwiGLU backward. activation: (limit, alpha, up_offset)."""
+    with torch.enable_grad():
+        gate_ = gate.float().requires_grad_(True)
+        up_ = up.float().requires_grad_(True)
+        grad_gate, grad_up = torch.autograd.grad(
+            swiglu(gate_, up_, *activation), [gate_, up_], grad_h
+        )
+    return grad_gate.to(dtype), grad_up.to(dtype)
+
+
+def bias_gradients(
+    grad_gate: torch.Tensor, grad_up: torch.Tensor, grad_out: torch.Tensor, bias_dtypes
+) -> tuple:
+    """The gradients of b_gate, b_up and b_down: the fp32 sums over the rows of grad_gate, grad_up
+    and grad_out, in the biases' dtypes; (None, None, None) where bias_dtypes is None."""
+    if bias_dtypes is None:
+        return (None, None, None)
+    summed = (grad_gate, grad_up, grad_out)
+    return tuple(
+        grad.float().sum(0).to(dtype) for grad, dtype in zip(summed, bias_dtypes, strict=True)
+    )
+
+
 def expert_mlp(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -253,3 +281,28 @@ def weighted_grouped_expert_mlp(
         h_rows.append(swiglu(gate, up, swiglu_limit, alpha, up_offset).to(rows.dtype))
     b_down = None if biases is None else biases[2]
     return _WeightedDown.apply(torch.cat(h_rows), w_down, row_weights, list(group_sizes), b_down)
+
+
+def grouped_with_expert_function(
+    apply,
+    rows: torch.Tensor,
+    group_sizes: list[int],
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    swiglu_limit: float | None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    alpha: float,
+    up_offset: float,
+    *extra,
+) -> torch.Tensor:
+    """`grouped_expert_mlp` with each expert `apply(rows, w_gate, w_up, w_down, b_gate, b_up,
+    b_down, (limit, alpha, up_offset), *extra)` (an autograd Function's `apply`; the biases None
+    without them): the quantized experts' grouping."""
+
+    def expert(chunk, gate, up, down, limit, biases=None, alpha=1.0, up_offset=0.0):
+        own = (None, None, None) if biases is None else biases
+        return apply(chunk, gate, up, down, *own, (limit, alpha, up_offset), *extra)
+
+    return grouped_expert_mlp(
+        rows, group_sizes, *weights, swiglu_limit, expert, biases=biases, alpha=alpha,
+        up_offset=up_offset,
+    )  # fmt: skip

@@ -33,7 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from mok.reference.expert import grouped_expert_mlp, saved_preactivations, swiglu
+from mok.reference.expert import (
+    activation_gradients,
+    bias_gradients,
+    grouped_with_expert_function,
+    saved_preactivations,
+    swiglu,
+)
 from mok.reference.fp8_block import (
     block_rows,
     dequantize_tiles,
@@ -98,13 +104,7 @@ class _BlockFP8Expert(torch.autograd.Function):
         grad_out = grad_out.to(dtype)
         grad_h = scaled_matmul(*_tiles(grad_out), *_weight(w_down, transposed=True))
         grad_h = grad_h.to(dtype).float()
-        with torch.enable_grad():
-            gate_ = gate.float().requires_grad_(True)
-            up_ = up.float().requires_grad_(True)
-            grad_gate, grad_up = torch.autograd.grad(
-                swiglu(gate_, up_, *ctx.activation), [gate_, up_], grad_h
-            )
-        grad_gate, grad_up = grad_gate.to(dtype), grad_up.to(dtype)
+        grad_gate, grad_up = activation_gradients(gate, up, grad_h, ctx.activation, dtype)
         grad_rows = scaled_matmul(*_tiles(grad_gate), *_weight(w_gate, transposed=True))
         grad_rows = grad_rows + scaled_matmul(*_tiles(grad_up), *_weight(w_up, transposed=True))
         x_tokens = _tiles(_tiled_values(x_values, x_descales), 0)
@@ -112,13 +112,7 @@ class _BlockFP8Expert(torch.autograd.Function):
         grad_w_down = scaled_matmul(*_tiles(grad_out, 0), *h_tokens)
         grad_w_gate = scaled_matmul(*_tiles(grad_gate, 0), *x_tokens)
         grad_w_up = scaled_matmul(*_tiles(grad_up, 0), *x_tokens)
-        grad_biases = (None, None, None)
-        if ctx.bias_dtypes is not None:
-            summed = (grad_gate, grad_up, grad_out)
-            grad_biases = tuple(
-                grad.float().sum(0).to(bias_dtype)
-                for grad, bias_dtype in zip(summed, ctx.bias_dtypes, strict=True)
-            )
+        grad_biases = bias_gradients(grad_gate, grad_up, grad_out, ctx.bias_dtypes)
         return (
             grad_rows.to(dtype),
             grad_w_gate.to(w_gate.dtype),
@@ -148,19 +142,7 @@ def fp8_block_grouped_expert_mlp(
     fp32 to the products, never cast). Differentiable with the backward of the module
     docstring."""
 
-    def expert(chunk, gate, up, down, limit, biases=None, alpha=1.0, up_offset=0.0):
-        own = (None, None, None) if biases is None else biases
-        return _BlockFP8Expert.apply(chunk, gate, up, down, *own, (limit, alpha, up_offset))
-
-    return grouped_expert_mlp(
-        rows,
-        group_sizes,
-        w_gate,
-        w_up,
-        w_down,
-        swiglu_limit,
-        expert,
-        biases=biases,
-        alpha=alpha,
-        up_offset=up_offset,
-    )
+    return grouped_with_expert_function(
+        _BlockFP8Expert.apply, rows, group_sizes, (w_gate, w_up, w_down), swiglu_limit, biases,
+        alpha, up_offset,
+    )  # fmt: skip

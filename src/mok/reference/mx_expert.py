@@ -40,7 +40,13 @@ from __future__ import annotations
 import torch
 
 from mok.reference import mx
-from mok.reference.expert import grouped_expert_mlp, saved_preactivations, swiglu
+from mok.reference.expert import (
+    activation_gradients,
+    bias_gradients,
+    grouped_with_expert_function,
+    saved_preactivations,
+    swiglu,
+)
 
 
 def quantized(
@@ -91,26 +97,14 @@ class _MXExpert(torch.autograd.Function):
         grad_out = grad_out.to(dtype)
         grad_h = quantized(grad_out, -1, rounding) @ quantized(w_down, 0, rounding)
         grad_h = grad_h.to(dtype).float()
-        with torch.enable_grad():
-            gate_ = gate.float().requires_grad_(True)
-            up_ = up.float().requires_grad_(True)
-            grad_gate, grad_up = torch.autograd.grad(
-                swiglu(gate_, up_, *ctx.activation), [gate_, up_], grad_h
-            )
-        grad_gate, grad_up = grad_gate.to(dtype), grad_up.to(dtype)
+        grad_gate, grad_up = activation_gradients(gate, up, grad_h, ctx.activation, dtype)
         grad_rows = quantized(grad_gate, -1, rounding) @ quantized(w_gate, 0, rounding)
         grad_rows = grad_rows + quantized(grad_up, -1, rounding) @ quantized(w_up, 0, rounding)
         x_t = quantized_rows(x_q, rounding)
         grad_w_down = quantized_rows(grad_out, rounding).T @ quantized_rows(h_q, rounding)
         grad_w_gate = quantized_rows(grad_gate, rounding).T @ x_t
         grad_w_up = quantized_rows(grad_up, rounding).T @ x_t
-        grad_biases = (None, None, None)
-        if ctx.bias_dtypes is not None:
-            summed = (grad_gate, grad_up, grad_out)
-            grad_biases = tuple(
-                grad.float().sum(0).to(bias_dtype)
-                for grad, bias_dtype in zip(summed, ctx.bias_dtypes, strict=True)
-            )
+        grad_biases = bias_gradients(grad_gate, grad_up, grad_out, ctx.bias_dtypes)
         return (
             grad_rows.to(dtype),
             grad_w_gate.to(w_gate.dtype),
@@ -141,22 +135,7 @@ def mx_grouped_expert_mlp(
     [E, H] or None: added in fp32 to the MX products, never cast; their gradients are the fp32
     sums of the bf16 gradients of the pre-activations and of the output). Differentiable with
     the MXFP8 backward of the module docstring."""
-    rounding = mx.ScaleRounding(rounding)
-
-    def expert(chunk, gate, up, down, limit, biases=None, alpha=1.0, up_offset=0.0):
-        own = (None, None, None) if biases is None else biases
-        activation = (limit, alpha, up_offset)
-        return _MXExpert.apply(chunk, gate, up, down, *own, activation, rounding)
-
-    return grouped_expert_mlp(
-        rows,
-        group_sizes,
-        w_gate,
-        w_up,
-        w_down,
-        swiglu_limit,
-        expert,
-        biases=biases,
-        alpha=alpha,
-        up_offset=up_offset,
-    )
+    return grouped_with_expert_function(
+        _MXExpert.apply, rows, group_sizes, (w_gate, w_up, w_down), swiglu_limit, biases, alpha,
+        up_offset, mx.ScaleRounding(rounding),
+    )  # fmt: skip
