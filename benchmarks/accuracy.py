@@ -215,7 +215,10 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown forms {unknown}; known: {', '.join(FORMS)}")
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-    where = torch.cuda.get_device_name(device) if gpu else "CPU (Triton interpreter)"
+    kernels = any(backend != ORACLE for backend in args.backends.split(","))
+    where = torch.cuda.get_device_name(device) if gpu else "CPU"
+    if not gpu and kernels:
+        where += " (the kernels under the Triton interpreter)"
 
     def log(message):
         print(message, flush=True)
