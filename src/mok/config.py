@@ -314,14 +314,7 @@ class MoKConfig:
         )
         rounding = parse_enum(ScaleRounding, self.mx_rounding, "mx_rounding")
         object.__setattr__(self, "mx_rounding", rounding)
-        tuning = self.tuning
-        if isinstance(tuning, Mapping):
-            unknown = sorted(set(tuning) - TUNING_FIELDS)
-            if unknown:
-                raise MoKConfigError(f"tuning: {unknown[0]!r} is not a MoKTuning field")
-            tuning = MoKTuning(**tuning)
-        if not isinstance(tuning, MoKTuning):
-            raise MoKConfigError(f"tuning must be a MoKTuning, got {type(tuning).__name__}")
+        tuning = _as_tuning(self.tuning)
         object.__setattr__(self, "tuning", tuning)
         recompute = tuning.recompute
         if recompute is not Recompute.NONE and self.precision is not Precision.BF16:
@@ -408,20 +401,35 @@ class MoKConfig:
     def from_fields(cls, **fields) -> MoKConfig:
         """A config from the fields of `MoKConfig` and of `MoKTuning` named side by side (a
         command line's, an adapter's options): the tuning names go to `tuning`."""
-        tuning = {name: fields.pop(name) for name in TUNING_FIELDS & fields.keys()}
-        config = cls(**fields)
-        return config.replace(**tuning) if tuning else config
+        return cls(**_tuning_names_moved(fields, MoKTuning()))
 
     def replace(self, **changes) -> MoKConfig:
         """A copy with some fields changed (validated again); a `MoKTuning` field's name changes
         that field of `tuning`."""
-        knobs = {name: changes.pop(name) for name in TUNING_FIELDS & changes.keys()}
-        if knobs:
-            tuning = changes.get("tuning", self.tuning)
-            if isinstance(tuning, Mapping):
-                tuning = MoKTuning(**tuning)
-            changes["tuning"] = dataclasses.replace(tuning, **knobs)
-        return dataclasses.replace(self, **changes)
+        return dataclasses.replace(self, **_tuning_names_moved(changes, self.tuning))
+
+
+def _as_tuning(tuning) -> MoKTuning:
+    """`tuning` as a MoKTuning (a mapping of its fields is made into one), or MoKConfigError."""
+    if isinstance(tuning, Mapping):
+        unknown = sorted(set(tuning) - TUNING_FIELDS)
+        if unknown:
+            raise MoKConfigError(f"tuning: {unknown[0]!r} is not a MoKTuning field")
+        tuning = MoKTuning(**tuning)
+    if not isinstance(tuning, MoKTuning):
+        raise MoKConfigError(f"tuning must be a MoKTuning, got {type(tuning).__name__}")
+    return tuning
+
+
+def _tuning_names_moved(fields: dict, base: MoKTuning) -> dict:
+    """`fields` with the `MoKTuning` field names among them moved into its `tuning`: made from
+    `fields`' own `tuning`, else from `base`, with those fields changed."""
+    names = TUNING_FIELDS & fields.keys()
+    if not names:
+        return fields
+    knobs = {name: fields.pop(name) for name in names}
+    fields["tuning"] = dataclasses.replace(_as_tuning(fields.get("tuning", base)), **knobs)
+    return fields
 
 
 def parse_enum(enum_type, value, name):

@@ -415,11 +415,10 @@ def expert_mlp_forward(
         out = None if combine else rows.new_empty(0, hidden)
         if not save_for_backward:
             return out, None
-        no_rows = {"h": rows.new_empty(0, inter), "gate_up": rows.new_empty(0, 2 * inter)}
-        weights = {"w_gate": w_gate, "w_up": w_up, "w_down": w_down}
+        h, gate_up = rows.new_empty(0, inter), rows.new_empty(0, 2 * inter)
         return out, ExpertMLPSaved(
-            rows[:0], group_offsets, **weights, **no_rows, row_tiles={}, swiglu_limit=swiglu_limit,
-            config=cfg, activation=activation, biases=biases,
+            rows[:0], group_offsets, w_gate, w_up, w_down, h, gate_up, {}, swiglu_limit, cfg,
+            activation, biases,
         )  # fmt: skip
     tiles: dict[int, RowTiles] = {}
     gate_up_cfg, gate_up_swiglu = pick(Product.GATE_UP, cfg, rows, w_gate, w_up)

@@ -754,6 +754,21 @@ def _store_pair(gate_desc, up_desc, bufs, first, gate_up_ptr, gate, up, row, row
 
 
 @gluon.jit
+def _ready_a_tile(ready, a_bufs, step, PART: gl.constexpr, GATHER: gl.constexpr):
+    """A consumer's wait for ring step `step`'s tiles: (its slot, the consumer's part of the A
+    tile there), fenced for wgmma where GATHER's rows landed by cp.async."""
+    STAGES: gl.constexpr = ready.shape[0]
+    SPLIT: gl.constexpr = a_bufs.shape[0] // STAGES
+    slot = step % STAGES
+    mbarrier.wait(ready.index(slot), step // STAGES & 1)
+    if GATHER:
+        # The gathered rows were written by cp.async (the generic proxy); wgmma reads through
+        # the async proxy.
+        fence_async_shared()
+    return slot, a_bufs.index(slot * SPLIT + PART)
+
+
+@gluon.jit
 def _main_loop(
     operands,
     nth,
@@ -791,13 +806,7 @@ def _main_loop(
     acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
     acc2 = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
     for k in range(k_steps):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), step // STAGES & 1)
-        if GATHER:
-            # The gathered rows were written by cp.async (the generic proxy); wgmma reads
-            # through the async proxy.
-            fence_async_shared()
-        a = a_bufs.index(slot * SPLIT + PART)
+        slot, a = _ready_a_tile(ready, a_bufs, step, PART, GATHER)
         if W_BY_K:
             w = w_bufs.index(slot)
         else:
@@ -2063,13 +2072,7 @@ def _wgrad_main_loop(
         mbarrier.wait(turns.index(ROLE), (mine & 1) ^ (1 - ROLE))
     acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
     for k in range(k_steps):
-        slot = step % STAGES
-        mbarrier.wait(ready.index(slot), step // STAGES & 1)
-        if GATHER:
-            # The gathered rows were written by cp.async (the generic proxy); wgmma reads
-            # through the async proxy.
-            fence_async_shared()
-        a = a_bufs.index(slot * SPLIT + PART)
+        slot, a = _ready_a_tile(ready, a_bufs, step, PART, GATHER)
         acc = warpgroup_mma(a.permute((1, 0)), b_bufs.index(slot), acc, is_async=True)
         acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
