@@ -66,6 +66,21 @@ def test_keys_separate_what_triton_specializes_on():
         launch._arg_key([1, 2])
 
 
+def test_a_tuples_key_is_its_elements_keys():
+    """Triton specializes the elements of a tuple argument one by one (a 1 inside becomes a
+    constant, whatever `do_not_specialize` says): a tuple keys by its elements, nested ones
+    too, and an absent part (None) keys apart from a present one."""
+    base = torch.zeros(64)
+    aligned, unaligned = base[4:], base[1:]
+    key = launch._arg_key
+    assert key((aligned, 2, 2.0)) == key((base, 3, 0.5))
+    assert key((aligned, 2)) != key((unaligned, 2))
+    assert key((aligned, 1)) != key((aligned, 2)) != key((aligned, 32))
+    assert key((aligned, (1, None))) != key((aligned, (2, None)))
+    assert key((aligned, None)) != key((aligned, aligned))
+    assert key((aligned,)) != key(aligned)
+
+
 def test_under_the_interpreter_or_when_turned_off_launches_take_tritons_path(monkeypatch):
     monkeypatch.setenv("MOK_TRITON_LAUNCH", "standard")
     assert not launch.enabled()
@@ -179,6 +194,47 @@ def test_direct_launches_equal_tritons_for_every_specialization():
             assert torch.equal(y, expected), (repeat, n, shift, kwargs)
     recorded = [direct for direct in kernel._direct.values() if direct is not None]
     assert len(recorded) == len(cases)  # one key per case, every one launched directly
+
+
+@fast_launch
+@triton.jit
+def _tuple_scale_shift_kernel(rows, n, coefficients, addend, BLOCK: tl.constexpr):
+    x, y = rows
+    scale, shift = coefficients
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    value = tl.load(x + offsets, mask=mask).to(tl.float32) * scale + shift
+    if addend is not None:
+        value = value + tl.load(addend + offsets, mask=mask).to(tl.float32)
+    tl.store(y + offsets, value.to(y.dtype.element_ty), mask=mask)
+
+
+@pytest.mark.gpu
+def test_direct_launches_of_tuple_arguments_equal_tritons():
+    """Tuple arguments (how the expert kernels take their parts) alternating between
+    specializations of their elements, and a part present or absent (None): each call runs its
+    own specialization with its own arguments."""
+    kernel = FastLaunch(_tuple_scale_shift_kernel.kernel)
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    base = torch.randn(4096, device=DEVICE, generator=generator)
+    addend = torch.randn(4096, device=DEVICE, generator=generator)
+    cases = [
+        (base, 4000, (2.0, 3), None),
+        (base[1:], 4000, (0.5, 1), None),  # unaligned pointer in a tuple; a 1 (a constant)
+        (base[4:], 3001, (-1.0, 16), addend),  # the optional part present
+        (base.half(), 4096, (1.5, 2**31 + 5), addend[1:]),  # another dtype; an i64 element
+    ]
+    for repeat in range(3):
+        for x, n, (scale, shift), extra in cases:
+            x = x + repeat  # new values, new addresses
+            y = torch.full_like(x, -7)
+            kernel[(triton.cdiv(n, 128),)]((x, y), n, (scale, shift), extra, BLOCK=128)
+            expected = _expected(x, n, scale, shift)
+            if extra is not None:
+                expected[:n] = (x[:n].float() * scale + shift + extra[:n]).to(x.dtype)
+            assert torch.equal(y, expected), (repeat, n, shift)
+    recorded = [direct for direct in kernel._direct.values() if direct is not None]
+    assert len(recorded) == len(cases)
 
 
 @pytest.mark.gpu

@@ -10,6 +10,8 @@ computed directly from the arguments:
 - a tensor: its dtype and whether its address is 16-byte aligned;
 - an int: whether it is 1, whether it is a multiple of 16, and its integer type (i32, i64, u64);
 - a bool, a float, None: the type alone (None: the value);
+- a tuple: the keys of its elements (tuples hold no descriptors: Triton's launcher takes those
+  as arguments of their own);
 - a tensor descriptor (or a `DeferredDescriptor`): its dtype, block shape and shared-memory
   layout;
 - the keyword arguments (constexprs, num_warps, ...): their values;
@@ -81,12 +83,19 @@ def _descriptor_key(arg):
     return (arg.base.dtype, tuple(arg.block_shape), id(getattr(arg, "layout", None)), arg.padding)
 
 
+def _tuple_key(arg: tuple):
+    # Triton specializes a tuple's elements as it does arguments (an int of 1 becomes a
+    # constexpr there, whatever `do_not_specialize` says).
+    return tuple(map(_arg_key, arg))
+
+
 _KEYS_BY_TYPE: dict[type, Callable[[Any], Any]] = {
     torch.Tensor: _tensor_key,
     bool: lambda arg: bool,
     int: _int_key,
     float: lambda arg: float,
     type(None): lambda arg: None,
+    tuple: _tuple_key,
 }
 """How to key an argument, by its exact type (`_arg_key` adds the subclasses it meets)."""
 

@@ -81,13 +81,10 @@ from mok.kernels.host import (
     RowScatter,
     RowsReady,
     RowTiles,
-    bias_arg,
     check_weighting,
     gathered_rows,
     launch_persistent,
     num_programs,
-    ready_args,
-    scatter_args,
     use_scratch_allocator,
 )
 from mok.kernels.launch import DeferredDescriptor, fast_launch
@@ -111,7 +108,7 @@ TIMED_OUT_CODE = gl.constexpr(TIMED_OUT)
 OUT_OF_STEP_CODE = gl.constexpr(OUT_OF_STEP)
 LOADER_REGISTERS = gl.constexpr(40)
 """Registers per thread of the loader warp (it holds only scalars)."""
-GATHER_LOADER_WARPS = 4
+GATHER_LOADER_WARPS = gl.constexpr(4)
 """Warps of a loader that gathers A rows: the whole warpgroup that a one-warp loader leaves three
 quarters idle (registers are given per warpgroup), so that a thread holds few row addresses."""
 CONSUMER_REGISTERS = gl.constexpr(232)
@@ -299,12 +296,12 @@ def _ring_barriers(STAGES: gl.constexpr, SPLIT: gl.constexpr):
 def _task_claims(claims_ptr, ready, empty, readers: gl.constexpr, CLAIM: gl.constexpr):
     """What the partitions take their tasks through: with CLAIM the ring of claimed task ids
     that `readers` consumers read (`_claim_ring`) and the launch's counter; else placeholders
-    never read."""
+    never read (claims_ptr may be None then)."""
     if CLAIM:
         ids, full, free = _claim_ring(readers)
         claims = (ids, full, free, claims_ptr)
     else:
-        claims = (ready, ready, empty, claims_ptr)
+        claims = (ready, ready, empty, empty)
     return claims
 
 
@@ -436,7 +433,7 @@ def _record_failure(status_ptr, code: gl.constexpr, wait_id, where, seen):
     zero = gl.full([1], 0, gl.int64, layout)
     old = gl.atomic_cas(status_ptr + one, zero, zero + code, sem="relaxed")
     first = old == 0
-    gl.store(status_ptr + 1 + one, zero + wait_id.to(gl.int64), mask=first)
+    gl.store(status_ptr + 1 + one, zero + wait_id, mask=first)
     gl.store(status_ptr + 2 + one, zero + where.to(gl.int64), mask=first)
     gl.store(status_ptr + 3 + one, zero + seen.to(gl.int64), mask=first)
 
@@ -529,7 +526,8 @@ def _load_partition(
     (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
         operands
     )
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows,
+     num_rows) = problem  # fmt: skip
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
     TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -543,6 +541,8 @@ def _load_partition(
         1 + SECOND_WEIGHT
     ) * w_desc.block_type.nbytes
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
+    if GATHER:
+        rows_source = (gather[0], gather[1], gather[2], num_rows, K)
     step = 0
     nth = 0
     task = _loader_first_task(claims, CLAIM)
@@ -557,8 +557,8 @@ def _load_partition(
             row_end = gl.load(table_ptr + 2 * capacity + m_idx)
             _wait_rows_ready(rows_ready, row, row_end, FLAG_ROWS, WAIT_FLAGS)
         if GATHER:
-            first_starts = _gathered_starts(gather, row, WG_M, BLOCK_K)
-            last_starts = _gathered_starts(gather, row + (SPLIT - 1) * WG_M, WG_M, BLOCK_K)
+            first_starts = _gathered_starts(rows_source, row, WG_M, BLOCK_K)
+            last_starts = _gathered_starts(rows_source, row + (SPLIT - 1) * WG_M, WG_M, BLOCK_K)
         for k in range(0, K, BLOCK_K):
             # W is read as rows of its 2-D view (`_expert_rows`), an expert's first row
             # w_expert_rows after the previous one's. W_BY_K: rows of N, and K is a multiple of
@@ -577,9 +577,9 @@ def _load_partition(
                 mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
                 bar = ready.index(slot)
                 if GATHER:
-                    _gather_rows(gather, first_starts, k, a_bufs.index(slot * SPLIT))
+                    _gather_rows(rows_source, first_starts, k, a_bufs.index(slot * SPLIT))
                     if SPLIT == 2:
-                        _gather_rows(gather, last_starts, k, a_bufs.index(slot * SPLIT + 1))
+                        _gather_rows(rows_source, last_starts, k, a_bufs.index(slot * SPLIT + 1))
                     # Each thread's arrival (counted first, made when its copies landed) comes
                     # before the expect below, so the slot cannot complete before the rows did.
                     async_copy.mbarrier_arrive(bar)
@@ -703,20 +703,20 @@ def _swiglu_backward(grad_h, gate, up, activation, HAS_LIMIT: gl.constexpr, PLAI
 def _row_weights(weighting, row, row_end, BLOCK_M: gl.constexpr, layout: gl.constexpr):
     """The router weights of a tile's rows [row, row_end) (0 past row_end), loaded before the
     main loop so that the epilogue does not wait for them."""
-    row_weights_ptr = weighting[2]
+    row_weights_ptr = weighting[1]
     rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
     return gl.load(row_weights_ptr + rows, mask=rows < row_end, other=0.0)
 
 
 @gluon.jit
 def _router_weighting(
-    acc, w, weighting, h_buf, row, row_end, n_off, n_idx, N, layout: gl.constexpr
+    acc, w, h_desc, weighting, h_buf, row, row_end, n_off, n_idx, N, layout: gl.constexpr
 ):
     """`grouped_gemm.router_weighting_tile` on a consumer's accumulator (same contract), with
     the rows' weights w (`_row_weights`) and h's tile fetched into h_buf beside the main loop
     (`_fetch_saved`): the partial dots <acc, h> of rows [row, row_end) into column n_idx of
     dots, round(w * h) stored over h's tile from h_buf, and w * acc returned, unrounded."""
-    h_desc, h_ptr, _, dots_ptr, dots_stride = weighting
+    h_ptr, _, dots_ptr, dots_stride = weighting
     BLOCK_M: gl.constexpr = acc.shape[0]
     rows = row + gl.arange(0, BLOCK_M, gl.SliceLayout(1, layout))
     h = h_buf.load(layout).to(gl.float32)
@@ -729,11 +729,11 @@ def _router_weighting(
 
 
 @gluon.jit
-def _fetch_saved(saved, h_desc, bufs, first, fetched, row, n_off, WEIGHTED: gl.constexpr):
+def _fetch_saved(saved, bufs, first, fetched, row, n_off, WEIGHTED: gl.constexpr):
     """Start loading the saved gate and up tiles of a tile's rows, and with WEIGHTED h's, into
     the consumer's epilogue buffers `first`, `first + 1` (and `first + 2`) (DOWN_DGRAD_SWIGLU),
     once its previous stores have left them."""
-    saved_gate_desc, saved_up_desc = saved
+    saved_gate_desc, saved_up_desc, h_desc = saved
     tma.store_wait(0)
     mbarrier.expect(fetched, (2 + WEIGHTED) * saved_gate_desc.block_type.nbytes)
     _tma_load(saved_gate_desc, [row, n_off], fetched, bufs.index(first))
@@ -851,12 +851,14 @@ def _down_dgrad_epilogue(
     """DOWN_DGRAD_SWIGLU's epilogue of one tile (grad_h in acc): once the saved pre-activations
     (and with WEIGHTED h) fetched beside the main loop are in (`fetched` at `phase`), the router
     weighting (WEIGHTED), then the activation's backward, stored as the gate | up gradients."""
-    (_, gate_desc, up_desc, _, gate_up_ptr, out_bufs, activation, _, _, _, _, weighting) = outputs
+    (_, gate_desc, up_desc, out_bufs, saved, _, epilogue, _, weighting) = outputs
+    gate_up_ptr, activation = epilogue[1], epilogue[2]
     dtype: gl.constexpr = gate_desc.dtype
     mbarrier.wait(fetched, phase)
     if WEIGHTED:
         acc = _router_weighting(
-            acc, row_weights, weighting, out_bufs.index(first + 2), row, row_end, n_off, n_idx, N,
+            acc, row_weights, saved[2], weighting, out_bufs.index(first + 2), row, row_end, n_off,
+            n_idx, N,
             acc_layout,
         )  # fmt: skip
     # h was rounded to the activation dtype in forward, so its gradient is too (autograd).
@@ -893,20 +895,8 @@ def _product_epilogue(
     expert_at), with SECOND_WEIGHT the activation, stored locally or with SCATTER_RANKS by the
     peer-store epilogue; with SECOND_WEIGHT and two epilogue buffers, the pre-activations saved
     too."""
-    (
-        out_desc,
-        gate_desc,
-        up_desc,
-        out_ptr,
-        gate_up_ptr,
-        out_bufs,
-        activation,
-        biases,
-        _,
-        _,
-        target,
-        _,
-    ) = outputs
+    (out_desc, gate_desc, up_desc, out_bufs, _, _, epilogue, target, _) = outputs
+    out_ptr, gate_up_ptr, activation, biases = epilogue
     limit, limit_below, limit_above = activation[0], activation[1], activation[2]
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
     dtype: gl.constexpr = out_desc.dtype
@@ -947,9 +937,9 @@ def _zero_rows_outside_groups(
     """GATE_UP_DGRAD: zeros into the rows outside every group, consumer ROLE's share of them by
     the static stride, from no reduction (a static grid: the launcher does not let this mode
     claim)."""
-    out_desc, out_ptr, out_bufs = outputs[0], outputs[3], outputs[5]
+    out_desc, out_bufs, out_ptr = outputs[0], outputs[3], outputs[6][0]
     # A value, not a constexpr, where Triton passes the tuple's constexprs as values (3.6).
-    (table_ptr, counts_ptr, capacity, N, _, _, num_programs, _, _) = problem
+    (table_ptr, counts_ptr, capacity, N, _, _, num_programs, _, _, _) = problem
     WG_M: gl.constexpr = out_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = out_desc.block_type.shape[1]
     PART: gl.constexpr = ROLE if SPLIT > 1 else 0
@@ -990,8 +980,8 @@ def _consume(
     the program, rows [ROLE * WG_M, (ROLE + 1) * WG_M) of its tile, the weight tile shared with
     the other. CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
     a_desc, w_desc, a_bufs, w_bufs = operands[0], operands[2], operands[4], operands[5]
-    out_bufs, saved, fetched, weighting = outputs[5], outputs[8], outputs[9], outputs[11]
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _w_rows) = problem
+    out_bufs, saved, fetched, weighting = outputs[3], outputs[4], outputs[5], outputs[8]
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _, _) = problem
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
     TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -1022,9 +1012,7 @@ def _consume(
         row_weights = 0.0  # WEIGHTED's, else unused
         if MODE == DOWN_DGRAD_SWIGLU:
             # The saved pre-activations (and h) load while the main loop runs.
-            _fetch_saved(
-                saved, weighting[0], out_bufs, first, fetched.index(ROLE), row, n_off, WEIGHTED
-            )
+            _fetch_saved(saved, out_bufs, first, fetched.index(ROLE), row, n_off, WEIGHTED)
             if WEIGHTED:
                 row_weights = _row_weights(weighting, row, row_end, WG_M, acc_layout)
         acc, acc2 = _main_loop(
@@ -1049,7 +1037,7 @@ def _consume(
 
 
 @fast_launch
-@gluon.jit(do_not_specialize=["capacity", "num_rows", "rank", "ready_timeout_ns", "ready_wait_id"])
+@gluon.jit(do_not_specialize=["capacity", "num_rows"])
 def _row_tiles_kernel(
     a_desc,  # [M, K], block [BLOCK_M, BLOCK_K]
     a2_desc,  # [M, K] the second product's A when GATE_UP_DGRAD (else a_desc)
@@ -1060,79 +1048,60 @@ def _row_tiles_kernel(
     up_desc,  # [M, N] (row stride 2N) out: pre-activations A @ W2.T, or the gradient of up
     saved_gate_desc,  # [M, N] (row stride 2N) the saved gate pre-activations (DOWN_DGRAD_SWIGLU)
     saved_up_desc,  # [M, N] (row stride 2N) the saved up pre-activations (DOWN_DGRAD_SWIGLU)
-    out_ptr,  # out's first element (contiguous)
-    gate_up_ptr,  # [M, 2N] the storage of gate_desc and up_desc
-    table_ptr,  # [3, capacity] int32 row tiles
-    counts_ptr,  # [2] int32
-    capacity,
-    N,
-    K,
-    w_expert_rows,  # rows of w_desc (and w2_desc) from one expert's first row to the next's
-    limit,  # float, the SwiGLU clamp when HAS_LIMIT
-    limit_below,  # float, the largest value of the output dtype <= limit
-    limit_above,  # float, the smallest value of the output dtype > limit
-    alpha,  # float: the activation gate * sigmoid(alpha * gate) * (up + up_offset) unless PLAIN
-    up_offset,
-    bias_ptr,  # HAS_BIAS: [E, N] added to the product (DOWN) or to gate (GATE_UP_SWIGLU)
-    bias2_ptr,  # HAS_BIAS: [E, N] added to up (GATE_UP_SWIGLU)
-    a_ptr,  # GATHER: [S, K] the A rows, read through source_rows (else a placeholder)
-    a_stride,
-    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads A row source_rows[r]
+    h_desc,  # weighting: [M, N] the forward's h (else another descriptor, never read)
+    capacity,  # columns of the row-tile table
     num_rows,  # M
-    scatter_out_ptr,  # SCATTER_RANKS > 0: the `RowScatter` fields, in order
-    scatter_out_offsets_ptr,
-    dest_rank_ptr,
-    dest_row_ptr,
-    scatter_counts_ptr,
-    scatter_counts_offsets_ptr,
-    rank,
-    ready_flags_ptr,  # WAIT_FLAGS > 0: the `RowsReady` fields, in order (else placeholders)
-    ready_epoch_ptr,
-    ready_status_ptr,
-    ready_timeout_ns,
-    ready_wait_id,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`host.TileClaims`)
-    h_desc,  # WEIGHTED: [M, N] the forward's h, block [BLOCK_M, BLOCK_N] (else placeholders,
-    # to dots_stride)
-    h_ptr,  # WEIGHTED: h's first element (contiguous)
-    row_weights_ptr,  # WEIGHTED: [M] fp32 each grouped row's router weight
-    dots_ptr,  # WEIGHTED: [M, dots_stride] fp32 out, the router weights' partial gradients
-    dots_stride,
+    problem,  # (table_ptr [3, capacity] int32 row tiles, counts_ptr [2] int32, N, K,
+    # w_expert_rows: rows of w_desc (and w2_desc) from one expert's first row to the next's)
+    epilogue,  # (out_ptr, gate_up_ptr, activation, biases), below
+    gather,  # None, or the gathering row source (a_ptr [S, K], a_stride, source_rows_ptr [M])
+    rows_ready,  # None, or the `RowsReady` fields in order: the A rows land while this runs
+    scatter,  # None, or the `RowScatter` fields in order (DOWN): the peer-store epilogue
+    claims_ptr,  # None, or [1] int32 the launch's task counter (`host.TileClaims`)
+    weighting,  # None, or (h_ptr, row_weights_ptr [M] fp32, dots_ptr [M, dots_stride] fp32 out,
+    # dots_stride) (DOWN_DGRAD_SWIGLU): the router weighting of `_router_weighting`
     MODE: gl.constexpr,
-    HAS_LIMIT: gl.constexpr,
-    PLAIN: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-    SAVE_PREACT: gl.constexpr,
-    GROUP_M: gl.constexpr,
-    NUM_PROGRAMS: gl.constexpr,
-    STAGES: gl.constexpr,
-    SPLIT: gl.constexpr,
-    GATHER: gl.constexpr,
-    SCATTER_RANKS: gl.constexpr,
-    LOADER_WARPS: gl.constexpr,
-    FLAG_ROWS: gl.constexpr,
-    WAIT_FLAGS: gl.constexpr,
-    CLAIM: gl.constexpr,
-    WEIGHTED: gl.constexpr,
+    PLAIN: gl.constexpr,  # act: SwiGLU, else gpt-oss's form (`_swiglu`)
+    TILING: gl.constexpr,  # (STAGES, SPLIT, GROUP_M, NUM_PROGRAMS)
+    READY_FLAGS: gl.constexpr,  # rows_ready's (FLAG_ROWS: rows a flag, flags a tile at most)
+    SCATTER_RANKS: gl.constexpr,  # scatter's ranks, a power of two >= ep; 0 without
 ):
-    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr), num_warps 4; row
+    """Grid: NUM_PROGRAMS (with claims_ptr: any, the tasks claimed from it), num_warps 4; row
     tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
     ping-pong) or both consumers' (SPLIT 2, cooperative).
     For every group's rows, by MODE:
     DOWN            out = A @ W[e].T (+ bias[e])
     GATE_UP_SWIGLU     out = act(A @ W[e].T (+ bias[e]), A @ W2[e].T (+ bias2[e])), with
-                       SAVE_PREACT both pre-activations saved
+                       gate_up_ptr both pre-activations saved
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
     DOWN_DGRAD_SWIGLU  gate | up gradients = act_backward(A @ W[e], saved gate, saved up);
-                       WEIGHTED: A's rows unweighted, each row's router weight applied to the
-                       product in the epilogue (`_router_weighting`)
-    act: SwiGLU when PLAIN, else gpt-oss's form (`_swiglu`); the clamp with HAS_LIMIT; the
-    biases (fp32 adds) with HAS_BIAS.
-    The A-row source: TMA tiles of A, or with GATHER rows through an index (`_gather_rows`). The
-    epilogue: local stores, or with SCATTER_RANKS (DOWN) the peer-store epilogue with
-    readiness counts (`_scatter_staged`). WAIT_FLAGS > 0: every task waits for its A rows to land
-    first (`_wait_rows_ready`; the rows come from a kernel running beside this one)."""
+                       with weighting: A's rows unweighted, each row's router weight applied to
+                       the product in the epilogue (`_router_weighting`)
+    The epilogue's operands: out_ptr (out's first element, contiguous); gate_up_ptr None, or
+    [M, 2N] the storage of gate_desc and up_desc; activation (limit or None (no clamp), the
+    largest value of the output dtype <= limit, the smallest > limit, alpha, up_offset: act is
+    gate * sigmoid(alpha * gate) * (up + up_offset) unless PLAIN); biases None, or (bias,)
+    added to the product (DOWN), or (bias, bias2) added to gate and up (GATE_UP_SWIGLU), each
+    [E, N], in fp32.
+    The parts absent as None are compiled out: the A rows come as TMA tiles unless `gather`
+    (`_gather_rows`), tasks by the static stride unless `claims_ptr`, stores are local unless
+    `scatter` (`_scatter_staged`, with readiness counts), and with `rows_ready` every task waits
+    for its A rows to land first (`_wait_rows_ready`; a kernel beside this one writes them)."""
+    (table_ptr, counts_ptr, N, K, w_expert_rows) = problem
+    STAGES: gl.constexpr = TILING[0]
+    SPLIT: gl.constexpr = TILING[1]
+    GROUP_M: gl.constexpr = TILING[2]
+    NUM_PROGRAMS: gl.constexpr = TILING[3]
+    FLAG_ROWS: gl.constexpr = READY_FLAGS[0]
+    WAIT_FLAGS: gl.constexpr = READY_FLAGS[1]
+    GATHER: gl.constexpr = gather is not None
+    CLAIM: gl.constexpr = claims_ptr is not None
+    WEIGHTED: gl.constexpr = weighting is not None
+    HAS_BIAS: gl.constexpr = epilogue[3] is not None
+    HAS_LIMIT: gl.constexpr = epilogue[2][0] is not None
+    SAVE_PREACT: gl.constexpr = MODE == GATE_UP_SWIGLU and epilogue[1] is not None
+    LOADER_WARPS: gl.constexpr = GATHER_LOADER_WARPS if GATHER else 1
     dtype: gl.constexpr = a_desc.dtype
     a_bufs = gl.allocate_shared_memory(
         dtype, [STAGES * SPLIT] + a_desc.block_type.shape, a_desc.layout
@@ -1150,109 +1119,28 @@ def _row_tiles_kernel(
     )
     ready, empty, turns, fetched = _ring_barriers(STAGES, SPLIT)
     claims = _task_claims(claims_ptr, ready, empty, SPLIT, CLAIM)  # ping-pong: one reads an id
-    gather = (a_ptr, a_stride, source_rows_ptr, num_rows, K)
-    operands = (
-        a_desc,
-        a2_desc,
-        w_desc,
-        w2_desc,
-        a_bufs,
-        w_bufs,
-        w2_bufs,
-        ready,
-        empty,
-        turns,
-        gather,
-    )
-    activation = (limit, limit_below, limit_above, alpha, up_offset)
-    saved = (saved_gate_desc, saved_up_desc)
-    target = (
-        scatter_out_ptr,
-        scatter_out_offsets_ptr,
-        dest_rank_ptr,
-        dest_row_ptr,
-        scatter_counts_ptr,
-        scatter_counts_offsets_ptr,
-        rank,
-    )
-    outputs = (
-        out_desc,
-        gate_desc,
-        up_desc,
-        out_ptr,
-        gate_up_ptr,
-        out_bufs,
-        activation,
-        (bias_ptr, bias2_ptr),
-        saved,
-        fetched,
-        target,
-        (h_desc, h_ptr, row_weights_ptr, dots_ptr, dots_stride),
-    )
-    problem = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows)
+    # The parts that may be None go into tuples as the arguments themselves (a None bound to
+    # another name does not).
+    operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns,
+                gather)  # fmt: skip
+    saved = (saved_gate_desc, saved_up_desc, h_desc)
+    outputs = (out_desc, gate_desc, up_desc, out_bufs, saved, fetched, epilogue, scatter,
+               weighting)  # fmt: skip
+    scheduled = (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims,
+                 w_expert_rows, num_rows)  # fmt: skip
     # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
     gl.warp_specialize(
         [
-            (
-                _consume,
-                (
-                    operands,
-                    outputs,
-                    problem,
-                    MODE,
-                    HAS_LIMIT,
-                    PLAIN,
-                    HAS_BIAS,
-                    GATHER,
-                    SCATTER_RANKS,
-                    CLAIM,
-                    WEIGHTED,
-                    0,
-                ),
-            ),
-            (
-                _consume,
-                (
-                    operands,
-                    outputs,
-                    problem,
-                    MODE,
-                    HAS_LIMIT,
-                    PLAIN,
-                    HAS_BIAS,
-                    GATHER,
-                    SCATTER_RANKS,
-                    CLAIM,
-                    WEIGHTED,
-                    1,
-                ),
-            ),
-            (
-                _load_partition,
-                (
-                    operands,
-                    outputs,
-                    problem,
-                    MODE,
-                    HAS_LIMIT,
-                    GATHER,
-                    SCATTER_RANKS,
-                    (
-                        ready_flags_ptr,
-                        ready_epoch_ptr,
-                        ready_status_ptr,
-                        ready_timeout_ns,
-                        ready_wait_id,
-                    ),
-                    FLAG_ROWS,
-                    WAIT_FLAGS,
-                    CLAIM,
-                ),
-            ),
+            (_consume, (operands, outputs, scheduled, MODE, HAS_LIMIT, PLAIN, HAS_BIAS, GATHER,
+                        SCATTER_RANKS, CLAIM, WEIGHTED, 0)),
+            (_consume, (operands, outputs, scheduled, MODE, HAS_LIMIT, PLAIN, HAS_BIAS, GATHER,
+                        SCATTER_RANKS, CLAIM, WEIGHTED, 1)),
+            (_load_partition, (operands, outputs, scheduled, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS,
+                               rows_ready, FLAG_ROWS, WAIT_FLAGS, CLAIM)),
         ],
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
-    )
+    )  # fmt: skip
     _drop_ring(ready, empty, turns, fetched, claims, CLAIM)
 
 
@@ -1401,8 +1289,9 @@ def _consumer_split(block_m: int) -> int:
 def _descriptors(problem: _RowsProblem, cfg: GemmTiles, n: int) -> tuple:
     """The nine TMA descriptors of a launch, in the kernel's order (those the mode does not use
     repeat one it does: each is built once, host time), then the tensor holding the gate | up
-    halves (the pre-activations out, or the gradients of DOWN_DGRAD_SWIGLU) and the distance
-    between the weights' experts in rows; ValueError where the two weights' distances differ."""
+    halves (the saved pre-activations out, or the gradients of DOWN_DGRAD_SWIGLU; None where the
+    launch stores neither) and the distance between the weights' experts in rows; ValueError
+    where the two weights' distances differ."""
     mode, a, w = problem.mode, problem.a, problem.w
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
     w_block = [bk, bn] if mode >= GATE_UP_DGRAD.value else [bn, bk]
@@ -1427,9 +1316,8 @@ def _descriptors(problem: _RowsProblem, cfg: GemmTiles, n: int) -> tuple:
         saved_up = _descriptor(problem.gate_up[:, n:], [bm, bn])
     else:
         out_desc = gate_desc = up_desc = saved_gate = saved_up = _descriptor(out, [bm, bn])
-        gate_up = out
-        if problem.gate_up is not None:  # the pre-activations go out
-            gate_up = problem.gate_up
+        gate_up = problem.gate_up  # GATE_UP_SWIGLU: the pre-activations go out
+        if gate_up is not None:
             gate_desc = _descriptor(gate_up[:, :n], [bm, bn])
             up_desc = _descriptor(gate_up[:, n:], [bm, bn])
     descriptors = (
@@ -1471,6 +1359,15 @@ def _check_options(problem: _RowsProblem, cfg: GemmTiles, m: int, n: int) -> Non
         raise ValueError("expert biases: one for DOWN, gate's and up's for GATE_UP_SWIGLU")
 
 
+def _biases(bias: torch.Tensor | None, bias2: torch.Tensor | None) -> tuple | None:
+    """The kernel's biases: None without, else (bias,) or (bias, bias2), each contiguous
+    (gpt-oss's gate and up biases are every other column of one tensor: the kernel reads
+    copies)."""
+    if bias is None:
+        return None
+    return tuple(b.contiguous() for b in (bias, bias2) if b is not None)
+
+
 def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor | None:
     """Launch `_row_tiles_kernel` on `problem` (its tiles and config checked first); returns the
     router weights' partial dots [M, column tiles] fp32 with `problem.weighting`, else None."""
@@ -1490,58 +1387,45 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     gather = problem.source_rows is not None
     scatter, ready = problem.scatter, problem.ready
     _check_options(problem, cfg, m, n)
-    # gpt-oss's gate and up biases are every other column of one tensor: read contiguous copies.
-    bias, bias2 = (bias_arg(b, tiles.table) for b in (problem.bias, problem.bias2))
     activation = problem.activation
-    dots = None
-    if problem.weighting is None:
-        weighting_args = (descriptors[7], tiles.table, tiles.table, tiles.table, 0)
-    else:
+    clamp = None if limit is None else float(limit)
+    epilogue = (
+        out,
+        gate_up,
+        (clamp, *limit_edges(limit, a.dtype), float(activation.alpha), float(activation.up_offset)),
+        _biases(problem.bias, problem.bias2),
+    )
+    problem_args = (tiles.table, tiles.counts, n, k, w_expert_rows)
+    gather_args = (a, a.stride(0), problem.source_rows) if gather else None
+    ready_fields = None if ready is None else ready.args()
+    ready_flags = (ready.block_rows, ready.flags_per_tile(cfg.block_m)) if ready else (1, 0)
+    scatter_fields = None if scatter is None else scatter.args()
+    dots = weighting_args = None
+    h_desc = descriptors[7]  # a descriptor of the launch's, never read
+    if problem.weighting is not None:
         h, row_weights = problem.weighting
         dots = torch.zeros(m, triton.cdiv(n, bn), dtype=torch.float32, device=h.device)
-        weighting_args = (_descriptor(h, [bm, bn]), h, row_weights, dots, dots.shape[1])
+        h_desc = _descriptor(h, [bm, bn])
+        weighting_args = (h, row_weights, dots, dots.shape[1])
 
     def launch(programs: int, counter: torch.Tensor | None) -> None:
         _row_tiles_kernel[(programs,)](
             *descriptors,
-            out,
-            gate_up,
-            tiles.table,
-            tiles.counts,
+            h_desc,
             tiles.capacity,
-            n,
-            k,
-            w_expert_rows,
-            0.0 if limit is None else float(limit),
-            *limit_edges(limit, a.dtype),
-            float(activation.alpha),
-            float(activation.up_offset),
-            bias,
-            bias2,
-            a,
-            a.stride(0) if gather else 0,
-            problem.source_rows if gather else tiles.table,
             m,
-            *scatter_args(scatter, out, tiles),
-            *ready_args(ready, tiles),
-            tiles.counts if counter is None else counter,
-            *weighting_args,
+            problem_args,
+            epilogue,
+            gather_args,
+            ready_fields,
+            scatter_fields,
+            counter,
+            weighting_args,
             MODE=mode,
-            HAS_LIMIT=limit is not None,
             PLAIN=activation.plain,
-            HAS_BIAS=problem.bias is not None,
-            SAVE_PREACT=mode == GATE_UP_SWIGLU.value and problem.gate_up is not None,
-            GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=programs if counter is None else 1,
-            STAGES=cfg.num_stages,
-            SPLIT=split,
-            GATHER=gather,
+            TILING=(cfg.num_stages, split, cfg.group_m, programs if counter is None else 1),
+            READY_FLAGS=ready_flags,
             SCATTER_RANKS=scatter.ep_block if scatter else 0,
-            LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
-            FLAG_ROWS=ready.block_rows if ready else 1,
-            WAIT_FLAGS=ready.flags_per_tile(cfg.block_m) if ready else 0,
-            CLAIM=counter is not None,
-            WEIGHTED=problem.weighting is not None,
             num_warps=cfg.num_warps,
             maxnreg=MAX_REGISTERS,
         )
@@ -2365,7 +2249,7 @@ def _launch_weight_gradients(
             STAGES=cfg.num_stages,
             CLAIM=counter is not None,
             GATHER=gather,
-            LOADER_WARPS=GATHER_LOADER_WARPS if gather else 1,
+            LOADER_WARPS=GATHER_LOADER_WARPS.value if gather else 1,
             num_warps=cfg.num_warps,
             maxnreg=MAX_REGISTERS,
         )
