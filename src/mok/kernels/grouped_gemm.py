@@ -49,13 +49,10 @@ from mok.kernels.host import (
     RowScatter,
     RowsReady,
     RowTiles,
-    bias_arg,
     check_weighting,
     gathered_rows,
     launch_persistent,
     num_programs,
-    ready_args,
-    scatter_args,
     use_scratch_allocator,
 )
 from mok.kernels.launch import fast_launch
@@ -560,8 +557,9 @@ def _gate_up_swiglu_task(
     """One output tile of `_gate_up_swiglu_kernel`: h and, with SAVE_PREACT, both
     pre-activations of a row tile and a column tile."""
     table_ptr, capacity, num_m, n_tiles, hidden, inter = tiles
-    w_gate_desc, w_up_desc, gate_bias_ptr, up_bias_ptr = weights
-    h_desc, h_ptr, gate_desc, up_desc, gate_up_ptr = outputs
+    w_gate_desc, w_up_desc, biases = weights
+    h_desc, gate_desc, up_desc, stores = outputs
+    h_ptr, gate_up_ptr = stores[0], stores[1]
     limit, limit_below, limit_above, alpha, up_offset = activation
     m_idx, n_idx = grouped_task(task, num_m, n_tiles, GROUP_M)
     expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
@@ -582,8 +580,8 @@ def _gate_up_swiglu_task(
         BLOCK_K,
     )
     if HAS_BIAS:
-        gate = add_expert_bias(gate, gate_bias_ptr, expert, n_off, inter, BLOCK_N)
-        up = add_expert_bias(up, up_bias_ptr, expert, n_off, inter, BLOCK_N)
+        gate = add_expert_bias(gate, biases[0], expert, n_off, inter, BLOCK_N)
+        up = add_expert_bias(up, biases[1], expert, n_off, inter, BLOCK_N)
     h = swiglu_tile(gate, up, limit, alpha, up_offset, HAS_LIMIT, PLAIN)
     store_row_tile(h_desc, h_ptr, inter, h, row, row_end, n_off, inter, BLOCK_M, BLOCK_N)
     if SAVE_PREACT:
@@ -606,136 +604,106 @@ def _gate_up_swiglu_task(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["capacity", "num_rows", "ready_timeout_ns", "ready_wait_id"])
+@triton.jit(do_not_specialize=["capacity", "num_rows"])
 def _gate_up_swiglu_kernel(
-    x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K] (GATHER: unused)
-    x_ptr,  # GATHER: [S, H] the rows, read through source_rows
-    x_stride,
-    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads x row source_rows[r]
-    num_rows,  # M
+    x_desc,  # [M, H] rows, block [BLOCK_M, BLOCK_K] (with gather: unused)
     w_gate_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
     w_up_desc,  # [E, I, H], block [1, BLOCK_N, BLOCK_K]
     h_desc,  # [M, I] out: swiglu(gate, up), block [BLOCK_M, BLOCK_N]
-    h_ptr,  # h's first element
-    gate_desc,  # [M, I] (row stride 2I) out when SAVE_PREACT: gate pre-activations
-    up_desc,  # [M, I] (row stride 2I) out when SAVE_PREACT: up pre-activations
-    gate_up_ptr,  # [M, 2I] gate | up, the storage of gate_desc and up_desc
-    table_ptr,  # [3, capacity] int32 row tiles
-    counts_ptr,  # [2] int32
-    capacity,
-    hidden,
-    inter,
-    limit,  # float, the SwiGLU clamp when HAS_LIMIT
-    limit_below,  # float, the largest value of gate_up's dtype <= limit
-    limit_above,  # float, the smallest value of gate_up's dtype > limit
-    ready_flags_ptr,  # WAIT_ROWS: the `RowsReady` fields, in order (else placeholders)
-    ready_epoch_ptr,
-    ready_status_ptr,
-    ready_timeout_ns,
-    ready_wait_id,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`TileClaims`)
-    gate_bias_ptr,  # HAS_BIAS: [E, I] added to gate, and up_bias_ptr to up, before the activation
-    up_bias_ptr,
-    alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
-    up_offset,
-    HAS_LIMIT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    gate_desc,  # [M, I] (row stride 2I) out when saving: gate pre-activations
+    up_desc,  # [M, I] (row stride 2I) out when saving: up pre-activations
+    capacity,  # columns of the row-tile table
+    num_rows,  # M
+    problem,  # (table_ptr [3, capacity] int32 row tiles, counts_ptr [2] int32, hidden, inter)
+    stores,  # (h_ptr: h's first element, gate_up_ptr: None, or [M, 2I] gate | up, the storage
+    # of gate_desc and up_desc: the pre-activations saved)
+    activation,  # (limit or None (no clamp), the largest value of gate_up's dtype <= limit, the
+    # smallest > limit, alpha, up_offset: the activation's (`swiglu_tile`) unless PLAIN)
+    biases,  # None, or (gate's, up's) [E, I] added to the products before the activation
+    gather,  # None, or x's rows through an index: (x_ptr [S, H], x_stride, source_rows_ptr [M])
+    rows_ready,  # None, or the `RowsReady` fields in order: the rows land while this runs
+    claims_ptr,  # None, or [1] int32 the launch's task counter (`TileClaims`)
     PLAIN: tl.constexpr,
-    SAVE_PREACT: tl.constexpr,
-    GATHER: tl.constexpr,
-    WAIT_ROWS: tl.constexpr,
-    FLAG_ROWS: tl.constexpr,
-    FLAGS: tl.constexpr,
-    CLAIM: tl.constexpr,
+    READY_FLAGS: tl.constexpr,  # rows_ready's (rows a flag, flags a tile at most)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr). h = swiglu(x @
-    W_gate[e].T, x @ W_up[e].T) for every group's rows; GATHER: x's rows through an index
-    (`row_block`); WAIT_ROWS: a tile first waits for its rows to land (`wait_rows_ready`)."""
+    """Grid: NUM_PROGRAMS (with claims_ptr: any, the tasks claimed from it). h = swiglu(x @
+    W_gate[e].T, x @ W_up[e].T) for every group's rows; with gather x's rows through an index
+    (`row_block`); with rows_ready a tile first waits for its rows to land
+    (`wait_rows_ready`). The parts absent as None are compiled out."""
+    table_ptr, counts_ptr, hidden, inter = problem
+    HAS_LIMIT: tl.constexpr = activation[0] is not None
+    HAS_BIAS: tl.constexpr = biases is not None
+    SAVE_PREACT: tl.constexpr = stores[1] is not None
+    GATHER: tl.constexpr = gather is not None
+    WAIT_ROWS: tl.constexpr = rows_ready is not None
+    CLAIM: tl.constexpr = claims_ptr is not None
+    FLAG_ROWS: tl.constexpr = READY_FLAGS[0]
+    FLAGS: tl.constexpr = READY_FLAGS[1]
     if GATHER:
-        a_source = (x_ptr, x_stride, source_rows_ptr, num_rows, hidden)
+        a_source = (gather[0], gather[1], gather[2], num_rows, hidden)
     else:
         a_source = (x_desc,)
-    ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
     n_tiles = tl.cdiv(inter, BLOCK_N)
     num_m = tl.load(counts_ptr)
     num_tasks = num_m * n_tiles
     tiles = (table_ptr, capacity, num_m, n_tiles, hidden, inter)
-    weights = (w_gate_desc, w_up_desc, gate_bias_ptr, up_bias_ptr)
-    outputs = (h_desc, h_ptr, gate_desc, up_desc, gate_up_ptr)
-    activation = (limit, limit_below, limit_above, alpha, up_offset)
+    # The parts that may be None go into tuples as the arguments themselves (a None bound to
+    # another name does not).
+    weights = (w_gate_desc, w_up_desc, biases)
+    outputs = (h_desc, gate_desc, up_desc, stores)
     # The static grid keeps a `for` loop: a `while` loop compiles it differently.
     if CLAIM:
         task = claimed_task(claims_ptr)
         while task < num_tasks:
             _gate_up_swiglu_task(
-                task, tiles, a_source, weights, outputs, activation, ready, HAS_LIMIT, HAS_BIAS,
-                PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M,
+                task, tiles, a_source, weights, outputs, activation, rows_ready, HAS_LIMIT,
+                HAS_BIAS, PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
             task = claimed_task(claims_ptr)
     else:
         for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
             _gate_up_swiglu_task(
-                task, tiles, a_source, weights, outputs, activation, ready, HAS_LIMIT, HAS_BIAS,
-                PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M, BLOCK_N,
-                BLOCK_K, GROUP_M,
+                task, tiles, a_source, weights, outputs, activation, rows_ready, HAS_LIMIT,
+                HAS_BIAS, PLAIN, SAVE_PREACT, GATHER, WAIT_ROWS, FLAG_ROWS, FLAGS, BLOCK_M,
+                BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["capacity", "num_rows", "rank"])
+@triton.jit(do_not_specialize=["capacity", "num_rows"])
 def _down_kernel(
-    h_desc,  # [M, I], block [BLOCK_M, BLOCK_K] (GATHER: unused)
+    h_desc,  # [M, I], block [BLOCK_M, BLOCK_K] (with gather: unused)
     w_down_desc,  # [E, H, I], block [1, BLOCK_N, BLOCK_K]
-    out_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N] (SCATTER: unused)
+    out_desc,  # [M, H] out, block [BLOCK_M, BLOCK_N] (with scatter: unused)
     out_ptr,  # out's first element
-    h_ptr,  # GATHER: [S, I] the rows, read through source_rows
-    h_stride,
-    source_rows_ptr,  # GATHER: [M] int32, grouped row r reads h row source_rows[r]
+    capacity,  # columns of the row-tile table
     num_rows,  # M
-    scatter_out_ptr,  # SCATTER: `RowScatter` fields, in order
-    scatter_out_offsets_ptr,
-    dest_rank_ptr,
-    dest_row_ptr,
-    scatter_counts_ptr,
-    scatter_counts_offsets_ptr,
-    rank,
-    table_ptr,  # [3, capacity] int32 row tiles
-    counts_ptr,  # [2] int32
-    capacity,
-    hidden,
-    inter,
-    down_bias_ptr,  # HAS_BIAS: [E, H] added to the outputs
-    GATHER: tl.constexpr,
-    SCATTER: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EP_BLOCK: tl.constexpr,
+    problem,  # (table_ptr [3, capacity] int32 row tiles, counts_ptr [2] int32, hidden, inter)
+    bias_ptr,  # None, or [E, H] added to the outputs
+    gather,  # None, or h's rows through an index: (h_ptr [S, I], h_stride, source_rows_ptr [M])
+    scatter,  # None, or the `RowScatter` fields in order: out's rows to the ranks' buffers
+    EP_BLOCK: tl.constexpr,  # scatter's ranks, a power of two >= ep
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. out = h @ W_down[e].T for every group's rows; GATHER: h's rows through
-    an index (`row_block`); SCATTER: out's rows to the ranks' buffers (`scatter_row_tile`)."""
+    """Grid: NUM_PROGRAMS. out = h @ W_down[e].T for every group's rows; with gather h's rows
+    through an index (`row_block`); with scatter out's rows to the ranks' buffers
+    (`scatter_row_tile`). The parts absent as None are compiled out."""
+    table_ptr, counts_ptr, hidden, inter = problem
+    GATHER: tl.constexpr = gather is not None
     if GATHER:
-        a_source = (h_ptr, h_stride, source_rows_ptr, num_rows, inter)
+        a_source = (gather[0], gather[1], gather[2], num_rows, inter)
     else:
         a_source = (h_desc,)
-    target = (
-        scatter_out_ptr,
-        scatter_out_offsets_ptr,
-        dest_rank_ptr,
-        dest_row_ptr,
-        scatter_counts_ptr,
-        scatter_counts_offsets_ptr,
-        rank,
-    )
     n_tiles = tl.cdiv(hidden, BLOCK_N)
     num_tasks = tl.load(counts_ptr) * n_tiles
     for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
@@ -757,10 +725,10 @@ def _down_kernel(
             BLOCK_N,
             BLOCK_K,
         )
-        if HAS_BIAS:
-            acc = add_expert_bias(acc, down_bias_ptr, expert, n_off, hidden, BLOCK_N)
-        if SCATTER:
-            scatter_row_tile(acc, target, row, row_end, n_off, hidden, EP_BLOCK, BLOCK_M, BLOCK_N)
+        if bias_ptr is not None:
+            acc = add_expert_bias(acc, bias_ptr, expert, n_off, hidden, BLOCK_N)
+        if scatter is not None:
+            scatter_row_tile(acc, scatter, row, row_end, n_off, hidden, EP_BLOCK, BLOCK_M, BLOCK_N)
         else:
             store_row_tile(
                 out_desc, out_ptr, hidden, acc, row, row_end, n_off, hidden, BLOCK_M, BLOCK_N
@@ -794,7 +762,7 @@ def _down_dgrad_swiglu_task(
     table_ptr, capacity, num_m, n_tiles, hidden, inter = tiles
     gate_desc, up_desc = saved
     grad_gate_desc, grad_up_desc, grad_gate_up_ptr = outputs
-    limit, alpha, up_offset = activation
+    limit, _, _, alpha, up_offset = activation
     m_idx, n_idx = grouped_task(task, num_m, n_tiles, GROUP_M)
     expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
     n_off = n_idx * BLOCK_N
@@ -817,9 +785,11 @@ def _down_dgrad_swiglu_task(
     )
     # Rows past row_end hold other groups' values: they only reach output rows never stored.
     if WEIGHTED:
+        h_desc, parts = weighting
         grad_h = router_weighting_tile(
-            grad_h, weighting, row, row_end, n_off, n_idx, inter, BLOCK_M, BLOCK_N
-        )
+            grad_h, (h_desc, parts[0], parts[1], parts[2], n_tiles), row, row_end, n_off, n_idx,
+            inter, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
     # h was rounded to the activation dtype in forward, so its gradient is too (as in autograd).
     grad_h = grad_h.to(grad_gate_desc.dtype).to(tl.float32)
     gate = gate_desc.load([row, n_off]).to(tl.float32)
@@ -854,7 +824,7 @@ def _down_dgrad_swiglu_task(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["capacity", "ready_timeout_ns", "ready_wait_id"])
+@triton.jit(do_not_specialize=["capacity"])
 def _down_dgrad_swiglu_kernel(
     grad_out_desc,  # [M, H], block [BLOCK_M, BLOCK_K]
     w_down_desc,  # [E, H, I], block [1, BLOCK_K, BLOCK_N]
@@ -862,66 +832,60 @@ def _down_dgrad_swiglu_kernel(
     up_desc,  # [M, I] (row stride 2I) saved up pre-activations, block [BLOCK_M, BLOCK_N]
     grad_gate_desc,  # [M, I] (row stride 2I) out, block [BLOCK_M, BLOCK_N]
     grad_up_desc,  # [M, I] (row stride 2I) out, block [BLOCK_M, BLOCK_N]
+    h_desc,  # None, or with weighting [M, I] the forward's h, block [BLOCK_M, BLOCK_N]
     grad_gate_up_ptr,  # [M, 2I] grad gate | grad up, the storage of the two above
-    table_ptr,  # [3, capacity] int32 row tiles
-    counts_ptr,  # [2] int32
-    capacity,
-    hidden,
-    inter,
-    limit,  # float, the SwiGLU clamp when HAS_LIMIT
-    ready_flags_ptr,  # WAIT_ROWS: the `RowsReady` fields, in order (else placeholders)
-    ready_epoch_ptr,
-    ready_status_ptr,
-    ready_timeout_ns,
-    ready_wait_id,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`TileClaims`)
-    alpha,  # float, the activation's (`swiglu_tile`) unless PLAIN
-    up_offset,
-    h_desc,  # WEIGHTED: [M, I] the forward's h, block [BLOCK_M, BLOCK_N] (else a placeholder)
-    h_ptr,  # WEIGHTED: h's first element (contiguous)
-    row_weights_ptr,  # WEIGHTED: [M] fp32 each grouped row's router weight
-    dots_ptr,  # WEIGHTED: [M, cdiv(I, BLOCK_N)] fp32 out, the router weights' partial gradients
-    HAS_LIMIT: tl.constexpr,
+    capacity,  # columns of the row-tile table
+    problem,  # (table_ptr [3, capacity] int32 row tiles, counts_ptr [2] int32, hidden, inter)
+    activation,  # (limit or None (no clamp), two values unused here, alpha, up_offset: the
+    # activation's (`swiglu_tile`) unless PLAIN), as `_gate_up_swiglu_kernel` takes it
+    rows_ready,  # None, or the `RowsReady` fields in order: grad_out's rows land while this runs
+    claims_ptr,  # None, or [1] int32 the launch's task counter (`TileClaims`)
+    weighting,  # None, or (h_ptr: h's first element (contiguous), row_weights_ptr [M] fp32 each
+    # grouped row's router weight, dots_ptr [M, cdiv(I, BLOCK_N)] fp32 out: their gradients' parts)
     PLAIN: tl.constexpr,
-    WAIT_ROWS: tl.constexpr,
-    FLAG_ROWS: tl.constexpr,
-    FLAGS: tl.constexpr,
-    WEIGHTED: tl.constexpr,
-    CLAIM: tl.constexpr,
+    READY_FLAGS: tl.constexpr,  # rows_ready's (rows a flag, flags a tile at most)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS (CLAIM: any, the tasks claimed from claims_ptr). grad_h = grad_out @
-    W_down[e], then the SwiGLU backward on it. WAIT_ROWS: a tile first waits for its grad_out
-    rows to land (`wait_rows_ready`). WEIGHTED: grad_out's rows are unweighted and each row's
-    router weight is applied to grad_h in the epilogue (`router_weighting_tile`)."""
-    ready = (ready_flags_ptr, ready_epoch_ptr, ready_status_ptr, ready_timeout_ns, ready_wait_id)
+    """Grid: NUM_PROGRAMS (with claims_ptr: any, the tasks claimed from it). grad_h = grad_out @
+    W_down[e], then the SwiGLU backward on it. With rows_ready a tile first waits for its
+    grad_out rows to land (`wait_rows_ready`); with weighting grad_out's rows are unweighted and
+    each row's router weight is applied to grad_h in the epilogue (`router_weighting_tile`). The
+    parts absent as None are compiled out."""
+    table_ptr, counts_ptr, hidden, inter = problem
+    HAS_LIMIT: tl.constexpr = activation[0] is not None
+    WAIT_ROWS: tl.constexpr = rows_ready is not None
+    WEIGHTED: tl.constexpr = weighting is not None
+    CLAIM: tl.constexpr = claims_ptr is not None
+    FLAG_ROWS: tl.constexpr = READY_FLAGS[0]
+    FLAGS: tl.constexpr = READY_FLAGS[1]
     n_tiles = tl.cdiv(inter, BLOCK_N)
-    weighting = (h_desc, h_ptr, row_weights_ptr, dots_ptr, n_tiles)
     num_m = tl.load(counts_ptr)
     num_tasks = num_m * n_tiles
     tiles = (table_ptr, capacity, num_m, n_tiles, hidden, inter)
     saved = (gate_desc, up_desc)
     outputs = (grad_gate_desc, grad_up_desc, grad_gate_up_ptr)
-    activation = (limit, alpha, up_offset)
+    # The parts that may be None go into tuples as the arguments themselves (a None bound to
+    # another name does not).
+    weighted = (h_desc, weighting)
     # The static grid keeps a `for` loop: a `while` loop compiles it differently.
     if CLAIM:
         task = claimed_task(claims_ptr)
         while task < num_tasks:
             _down_dgrad_swiglu_task(
-                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
-                weighting, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
+                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, rows_ready,
+                weighted, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
             task = claimed_task(claims_ptr)
     else:
         for task in tl.range(tl.program_id(0), num_tasks, NUM_PROGRAMS):
             _down_dgrad_swiglu_task(
-                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, ready,
-                weighting, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
+                task, tiles, grad_out_desc, w_down_desc, saved, outputs, activation, rows_ready,
+                weighted, HAS_LIMIT, PLAIN, WAIT_ROWS, FLAG_ROWS, FLAGS, WEIGHTED, BLOCK_M,
                 BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
 
@@ -1301,10 +1265,6 @@ def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
     return block_n // 2 if block_n > 128 and grad.element_size() == 4 else block_n
 
 
-def _limit(swiglu_limit: float | None) -> float:
-    return 0.0 if swiglu_limit is None else float(swiglu_limit)
-
-
 def _launch_options(cfg: GemmTiles, programs: int) -> dict:
     """The tile meta-parameters and launch options every persistent kernel here takes."""
     return {
@@ -1318,19 +1278,24 @@ def _launch_options(cfg: GemmTiles, programs: int) -> dict:
     }
 
 
-def _claiming_options(cfg: GemmTiles, programs: int, counter: torch.Tensor | None) -> dict:
-    """`_launch_options` of a kernel that can claim its tasks, given its counter or None.
-    Claiming, it compiles once for any grid: NUM_PROGRAMS is then unused (1)."""
-    options = _launch_options(cfg, programs if counter is None else 1)
-    options["CLAIM"] = counter is not None
-    return options
-
-
-def _gather_args(rows: torch.Tensor, source_rows: torch.Tensor | None, fallback: torch.Tensor):
-    """(pointer, row stride, index) of a gathered A source, placeholders without one."""
+def _gather_args(rows: torch.Tensor, source_rows: torch.Tensor | None) -> tuple | None:
+    """The kernels' gathered A source: (pointer, row stride, index), None without one."""
     if source_rows is None:
-        return rows, 0, fallback
+        return None
     return rows, rows.stride(0), source_rows
+
+
+def _activation_args(swiglu_limit: float | None, activation: Activation, dtype) -> tuple:
+    """The kernels' activation: (limit or None, the edges of the limit in `dtype`
+    (`limit_edges`), alpha, up_offset)."""
+    limit = None if swiglu_limit is None else float(swiglu_limit)
+    edges = limit_edges(swiglu_limit, dtype)
+    return (limit, *edges, float(activation.alpha), float(activation.up_offset))
+
+
+def _ready_flags(ready: RowsReady | None, block_m: int) -> tuple[int, int]:
+    """A waiting kernel's READY_FLAGS: (rows a flag, flags a tile of block_m rows at most)."""
+    return (ready.block_rows, ready.flags_per_tile(block_m)) if ready else (1, 1)
 
 
 def gate_up_swiglu(
@@ -1367,36 +1332,23 @@ def gate_up_swiglu(
     def launch(programs: int, counter: torch.Tensor | None) -> None:
         _gate_up_swiglu_kernel[(programs,)](
             _desc(rows, [bm, bk]),
-            *_gather_args(rows, source_rows, tiles.table),
-            m,
             _desc(w_gate, [1, bn, bk]),
             _desc(w_up, [1, bn, bk]),
             _desc(h, [bm, bn]),
-            h,
             _desc(gate, [bm, bn]),
             _desc(up, [bm, bn]),
-            gate_up,
-            tiles.table,
-            tiles.counts,
             tiles.capacity,
-            hidden,
-            inter,
-            _limit(swiglu_limit),
-            *limit_edges(swiglu_limit, gate_up.dtype),
-            *ready_args(ready, tiles),
-            tiles.counts if counter is None else counter,
-            *(bias_arg(b, tiles.table) for b in (biases or (None, None))),
-            float(activation.alpha),
-            float(activation.up_offset),
-            HAS_LIMIT=swiglu_limit is not None,
-            HAS_BIAS=biases is not None,
+            m,
+            (tiles.table, tiles.counts, hidden, inter),
+            (h, gate_up if save_preact else None),
+            _activation_args(swiglu_limit, activation, gate_up.dtype),
+            None if biases is None else tuple(b.contiguous() for b in biases),
+            _gather_args(rows, source_rows),
+            None if ready is None else ready.args(),
+            counter,
             PLAIN=activation.plain,
-            SAVE_PREACT=save_preact,
-            GATHER=source_rows is not None,
-            WAIT_ROWS=ready is not None,
-            FLAG_ROWS=ready.block_rows if ready else 1,
-            FLAGS=ready.flags_per_tile(bm) if ready else 1,
-            **_claiming_options(cfg, programs, counter),
+            READY_FLAGS=_ready_flags(ready, bm),
+            **_launch_options(cfg, programs if counter is None else 1),
         )
 
     programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
@@ -1422,18 +1374,12 @@ def _launch_down(
         _desc(w_down, [1, bn, bk]),
         _desc(out, [bm, bn]),
         out,
-        *_gather_args(h, source_rows, tiles.table),
-        m,
-        *scatter_args(scatter, out, tiles),
-        tiles.table,
-        tiles.counts,
         tiles.capacity,
-        hidden,
-        inter,
-        bias_arg(bias, tiles.table),
-        GATHER=source_rows is not None,
-        SCATTER=scatter is not None,
-        HAS_BIAS=bias is not None,
+        m,
+        (tiles.table, tiles.counts, hidden, inter),
+        None if bias is None else bias.contiguous(),
+        _gather_args(h, source_rows),
+        None if scatter is None else scatter.args(),
         EP_BLOCK=scatter.ep_block if scatter else 2,
         **_launch_options(cfg, programs),
     )
@@ -1536,13 +1482,11 @@ def _down_dgrad_swiglu(
     inter = w_down.shape[2]
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     grad_gate_up = torch.empty(m, 2 * inter, dtype=grad_out.dtype, device=grad_out.device)
-    dots = None
-    if weighting is None:
-        weighting_args = (tiles.counts,) * 4
-    else:
+    dots = h_desc = weighting_args = None
+    if weighting is not None:
         h, row_weights = weighting
         dots = torch.zeros(m, triton.cdiv(inter, bn), dtype=torch.float32, device=h.device)
-        weighting_args = (_desc(h, [bm, bn]), h, row_weights, dots)
+        h_desc, weighting_args = _desc(h, [bm, bn]), (h, row_weights, dots)
     programs = num_programs(grad_out.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
     use_scratch_allocator(grad_out.device)
 
@@ -1554,25 +1498,17 @@ def _down_dgrad_swiglu(
             _desc(gate_up[:, inter:], [bm, bn]),
             _desc(grad_gate_up[:, :inter], [bm, bn]),
             _desc(grad_gate_up[:, inter:], [bm, bn]),
+            h_desc,
             grad_gate_up,
-            tiles.table,
-            tiles.counts,
             tiles.capacity,
-            hidden,
-            inter,
-            _limit(swiglu_limit),
-            *ready_args(ready, tiles),
-            tiles.counts if counter is None else counter,
-            float(activation.alpha),
-            float(activation.up_offset),
-            *weighting_args,
-            HAS_LIMIT=swiglu_limit is not None,
+            (tiles.table, tiles.counts, hidden, inter),
+            _activation_args(swiglu_limit, activation, grad_out.dtype),
+            None if ready is None else ready.args(),
+            counter,
+            weighting_args,
             PLAIN=activation.plain,
-            WAIT_ROWS=ready is not None,
-            FLAG_ROWS=ready.block_rows if ready else 1,
-            FLAGS=ready.flags_per_tile(bm) if ready else 1,
-            WEIGHTED=weighting is not None,
-            **_claiming_options(cfg, programs, counter),
+            READY_FLAGS=_ready_flags(ready, bm),
+            **_launch_options(cfg, programs if counter is None else 1),
         )
 
     launch_persistent(launch, programs, cfg.claims)
@@ -1658,12 +1594,12 @@ def gate_up_wgrad(
     programs = num_programs(rows.device, tasks, cfg)
     use_scratch_allocator(rows.device)
     gathered_rows(rows, source_rows)
-    x_ptr, x_stride, index = _gather_args(rows, source_rows, group_offsets)
+    gathered = source_rows is not None
     _gate_up_wgrad_kernel[(programs,)](
         grad_gate_up,
-        x_ptr,
-        x_stride,
-        index,
+        rows,
+        rows.stride(0) if gathered else 0,
+        source_rows if gathered else group_offsets,
         group_offsets,
         _desc(grad_w_gate, [1, bm, _epilogue_n(bn, grad_w_gate)]),
         _desc(grad_w_up, [1, bm, _epilogue_n(bn, grad_w_up)]),
@@ -1672,6 +1608,6 @@ def gate_up_wgrad(
         inter,
         ACCUMULATE_GATE=accumulate_gate,
         ACCUMULATE_UP=accumulate_up,
-        GATHER=source_rows is not None,
+        GATHER=gathered,
         **_launch_options(cfg, programs),
     )

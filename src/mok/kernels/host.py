@@ -240,11 +240,6 @@ class Activation:
 SWIGLU = Activation()
 
 
-def bias_arg(bias: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    """An expert bias [E, N] (contiguous), or a placeholder the kernel never reads."""
-    return fallback if bias is None else bias.contiguous()
-
-
 def gathered_rows(rows: torch.Tensor, source_rows: torch.Tensor | None) -> int:
     """M, the grouped rows of a product whose A rows are `rows` [S, K], read in place (M = S) or
     through `source_rows` [M] int32 (grouped row r is rows[source_rows[r]], each index in
@@ -258,20 +253,6 @@ def gathered_rows(rows: torch.Tensor, source_rows: torch.Tensor | None) -> int:
     if source_rows.device != rows.device or rows.stride(1) != 1:
         raise ValueError("source_rows: on the rows' device, and rows with unit column stride")
     return source_rows.shape[0]
-
-
-def ready_args(ready: RowsReady | None, tiles: RowTiles) -> tuple:
-    """The kernel arguments of an optional RowsReady: its fields, or placeholders of their kinds
-    (never read) for products whose rows are all in place."""
-    return ready.args() if ready else (tiles.counts, tiles.counts, tiles.table, 0, 0)
-
-
-def scatter_args(scatter: RowScatter | None, out: torch.Tensor, tiles: RowTiles) -> tuple:
-    """The kernel arguments of an optional RowScatter: its fields, or placeholders of their
-    kinds (never read) for products that store locally into `out`."""
-    if scatter:
-        return scatter.args()
-    return (out, tiles.counts, tiles.table, tiles.table, tiles.table, tiles.counts, 0)
 
 
 def check_weighting(grad_out, h, row_weights, inter: int) -> None:

@@ -87,7 +87,7 @@ def record_failure(status_ptr, code, wait_id, where, seen):
     """Record a failure in the status unless one is already recorded (the first one wins)."""
     zero = tl.full([], 0, tl.int64)
     if tl.atomic_cas(status_ptr, zero, tl.full([], code, tl.int64), sem="relaxed") == 0:
-        tl.store(status_ptr + 1, wait_id.to(tl.int64))
+        tl.store(status_ptr + 1, tl.cast(wait_id, tl.int64))  # a constant where it is 1
         tl.store(status_ptr + 2, where.to(tl.int64))
         tl.store(status_ptr + 3, seen.to(tl.int64))
 
