@@ -142,44 +142,34 @@ def push_rows_kernel(
 
 @triton.jit
 def copy_rows_tile(
-    dst_ptr,
-    dst_offsets_ptr,
-    dst_rank_ptr,
-    dst_row_ptr,
-    dst_capacity,
+    dst,  # (dst_ptr, dst_capacity, dst_row_ptr or None, peers or None): rows' destinations
+    src,  # (src_ptr, src_capacity, src_row_ptr, peers or None): rows' sources
     first_row,
     count,
-    src_ptr,
-    src_offsets_ptr,
-    src_rank_ptr,
-    src_row_ptr,
-    src_capacity,
     hidden,
-    flags_ptr,
-    wait_ptr,
+    waits,  # None, or (flags_ptr, wait_ptr, status_ptr, timeout_ns, wait_id)
     epoch,
-    status_ptr,
-    timeout_ns,
-    wait_id,
-    SRC_PEERS: tl.constexpr,
-    DST_ROWS: tl.constexpr,
-    DST_PEERS: tl.constexpr,
-    WAIT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGN: tl.constexpr,
 ):
     """For the tile's rows r below count: value = src_{src_rank[r]}[src_row[r]] (zeros where
-    src_row is < 0 or >= src_capacity); stored to dst row r, or (DST_ROWS) to
-    dst_{dst_rank[r]}[dst_row[r]], skipped where dst_row is < 0 or >= dst_capacity. Ranks come
-    from the tables only with SRC_PEERS / DST_PEERS (else the buffer is local). WAIT: first spin
-    until flags[wait[r]] equals the epoch for every row that has a source (bounded: a failure
-    goes to the status, see mok.kernels.sync.wait_ready)."""
+    src_row is < 0 or >= src_capacity); stored to dst row r, or with a dst_row_ptr to
+    dst_{dst_rank[r]}[dst_row[r]], skipped where dst_row is < 0 or >= dst_capacity. A buffer's
+    peers, (offsets_ptr, rank_ptr): its peer-offset table and each row's rank; None: the buffer
+    is local. With waits: first spin until flags[wait[r]] equals the epoch for every row that
+    has a source (bounded: a failure goes to the status, see mok.kernels.sync.wait_ready)."""
+    DST_ROWS: tl.constexpr = dst[2] is not None
+    DST_PEERS: tl.constexpr = dst[3] is not None
+    SRC_PEERS: tl.constexpr = src[3] is not None
+    dst_ptr, dst_capacity, dst_row_ptr, dst_peers = dst
+    src_ptr, src_capacity, src_row_ptr, src_peers = src
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     live = rows < count
     src_row = tl.load(src_row_ptr + rows, mask=live, other=-1)
     valid = live & (src_row >= 0) & (src_row < src_capacity)
-    if WAIT:
+    if waits is not None:
+        flags_ptr, wait_ptr, status_ptr, timeout_ns, wait_id = waits
         wait_index = tl.load(wait_ptr + rows, mask=valid, other=0)
         wait_ready(
             flags_ptr + wait_index,
@@ -192,8 +182,8 @@ def copy_rows_tile(
         )
     src_offset = src_row * hidden
     if SRC_PEERS:
-        rank = tl.load(src_rank_ptr + rows, mask=valid, other=0)
-        src_offset += tl.load(src_offsets_ptr + rank, mask=valid, other=0)
+        rank = tl.load(src_peers[1] + rows, mask=valid, other=0)
+        src_offset += tl.load(src_peers[0] + rank, mask=valid, other=0)
     src_offset = tl.multiple_of(src_offset, ALIGN)
     if DST_ROWS:
         dst_row = tl.load(dst_row_ptr + rows, mask=live, other=-1)
@@ -203,8 +193,8 @@ def copy_rows_tile(
         keep = live
     dst_offset = dst_row * hidden
     if DST_PEERS:
-        rank = tl.load(dst_rank_ptr + rows, mask=keep, other=0)
-        dst_offset += tl.load(dst_offsets_ptr + rank, mask=keep, other=0)
+        rank = tl.load(dst_peers[1] + rows, mask=keep, other=0)
+        dst_offset += tl.load(dst_peers[0] + rank, mask=keep, other=0)
     dst_offset = tl.multiple_of(dst_offset, ALIGN)
     for start in range(0, hidden, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
@@ -218,72 +208,32 @@ def copy_rows_tile(
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["timeout_ns", "wait_id"])
+@triton.jit
 def copy_rows_kernel(
-    dst_ptr,
-    dst_offsets_ptr,
-    dst_rank_ptr,
-    dst_row_ptr,
-    dst_capacity,
+    dst,  # `copy_rows_tile`'s
+    src,  # `copy_rows_tile`'s
     count_ptr,
     max_rows,
-    src_ptr,
-    src_offsets_ptr,
-    src_rank_ptr,
-    src_row_ptr,
-    src_capacity,
     hidden,
-    flags_ptr,
-    wait_ptr,
-    epoch_ptr,
-    status_ptr,
-    timeout_ns,
-    wait_id,
-    landed_ptr,
-    SRC_PEERS: tl.constexpr,
-    DST_ROWS: tl.constexpr,
-    DST_PEERS: tl.constexpr,
-    WAIT: tl.constexpr,
-    SIGNAL: tl.constexpr,
+    waits,  # `copy_rows_tile`'s
+    epoch_ptr,  # None, or [1] int32 (with waits or landed_ptr)
+    landed_ptr,  # None, or this rank's flags of the tiles landed
     BLOCK_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ALIGN: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Persistent copy of min(count, max_rows) rows (count read on the device). SIGNAL: after
-    tile b, landed[b] (this rank's) is set to the epoch."""
+    """Persistent copy of min(count, max_rows) rows (count read on the device). With landed_ptr:
+    after tile b, landed[b] (this rank's) is set to the epoch."""
     count = tl.minimum(tl.load(count_ptr).to(tl.int64), max_rows)
-    epoch = tl.load(epoch_ptr)
+    epoch = 0
+    if epoch_ptr is not None:
+        epoch = tl.load(epoch_ptr)
     for tile in range(tl.program_id(0), tl.cdiv(count, BLOCK_ROWS), NUM_PROGRAMS):
         copy_rows_tile(
-            dst_ptr,
-            dst_offsets_ptr,
-            dst_rank_ptr,
-            dst_row_ptr,
-            dst_capacity,
-            tile * BLOCK_ROWS,
-            count,
-            src_ptr,
-            src_offsets_ptr,
-            src_rank_ptr,
-            src_row_ptr,
-            src_capacity,
-            hidden,
-            flags_ptr,
-            wait_ptr,
-            epoch,
-            status_ptr,
-            timeout_ns,
-            wait_id,
-            SRC_PEERS,
-            DST_ROWS,
-            DST_PEERS,
-            WAIT,
-            BLOCK_ROWS,
-            BLOCK_H,
-            ALIGN,
+            dst, src, tile * BLOCK_ROWS, count, hidden, waits, epoch, BLOCK_ROWS, BLOCK_H, ALIGN
         )
-        if SIGNAL:
+        if landed_ptr is not None:
             signal_ready(landed_ptr + tile, epoch)
 
 
@@ -292,23 +242,14 @@ def reduce_rows_tile(
     out_ptr,
     first_row,
     count,
-    init_ptr,
-    tail_ptr,
-    src_ptr,
-    src_offsets_ptr,
-    rank_ptr,
-    row_ptr,
-    weight_ptr,
-    gathered_ptr,
-    gathered_stride,
-    src_capacity,
     hidden,
+    terms,  # (src_ptr, src_capacity, src_offsets_ptr or None, rank_ptr or None, row_ptr,
+    # weight_ptr or None)
+    init_ptr,  # None, or [N, H]
+    tail_ptr,  # None, or [N, H]
+    gathered,  # None, or (gathered_ptr, gathered_stride)
     WIDTH: tl.constexpr,
     RANK_MODE: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    SAVE_GATHERED: tl.constexpr,
     GATHER_MX: tl.constexpr,
     RCEIL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -317,12 +258,15 @@ def reduce_rows_tile(
 ):
     """out[t] = round(init[t] + sum_j weight[t, j] * src_{rank(t, j)}[row[t, j]] + tail[t]) for
     the tile's rows t below count, the sum in fp32 over j = 0 .. WIDTH-1 in order, each term
-    rounded before it is added (launch with fp fusion off so no multiply-add is contracted).
-    Terms with row < 0 or >= src_capacity are skipped. rank(t, j): 0 = local source
-    (RANK_MODE 0), j (1), rank[t, j] (2). SAVE_GATHERED: also row t * WIDTH + j of gathered
-    (rows gathered_stride elements apart) = the term's row, zeros where skipped; GATHER_MX: as
-    packed MX rows (`MXRows`, blocks of 32 along H, BLOCK_H a multiple of 32) of its MXFP8 cast
-    along H."""
+    rounded before it is added (launch with fp fusion off so no multiply-add is contracted); a
+    None init, tail or weight is left out. Terms with row < 0 or >= src_capacity are skipped.
+    rank(t, j): 0 = local source (RANK_MODE 0), j (1), rank[t, j] (2). With gathered: also row
+    t * WIDTH + j of gathered (rows gathered_stride elements apart) = the term's row, zeros where
+    skipped; GATHER_MX: as packed MX rows (`MXRows`, blocks of 32 along H, BLOCK_H a multiple of
+    32) of its MXFP8 cast along H."""
+    HAS_WEIGHT: tl.constexpr = terms[5] is not None
+    SAVE_GATHERED: tl.constexpr = gathered is not None
+    src_ptr, src_capacity, src_offsets_ptr, rank_ptr, row_ptr, weight_ptr = terms
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     live = rows < count
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * hidden
@@ -331,7 +275,7 @@ def reduce_rows_tile(
         cols_ok = (cols < hidden)[None, :]
         here = live[:, None] & cols_ok
         token_cols = rows.to(tl.int64)[:, None] * hidden + cols[None, :]
-        if HAS_INIT:
+        if init_ptr is not None:
             acc = tl.load(init_ptr + token_cols, mask=here, other=0.0).to(tl.float32)
         else:
             acc = tl.zeros((BLOCK_ROWS, BLOCK_H), dtype=tl.float32)
@@ -347,23 +291,24 @@ def reduce_rows_tile(
             offset = tl.multiple_of(offset, ALIGN)
             term = tl.load(src_ptr + offset[:, None] + cols[None, :], mask=valid[:, None] & cols_ok)
             if SAVE_GATHERED:
-                gathered = gathered_ptr + (rows.to(tl.int64) * WIDTH + j)[:, None] * gathered_stride
+                gathered_rows = (rows.to(tl.int64) * WIDTH + j)[:, None] * gathered[1]
+                gathered_at = gathered[0] + gathered_rows
                 if GATHER_MX:
                     kept = tl.where(valid[:, None] & cols_ok, term.to(tl.float32), 0.0)
                     codes, scales = mx_quantize_tile(kept, BLOCK_ROWS, BLOCK_H, RCEIL)
-                    tl.store(gathered + cols[None, :], codes.to(tl.uint8), mask=here)
+                    tl.store(gathered_at + cols[None, :], codes.to(tl.uint8), mask=here)
                     s = start // 32 + tl.arange(0, BLOCK_H // 32)
                     s_here = live[:, None] & (s < hidden // 32)[None, :]
-                    tl.store(gathered + hidden + s[None, :], scales.to(tl.uint8), mask=s_here)
+                    tl.store(gathered_at + hidden + s[None, :], scales.to(tl.uint8), mask=s_here)
                 else:
                     kept = tl.where(valid[:, None], term, 0.0)
-                    tl.store(gathered + cols[None, :], kept, mask=here)
+                    tl.store(gathered_at + cols[None, :], kept, mask=here)
             term = term.to(tl.float32)
             if HAS_WEIGHT:
                 weight = tl.load(weight_ptr + rows * WIDTH + j, mask=valid, other=0.0)
                 term = weight.to(tl.float32)[:, None] * term
             acc += tl.where(valid[:, None], term, 0.0)
-        if HAS_TAIL:
+        if tail_ptr is not None:
             acc += tl.load(tail_ptr + token_cols, mask=here, other=0.0).to(tl.float32)
         tl.store(out_rows + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=here)
 
@@ -372,26 +317,15 @@ def reduce_rows_tile(
 @triton.jit
 def reduce_rows_kernel(
     out_ptr,
-    count_ptr,
+    count_ptr,  # None, or a device scalar bounding the rows
     max_rows,
-    init_ptr,
-    tail_ptr,
-    src_ptr,
-    src_offsets_ptr,
-    rank_ptr,
-    row_ptr,
-    weight_ptr,
-    gathered_ptr,
-    gathered_stride,
-    src_capacity,
     hidden,
+    terms,  # `reduce_rows_tile`'s
+    init_ptr,  # `reduce_rows_tile`'s
+    tail_ptr,  # `reduce_rows_tile`'s
+    gathered,  # `reduce_rows_tile`'s
     WIDTH: tl.constexpr,
     RANK_MODE: tl.constexpr,
-    HAS_COUNT: tl.constexpr,
-    HAS_INIT: tl.constexpr,
-    HAS_TAIL: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    SAVE_GATHERED: tl.constexpr,
     GATHER_MX: tl.constexpr,
     RCEIL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
@@ -399,39 +333,15 @@ def reduce_rows_kernel(
     ALIGN: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Persistent reduce over min(count, max_rows) output rows (count read on the device when
-    HAS_COUNT, else max_rows)."""
+    """Persistent reduce over min(count, max_rows) output rows (max_rows without count_ptr)."""
     count = max_rows
-    if HAS_COUNT:
+    if count_ptr is not None:
         count = tl.minimum(tl.load(count_ptr).to(tl.int64), max_rows)
     for tile in range(tl.program_id(0), tl.cdiv(count, BLOCK_ROWS), NUM_PROGRAMS):
         reduce_rows_tile(
-            out_ptr,
-            tile * BLOCK_ROWS,
-            count,
-            init_ptr,
-            tail_ptr,
-            src_ptr,
-            src_offsets_ptr,
-            rank_ptr,
-            row_ptr,
-            weight_ptr,
-            gathered_ptr,
-            gathered_stride,
-            src_capacity,
-            hidden,
-            WIDTH,
-            RANK_MODE,
-            HAS_INIT,
-            HAS_TAIL,
-            HAS_WEIGHT,
-            SAVE_GATHERED,
-            GATHER_MX,
-            RCEIL,
-            BLOCK_ROWS,
-            BLOCK_H,
-            ALIGN,
-        )
+            out_ptr, tile * BLOCK_ROWS, count, hidden, terms, init_ptr, tail_ptr, gathered, WIDTH,
+            RANK_MODE, GATHER_MX, RCEIL, BLOCK_ROWS, BLOCK_H, ALIGN,
+        )  # fmt: skip
 
 
 def _alignment(hidden: int) -> int:
@@ -537,7 +447,6 @@ def copy_rows(
     copy waits on, `host.RowsReady`); tiles past count are never flagged."""
     rows = src_row.shape[0]
     dst_capacity, hidden = dst.shape
-    device = dst.device
     src_peers, dst_peers = src_offsets is not None, dst_offsets is not None
     waits = flags is not None
     if waits and (wait is None or epoch is None or status is None):
@@ -554,31 +463,14 @@ def copy_rows(
         return
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
     copy_rows_kernel[(programs,)](
-        dst,
-        dst_offsets if dst_peers else placeholder(device),
-        dst_rank if dst_peers else placeholder(device),
-        dst_row if dst_row is not None else placeholder(device),
-        dst_capacity,
+        (dst, dst_capacity, dst_row, (dst_offsets, dst_rank) if dst_peers else None),
+        (src, src.shape[0], src_row, (src_offsets, src_rank) if src_peers else None),
         count,
         rows,
-        src,
-        src_offsets if src_peers else placeholder(device),
-        src_rank if src_peers else placeholder(device),
-        src_row,
-        src.shape[0],
         hidden,
-        flags if waits else placeholder(device, torch.int32),
-        wait if waits else placeholder(device),
-        epoch if waits or signal else placeholder(device, torch.int32),
-        status if waits else placeholder(device),
-        timeout_ns(timeout_s),
-        wait_id,
-        landed if signal else placeholder(device, torch.int32),
-        SRC_PEERS=src_peers,
-        DST_ROWS=dst_row is not None,
-        DST_PEERS=dst_peers,
-        WAIT=waits,
-        SIGNAL=signal,
+        (flags, wait, status, timeout_ns(timeout_s), wait_id) if waits else None,
+        epoch if waits or signal else None,
+        landed,
         **_row_options(hidden, block_rows, block_h, programs, num_warps),
     )
 
@@ -609,7 +501,6 @@ def reduce_rows(
     `gathered_rounding` (H a multiple of 32)."""
     rows, hidden = out.shape
     width = row.shape[1]
-    device = out.device
     gather_mx = isinstance(gathered, MXRows)
     if gather_mx and (gathered.shape != (rows * width, hidden) or gathered.packed.stride(0) % 16):
         raise ValueError(f"reduce_rows: MX gathered rows must be [{rows * width}, {hidden}]")
@@ -628,28 +519,21 @@ def reduce_rows(
     else:
         rank_mode = 2
     programs = max(1, min(programs, triton.cdiv(rows, block_rows)))
+    if gather_mx:
+        gathered = (gathered.packed, gathered.packed.stride(0))
+    elif gathered is not None:
+        gathered = (gathered, hidden)
     reduce_rows_kernel[(programs,)](
         out,
-        count if count is not None else placeholder(device),
+        count,
         rows,
-        init if init is not None else out,
-        tail if tail is not None else out,
-        src,
-        src_offsets if src_offsets is not None else placeholder(device),
-        rank if rank is not None else placeholder(device),
-        row,
-        weight if weight is not None else placeholder(device, torch.float32),
-        gathered.packed if gather_mx else gathered if gathered is not None else out,
-        gathered.packed.stride(0) if gather_mx else hidden,
-        src.shape[0],
         hidden,
+        (src, src.shape[0], src_offsets, rank if rank_mode == 2 else None, row, weight),
+        init,
+        tail,
+        gathered,
         WIDTH=width,
         RANK_MODE=rank_mode,
-        HAS_COUNT=count is not None,
-        HAS_INIT=init is not None,
-        HAS_TAIL=tail is not None,
-        HAS_WEIGHT=weight is not None,
-        SAVE_GATHERED=gathered is not None,
         GATHER_MX=gather_mx,
         RCEIL=ScaleRounding(gathered_rounding) is ScaleRounding.RCEIL,
         **_row_options(hidden, block_rows, block_h, programs, num_warps),
