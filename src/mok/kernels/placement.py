@@ -28,7 +28,6 @@ import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.launch import fast_launch
-from mok.kernels.rows import placeholder
 
 if interpreting():
     patch_interpreter()
@@ -225,29 +224,23 @@ def place_pairs_kernel(
     token_slot_ptr,
     pair_row_ptr,
     owner_ptr,
-    meta_ptr,
-    meta_offsets_ptr,
-    source_ptr,
-    source_offsets_ptr,
-    grouped_pair_ptr,
-    grouped_token_ptr,
+    meta,  # None, or (meta_ptr, meta_offsets_ptr)
+    source,  # None, or (source_ptr, source_offsets_ptr)
+    grouped,  # None, or (grouped_pair_ptr, grouped_token_ptr)
     TOP_K: tl.constexpr,
     EP: tl.constexpr,
     EP_PAD: tl.constexpr,
     K_PAD: tl.constexpr,
     E_BINS: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    WRITE_META: tl.constexpr,
-    WRITE_SOURCE: tl.constexpr,
-    WRITE_GROUPED: tl.constexpr,
 ):
     """For token block b: token_slot[t, d] (staging row on rank d, -1 if none or past the
     capacity), pair_row[t, j] (grouped row on the owner, -1 if dropped) and owner[t, j].
-    WRITE_META: the owner's meta[pair_row] = (staging row, return address return_base +
-    t * TOP_K + j, -1 if dropped) for pairs within its capacity. WRITE_SOURCE: rank d's
-    source[token_slot[t, d]] = (rank, t) (pull dispatch). WRITE_GROUPED (EP 1, where the owner's
+    With meta: the owner's meta[pair_row] = (staging row, return address return_base +
+    t * TOP_K + j, -1 if dropped) for pairs within its capacity. With source: rank d's
+    source[token_slot[t, d]] = (rank, t) (pull dispatch). With grouped (EP 1, where the owner's
     rows are this rank's): grouped_pair[pair_row] = t * TOP_K + j and grouped_token[pair_row] =
-    t (int32) for the pairs delivered."""
+    t (int32) for the pairs delivered. Each absent part (None) is compiled out."""
     block = tl.program_id(0)
     token, _, experts, valid = _load_block(
         idx_ptr, block, tokens, num_experts, TOP_K, BLOCK_T, K_PAD
@@ -259,7 +252,8 @@ def place_pairs_kernel(
     staging = tl.where((sends > 0) & (staging < token_capacity), staging, -1).to(tl.int64)
     token_rank_ok = (token < tokens)[:, None] & (ranks < EP)[None, :]
     tl.store(token_slot_ptr + token[:, None] * EP + ranks[None, :], staging, mask=token_rank_ok)
-    if WRITE_SOURCE:
+    if source is not None:
+        source_ptr, source_offsets_ptr = source
         landed = token_rank_ok & (staging >= 0)
         target = source_ptr + tl.load(source_offsets_ptr + ranks, mask=ranks < EP, other=0)
         target = target[None, :] + staging * 2
@@ -293,13 +287,13 @@ def place_pairs_kernel(
         live = token < tokens
         tl.store(pair_row_ptr + token * TOP_K + j, tl.where(delivered, row, -1), mask=live)
         tl.store(owner_ptr + token * TOP_K + j, owner.to(tl.int64), mask=live)
-        if WRITE_GROUPED:
-            tl.store(grouped_pair_ptr + row, token * TOP_K + j, mask=delivered)
-            tl.store(grouped_token_ptr + row, token, mask=delivered)
-        if WRITE_META:
+        if grouped is not None:
+            tl.store(grouped[0] + row, token * TOP_K + j, mask=delivered)
+            tl.store(grouped[1] + row, token, mask=delivered)
+        if meta is not None:
             back = tl.where(delivered, return_base + token.to(tl.int64) * TOP_K + j, -1)
-            meta_offset = tl.load(meta_offsets_ptr + owner, mask=in_capacity, other=0)
-            target = meta_ptr + meta_offset + row * 2
+            meta_offset = tl.load(meta[1] + owner, mask=in_capacity, other=0)
+            target = meta[0] + meta_offset + row * 2
             tl.store(target, pair_slot, mask=in_capacity)
             tl.store(target + 1, back, mask=in_capacity)
 
@@ -538,10 +532,6 @@ class PlacementKernels:
             BLOCK_B=self.scan_rows,
         )
         if blocks:
-            unused = placeholder(self.device)
-            meta_buffer, meta_offsets = meta if meta is not None else (unused, unused)
-            source_buffer, source_offsets = source if source is not None else (unused, unused)
-            grouped_pair, grouped_token = grouped if grouped is not None else (unused, unused)
             place_pairs_kernel[(blocks,)](
                 topk_idx,
                 tokens,
@@ -556,21 +546,15 @@ class PlacementKernels:
                 token_slot,
                 pair_row,
                 owner,
-                meta_buffer,
-                meta_offsets,
-                source_buffer,
-                source_offsets,
-                grouped_pair,
-                grouped_token,
+                None if meta is None else tuple(meta),
+                None if source is None else tuple(source),
+                None if grouped is None else tuple(grouped),
                 TOP_K=self.top_k,
                 EP=self.ep,
                 EP_PAD=self.ep_pad,
                 K_PAD=self.k_pad,
                 E_BINS=self.e_bins,
                 BLOCK_T=self.block_tokens,
-                WRITE_META=meta is not None,
-                WRITE_SOURCE=source is not None,
-                WRITE_GROUPED=grouped is not None,
             )
         return DevicePlacement(
             token_slot=token_slot,
