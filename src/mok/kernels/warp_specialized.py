@@ -1875,9 +1875,9 @@ def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.con
             cached = task // per_half
             changes += 1
         even = changes % 2 == 1  # the set made at the latest change
-        b_stride, source_rows_ptr = b_gather
-        source = (b_ptr, b_stride, source_rows_ptr, first + rows, Q)
         if GATHER:
+            b_stride, source_rows_ptr = b_gather
+            source = (b_ptr, b_stride, source_rows_ptr, first + rows, Q)
             next_index = _step_index(source, first, BLOCK_K, BLOCK_N)
         for k in range(0, rows, BLOCK_K):
             if GATHER:
@@ -1886,7 +1886,7 @@ def _wgrad_load_partition(operands, problem, CLAIM: gl.constexpr, GATHER: gl.con
                 # and copies instead of delaying the next step's.
                 next_index = _step_index(source, first + k + BLOCK_K, BLOCK_K, BLOCK_N)
             else:
-                gather = source
+                gather = b_gather  # None
             slot = step % STAGES
             mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
             _copy_step_of_set(
@@ -2064,9 +2064,9 @@ def _wgrad_consume(
 @gluon.jit
 def _weight_gradient_kernel(
     a_ptr,  # [M, HALVES * P], row stride a_stride
-    b_ptr,  # [M, Q] contiguous; GATHER: [S, Q] rows read through source_rows_ptr
-    b_stride,  # GATHER: b's row stride (else unused)
-    source_rows_ptr,  # GATHER: [M] int32, row r of B's groups is b[source_rows[r]] (else unused)
+    b_ptr,  # [M, Q] contiguous; with gather: [S, Q] rows read through source_rows_ptr
+    gather,  # None, or (b_stride, source_rows_ptr [M] int32: row r of B's groups is
+    # b[source_rows[r]])
     offsets_ptr,  # [E + 1] int32
     first_desc,  # [(E - 1) * S + P, Q] out (fp32 or bf16), block [BLOCK_M, BLOCK_N]: half 0's
     second_desc,  # gradient, expert e's rows from row e * S; the same for half 1 (or first_desc)
@@ -2075,7 +2075,7 @@ def _weight_gradient_kernel(
     Q,
     S,  # rows from one expert's gradient to the next's: P, or 2P for the halves of [E, 2P, Q]
     a_stride,
-    claims_ptr,  # CLAIM: [1] int32 the launch's task counter (`host.TileClaims`)
+    claims_ptr,  # None, or [1] int32 the launch's task counter (`host.TileClaims`)
     ACCUMULATE_FIRST: gl.constexpr,
     ACCUMULATE_SECOND: gl.constexpr,
     HALVES: gl.constexpr,
@@ -2086,20 +2086,20 @@ def _weight_gradient_kernel(
     GROUP_M: gl.constexpr,
     NUM_PROGRAMS: gl.constexpr,
     STAGES: gl.constexpr,
-    CLAIM: gl.constexpr,
-    GATHER: gl.constexpr,
-    LOADER_WARPS: gl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS (one per SM at most; CLAIM: any, the tasks claimed from claims_ptr),
+    """Grid: NUM_PROGRAMS (one per SM at most; with claims_ptr: any, the tasks claimed from it),
     num_warps 4. For every expert e and half j:
     out_j[e] (+)= A[group e, j * P:(j + 1) * P].T @ B[group e], out_j [E, P, Q] seen as 2-D rows,
     expert e's from row e * S (P a multiple of WG_M: a consumer's rows lie wholly inside P or
     wholly past it, and those past it are neither fetched nor stored, so that no tile reaches
     into the next expert's rows, or into the other half's when S > P). A consumer's
     tile is the descriptors' block, WG_M x BLOCK_N; with SPLIT 2 the two consumers share tiles of
-    2 x WG_M rows (cooperative), with SPLIT 1 each has its own (ping-pong). GATHER: B's rows
-    are read through their index by a loader of LOADER_WARPS warps (`_copy_step`), the same
-    values in the same order as B's rows gathered beforehand."""
+    2 x WG_M rows (cooperative), with SPLIT 1 each has its own (ping-pong). With gather: B's
+    rows are read through their index by a loader of a warpgroup (`_copy_step`), the same values
+    in the same order as B's rows gathered beforehand."""
+    GATHER: gl.constexpr = gather is not None
+    CLAIM: gl.constexpr = claims_ptr is not None
+    LOADER_WARPS: gl.constexpr = GATHER_LOADER_WARPS if GATHER else 1
     WG_M: gl.constexpr = first_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = first_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = SPLIT * WG_M
@@ -2115,8 +2115,7 @@ def _weight_gradient_kernel(
     n_tiles = gl.cdiv(Q, BLOCK_N)
     per_half = m_tiles * n_tiles
     num_tasks = num_experts * HALVES * per_half
-    b_gather = (b_stride, source_rows_ptr)
-    operands = (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched, b_gather)
+    operands = (a_ptr, b_ptr, a_bufs, b_bufs, ready, empty, turns, fetched, gather)
     outputs = (first_desc, second_desc, out_bufs, S)
     problem = (
         offsets_ptr,
@@ -2226,8 +2225,7 @@ def _launch_weight_gradients(
         _weight_gradient_kernel[(programs,)](
             a,
             b,
-            b.stride(0),
-            source_rows if gather else group_offsets,
+            (b.stride(0), source_rows) if gather else None,
             group_offsets,
             descs[0],
             descs[-1],
@@ -2236,7 +2234,7 @@ def _launch_weight_gradients(
             q,
             rows_per_expert,
             a.stride(0),
-            group_offsets if counter is None else counter,
+            counter,
             ACCUMULATE_FIRST=accumulate[0],
             ACCUMULATE_SECOND=accumulate[-1],
             HALVES=halves,
@@ -2247,9 +2245,6 @@ def _launch_weight_gradients(
             GROUP_M=cfg.group_m,
             NUM_PROGRAMS=programs if counter is None else 1,
             STAGES=cfg.num_stages,
-            CLAIM=counter is not None,
-            GATHER=gather,
-            LOADER_WARPS=GATHER_LOADER_WARPS.value if gather else 1,
             num_warps=cfg.num_warps,
             maxnreg=MAX_REGISTERS,
         )
