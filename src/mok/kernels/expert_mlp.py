@@ -373,37 +373,33 @@ def expert_mlp_forward(
       by local expert: group e is rows[group_offsets[e]:group_offsets[e + 1]].
     group_offsets: [E + 1] int32 on the rows' device, non-decreasing, group_offsets[E] <= M. Rows
       outside [group_offsets[0], group_offsets[E]) are padding: never read into any result.
-    w_gate, w_up: [E, I, H]; w_down: [E, H, I]; the rows' dtype. H and I multiples of 16. Any
-      layout with a unit last stride and 16-byte aligned strides works (w_gate and w_up may be
-      views of one [E, 2I, H] tensor).
+    w_gate, w_up: [E, I, H]; w_down: [E, H, I]; the rows' dtype; H and I multiples of 16; any
+      layout of unit last stride and 16-byte aligned strides (e.g. views of one [E, 2I, H]).
     swiglu_limit: None, or L > 0: gate <= L and -L <= up <= L before silu(gate) * up.
     save_for_backward: keep what `expert_mlp_backward` needs (else `saved` is None).
     config: tiles (None: `default_config`).
-    out: optional contiguous [>= M, H] tensor of the rows' dtype to write the outputs into (for
-      example a communication buffer); its first M rows are returned.
+    out: None, or a contiguous [>= M, H] tensor of the rows' dtype (e.g. a communication buffer)
+      that the outputs go into; its first M rows are returned.
     rows_ready: the rows land while the gate/up product runs (written by a kernel beside it,
       `RowsReady`): each tile waits for its rows' flags first.
     combine: the outputs leave by the peer-store epilogue instead (`RowScatter`: row r to row
       dest_row[r] of rank dest_rank[r]'s buffer, counted per row and column tile of
       `down_tiles(config, ...)`); `out` must be None and None is returned in its place.
-    down_operand: maps h [M, I] to what the down product reads instead (a tensor of h's shape,
-      dtype and layout; the MXFP8 layer's cast of h); `saved.h` stays h.
+    down_operand: maps h [M, I] to what the down product reads instead (of h's shape, dtype and
+      layout: the MXFP8 layer's cast of h); `saved.h` stays h.
     activation: gate * sigmoid(alpha * gate) * (up + up_offset) after the clamp (SwiGLU by
-      default; gpt-oss's otherwise). biases: (gate, up [E, I], down [E, H]) of the rows' dtype,
-      added in fp32 to the pre-activations and the outputs (and to the rows `combine` stores);
-      None: no biases.
-    source_rows: [M] int32, each in [0, S): the grouped rows are read through it from rows [S, H]
-      (grouped row r is rows[source_rows[r]]; e.g. x itself and each pair's token at EP 1) by
-      the gate/up product, with no grouped copy; `saved` keeps rows and the index
-      (`ExpertMLPSaved.read_rows_through`). `gathers_rows_well` says where this is faster than
-      copying the rows first.
+      default). biases: None, or (gate, up [E, I], down [E, H]) of the rows' dtype, added in fp32
+      to the pre-activations and the outputs (the rows `combine` stores too).
+    source_rows: [M] int32, each in [0, S): the gate/up product reads grouped row r as
+      rows[source_rows[r]] of rows [S, H] (e.g. x itself at EP 1), with no grouped copy; `saved`
+      keeps rows and the index (`ExpertMLPSaved.read_rows_through`). `gathers_rows_well` says
+      where this is faster than copying the rows first.
     keep_activations: with save_for_backward, keep h and the pre-activations; False keeps
       neither (nor writes the pre-activations): the backward makes them again
       (`replay_activations`, on the rows `saved` keeps), bitwise.
 
-    Returns (out [M, H] in the rows' dtype, saved). Rows of `out` outside the groups are left
-    unwritten. Never synchronizes with the host.
-    """
+    Returns (out [M, H] in the rows' dtype, saved); rows of `out` outside the groups are left
+    unwritten. Never synchronizes with the host."""
     if combine is not None and out is not None:
         raise ValueError("expert_mlp_forward: pass out or combine, not both")
     _check_forward_inputs(rows, group_offsets, w_gate, w_up, w_down, swiglu_limit)
@@ -413,13 +409,11 @@ def expert_mlp_forward(
     cfg = config or default_config(rows.device, hidden, inter, m / w_gate.shape[0])
     if m == 0:
         out = None if combine else rows.new_empty(0, hidden)
-        if not save_for_backward:
-            return out, None
-        h, gate_up = rows.new_empty(0, inter), rows.new_empty(0, 2 * inter)
-        return out, ExpertMLPSaved(
-            rows[:0], group_offsets, w_gate, w_up, w_down, h, gate_up, {}, swiglu_limit, cfg,
-            activation, biases,
+        saved = ExpertMLPSaved(
+            rows[:0], group_offsets, w_gate, w_up, w_down, rows.new_empty(0, inter),
+            rows.new_empty(0, 2 * inter), {}, swiglu_limit, cfg, activation, biases,
         )  # fmt: skip
+        return out, saved if save_for_backward else None
     tiles: dict[int, RowTiles] = {}
     gate_up_cfg, gate_up_swiglu = pick(Product.GATE_UP, cfg, rows, w_gate, w_up)
     keep = save_for_backward and keep_activations
@@ -443,21 +437,9 @@ def expert_mlp_forward(
     if not save_for_backward:
         return out, None
     saved = ExpertMLPSaved(
-        rows=rows,
-        group_offsets=group_offsets,
-        w_gate=w_gate,
-        w_up=w_up,
-        w_down=w_down,
-        h=h if keep else None,
-        gate_up=gate_up,
-        row_tiles=tiles,
-        swiglu_limit=swiglu_limit,
-        config=cfg,
-        activation=activation,
-        biases=biases,
-        source_rows=source_rows,
-        replay=not keep,
-    )
+        rows, group_offsets, w_gate, w_up, w_down, h if keep else None, gate_up, tiles,
+        swiglu_limit, cfg, activation, biases, source_rows=source_rows, replay=not keep,
+    )  # fmt: skip
     return out, saved
 
 

@@ -506,13 +506,10 @@ def _gather_step(gather, index, k, buf):
 @gluon.jit
 def _load_partition(
     operands,
-    outputs,
     problem,
-    MODE: gl.constexpr,
-    HAS_LIMIT: gl.constexpr,
-    GATHER: gl.constexpr,
-    SCATTER_RANKS: gl.constexpr,
     rows_ready,
+    MODE: gl.constexpr,
+    GATHER: gl.constexpr,
     FLAG_ROWS: gl.constexpr,
     WAIT_FLAGS: gl.constexpr,
     CLAIM: gl.constexpr,
@@ -1051,15 +1048,13 @@ def _row_tiles_kernel(
     h_desc,  # weighting: [M, N] the forward's h (else another descriptor, never read)
     capacity,  # columns of the row-tile table
     num_rows,  # M
-    problem,  # (table_ptr [3, capacity] int32 row tiles, counts_ptr [2] int32, N, K,
-    # w_expert_rows: rows of w_desc (and w2_desc) from one expert's first row to the next's)
+    problem,  # (table_ptr [3, capacity] int32, counts_ptr [2] int32, N, K, w_expert_rows)
     epilogue,  # (out_ptr, gate_up_ptr, activation, biases), below
     gather,  # None, or the gathering row source (a_ptr [S, K], a_stride, source_rows_ptr [M])
     rows_ready,  # None, or the `RowsReady` fields in order: the A rows land while this runs
     scatter,  # None, or the `RowScatter` fields in order (DOWN): the peer-store epilogue
     claims_ptr,  # None, or [1] int32 the launch's task counter (`host.TileClaims`)
-    weighting,  # None, or (h_ptr, row_weights_ptr [M] fp32, dots_ptr [M, dots_stride] fp32 out,
-    # dots_stride) (DOWN_DGRAD_SWIGLU): the router weighting of `_router_weighting`
+    weighting,  # None, or `_router_weighting`'s (h_ptr, row_weights_ptr, dots_ptr, dots_stride)
     MODE: gl.constexpr,
     PLAIN: gl.constexpr,  # act: SwiGLU, else gpt-oss's form (`_swiglu`)
     TILING: gl.constexpr,  # (STAGES, SPLIT, GROUP_M, NUM_PROGRAMS)
@@ -1068,18 +1063,17 @@ def _row_tiles_kernel(
 ):
     """Grid: NUM_PROGRAMS (with claims_ptr: any, the tasks claimed from it), num_warps 4; row
     tiles of SPLIT x WG_M rows (the A descriptor's block rows), one consumer's each (SPLIT 1,
-    ping-pong) or both consumers' (SPLIT 2, cooperative).
-    For every group's rows, by MODE:
+    ping-pong) or both consumers' (SPLIT 2, cooperative). For every group's rows, by MODE
+    (w_expert_rows: rows of w_desc and w2_desc from one expert's first row to the next's):
     DOWN            out = A @ W[e].T (+ bias[e])
-    GATE_UP_SWIGLU     out = act(A @ W[e].T (+ bias[e]), A @ W2[e].T (+ bias2[e])), with
-                       gate_up_ptr both pre-activations saved
+    GATE_UP_SWIGLU     out = act(A @ W[e].T (+ bias[e]), A @ W2[e].T (+ bias2[e]))
     GATE_UP_DGRAD      out = A @ W[e] + A2 @ W2[e], the two interleaved step by step; zeros in
                        the rows outside every group
     DOWN_DGRAD_SWIGLU  gate | up gradients = act_backward(A @ W[e], saved gate, saved up);
                        with weighting: A's rows unweighted, each row's router weight applied to
                        the product in the epilogue (`_router_weighting`)
-    The epilogue's operands: out_ptr (out's first element, contiguous); gate_up_ptr None, or
-    [M, 2N] the storage of gate_desc and up_desc; activation (limit or None (no clamp), the
+    The epilogue's: out_ptr (out's first element); gate_up_ptr None, or [M, 2N] the storage of
+    gate_desc and up_desc (the pre-activations saved); activation (limit or None (no clamp), the
     largest value of the output dtype <= limit, the smallest > limit, alpha, up_offset: act is
     gate * sigmoid(alpha * gate) * (up + up_offset) unless PLAIN); biases None, or (bias,)
     added to the product (DOWN), or (bias, bias2) added to gate and up (GATE_UP_SWIGLU), each
@@ -1119,8 +1113,7 @@ def _row_tiles_kernel(
     )
     ready, empty, turns, fetched = _ring_barriers(STAGES, SPLIT)
     claims = _task_claims(claims_ptr, ready, empty, SPLIT, CLAIM)  # ping-pong: one reads an id
-    # The parts that may be None go into tuples as the arguments themselves (a None bound to
-    # another name does not).
+    # Parts that may be None enter tuples as the arguments themselves (a rebound None cannot).
     operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns,
                 gather)  # fmt: skip
     saved = (saved_gate_desc, saved_up_desc, h_desc)
@@ -1135,8 +1128,8 @@ def _row_tiles_kernel(
                         SCATTER_RANKS, CLAIM, WEIGHTED, 0)),
             (_consume, (operands, outputs, scheduled, MODE, HAS_LIMIT, PLAIN, HAS_BIAS, GATHER,
                         SCATTER_RANKS, CLAIM, WEIGHTED, 1)),
-            (_load_partition, (operands, outputs, scheduled, MODE, HAS_LIMIT, GATHER, SCATTER_RANKS,
-                               rows_ready, FLAG_ROWS, WAIT_FLAGS, CLAIM)),
+            (_load_partition, (operands, scheduled, rows_ready, MODE, GATHER, FLAG_ROWS, WAIT_FLAGS,
+                               CLAIM)),
         ],
         [4, LOADER_WARPS],
         [CONSUMER_REGISTERS, LOADER_REGISTERS],
