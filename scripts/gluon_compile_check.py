@@ -1,7 +1,7 @@
 """Compile the warp-specialized Gluon kernels for sm_90a on a machine without a GPU, and report
 each one's registers, spills and shared memory (ptxas -v), before any GPU time is spent; the JSON
-also holds a digest of each kernel's PTX code (`code_digest`), so that a refactoring can show it
-compiles to the same instructions.
+also holds digests of each kernel's PTX code (`code_digest`; `instructions_digest`, blind to the
+parameter list), so that a refactoring can show it compiles to the same instructions.
 
 Gluon does not run under TRITON_INTERPRET, but it compiles without a driver: a stand-in driver
 gives the JIT a Hopper target, every launch becomes a compile-only `warmup`, and the PTX of each
@@ -127,6 +127,26 @@ def code_digest(ptx: str) -> str:
         and not line.lstrip().startswith((".loc", ".file", "//"))
         and not re.fullmatch(r"\$L__tmp\d+:", line.strip())  # labels for the line table
     ]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def instructions_digest(ptx: str) -> str:
+    """A digest of the PTX's instructions alone: `code_digest`'s lines without the parameter
+    list, the loads of parameters and the register declarations, with registers and parameters
+    unnumbered, so that a change of a kernel's arguments that compiles to the same instructions
+    keeps it (the order of the parameter loads and of their address moves is part of it)."""
+    code = ptx.split("\t.section\t.debug", 1)[0]
+    kept = []
+    for line in code.splitlines():
+        text = line.strip()
+        if (
+            not text
+            or text.startswith((".loc", ".file", "//", ".param", ".reg"))
+            or re.fullmatch(r"\$L__tmp\d+:", text)
+            or "ld.param" in text
+        ):
+            continue
+        kept.append(re.sub(r"_param_\d+", "_param", re.sub(r"%[a-z]+\d+", "%r", text)))
     return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
@@ -506,8 +526,16 @@ def main(argv=None) -> int:
             report = ptxas_report(kernel.asm["ptx"])
             shared = kernel.metadata.shared
             failed |= shared > HOPPER_SHARED_BYTES
-            digest = code_digest(kernel.asm["ptx"])
-            rows.append({"label": label, **report, "shared": shared, "code": digest})
+            ptx = kernel.asm["ptx"]
+            rows.append(
+                {
+                    "label": label,
+                    **report,
+                    "shared": shared,
+                    "code": code_digest(ptx),
+                    "instructions": instructions_digest(ptx),
+                }
+            )
             print(
                 f"| {label} | {report['registers']} | {report['spill_bytes']} | {shared}"
                 f"{' TOO MUCH' if shared > HOPPER_SHARED_BYTES else ''} |"

@@ -82,3 +82,42 @@ def test_every_gluon_kernel_compiles_for_hopper_within_its_resources(tmp_path):
             assert 0 < row["shared"] <= 232448, row
         assert row["registers"] <= warp_specialized.MAX_REGISTERS, row
         assert row["spill_bytes"] <= KNOWN_SPILL_BYTES.get(row["label"], 0), row
+
+
+_PTX = """//
+.visible .entry k(
+\t.param .u64 .ptr .global .align 1 k_param_0,
+\t.param .u32 k_param_1
+)
+{
+\t.reg .b32 \t%r<9>;
+\tld.param.u64 \t%rd1, [k_param_0];
+\tmov.b64 \t%rd2, k_param_0;
+\tadd.s32 \t%r3, %r1, %r2;
+\tst.global.u32 \t[%rd1], %r3;
+\tret;
+}
+"""
+
+
+def test_the_instructions_digest_sees_instructions_not_arguments():
+    """What the refactorings of a kernel's arguments are checked by: a kernel that takes one
+    argument more, with its registers numbered otherwise, keeps its instructions digest (not
+    its code digest); one instruction changed changes it. Bugs this catches: a digest that
+    still hashes the parameter list (every argument change would look like new code) or one that
+    drops instructions (a real change would look like none)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gluon_compile_check as check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    moved = (
+        _PTX.replace("k_param_1\n", "k_param_1,\n\t.param .u32 k_param_2\n")
+        .replace("k_param_0", "k_param_1")
+        .replace("%r3", "%r7")
+        .replace("%rd1", "%rd4")
+    )
+    changed = _PTX.replace("add.s32", "sub.s32")
+    assert check.instructions_digest(moved) == check.instructions_digest(_PTX)
+    assert check.code_digest(moved) != check.code_digest(_PTX)
+    assert check.instructions_digest(changed) != check.instructions_digest(_PTX)
