@@ -484,6 +484,17 @@ def tl_cases():
         "tl group_row_dots",
         lambda: gg.group_row_dots(x, dots_tiles, bias_h, torch.zeros(m)),
     )
+    # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
+    from mok.kernels.fp8_block import block_scaled_grouped_mm
+
+    e4m3 = torch.float8_e4m3fn
+    yield (
+        "tl fp8_block grouped_mm",
+        lambda: block_scaled_grouped_mm(
+            torch.zeros(m, 2048, dtype=e4m3), torch.zeros(m, 16), torch.zeros(experts, 7168, 2048,
+            dtype=e4m3), torch.zeros(experts, 56, 16), offsets,
+        ),
+    )  # fmt: skip
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096

@@ -1,0 +1,193 @@
+"""The 128-block FP8 recipe's grouped product as a tl kernel: `mok.reference.fp8_block`'s GEMM on
+rows grouped by expert, the oracle of the recipe's kernels and their fallback.
+
+Each group's rows A (e4m3, 1 x 128 tiles along K with fp32 descales) times its expert's weight W
+(e4m3, 128 x 128 blocks with fp32 descales), step by step along K as the recipe forms it
+(`mok.reference.fp8_block.scaled_matmul`): each 128-element step's products are summed in fp32
+(exact products: an e4m3 value is a bf16 value, so the step is one bf16 dot), that partial tile
+is scaled by the two operands' descales, and added to the fp32 accumulator. The tile of a step is
+a whole scale block along K, so a step reads one A descale per row and one W descale per column.
+The kernel decodes e4m3 in the main loop and runs the BF16 tensor cores: the twin that FP8
+kernels are tested against, not a fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
+from mok.kernels.host import GemmTiles, num_programs
+from mok.kernels.launch import fast_launch
+from mok.kernels.mx import bf16_rounded, e4m3_values
+from mok.reference.fp8_block import BLOCK
+
+if interpreting():
+    patch_interpreter()
+
+HARDWARE_DOT = tl.constexpr(not interpreting())
+"""The step's e4m3 values enter the dot as bf16 (exact) on GPUs; under the interpreter as fp32
+(exact too), since its dot multiplies the bits of bf16 values made inside a kernel."""
+TILES = GemmTiles(block_m=64, block_n=128, block_k=BLOCK, num_warps=4, num_stages=3)
+"""Tiles of the tl product: BLOCK_K is the scale block (one descale per row and column a step)."""
+
+
+@triton.jit
+def block_scaled_step(
+    a_ptr,  # [M, K] e4m3 as uint8, row stride a_stride
+    a_descales_ptr,  # [M, S] fp32, S = cdiv(K, 128)
+    w_ptr,  # this expert's [N, K] e4m3 as uint8, contiguous
+    w_descales_ptr,  # this expert's [cdiv(N, 128), S] fp32, contiguous
+    rows,  # [BLOCK_M] the tile's rows
+    row_ok,  # [BLOCK_M] rows inside the group
+    cols,  # [BLOCK_N] the tile's columns
+    step,
+    a_stride,
+    N,
+    K,
+    BLOCK_K: tl.constexpr,
+):
+    """One step of the recipe's GEMM on a tile: the fp32 [BLOCK_M, BLOCK_N] partial sums of
+    A[rows, step * 128 + k] x W[cols, step * 128 + k] over the step's k, times A's descale of
+    each row and W's of each column (their product first, as the reference forms it)."""
+    scales = tl.cdiv(K, BLOCK_K)
+    ks = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    a_codes = tl.load(
+        a_ptr + rows.to(tl.int64)[:, None] * a_stride + ks[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0,
+    )
+    col_ok = cols < N
+    w_codes = tl.load(
+        w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :],
+        mask=col_ok[:, None] & k_ok[None, :],
+        other=0,
+    )
+    a = e4m3_values(a_codes)
+    w = e4m3_values(w_codes)
+    if HARDWARE_DOT:
+        partial = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), out_dtype=tl.float32)
+    else:
+        partial = tl.dot(a, tl.trans(w), input_precision="ieee", out_dtype=tl.float32)
+    a_descale = tl.load(a_descales_ptr + rows.to(tl.int64) * scales + step, mask=row_ok, other=0.0)
+    w_descale = tl.load(w_descales_ptr + (cols // BLOCK_K) * scales + step, mask=col_ok, other=0.0)
+    return partial * (a_descale[:, None] * w_descale[None, :])
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["capacity"])
+def _block_scaled_kernel(
+    a_ptr,  # [M, K] e4m3 as uint8
+    a_descales_ptr,  # [M, S] fp32
+    w_ptr,  # [E, N, K] e4m3 as uint8, contiguous
+    w_descales_ptr,  # [E, cdiv(N, 128), S] fp32, contiguous
+    out_ptr,  # [M, N] out, contiguous
+    table_ptr,  # [3, capacity] int32 row tiles
+    counts_ptr,  # [2] int32
+    capacity,
+    a_stride,
+    N,
+    K,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. out = A x W[e] in the recipe's steps for every group's rows
+    (`block_scaled_step`), accumulated in fp32, rounded once to out's dtype; rows outside the
+    groups are not written."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    num_m = tl.load(counts_ptr)
+    scales = tl.cdiv(K, BLOCK_K)
+    for task in tl.range(tl.program_id(0), num_m * n_tiles, NUM_PROGRAMS):
+        m_idx, n_idx = grouped_task(task, num_m, n_tiles, GROUP_M)
+        expert, row, row_end = load_row_tile(table_ptr, capacity, m_idx)
+        rows = row + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_expert = w_ptr + expert.to(tl.int64) * N * K
+        w_descales = w_descales_ptr + expert.to(tl.int64) * tl.cdiv(N, BLOCK_K) * scales
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(0, scales):
+            acc += block_scaled_step(
+                a_ptr, a_descales_ptr, w_expert, w_descales, rows, row_ok, cols, step, a_stride,
+                N, K, BLOCK_K,
+            )  # fmt: skip
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = bf16_rounded(acc)  # the interpreter's own cast truncates
+        out = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
+
+
+def _check(a_values, a_descales, w_values, w_descales, group_offsets) -> tuple[int, int, int]:
+    """(M, N, K) of the operands, or ValueError naming the one that does not fit."""
+    m, k = a_values.shape
+    experts, n, w_k = w_values.shape
+    steps, blocks = triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK)
+    if a_values.dtype != torch.float8_e4m3fn or w_values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"values must be float8_e4m3fn, got {a_values.dtype}, {w_values.dtype}")
+    if w_k != k or a_values.stride(1) != 1:
+        raise ValueError(
+            f"A [M, K] with a unit last stride and W [E, N, K], got {tuple(a_values.shape)} and "
+            f"{tuple(w_values.shape)}"
+        )
+    if a_descales.shape != (m, steps) or w_descales.shape != (experts, blocks, steps):
+        raise ValueError(
+            f"descales: A's [{m}, {steps}] and W's [{experts}, {blocks}, {steps}] expected, got "
+            f"{tuple(a_descales.shape)} and {tuple(w_descales.shape)}"
+        )
+    if a_descales.dtype != torch.float32 or w_descales.dtype != torch.float32:
+        raise ValueError("descales must be float32")
+    if group_offsets.shape != (experts + 1,) or group_offsets.dtype != torch.int32:
+        raise ValueError(f"group_offsets: [{experts + 1}] int32 expected")
+    return m, n, k
+
+
+def block_scaled_grouped_mm(
+    a_values: torch.Tensor,
+    a_descales: torch.Tensor,
+    w_values: torch.Tensor,
+    w_descales: torch.Tensor,
+    group_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    cfg: GemmTiles = TILES,
+) -> torch.Tensor:
+    """out [M, N] of out_dtype: for each expert e, the rows of its group
+    [group_offsets[e], group_offsets[e + 1]) of A (a_values [M, K] e4m3, a_descales [M, S] fp32:
+    `quantize_tiles` along K) times W[e] (w_values [E, N, K] e4m3, w_descales [E, cdiv(N, 128),
+    S] fp32: `quantize_blocks`), as `mok.reference.fp8_block.scaled_matmul` forms it, rounded
+    once; S = cdiv(K, 128). Rows outside the groups are left unwritten. group_offsets: [E + 1]
+    int32 on the device, non-decreasing, the last <= M."""
+    m, n, k = _check(a_values, a_descales, w_values, w_descales, group_offsets)
+    if cfg.block_k != BLOCK:
+        raise ValueError(f"a step of the recipe is one scale block: block_k {BLOCK}")
+    out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
+    if m == 0 or n == 0:
+        return out
+    tiles = row_tile_map(group_offsets, m, cfg.block_m)
+    programs = num_programs(a_values.device, tiles.capacity * triton.cdiv(n, cfg.block_n), cfg)
+    _block_scaled_kernel[(programs,)](
+        a_values.view(torch.uint8),
+        a_descales.contiguous(),
+        w_values.contiguous().view(torch.uint8),
+        w_descales.contiguous(),
+        out,
+        tiles.table,
+        tiles.counts,
+        tiles.capacity,
+        a_values.stride(0),
+        n,
+        k,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
