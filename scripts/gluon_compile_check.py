@@ -484,17 +484,9 @@ def tl_cases():
         "tl group_row_dots",
         lambda: gg.group_row_dots(x, dots_tiles, bias_h, torch.zeros(m)),
     )
+    yield from _row_copy_cases()
     # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
-    from mok.kernels.fp8_block import block_scaled_grouped_mm
-
-    e4m3 = torch.float8_e4m3fn
-    yield (
-        "tl fp8_block grouped_mm",
-        lambda: block_scaled_grouped_mm(
-            torch.zeros(m, 2048, dtype=e4m3), torch.zeros(m, 16), torch.zeros(experts, 7168, 2048,
-            dtype=e4m3), torch.zeros(experts, 56, 16), offsets,
-        ),
-    )  # fmt: skip
+    yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096
@@ -509,6 +501,69 @@ def tl_cases():
             dst_row=torch.zeros(tokens, top_k, dtype=torch.int64),
         ),
     )
+
+
+def _fp8_block_product(m: int, experts: int, offsets: torch.Tensor) -> None:
+    from mok.kernels.fp8_block import block_scaled_grouped_mm
+
+    e4m3 = torch.float8_e4m3fn
+    a_values, w_values = (
+        torch.zeros(m, 2048, dtype=e4m3),
+        torch.zeros(experts, 7168, 2048, dtype=e4m3),
+    )
+    block_scaled_grouped_mm(
+        a_values, torch.zeros(m, 16), w_values, torch.zeros(experts, 56, 16), offsets
+    )
+
+
+def _row_copy_cases():
+    """(label, callable) for the exchange's row kernels in each of their forms: copies local or
+    between peers, waiting on flags, flagging the tiles landed; sums plain, with every optional
+    part, and with each term's rank by column into MX rows."""
+    from mok.kernels import rows
+    from mok.kernels.mx import MXRows
+
+    tokens, hidden, ep, bf16 = 256, 1024, 4, torch.bfloat16
+    src, dst = torch.zeros(tokens, hidden, dtype=bf16), torch.zeros(tokens, hidden, dtype=bf16)
+
+    def ints(*shape, dtype=torch.int64):
+        return torch.zeros(*shape, dtype=dtype)
+
+    count, at = ints(1, dtype=torch.int32), ints(tokens)
+    peers = {"src_offsets": ints(ep), "src_rank": ints(tokens, dtype=torch.int32)}
+    copies = {
+        "plain": {},
+        "peers": {
+            **peers, "dst_row": at, "dst_offsets": ints(ep),
+            "dst_rank": ints(tokens, dtype=torch.int32),
+        },
+        "waiting": {
+            **peers, "flags": ints(64, dtype=torch.int32), "wait": at,
+            "epoch": ints(1, dtype=torch.int32), "status": ints(4), "timeout_s": 1.0, "wait_id": 3,
+        },
+        "flagging": {"epoch": ints(1, dtype=torch.int32), "landed": ints(64, dtype=torch.int32)},
+    }  # fmt: skip
+    for label, options in copies.items():
+        yield (
+            f"tl rows copy {label}",
+            lambda o=options: rows.copy_rows(dst, src, at, count, 16, 32, **o),
+        )
+    row = ints(tokens, 4)
+    full = {
+        "src_offsets": ints(ep), "rank": ints(tokens, 4, dtype=torch.int32),
+        "weight": torch.zeros(tokens, 4), "init": torch.zeros_like(dst),
+        "tail": torch.zeros_like(dst), "count": count,
+        "gathered": torch.zeros(tokens, 4, hidden, dtype=bf16),
+    }  # fmt: skip
+    packed = torch.zeros(tokens * 4, MXRows.row_bytes(hidden), dtype=torch.uint8)
+    column_mx = {
+        "src_offsets": ints(ep), "rank_is_column": True, "gathered": MXRows(packed, hidden)
+    }  # fmt: skip
+    for label, options in {"plain": {}, "full": full, "column-rank MX": column_mx}.items():
+        yield (
+            f"tl rows reduce {label}",
+            lambda o=options: rows.reduce_rows(dst, src, row, 16, 16, **o),
+        )
 
 
 def main(argv=None) -> int:
