@@ -487,6 +487,7 @@ def tl_cases():
     yield from _row_copy_cases()
     # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
     yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)
+    yield "tl fp8_block cast", lambda: _fp8_block_cast(x)
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096
@@ -514,6 +515,12 @@ def _fp8_block_product(m: int, experts: int, offsets: torch.Tensor) -> None:
     block_scaled_grouped_mm(
         a_values, torch.zeros(m, 16), w_values, torch.zeros(experts, 56, 16), offsets
     )
+
+
+def _fp8_block_cast(x: torch.Tensor) -> None:
+    from mok.kernels.fp8_block import block_quantize_tiles
+
+    block_quantize_tiles(x)
 
 
 def _row_copy_cases():

@@ -1,7 +1,12 @@
-"""The 128-block FP8 grouped product (`mok.kernels.fp8_block`) against the recipe's GEMM
-(`mok.reference.fp8_block.scaled_matmul`), group by group: under the interpreter on the CPU,
-compiled on the GPU.
+"""The 128-block FP8 recipe's kernels (`mok.kernels.fp8_block`) against its reference
+(`mok.reference.fp8_block`): under the interpreter on the CPU, compiled on the GPU.
 
+The cast of 1 x 128 tiles: bit for bit (values and descales). Bugs these catch: the descale by
+the GPU's fast division (off by an ulp; on the GPU), an amax that lets a NaN through as a number
+or misses a tile's last elements, a scale from the wrong tile or row, a floor not applied (a tile
+of zeros with an infinite scale), e4m3 rounding off at ties or in the subnormal range.
+
+The grouped product against the recipe's GEMM (`scaled_matmul`), group by group.
 The two form the same sums in another order (the partial sums of a step, a multiply-add that the
 GPU contracts), so they agree within fp32's rounding of those sums: each differs from the exact
 value of the recipe's sums by at most (steps + 130) * 2^-24 times the sum of the terms'
@@ -20,8 +25,9 @@ import dataclasses
 
 import pytest
 import torch
+from mx_cases import assert_same_bits, blocks_of_every_kind
 
-from mok.kernels.fp8_block import TILES, block_scaled_grouped_mm
+from mok.kernels.fp8_block import TILES, block_quantize_tiles, block_scaled_grouped_mm
 from mok.reference.fp8_block import (
     block_rows,
     dequantize_blocks,
@@ -107,3 +113,32 @@ def test_operands_that_do_not_fit_are_refused():
         block_scaled_grouped_mm(a_values, a_descales[:, :1], w_values, w_descales, offsets)
     with pytest.raises(ValueError, match="group_offsets"):
         block_scaled_grouped_mm(a_values, a_descales, w_values, w_descales, offsets[:2])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # on the infinities' tiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cast_is_the_references_bit_for_bit(dtype):
+    """Tiles over magnitudes 2^-140 .. 2^120 with a NaN, infinities, subnormals, powers of two
+    and e4m3 ties (`blocks_of_every_kind`), a tile of zeros and one below the amax floor (their
+    scales from the floor), K ragged (200: the last tile of 72)."""
+    x = blocks_of_every_kind(dtype)[:, :200]
+    x[8, :128] = 0.0
+    x[9, 128:] = torch.linspace(-3e-13, 3e-13, 72)
+    values, descales = block_quantize_tiles(x.to(DEVICE))
+    want_values, want_descales = quantize_tiles(x)
+    assert_same_bits(values.cpu().view(torch.uint8), want_values.contiguous().view(torch.uint8))
+    nan = want_descales.isnan()
+    assert torch.equal(descales.cpu().isnan(), nan)
+    assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+
+
+def test_the_cast_of_rows_of_a_wider_tensor():
+    """Rows with a stride past K (a view of a wider tensor): each row read from its own start."""
+    wide = blocks_of_every_kind(torch.bfloat16, seed=3)
+    x = wide[:, 16 : 16 + 3 * 128]
+    values, descales = block_quantize_tiles(x.to(DEVICE))
+    want_values, want_descales = quantize_tiles(x)
+    assert_same_bits(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
+    nan = want_descales.isnan()
+    assert torch.equal(descales.cpu()[~nan], want_descales[~nan])

@@ -1,5 +1,10 @@
-"""The 128-block FP8 recipe's grouped product as a tl kernel: `mok.reference.fp8_block`'s GEMM on
-rows grouped by expert, the oracle of the recipe's kernels and their fallback.
+"""The 128-block FP8 recipe as tl kernels: the cast of 1 x 128 tiles and the grouped product,
+`mok.reference.fp8_block`'s on the GPU (the cast bit for bit), the oracles of the recipe's fast
+kernels and their fallback.
+
+The cast (`block_quantize_tile`, `block_quantize_tiles`): a tile's largest magnitude, its scale
+448 / amax (the division in fp64, as torchao's cast), the descale 1 / scale rounded to nearest
+(not the GPU's fast division), the values e4m3 of the clamped scaled values (`e4m3_bytes`).
 
 Each group's rows A (e4m3, 1 x 128 tiles along K with fp32 descales) times its expert's weight W
 (e4m3, 128 x 128 blocks with fp32 descales), step by step along K as the recipe forms it
@@ -21,17 +26,79 @@ from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
 from mok.kernels.host import GemmTiles, num_programs
 from mok.kernels.launch import fast_launch
-from mok.kernels.mx import bf16_rounded, e4m3_values
-from mok.reference.fp8_block import BLOCK
+from mok.kernels.mx import bf16_rounded, e4m3_saturated_bytes, e4m3_values
+from mok.reference.fp8_block import AMAX_FLOOR, BLOCK, E4M3_MAX
 
 if interpreting():
     patch_interpreter()
 
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
 HARDWARE_DOT = tl.constexpr(not interpreting())
 """The step's e4m3 values enter the dot as bf16 (exact) on GPUs; under the interpreter as fp32
 (exact too), since its dot multiplies the bits of bf16 values made inside a kernel."""
 TILES = GemmTiles(block_m=64, block_n=128, block_k=BLOCK, num_warps=4, num_stages=3)
 """Tiles of the tl product: BLOCK_K is the scale block (one descale per row and column a step)."""
+
+
+@triton.jit
+def block_quantize_tile(tile):
+    """(e4m3 bytes as int32 [ROWS, 128], descales fp32 [ROWS]) of an fp32 tile of x's values,
+    one 1 x 128 tile a row (zeros past a ragged end: they never raise an amax), as
+    `mok.reference.fp8_block.quantize_tiles` casts them."""
+    # |x|'s bits order as |x| does, every NaN's above infinity's: one integer max finds both.
+    amax_bits = tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    amax = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    floor = tl.full(amax.shape, _AMAX_FLOOR, tl.float64)
+    amax = tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL)
+    scale = (tl.full(amax.shape, _E4M3_MAX, tl.float64) / amax).to(tl.float32)
+    descale = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return e4m3_saturated_bytes(tile * scale[:, None]), descale
+
+
+@fast_launch
+@triton.jit
+def _block_quantize_kernel(
+    x_ptr,  # [M, K] bf16 or fp32, row stride x_stride
+    values_ptr,  # [M, K] out, e4m3 as uint8, contiguous
+    descales_ptr,  # [M, S] out, fp32, contiguous
+    M,
+    K,
+    x_stride,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid: (cdiv(M, BLOCK_M), S). One program casts the 1 x 128 tiles of step program_id(1) of
+    BLOCK_M rows."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    step = tl.program_id(1)
+    cols = step * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows64 = rows.to(tl.int64)
+    inside = (rows < M)[:, None] & (cols < K)[None, :]
+    tile = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=inside, other=0.0)
+    codes, descales = block_quantize_tile(tile.to(tl.float32))
+    tl.store(values_ptr + rows64[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=inside)
+    tl.store(descales_ptr + rows64 * tl.cdiv(K, BLOCK_K) + step, descales, mask=rows < M)
+
+
+def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mok.reference.fp8_block.quantize_tiles(x)` along x's last dimension, bit for bit: x [M, K]
+    bf16 or fp32 with a unit last stride -> (values [M, K] float8_e4m3fn, descales
+    [M, cdiv(K, 128)] fp32), both contiguous."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1:
+        raise ValueError(
+            f"x: [M, K] bf16 or fp32 with a unit last stride, got {tuple(x.shape)} {x.dtype}"
+        )
+    m, k = x.shape
+    steps = triton.cdiv(k, BLOCK)
+    values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
+    descales = torch.empty(m, steps, dtype=torch.float32, device=x.device)
+    if m and k:
+        block_m = 32
+        _block_quantize_kernel[(triton.cdiv(m, block_m), steps)](
+            x, values, descales, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=BLOCK
+        )
+    return values.view(torch.float8_e4m3fn), descales
 
 
 @triton.jit
