@@ -24,7 +24,7 @@ import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
-from mok.kernels.host import GemmTiles, num_programs
+from mok.kernels.host import GemmTiles, launch_options, num_programs
 from mok.kernels.launch import fast_launch
 from mok.kernels.mx import bf16_rounded, e4m3_saturated_bytes, e4m3_values
 from mok.reference.fp8_block import AMAX_FLOOR, BLOCK, E4M3_MAX
@@ -249,12 +249,6 @@ def block_scaled_grouped_mm(
         a_values.stride(0),
         n,
         k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        NUM_PROGRAMS=programs,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **launch_options(cfg, programs),
     )
     return out

@@ -51,6 +51,7 @@ from mok.kernels.host import (
     RowTiles,
     check_weighting,
     gathered_rows,
+    launch_options,
     launch_persistent,
     num_programs,
     use_scratch_allocator,
@@ -1265,19 +1266,6 @@ def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
     return block_n // 2 if block_n > 128 and grad.element_size() == 4 else block_n
 
 
-def _launch_options(cfg: GemmTiles, programs: int) -> dict:
-    """The tile meta-parameters and launch options every persistent kernel here takes."""
-    return {
-        "BLOCK_M": cfg.block_m,
-        "BLOCK_N": cfg.block_n,
-        "BLOCK_K": cfg.block_k,
-        "GROUP_M": cfg.group_m,
-        "NUM_PROGRAMS": programs,
-        "num_warps": cfg.num_warps,
-        "num_stages": cfg.num_stages,
-    }
-
-
 def _gather_args(rows: torch.Tensor, source_rows: torch.Tensor | None) -> tuple | None:
     """The kernels' gathered A source: (pointer, row stride, index), None without one."""
     if source_rows is None:
@@ -1348,7 +1336,7 @@ def gate_up_swiglu(
             counter,
             PLAIN=activation.plain,
             READY_FLAGS=_ready_flags(ready, bm),
-            **_launch_options(cfg, programs if counter is None else 1),
+            **launch_options(cfg, programs if counter is None else 1),
         )
 
     programs = num_programs(rows.device, tiles.capacity * triton.cdiv(inter, bn), cfg)
@@ -1381,7 +1369,7 @@ def _launch_down(
         _gather_args(h, source_rows),
         None if scatter is None else scatter.args(),
         EP_BLOCK=scatter.ep_block if scatter else 2,
-        **_launch_options(cfg, programs),
+        **launch_options(cfg, programs),
     )
 
 
@@ -1508,7 +1496,7 @@ def _down_dgrad_swiglu(
             weighting_args,
             PLAIN=activation.plain,
             READY_FLAGS=_ready_flags(ready, bm),
-            **_launch_options(cfg, programs if counter is None else 1),
+            **launch_options(cfg, programs if counter is None else 1),
         )
 
     launch_persistent(launch, programs, cfg.claims)
@@ -1541,7 +1529,7 @@ def gate_up_dgrad(
         tiles.capacity,
         hidden,
         inter,
-        **_launch_options(cfg, programs),
+        **launch_options(cfg, programs),
     )
     return grad_x
 
@@ -1569,7 +1557,7 @@ def down_wgrad(
         hidden,
         inter,
         ACCUMULATE=accumulate,
-        **_launch_options(cfg, programs),
+        **launch_options(cfg, programs),
     )
 
 
@@ -1609,5 +1597,5 @@ def gate_up_wgrad(
         ACCUMULATE_GATE=accumulate_gate,
         ACCUMULATE_UP=accumulate_up,
         GATHER=gathered,
-        **_launch_options(cfg, programs),
+        **launch_options(cfg, programs),
     )

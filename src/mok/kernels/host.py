@@ -199,6 +199,20 @@ def num_programs(device: torch.device, max_tasks: int, cfg: GemmTiles) -> int:
     return max(1, min(programs, max_tasks))
 
 
+def launch_options(cfg: GemmTiles, programs: int) -> dict:
+    """The tile meta-parameters and launch options of a persistent tl product on `programs`
+    programs (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, num_warps, num_stages)."""
+    return {
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+        "BLOCK_K": cfg.block_k,
+        "GROUP_M": cfg.group_m,
+        "NUM_PROGRAMS": programs,
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+    }
+
+
 def launch_persistent(
     launch: Callable[[int, torch.Tensor | None], None], programs: int, claims: TileClaims | None
 ) -> None:
