@@ -488,6 +488,7 @@ def tl_cases():
     # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
     yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)
     yield "tl fp8_block cast", lambda: _fp8_block_cast(x)
+    yield "tl fp8_block cast along the tokens", lambda: _fp8_block_tokens_cast(x, offsets)
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096
@@ -521,6 +522,13 @@ def _fp8_block_cast(x: torch.Tensor) -> None:
     from mok.kernels.fp8_block import block_quantize_tiles
 
     block_quantize_tiles(x)
+
+
+def _fp8_block_tokens_cast(x: torch.Tensor, offsets: torch.Tensor) -> None:
+    from mok.kernels.fp8_block import block_quantize_tokens
+    from mok.kernels.grouped_gemm import row_tile_map
+
+    block_quantize_tokens(x, row_tile_map(offsets, x.shape[0], 128))
 
 
 def _row_copy_cases():

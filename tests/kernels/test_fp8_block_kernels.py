@@ -6,6 +6,11 @@ the GPU's fast division (off by an ulp; on the GPU), an amax that lets a NaN thr
 or misses a tile's last elements, a scale from the wrong tile or row, a floor not applied (a tile
 of zeros with an infinite scale), e4m3 rounding off at ties or in the subnormal range.
 
+The cast along each group's tokens (the weight gradients' operands): bit for bit, each group's
+tiles from its first row, their descales at the row-tile table's rows. Catches tiles cut from the
+start of the rows instead of each group's, a group's last tile reaching into the next group's
+rows, descales stored at the wrong tile.
+
 The grouped product against the recipe's GEMM (`scaled_matmul`), group by group.
 The two form the same sums in another order (the partial sums of a step, a multiply-add that the
 GPU contracts), so they agree within fp32's rounding of those sums: each differs from the exact
@@ -27,7 +32,13 @@ import pytest
 import torch
 from mx_cases import assert_same_bits, blocks_of_every_kind
 
-from mok.kernels.fp8_block import TILES, block_quantize_tiles, block_scaled_grouped_mm
+from mok.kernels.fp8_block import (
+    TILES,
+    block_quantize_tiles,
+    block_quantize_tokens,
+    block_scaled_grouped_mm,
+)
+from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.fp8_block import (
     block_rows,
     dequantize_blocks,
@@ -142,3 +153,25 @@ def test_the_cast_of_rows_of_a_wider_tensor():
     assert_same_bits(values.cpu().view(torch.uint8), want_values.view(torch.uint8))
     nan = want_descales.isnan()
     assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # on the infinities' tiles
+def test_the_cast_along_each_groups_tokens_is_the_references():
+    """Groups of 130, 0, 40 and 300 rows after 6 rows outside them (tiles of 128 and ragged
+    ones); values over many binades with the special ones of `blocks_of_every_kind`."""
+    x = blocks_of_every_kind(torch.bfloat16, seed=4).repeat(8, 1)[:, :96]
+    groups, first = [130, 0, 40, 300], 6
+    offsets = torch.tensor([first, *(first + torch.tensor(groups).cumsum(0)).tolist()])
+    offsets = offsets.to(torch.int32)
+    tiles = row_tile_map(offsets.to(DEVICE), x.shape[0], 128)
+    values, descales = block_quantize_tokens(x.to(DEVICE), tiles)
+    values, descales = values.cpu().view(torch.uint8), descales.cpu()
+    tile = 0
+    for start, size in zip(offsets[:-1].tolist(), groups, strict=True):
+        want_values, want_descales = quantize_tiles(x[start : start + size], dim=0)
+        assert_same_bits(values[start : start + size], want_values.view(torch.uint8))
+        got = descales[tile : tile + want_descales.shape[0]]
+        nan = want_descales.isnan()
+        assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want_descales[~nan])
+        tile += want_descales.shape[0]

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
 from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
-from mok.kernels.host import GemmTiles, launch_options, num_programs
+from mok.kernels.host import GemmTiles, RowTiles, launch_options, num_programs
 from mok.kernels.launch import fast_launch
 from mok.kernels.mx import bf16_rounded, e4m3_saturated_bytes, e4m3_values
 from mok.reference.fp8_block import AMAX_FLOOR, BLOCK, E4M3_MAX
@@ -98,6 +98,62 @@ def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _block_quantize_kernel[(triton.cdiv(m, block_m), steps)](
             x, values, descales, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=BLOCK
         )
+    return values.view(torch.float8_e4m3fn), descales
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["capacity"])
+def _block_quantize_tokens_kernel(
+    x_ptr,  # [M, C] bf16 or fp32, row stride x_stride
+    values_ptr,  # [M, C] out, e4m3 as uint8, contiguous
+    descales_ptr,  # [capacity, C] out, fp32, contiguous
+    table_ptr,  # [3, capacity] int32 row tiles of 128 rows
+    counts_ptr,  # [2] int32
+    capacity,
+    C,
+    x_stride,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """Grid: (capacity, cdiv(C, BLOCK_C)). Program (t, j): row tile t of the groups' (rows [row,
+    row_end), at most BLOCK_T) at columns j * BLOCK_C..: each column's tile along the tokens cast
+    (`block_quantize_tile` on the transposed tile), its descale at descales[t, column]."""
+    t = tl.program_id(0)
+    if t < tl.load(counts_ptr):
+        row = tl.load(table_ptr + capacity + t)
+        row_end = tl.load(table_ptr + 2 * capacity + t)
+        rows = (row + tl.arange(0, BLOCK_T)).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = (rows < row_end)[:, None] & (cols < C)[None, :]
+        tile = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=inside, other=0.0)
+        codes, descales = block_quantize_tile(tl.trans(tile.to(tl.float32)))
+        tl.store(values_ptr + rows[:, None] * C + cols[None, :], tl.trans(codes).to(tl.uint8),
+                 mask=inside)  # fmt: skip
+        tl.store(descales_ptr + t * C + cols, descales, mask=cols < C)
+
+
+def block_quantize_tokens(x: torch.Tensor, tiles: RowTiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cast of each group's rows along the tokens, as the recipe's weight gradients take their
+    operands: tiles of 128 rows from each group's first row, `quantize_tiles(x[group], dim=0)`
+    bit for bit. x [M, C] bf16 or fp32 with a unit last stride; tiles: `row_tile_map` of the
+    groups with block_m 128. Returns (values [M, C] float8_e4m3fn, rows outside the groups
+    unwritten; descales [capacity, C] fp32, row t the descales of the table's tile t: each
+    group's tiles in row order, the groups in expert order, then rows never written)."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1:
+        raise ValueError(
+            f"x: [M, C] bf16 or fp32 with a unit last stride, got {tuple(x.shape)} {x.dtype}"
+        )
+    if tiles.block_m != BLOCK:
+        raise ValueError(f"the tokens' tiles are {BLOCK} rows: row tiles of {tiles.block_m}")
+    m, c = x.shape
+    values = torch.empty(m, c, dtype=torch.uint8, device=x.device)
+    descales = torch.empty(tiles.capacity, c, dtype=torch.float32, device=x.device)
+    if m and c:
+        block_c = 32
+        _block_quantize_tokens_kernel[(tiles.capacity, triton.cdiv(c, block_c))](
+            x, values, descales, tiles.table, tiles.counts, tiles.capacity, c, x.stride(0),
+            BLOCK_C=block_c, BLOCK_T=BLOCK,
+        )  # fmt: skip
     return values.view(torch.float8_e4m3fn), descales
 
 
