@@ -489,6 +489,7 @@ def tl_cases():
     yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)
     yield "tl fp8_block cast", lambda: _fp8_block_cast(x)
     yield "tl fp8_block cast along the tokens", lambda: _fp8_block_tokens_cast(x, offsets)
+    yield "tl fp8_block weight gradient", lambda: _fp8_block_wgrad(m, experts, offsets)
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
     # loads of a column chunk in flight at once: registers and spills to watch).
     tokens, top_k, wide = 64, 8, 4096
@@ -529,6 +530,14 @@ def _fp8_block_tokens_cast(x: torch.Tensor, offsets: torch.Tensor) -> None:
     from mok.kernels.grouped_gemm import row_tile_map
 
     block_quantize_tokens(x, row_tile_map(offsets, x.shape[0], 128))
+
+
+def _fp8_block_wgrad(m: int, experts: int, offsets: torch.Tensor) -> None:
+    from mok.kernels.fp8_block import block_scaled_grouped_wgrad
+
+    e4m3, tiles = torch.float8_e4m3fn, m // 128 + experts + 2
+    grad, x = torch.zeros(m, 2048, dtype=e4m3), torch.zeros(m, 7168, dtype=e4m3)
+    block_scaled_grouped_wgrad(grad, torch.zeros(tiles, 2048), x, torch.zeros(tiles, 7168), offsets)
 
 
 def _row_copy_cases():

@@ -11,6 +11,10 @@ tiles from its first row, their descales at the row-tile table's rows. Catches t
 start of the rows instead of each group's, a group's last tile reaching into the next group's
 rows, descales stored at the wrong tile.
 
+The weight gradient against the recipe's GEMM over each group's tokens, expert by expert, within
+the same rounding bound as the product: a step's descales from another tile or expert, a group's
+tokens past its end, an expert without rows not zeros.
+
 The grouped product against the recipe's GEMM (`scaled_matmul`), group by group.
 The two form the same sums in another order (the partial sums of a step, a multiply-add that the
 GPU contracts), so they agree within fp32's rounding of those sums: each differs from the exact
@@ -37,6 +41,7 @@ from mok.kernels.fp8_block import (
     block_quantize_tiles,
     block_quantize_tokens,
     block_scaled_grouped_mm,
+    block_scaled_grouped_wgrad,
 )
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.fp8_block import (
@@ -175,3 +180,33 @@ def test_the_cast_along_each_groups_tokens_is_the_references():
         nan = want_descales.isnan()
         assert torch.equal(got.isnan(), nan) and torch.equal(got[~nan], want_descales[~nan])
         tile += want_descales.shape[0]
+
+
+def test_the_weight_gradient_follows_the_recipe():
+    """Groups of 200 (a whole tile and a ragged one), 0 and 90 tokens after 5 rows outside them;
+    N 96 and K 80 off the tiles."""
+    generator = torch.Generator().manual_seed(5)
+    groups, first = [200, 0, 90], 5
+    m = first + sum(groups)
+    grad = torch.randn(m, 96, generator=generator) * torch.rand(m, 1, generator=generator) * 4
+    x = torch.randn(m, 80, generator=generator) * torch.rand(1, 80, generator=generator)
+    grad, x = grad.bfloat16(), x.bfloat16()
+    offsets = torch.tensor([first, *(first + torch.tensor(groups).cumsum(0)).tolist()])
+    offsets = offsets.to(torch.int32).to(DEVICE)
+    tiles = row_tile_map(offsets, m, 128)
+    g_cast = block_quantize_tokens(grad.to(DEVICE), tiles)
+    x_cast = block_quantize_tokens(x.to(DEVICE), tiles)
+    out = block_scaled_grouped_wgrad(*g_cast, *x_cast, offsets).cpu()
+    start = first
+    for e, size in enumerate(groups):
+        g_values, g_descales = quantize_tiles(grad[start : start + size], dim=0)
+        x_values, x_descales = quantize_tiles(x[start : start + size], dim=0)
+        want = scaled_matmul(g_values.T, g_descales.T, x_values.T, x_descales.T)
+        g_exact = dequantize_tiles(g_values, g_descales, dim=0, dtype=torch.float64).abs()
+        x_exact = dequantize_tiles(x_values, x_descales, dim=0, dtype=torch.float64).abs()
+        bound = 2 * (g_descales.shape[0] + 130) * 2.0**-24 * (g_exact.T @ x_exact)
+        error = (out[e].double() - want.double()).abs()
+        assert bool((error <= bound).all()), (e, (error - bound).max().item())
+        if size == 0:
+            assert not out[e].any()
+        start += size

@@ -39,6 +39,8 @@ HARDWARE_DOT = tl.constexpr(not interpreting())
 (exact too), since its dot multiplies the bits of bf16 values made inside a kernel."""
 TILES = GemmTiles(block_m=64, block_n=128, block_k=BLOCK, num_warps=4, num_stages=3)
 """Tiles of the tl product: BLOCK_K is the scale block (one descale per row and column a step)."""
+WGRAD_TILES = GemmTiles(block_m=64, block_n=64, block_k=BLOCK, num_warps=4, num_stages=2)
+"""Tiles of the tl weight gradient: 64 rows of N by 64 columns of K, a step per 128 tokens."""
 
 
 @triton.jit
@@ -307,4 +309,109 @@ def block_scaled_grouped_mm(
         k,
         **launch_options(cfg, programs),
     )
+    return out
+
+
+@fast_launch
+@triton.jit
+def _block_scaled_wgrad_kernel(
+    g_ptr,  # [M, N] e4m3 as uint8, contiguous: the gradient, cast along the tokens
+    g_descales_ptr,  # [capacity, N] fp32: its descales, a row per tile of 128 tokens
+    x_ptr,  # [M, K] e4m3 as uint8, contiguous: the inputs, cast along the tokens
+    x_descales_ptr,  # [capacity, K] fp32
+    offsets_ptr,  # [E + 1] int32 group offsets
+    tile_starts_ptr,  # [E] int32: each expert's first tile (row of the descales)
+    out_ptr,  # [E, N, K] out, contiguous
+    num_experts,
+    N,
+    K,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+):
+    """Grid: NUM_PROGRAMS. out[e] = G[group e].T x X[group e] in the recipe's steps, a step
+    per tile of 128 tokens from the group's first row: the step's fp32 partial sums times G's
+    descale of each row n and X's of each column k, added in fp32; rounded once (zeros for an
+    expert without rows)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for task in tl.range(tl.program_id(0), num_experts * n_tiles * k_tiles, NUM_PROGRAMS):
+        expert = task // (n_tiles * k_tiles)
+        n_idx = task // k_tiles % n_tiles
+        k_idx = task % k_tiles
+        start = tl.load(offsets_ptr + expert)
+        end = tl.load(offsets_ptr + expert + 1)
+        first_tile = tl.load(tile_starts_ptr + expert)
+        ns = n_idx * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = k_idx * BLOCK_K + tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for step in range(0, tl.cdiv(end - start, BLOCK_T)):
+            rows = (start + step * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+            row_ok = rows < end
+            g_codes = tl.load(
+                g_ptr + rows[:, None] * N + ns[None, :],
+                mask=row_ok[:, None] & (ns < N)[None, :],
+                other=0,
+            )
+            x_codes = tl.load(
+                x_ptr + rows[:, None] * K + ks[None, :],
+                mask=row_ok[:, None] & (ks < K)[None, :],
+                other=0,
+            )
+            g = tl.trans(e4m3_values(g_codes))
+            x = e4m3_values(x_codes)
+            if HARDWARE_DOT:
+                partial = tl.dot(g.to(tl.bfloat16), x.to(tl.bfloat16), out_dtype=tl.float32)
+            else:
+                partial = tl.dot(g, x, input_precision="ieee", out_dtype=tl.float32)
+            tile = (first_tile + step).to(tl.int64)
+            g_descale = tl.load(g_descales_ptr + tile * N + ns, mask=ns < N, other=0.0)
+            x_descale = tl.load(x_descales_ptr + tile * K + ks, mask=ks < K, other=0.0)
+            acc += partial * (g_descale[:, None] * x_descale[None, :])
+        if out_ptr.dtype.element_ty == tl.bfloat16:
+            acc = bf16_rounded(acc)  # the interpreter's own cast truncates
+        out = out_ptr + expert.to(tl.int64) * N * K + ns[:, None] * K + ks[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+def block_scaled_grouped_wgrad(
+    g_values: torch.Tensor,
+    g_descales: torch.Tensor,
+    x_values: torch.Tensor,
+    x_descales: torch.Tensor,
+    group_offsets: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The recipe's weight gradient: out [E, N, K] of out_dtype, out[e] = G[group e].T x
+    X[group e] with both operands cast along each group's tokens (`block_quantize_tokens` on
+    the row tiles of 128 rows of group_offsets: g_values [M, N], x_values [M, K] e4m3, their
+    descales [capacity, N], [capacity, K] fp32), as `mok.reference.fp8_block.scaled_matmul`
+    forms it over the group's tokens, rounded once."""
+    experts = group_offsets.numel() - 1
+    m, n = g_values.shape
+    k = x_values.shape[1]
+    if g_values.dtype != torch.float8_e4m3fn or x_values.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"values must be float8_e4m3fn, got {g_values.dtype}, {x_values.dtype}")
+    if x_values.shape[0] != m or g_descales.shape[1] != n or x_descales.shape[1] != k:
+        raise ValueError(
+            f"G [M, N], X [M, K] and their descales [tiles, N], [tiles, K], got "
+            f"{tuple(g_values.shape)}, {tuple(x_values.shape)}, {tuple(g_descales.shape)}, "
+            f"{tuple(x_descales.shape)}"
+        )
+    out = torch.empty(experts, n, k, dtype=out_dtype, device=g_values.device)
+    if experts == 0 or n == 0 or k == 0:
+        return out
+    sizes = (group_offsets[1:] - group_offsets[:-1]).clamp(min=0)
+    tiles = torch.div(sizes + BLOCK - 1, BLOCK, rounding_mode="floor")
+    tile_starts = (tiles.cumsum(0) - tiles).to(torch.int32)
+    cfg = WGRAD_TILES
+    tasks = experts * triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n)
+    programs = num_programs(g_values.device, tasks, cfg)
+    _block_scaled_wgrad_kernel[(programs,)](
+        g_values.contiguous().view(torch.uint8), g_descales.contiguous(),
+        x_values.contiguous().view(torch.uint8), x_descales.contiguous(), group_offsets,
+        tile_starts, out, experts, n, k, BLOCK_N=cfg.block_m, BLOCK_K=cfg.block_n, BLOCK_T=BLOCK,
+        NUM_PROGRAMS=programs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return out
