@@ -1,4 +1,4 @@
-"""The expert MLP's forward in the 128-block FP8 recipe on the tl kernels
+"""The expert MLP in the 128-block FP8 recipe on the tl kernels
 (`mok.kernels.fp8_block_expert_mlp`) against the recipe's reference
 (`mok.reference.fp8_block_expert`) and against float64: under the interpreter on the CPU,
 compiled on the GPU.
@@ -6,8 +6,12 @@ compiled on the GPU.
 The two compute the same recipe with the products' fp32 sums in another order, so nearly every
 output is the reference's bit for bit (a sum's last bit can flip a rounding of h or of the output
 on the GPU), and the error against float64 is the emulation's (the issue's contract: at most 1.2x
-it). Bugs these catch: a bias added to another expert's rows, the clamp or gpt-oss's activation
-left out, the rows outside the groups given values.
+it); the same for every gradient. Bugs these catch: a bias added to another expert's rows, the
+clamp or gpt-oss's activation left out, the rows outside the groups given values; in the
+backward, a weight's blocks not transposed for its data gradient, the two data gradients'
+products not summed, grad h not rounded before the activation's backward, the weight gradients'
+operands cast along the features instead of the tokens or from the bf16 rows instead of their
+saved casts.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_forward
+from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_backward, fp8_block_expert_forward
 from mok.kernels.host import Activation
 from mok.reference.expert import grouped_expert_mlp
 from mok.reference.fp8_block_expert import fp8_block_grouped_expert_mlp
@@ -40,6 +44,11 @@ def _experts(experts: int, hidden: int, inter: int, with_biases: bool, seed: int
     return weights, biases
 
 
+def _error(y: torch.Tensor, truth: torch.Tensor) -> float:
+    """The largest error of y against float64's truth, relative to the truth's largest value."""
+    return ((y.double() - truth).abs().max() / truth.abs().max()).item()
+
+
 def _offsets(groups: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(groups).cumsum(0).tolist()], dtype=torch.int32)
 
@@ -55,10 +64,11 @@ def test_the_forward_is_the_references(limit, activation, with_biases):
     x = torch.randn(sum(groups), hidden, generator=torch.Generator().manual_seed(1)) * 4
     x = x.bfloat16()
     on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down)]
-    out = fp8_block_expert_forward(
+    out, _ = fp8_block_expert_forward(
         on[0], _offsets(groups).to(DEVICE), *on[1:], limit,
         None if biases is None else tuple(b.to(DEVICE) for b in biases), activation,
-    ).cpu()  # fmt: skip
+    )  # fmt: skip
+    out = out.cpu()
     options = {"biases": biases, "alpha": activation.alpha, "up_offset": activation.up_offset}
     want = fp8_block_grouped_expert_mlp(x, groups, w_gate, w_up, w_down, limit, **options)
     exact = grouped_expert_mlp(
@@ -67,11 +77,7 @@ def test_the_forward_is_the_references(limit, activation, with_biases):
         alpha=activation.alpha, up_offset=activation.up_offset,
     )  # fmt: skip
     assert (out == want).float().mean() >= 0.99
-
-    def error(y):
-        return ((y.double() - exact).abs().max() / exact.abs().max()).item()
-
-    assert error(out) <= 1.2 * error(want)
+    assert _error(out, exact) <= 1.2 * _error(want, exact)
 
 
 def test_rows_outside_the_groups_are_zeros():
@@ -79,9 +85,42 @@ def test_rows_outside_the_groups_are_zeros():
     x = torch.randn(50, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     offsets = torch.tensor([5, 20, 40], dtype=torch.int32)
     on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down)]
-    out = fp8_block_expert_forward(
+    out, _ = fp8_block_expert_forward(
         on[0], offsets.to(DEVICE), *on[1:], None, tuple(b.to(DEVICE) for b in biases)
-    ).cpu()
+    )
+    out = out.cpu()
     assert not out[:5].any() and not out[40:].any()
     want = fp8_block_grouped_expert_mlp(x[5:40], [15, 20], w_gate, w_up, w_down, biases=biases)
     assert (out[5:40] == want).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize(
+    ("limit", "activation"), [(7.0, Activation()), (7.0, Activation(1.702, 1.0))]
+)
+def test_the_backward_is_the_references(limit, activation):
+    groups, hidden, inter = [150, 0, 60, 90], 256, 384
+    (w_gate, w_up, w_down), _ = _experts(len(groups), hidden, inter, False, seed=3)
+    generator = torch.Generator().manual_seed(4)
+    x = (torch.randn(sum(groups), hidden, generator=generator) * 4).bfloat16()
+    grad_out = torch.randn(sum(groups), hidden, generator=generator).bfloat16()
+    on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down)]
+    _, saved = fp8_block_expert_forward(
+        on[0], _offsets(groups).to(DEVICE), *on[1:], limit, None, activation
+    )
+    grads = [g.cpu() for g in fp8_block_expert_backward(grad_out.to(DEVICE), saved)]
+    leaves = [t.clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    options = {"alpha": activation.alpha, "up_offset": activation.up_offset}
+    fp8_block_grouped_expert_mlp(leaves[0], groups, *leaves[1:], limit, **options).backward(
+        grad_out
+    )
+    exact_leaves = [t.double().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    grouped_expert_mlp(exact_leaves[0], groups, *exact_leaves[1:], limit, **options).backward(
+        grad_out.double()
+    )
+    for name, got, leaf, exact in zip(["x", "w_gate", "w_up", "w_down"], grads, leaves,
+                                      exact_leaves, strict=True):  # fmt: skip
+        want, truth = leaf.grad, exact.grad
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert (got == want).float().mean() >= 0.99, name
+
+        assert _error(got, truth) <= 1.2 * _error(want, truth), name

@@ -1,24 +1,58 @@
-"""The expert MLP's forward in the 128-block FP8 recipe on the recipe's tl kernels
-(`mok.kernels.fp8_block`): `mok.reference.fp8_block_expert`'s forward on rows grouped by expert,
-with no host synchronization.
+"""The expert MLP in the 128-block FP8 recipe on the recipe's tl kernels (`mok.kernels.fp8_block`):
+`mok.reference.fp8_block_expert`'s forward and backward on rows grouped by expert, with no host
+synchronization.
 
-    rows -> cast (1 x 128 tiles along H) -> gate, up products (fp32) [+ biases] -> activation
-    -> h (the rows' dtype) -> cast along I -> down product (fp32) [+ bias] -> out (rounded once)
+    forward   rows -> cast (1 x 128 tiles along H) -> gate, up products (fp32) [+ biases]
+              -> activation -> h (the rows' dtype) -> cast along I -> down product [+ bias] -> out
+    backward  grad out -> cast along H -> x W_down's transposed blocks -> grad h (rounded)
+              -> activation backward on the saved pre-activations -> grad gate, grad up
+              -> cast along I -> x W_gate's, W_up's transposed blocks -> grad rows (their sum)
+              weight gradients: both operands cast along each group's tokens (the saved casts of
+              the rows and of h dequantized first, as the reference does)
 
 The weights' 128 x 128 block casts are the reference's (`quantize_blocks`): weights are cast once
-per optimizer step, not per call. The activation and the biases are the reference's PyTorch
-operations, so that the only difference from the reference is the order of fp32 sums inside the
-products' steps. The backward and the fused gate/up product are not built yet.
+per optimizer step, not per call; one cast serves the forward and (transposed) the backward. The
+activation, its backward and the biases are the reference's PyTorch operations, so that the only
+difference from the reference is the order of fp32 sums inside the products' steps. Not built
+yet: the fused gate/up product and the biases' gradients.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from mok.kernels.fp8_block import block_quantize_tiles, block_scaled_grouped_mm
+from mok.kernels.fp8_block import (
+    BLOCK,
+    block_quantize_tiles,
+    block_quantize_tokens,
+    block_scaled_grouped_mm,
+    block_scaled_grouped_wgrad,
+)
+from mok.kernels.grouped_gemm import row_tile_map
 from mok.kernels.host import SWIGLU, Activation
-from mok.reference.expert import swiglu
-from mok.reference.fp8_block import quantize_blocks
+from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
+from mok.reference.fp8_block import dequantize_tiles, quantize_blocks
+
+
+class FP8BlockSaved(NamedTuple):
+    """What the forward keeps for `fp8_block_expert_backward`."""
+
+    x_cast: tuple[torch.Tensor, torch.Tensor]
+    """The rows' cast along H: (values [M, H] e4m3, descales [M, cdiv(H, 128)])."""
+    h_cast: tuple[torch.Tensor, torch.Tensor]
+    """h's cast along I."""
+    gate: torch.Tensor
+    """[M, I] the pre-activations as `saved_preactivations` keeps them, the rows' dtype."""
+    up: torch.Tensor
+    group_offsets: torch.Tensor
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    """(w_gate, w_up, w_down)."""
+    activation: tuple
+    """(limit, alpha, up_offset)."""
+    inside: torch.Tensor
+    """[M] bool: the rows inside the groups."""
 
 
 def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -36,11 +70,12 @@ def fp8_block_expert_forward(
     swiglu_limit: float | None = None,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Activation = SWIGLU,
-) -> torch.Tensor:
-    """out [M, H] in the rows' dtype: each group's rows (rows [M, H] bf16, grouped by
-    group_offsets [E + 1] int32 on their device) through its expert's w_gate, w_up [E, I, H] and
-    w_down [E, H, I] in the 128-block recipe, as `fp8_block_grouped_expert_mlp` computes them;
-    biases (b_gate, b_up [E, I], b_down [E, H]) added in fp32. Rows outside the groups: zeros."""
+) -> tuple[torch.Tensor, FP8BlockSaved]:
+    """(out [M, H] in the rows' dtype, what the backward needs): each group's rows (rows [M, H]
+    bf16, grouped by group_offsets [E + 1] int32 on their device) through its expert's w_gate,
+    w_up [E, I, H] and w_down [E, H, I] in the 128-block recipe, as
+    `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
+    added in fp32. Rows outside the groups: zeros."""
     dtype, m = rows.dtype, rows.shape[0]
     x_values, x_descales = block_quantize_tiles(rows)
     gate = block_scaled_grouped_mm(
@@ -65,4 +100,57 @@ def fp8_block_expert_forward(
     out = out.masked_fill(~inside[:, None], 0.0)
     if biases is not None:
         out = out + _per_row(biases[2], experts)
-    return out.to(dtype)
+    gate, up = saved_preactivations(gate, up, swiglu_limit, dtype)
+    saved = FP8BlockSaved(
+        (x_values, x_descales), (h_values, h_descales), gate, up, group_offsets,
+        (w_gate, w_up, w_down), (swiglu_limit, activation.alpha, activation.up_offset), inside,
+    )  # fmt: skip
+    return out.to(dtype), saved
+
+
+def _transposed_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block cast of w [E, N, K] as the product's weight for w.T: (values [E, K, N]
+    contiguous, descales [E, cdiv(K, 128), cdiv(N, 128)]): W.T's blocks are W's transposed."""
+    values, descales = quantize_blocks(w)
+    return values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous()
+
+
+def fp8_block_expert_backward(
+    grad_out: torch.Tensor, saved: FP8BlockSaved
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I]) of the forward
+    that made `saved`, for grad_out [M, H] (the rows' dtype), as the reference's backward forms
+    them; the weights' gradients in the weights' dtype, grad rows zeros outside the groups."""
+    w_gate, w_up, w_down = saved.weights
+    offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
+    fp32 = torch.float32
+    g_values, g_descales = block_quantize_tiles(grad_out)
+    grad_h = block_scaled_grouped_mm(
+        g_values, g_descales, *_transposed_blocks(w_down), offsets, fp32
+    )
+    grad_h = grad_h.masked_fill(~inside[:, None], 0.0).to(dtype).float()
+    grad_gate, grad_up = activation_gradients(saved.gate, saved.up, grad_h, saved.activation, dtype)
+    gate_cast, up_cast = block_quantize_tiles(grad_gate), block_quantize_tiles(grad_up)
+    grad_rows = block_scaled_grouped_mm(*gate_cast, *_transposed_blocks(w_gate), offsets, fp32)
+    grad_rows = grad_rows + block_scaled_grouped_mm(
+        *up_cast, *_transposed_blocks(w_up), offsets, fp32
+    )
+    grad_rows = grad_rows.masked_fill(~inside[:, None], 0.0).to(dtype)
+    tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
+    x_tokens = block_quantize_tokens(dequantize_tiles(*saved.x_cast), tiles)
+    h_tokens = block_quantize_tokens(dequantize_tiles(*saved.h_cast), tiles)
+    grad_w_down = block_scaled_grouped_wgrad(
+        *block_quantize_tokens(grad_out, tiles), *h_tokens, offsets
+    )
+    grad_w_gate = block_scaled_grouped_wgrad(
+        *block_quantize_tokens(grad_gate, tiles), *x_tokens, offsets
+    )
+    grad_w_up = block_scaled_grouped_wgrad(
+        *block_quantize_tokens(grad_up, tiles), *x_tokens, offsets
+    )
+    return (
+        grad_rows,
+        grad_w_gate.to(w_gate.dtype),
+        grad_w_up.to(w_up.dtype),
+        grad_w_down.to(w_down.dtype),
+    )
