@@ -120,7 +120,8 @@ def fp8_block_expert_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I]) of the forward
     that made `saved`, for grad_out [M, H] (the rows' dtype), as the reference's backward forms
-    them; the weights' gradients in the weights' dtype, grad rows zeros outside the groups."""
+    them; the weights' gradients in the weights' dtype, grad rows zeros outside the groups. The
+    biases' gradients (of a forward with biases) are not among them yet."""
     w_gate, w_up, w_down = saved.weights
     offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
     fp32 = torch.float32
