@@ -11,7 +11,7 @@ clamp or gpt-oss's activation left out, the rows outside the groups given values
 backward, a weight's blocks not transposed for its data gradient, the two data gradients'
 products not summed, grad h not rounded before the activation's backward, the weight gradients'
 operands cast along the features instead of the tokens or from the bf16 rows instead of their
-saved casts.
+saved casts, a bias's gradient summed over another expert's rows.
 """
 
 from __future__ import annotations
@@ -95,32 +95,33 @@ def test_rows_outside_the_groups_are_zeros():
 
 
 @pytest.mark.parametrize(
-    ("limit", "activation"), [(7.0, Activation()), (7.0, Activation(1.702, 1.0))]
+    ("limit", "activation", "with_biases"),
+    [(7.0, Activation(), False), (7.0, Activation(1.702, 1.0), True)],
 )
-def test_the_backward_is_the_references(limit, activation):
+def test_the_backward_is_the_references(limit, activation, with_biases):
     groups, hidden, inter = [150, 0, 60, 90], 256, 384
-    (w_gate, w_up, w_down), _ = _experts(len(groups), hidden, inter, False, seed=3)
+    (w_gate, w_up, w_down), biases = _experts(len(groups), hidden, inter, with_biases, seed=3)
     generator = torch.Generator().manual_seed(4)
     x = (torch.randn(sum(groups), hidden, generator=generator) * 4).bfloat16()
     grad_out = torch.randn(sum(groups), hidden, generator=generator).bfloat16()
-    on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down)]
+    inputs = (x, w_gate, w_up, w_down, *(biases or ()))
+    on = [t.to(DEVICE) for t in inputs]
     _, saved = fp8_block_expert_forward(
-        on[0], _offsets(groups).to(DEVICE), *on[1:], limit, None, activation
+        on[0], _offsets(groups).to(DEVICE), *on[1:4], limit, tuple(on[4:]) or None, activation
     )
-    grads = [g.cpu() for g in fp8_block_expert_backward(grad_out.to(DEVICE), saved)]
-    leaves = [t.clone().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
+    grads = fp8_block_expert_backward(grad_out.to(DEVICE), saved)
+    if biases is None:
+        assert grads[4:] == (None, None, None)
+    leaves = [t.clone().requires_grad_(True) for t in inputs]
+    exact_leaves = [t.double().requires_grad_(True) for t in inputs]
     options = {"alpha": activation.alpha, "up_offset": activation.up_offset}
-    fp8_block_grouped_expert_mlp(leaves[0], groups, *leaves[1:], limit, **options).backward(
-        grad_out
-    )
-    exact_leaves = [t.double().requires_grad_(True) for t in (x, w_gate, w_up, w_down)]
-    grouped_expert_mlp(exact_leaves[0], groups, *exact_leaves[1:], limit, **options).backward(
-        grad_out.double()
-    )
-    for name, got, leaf, exact in zip(["x", "w_gate", "w_up", "w_down"], grads, leaves,
-                                      exact_leaves, strict=True):  # fmt: skip
-        want, truth = leaf.grad, exact.grad
+    for chosen, grad in ((leaves, grad_out), (exact_leaves, grad_out.double())):
+        forward = fp8_block_grouped_expert_mlp if chosen is leaves else grouped_expert_mlp
+        given = {} if biases is None else {"biases": tuple(chosen[4:])}
+        forward(chosen[0], groups, *chosen[1:4], limit, **options, **given).backward(grad)
+    names = ["x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"]
+    for name, got, leaf, exact in zip(names, grads, leaves, exact_leaves, strict=False):
+        got, want, truth = got.cpu(), leaf.grad, exact.grad
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert (got == want).float().mean() >= 0.99, name
-
         assert _error(got, truth) <= 1.2 * _error(want, truth), name

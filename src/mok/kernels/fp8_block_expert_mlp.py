@@ -13,8 +13,8 @@ synchronization.
 The weights' 128 x 128 block casts are the reference's (`quantize_blocks`): weights are cast once
 per optimizer step, not per call; one cast serves the forward and (transposed) the backward. The
 activation, its backward and the biases are the reference's PyTorch operations, so that the only
-difference from the reference is the order of fp32 sums inside the products' steps. Not built
-yet: the fused gate/up product and the biases' gradients.
+difference from the reference is the order of fp32 sums inside the products' steps (and inside
+the biases' gradients, `group_column_sums`). Not built yet: the fused gate/up product.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mok.kernels.fp8_block import (
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
 )
-from mok.kernels.grouped_gemm import row_tile_map
+from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
 from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
 from mok.reference.fp8_block import dequantize_tiles, quantize_blocks
@@ -53,6 +53,8 @@ class FP8BlockSaved(NamedTuple):
     """(limit, alpha, up_offset)."""
     inside: torch.Tensor
     """[M] bool: the rows inside the groups."""
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """The forward's (b_gate, b_up, b_down), or None."""
 
 
 def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
@@ -104,6 +106,7 @@ def fp8_block_expert_forward(
     saved = FP8BlockSaved(
         (x_values, x_descales), (h_values, h_descales), gate, up, group_offsets,
         (w_gate, w_up, w_down), (swiglu_limit, activation.alpha, activation.up_offset), inside,
+        biases,
     )  # fmt: skip
     return out.to(dtype), saved
 
@@ -115,13 +118,12 @@ def _transposed_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous()
 
 
-def fp8_block_expert_backward(
-    grad_out: torch.Tensor, saved: FP8BlockSaved
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I]) of the forward
-    that made `saved`, for grad_out [M, H] (the rows' dtype), as the reference's backward forms
-    them; the weights' gradients in the weights' dtype, grad rows zeros outside the groups. The
-    biases' gradients (of a forward with biases) are not among them yet."""
+def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> tuple:
+    """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I], grad b_gate,
+    grad b_up [E, I], grad b_down [E, H]) of the forward that made `saved`, for grad_out [M, H]
+    (the rows' dtype), as the reference's backward forms them: the weights' and biases'
+    gradients in their dtypes (the biases' None without biases; zeros for an expert without
+    rows), grad rows zeros outside the groups."""
     w_gate, w_up, w_down = saved.weights
     offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
     fp32 = torch.float32
@@ -149,9 +151,17 @@ def fp8_block_expert_backward(
     grad_w_up = block_scaled_grouped_wgrad(
         *block_quantize_tokens(grad_up, tiles), *x_tokens, offsets
     )
+    grad_biases = (None, None, None)
+    if saved.biases is not None:
+        # Summed into fp32 and rounded here: the interpreter's cast to bf16 truncates.
+        grad_biases = tuple(
+            group_column_sums(grad, offsets, torch.empty_like(bias, dtype=fp32)).to(bias.dtype)
+            for grad, bias in zip((grad_gate, grad_up, grad_out), saved.biases, strict=True)
+        )
     return (
         grad_rows,
         grad_w_gate.to(w_gate.dtype),
         grad_w_up.to(w_up.dtype),
         grad_w_down.to(w_down.dtype),
+        *grad_biases,
     )
