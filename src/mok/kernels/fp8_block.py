@@ -1,5 +1,6 @@
-"""The 128-block FP8 recipe as tl kernels: the cast of 1 x 128 tiles and the grouped product,
-`mok.reference.fp8_block`'s on the GPU (the cast bit for bit), the oracles of the recipe's fast
+"""The 128-block FP8 recipe as tl kernels: the casts of 1 x 128 tiles (along the features, and
+along each group's tokens), the grouped product and the weight gradient,
+`mok.reference.fp8_block`'s on the GPU (the casts bit for bit), the oracles of the recipe's fast
 kernels and their fallback.
 
 The cast (`block_quantize_tile`, `block_quantize_tiles`): a tile's largest magnitude, its scale
@@ -83,14 +84,18 @@ def _block_quantize_kernel(
     tl.store(descales_ptr + rows64 * tl.cdiv(K, BLOCK_K) + step, descales, mask=rows < M)
 
 
-def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`mok.reference.fp8_block.quantize_tiles(x)` along x's last dimension, bit for bit: x [M, K]
-    bf16 or fp32 with a unit last stride -> (values [M, K] float8_e4m3fn, descales
-    [M, cdiv(K, 128)] fp32), both contiguous."""
+def _check_cast_input(x: torch.Tensor) -> None:
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1:
         raise ValueError(
             f"x: [M, K] bf16 or fp32 with a unit last stride, got {tuple(x.shape)} {x.dtype}"
         )
+
+
+def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`mok.reference.fp8_block.quantize_tiles(x)` along x's last dimension, bit for bit: x [M, K]
+    bf16 or fp32 with a unit last stride -> (values [M, K] float8_e4m3fn, descales
+    [M, cdiv(K, 128)] fp32), both contiguous."""
+    _check_cast_input(x)
     m, k = x.shape
     steps = triton.cdiv(k, BLOCK)
     values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
@@ -141,10 +146,7 @@ def block_quantize_tokens(x: torch.Tensor, tiles: RowTiles) -> tuple[torch.Tenso
     groups with block_m 128. Returns (values [M, C] float8_e4m3fn, rows outside the groups
     unwritten; descales [capacity, C] fp32, row t the descales of the table's tile t: each
     group's tiles in row order, the groups in expert order, then rows never written)."""
-    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.stride(1) != 1:
-        raise ValueError(
-            f"x: [M, C] bf16 or fp32 with a unit last stride, got {tuple(x.shape)} {x.dtype}"
-        )
+    _check_cast_input(x)
     if tiles.block_m != BLOCK:
         raise ValueError(f"the tokens' tiles are {BLOCK} rows: row tiles of {tiles.block_m}")
     m, c = x.shape
@@ -280,20 +282,25 @@ def block_scaled_grouped_mm(
     group_offsets: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16,
     cfg: GemmTiles = TILES,
+    tiles: RowTiles | None = None,
 ) -> torch.Tensor:
     """out [M, N] of out_dtype: for each expert e, the rows of its group
     [group_offsets[e], group_offsets[e + 1]) of A (a_values [M, K] e4m3, a_descales [M, S] fp32:
     `quantize_tiles` along K) times W[e] (w_values [E, N, K] e4m3, w_descales [E, cdiv(N, 128),
     S] fp32: `quantize_blocks`), as `mok.reference.fp8_block.scaled_matmul` forms it, rounded
     once; S = cdiv(K, 128). Rows outside the groups are left unwritten. group_offsets: [E + 1]
-    int32 on the device, non-decreasing, the last <= M."""
+    int32 on the device, non-decreasing, the last <= M. tiles: their `row_tile_map` for
+    cfg.block_m, where the caller has it (None: made here)."""
     m, n, k = _check(a_values, a_descales, w_values, w_descales, group_offsets)
     if cfg.block_k != BLOCK:
         raise ValueError(f"a step of the recipe is one scale block: block_k {BLOCK}")
     out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
     if m == 0 or n == 0:
         return out
-    tiles = row_tile_map(group_offsets, m, cfg.block_m)
+    if tiles is None:
+        tiles = row_tile_map(group_offsets, m, cfg.block_m)
+    elif tiles.block_m != cfg.block_m:
+        raise ValueError(f"row tiles of {tiles.block_m} rows for tiles of {cfg.block_m}")
     programs = num_programs(a_values.device, tiles.capacity * triton.cdiv(n, cfg.block_n), cfg)
     _block_scaled_kernel[(programs,)](
         a_values.view(torch.uint8),

@@ -10,11 +10,12 @@ synchronization.
               weight gradients: both operands cast along each group's tokens (the saved casts of
               the rows and of h dequantized first, as the reference does)
 
-The weights' 128 x 128 block casts are the reference's (`quantize_blocks`): weights are cast once
-per optimizer step, not per call; one cast serves the forward and (transposed) the backward. The
-activation, its backward and the biases are the reference's PyTorch operations, so that the only
-difference from the reference is the order of fp32 sums inside the products' steps (and inside
-the biases' gradients, `group_column_sums`). Not built yet: the fused gate/up product.
+The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made once by the
+forward and kept for the backward, which reads them transposed. The activation, its backward and
+the biases are the reference's PyTorch operations, so that the only difference from the reference
+is the order of fp32 sums inside the products' steps (and inside the biases' gradients,
+`group_column_sums`). Not built yet: the fused gate/up product, and weight casts kept across
+calls (as MXFP8's `MXWeightCache`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from mok.kernels.fp8_block import (
     BLOCK,
+    TILES,
     block_quantize_tiles,
     block_quantize_tokens,
     block_scaled_grouped_mm,
@@ -47,8 +49,9 @@ class FP8BlockSaved(NamedTuple):
     """[M, I] the pre-activations as `saved_preactivations` keeps them, the rows' dtype."""
     up: torch.Tensor
     group_offsets: torch.Tensor
-    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-    """(w_gate, w_up, w_down)."""
+    weight_casts: tuple
+    """The block casts (values, descales) of w_gate, w_up and w_down, the forward's."""
+    weight_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
     activation: tuple
     """(limit, alpha, up_offset)."""
     inside: torch.Tensor
@@ -79,12 +82,12 @@ def fp8_block_expert_forward(
     `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
     added in fp32. Rows outside the groups: zeros."""
     dtype, m = rows.dtype, rows.shape[0]
-    x_values, x_descales = block_quantize_tiles(rows)
-    gate = block_scaled_grouped_mm(
-        x_values, x_descales, *quantize_blocks(w_gate), group_offsets, torch.float32
-    )
-    up = block_scaled_grouped_mm(
-        x_values, x_descales, *quantize_blocks(w_up), group_offsets, torch.float32
+    weight_casts = tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down))
+    tiles = row_tile_map(group_offsets, m, TILES.block_m)
+    x_cast = block_quantize_tiles(rows)
+    gate, up = (
+        block_scaled_grouped_mm(*x_cast, *cast, group_offsets, torch.float32, tiles=tiles)
+        for cast in weight_casts[:2]
     )
     # Each row's expert, on the device: rows outside the groups get E (their values are dropped).
     row_ids = torch.arange(m, device=rows.device, dtype=torch.int32)
@@ -95,26 +98,27 @@ def fp8_block_expert_forward(
     if biases is not None:
         gate, up = gate + _per_row(biases[0], experts), up + _per_row(biases[1], experts)
     h = swiglu(gate, up, swiglu_limit, activation.alpha, activation.up_offset).to(dtype)
-    h_values, h_descales = block_quantize_tiles(h)
+    h_cast = block_quantize_tiles(h)
     out = block_scaled_grouped_mm(
-        h_values, h_descales, *quantize_blocks(w_down), group_offsets, torch.float32
+        *h_cast, *weight_casts[2], group_offsets, torch.float32, tiles=tiles
     )
     out = out.masked_fill(~inside[:, None], 0.0)
     if biases is not None:
         out = out + _per_row(biases[2], experts)
     gate, up = saved_preactivations(gate, up, swiglu_limit, dtype)
     saved = FP8BlockSaved(
-        (x_values, x_descales), (h_values, h_descales), gate, up, group_offsets,
-        (w_gate, w_up, w_down), (swiglu_limit, activation.alpha, activation.up_offset), inside,
-        biases,
+        x_cast, h_cast, gate, up, group_offsets, weight_casts,
+        (w_gate.dtype, w_up.dtype, w_down.dtype),
+        (swiglu_limit, activation.alpha, activation.up_offset), inside, biases,
     )  # fmt: skip
     return out.to(dtype), saved
 
 
-def _transposed_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block cast of w [E, N, K] as the product's weight for w.T: (values [E, K, N]
-    contiguous, descales [E, cdiv(K, 128), cdiv(N, 128)]): W.T's blocks are W's transposed."""
-    values, descales = quantize_blocks(w)
+def _transposed(cast: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block cast (values [E, N, K], descales) of w as the product's weight for w.T:
+    (values [E, K, N] contiguous, descales [E, cdiv(K, 128), cdiv(N, 128)]): W.T's blocks are
+    W's transposed."""
+    values, descales = cast
     return values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous()
 
 
@@ -124,32 +128,33 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     (the rows' dtype), as the reference's backward forms them: the weights' and biases'
     gradients in their dtypes (the biases' None without biases; zeros for an expert without
     rows), grad rows zeros outside the groups."""
-    w_gate, w_up, w_down = saved.weights
+    gate_cast, up_cast, down_cast = (_transposed(cast) for cast in saved.weight_casts)
     offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
     fp32 = torch.float32
-    g_values, g_descales = block_quantize_tiles(grad_out)
+    tiles = row_tile_map(offsets, grad_out.shape[0], TILES.block_m)
     grad_h = block_scaled_grouped_mm(
-        g_values, g_descales, *_transposed_blocks(w_down), offsets, fp32
+        *block_quantize_tiles(grad_out), *down_cast, offsets, fp32, tiles=tiles
     )
     grad_h = grad_h.masked_fill(~inside[:, None], 0.0).to(dtype).float()
     grad_gate, grad_up = activation_gradients(saved.gate, saved.up, grad_h, saved.activation, dtype)
-    gate_cast, up_cast = block_quantize_tiles(grad_gate), block_quantize_tiles(grad_up)
-    grad_rows = block_scaled_grouped_mm(*gate_cast, *_transposed_blocks(w_gate), offsets, fp32)
+    grad_rows = block_scaled_grouped_mm(
+        *block_quantize_tiles(grad_gate), *gate_cast, offsets, fp32, tiles=tiles
+    )
     grad_rows = grad_rows + block_scaled_grouped_mm(
-        *up_cast, *_transposed_blocks(w_up), offsets, fp32
+        *block_quantize_tiles(grad_up), *up_cast, offsets, fp32, tiles=tiles
     )
     grad_rows = grad_rows.masked_fill(~inside[:, None], 0.0).to(dtype)
-    tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
-    x_tokens = block_quantize_tokens(dequantize_tiles(*saved.x_cast), tiles)
-    h_tokens = block_quantize_tokens(dequantize_tiles(*saved.h_cast), tiles)
+    token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
+    x_tokens = block_quantize_tokens(dequantize_tiles(*saved.x_cast), token_tiles)
+    h_tokens = block_quantize_tokens(dequantize_tiles(*saved.h_cast), token_tiles)
     grad_w_down = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_out, tiles), *h_tokens, offsets
+        *block_quantize_tokens(grad_out, token_tiles), *h_tokens, offsets
     )
     grad_w_gate = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_gate, tiles), *x_tokens, offsets
+        *block_quantize_tokens(grad_gate, token_tiles), *x_tokens, offsets
     )
     grad_w_up = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_up, tiles), *x_tokens, offsets
+        *block_quantize_tokens(grad_up, token_tiles), *x_tokens, offsets
     )
     grad_biases = (None, None, None)
     if saved.biases is not None:
@@ -158,10 +163,9 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
             group_column_sums(grad, offsets, torch.empty_like(bias, dtype=fp32)).to(bias.dtype)
             for grad, bias in zip((grad_gate, grad_up, grad_out), saved.biases, strict=True)
         )
+    weight_grads = (grad_w_gate, grad_w_up, grad_w_down)
     return (
         grad_rows,
-        grad_w_gate.to(w_gate.dtype),
-        grad_w_up.to(w_up.dtype),
-        grad_w_down.to(w_down.dtype),
+        *(grad.to(kind) for grad, kind in zip(weight_grads, saved.weight_dtypes, strict=True)),
         *grad_biases,
     )

@@ -50,10 +50,13 @@ from mok.kernels.host import (
     RowsReady,
     RowTiles,
     check_weighting,
+    contiguous_biases,
+    gather_source,
     gathered_rows,
     launch_options,
     launch_persistent,
     num_programs,
+    ready_flags,
     use_scratch_allocator,
 )
 from mok.kernels.launch import fast_launch
@@ -1266,24 +1269,12 @@ def _epilogue_n(block_n: int, grad: torch.Tensor) -> int:
     return block_n // 2 if block_n > 128 and grad.element_size() == 4 else block_n
 
 
-def _gather_args(rows: torch.Tensor, source_rows: torch.Tensor | None) -> tuple | None:
-    """The kernels' gathered A source: (pointer, row stride, index), None without one."""
-    if source_rows is None:
-        return None
-    return rows, rows.stride(0), source_rows
-
-
 def _activation_args(swiglu_limit: float | None, activation: Activation, dtype) -> tuple:
     """The kernels' activation: (limit or None, the edges of the limit in `dtype`
     (`limit_edges`), alpha, up_offset)."""
     limit = None if swiglu_limit is None else float(swiglu_limit)
     edges = limit_edges(swiglu_limit, dtype)
     return (limit, *edges, float(activation.alpha), float(activation.up_offset))
-
-
-def _ready_flags(ready: RowsReady | None, block_m: int) -> tuple[int, int]:
-    """A waiting kernel's READY_FLAGS: (rows a flag, flags a tile of block_m rows at most)."""
-    return (ready.block_rows, ready.flags_per_tile(block_m)) if ready else (1, 1)
 
 
 def gate_up_swiglu(
@@ -1330,12 +1321,12 @@ def gate_up_swiglu(
             (tiles.table, tiles.counts, hidden, inter),
             (h, gate_up if save_preact else None),
             _activation_args(swiglu_limit, activation, gate_up.dtype),
-            None if biases is None else tuple(b.contiguous() for b in biases),
-            _gather_args(rows, source_rows),
+            contiguous_biases(biases),
+            gather_source(rows, source_rows),
             None if ready is None else ready.args(),
             counter,
             PLAIN=activation.plain,
-            READY_FLAGS=_ready_flags(ready, bm),
+            READY_FLAGS=ready_flags(ready, bm),
             **launch_options(cfg, programs if counter is None else 1),
         )
 
@@ -1366,7 +1357,7 @@ def _launch_down(
         m,
         (tiles.table, tiles.counts, hidden, inter),
         None if bias is None else bias.contiguous(),
-        _gather_args(h, source_rows),
+        gather_source(h, source_rows),
         None if scatter is None else scatter.args(),
         EP_BLOCK=scatter.ep_block if scatter else 2,
         **launch_options(cfg, programs),
@@ -1495,7 +1486,7 @@ def _down_dgrad_swiglu(
             counter,
             weighting_args,
             PLAIN=activation.plain,
-            READY_FLAGS=_ready_flags(ready, bm),
+            READY_FLAGS=ready_flags(ready, bm),
             **launch_options(cfg, programs if counter is None else 1),
         )
 

@@ -269,6 +269,29 @@ def gathered_rows(rows: torch.Tensor, source_rows: torch.Tensor | None) -> int:
     return source_rows.shape[0]
 
 
+def gather_source(rows: torch.Tensor, source_rows: torch.Tensor | None) -> tuple | None:
+    """A product's gathering A-row source as its kernels take it: (rows [S, K], their row stride,
+    source_rows [M]); None where the rows are read in place."""
+    if source_rows is None:
+        return None
+    return rows, rows.stride(0), source_rows
+
+
+def contiguous_biases(biases: tuple | None) -> tuple | None:
+    """Expert biases as the kernels take them: None without (no tuple, or its first None), else
+    the given ones contiguous (gpt-oss's gate and up biases are every other column of one tensor:
+    the kernels read copies)."""
+    if biases is None or biases[0] is None:
+        return None
+    return tuple(bias.contiguous() for bias in biases if bias is not None)
+
+
+def ready_flags(ready: RowsReady | None, block_m: int) -> tuple[int, int]:
+    """A product's READY_FLAGS: (rows a flag, flags a tile of block_m rows touches at most) of
+    the rows it waits for; (1, 0) where it waits for none."""
+    return (ready.block_rows, ready.flags_per_tile(block_m)) if ready else (1, 0)
+
+
 def check_weighting(grad_out, h, row_weights, inter: int) -> None:
     """Raise ValueError unless h is contiguous [M, inter] in grad_out's dtype and row_weights
     fp32 [M] (the inputs of `down_dgrad_swiglu_weighted`)."""

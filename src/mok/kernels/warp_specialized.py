@@ -82,9 +82,12 @@ from mok.kernels.host import (
     RowsReady,
     RowTiles,
     check_weighting,
+    contiguous_biases,
+    gather_source,
     gathered_rows,
     launch_persistent,
     num_programs,
+    ready_flags,
     use_scratch_allocator,
 )
 from mok.kernels.launch import DeferredDescriptor, fast_launch
@@ -1352,15 +1355,6 @@ def _check_options(problem: _RowsProblem, cfg: GemmTiles, m: int, n: int) -> Non
         raise ValueError("expert biases: one for DOWN, gate's and up's for GATE_UP_SWIGLU")
 
 
-def _biases(bias: torch.Tensor | None, bias2: torch.Tensor | None) -> tuple | None:
-    """The kernel's biases: None without, else (bias,) or (bias, bias2), each contiguous
-    (gpt-oss's gate and up biases are every other column of one tensor: the kernel reads
-    copies)."""
-    if bias is None:
-        return None
-    return tuple(b.contiguous() for b in (bias, bias2) if b is not None)
-
-
 def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Tensor | None:
     """Launch `_row_tiles_kernel` on `problem` (its tiles and config checked first); returns the
     router weights' partial dots [M, column tiles] fp32 with `problem.weighting`, else None."""
@@ -1377,7 +1371,6 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     out = problem.out
     limit = problem.swiglu_limit
     m = gathered_rows(a, problem.source_rows)
-    gather = problem.source_rows is not None
     scatter, ready = problem.scatter, problem.ready
     _check_options(problem, cfg, m, n)
     activation = problem.activation
@@ -1386,12 +1379,10 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
         out,
         gate_up,
         (clamp, *limit_edges(limit, a.dtype), float(activation.alpha), float(activation.up_offset)),
-        _biases(problem.bias, problem.bias2),
+        contiguous_biases((problem.bias, problem.bias2)),
     )
     problem_args = (tiles.table, tiles.counts, n, k, w_expert_rows)
-    gather_args = (a, a.stride(0), problem.source_rows) if gather else None
     ready_fields = None if ready is None else ready.args()
-    ready_flags = (ready.block_rows, ready.flags_per_tile(cfg.block_m)) if ready else (1, 0)
     scatter_fields = None if scatter is None else scatter.args()
     dots = weighting_args = None
     h_desc = descriptors[7]  # a descriptor of the launch's, never read
@@ -1409,7 +1400,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
             m,
             problem_args,
             epilogue,
-            gather_args,
+            gather_source(a, problem.source_rows),
             ready_fields,
             scatter_fields,
             counter,
@@ -1417,7 +1408,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
             MODE=mode,
             PLAIN=activation.plain,
             TILING=(cfg.num_stages, split, cfg.group_m, programs if counter is None else 1),
-            READY_FLAGS=ready_flags,
+            READY_FLAGS=ready_flags(ready, cfg.block_m),
             SCATTER_RANKS=scatter.ep_block if scatter else 0,
             num_warps=cfg.num_warps,
             maxnreg=MAX_REGISTERS,
