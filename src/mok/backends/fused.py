@@ -41,12 +41,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mok.backends.triton import TritonBackend, TritonRouting, TritonSaved
+from mok.backends.triton import DispatchedRows, TritonBackend, TritonSaved
 from mok.comm.exchange import OverlappedExchange, OverlappedRouterValuesExchange
 from mok.comm.memory import symmetric_memory
 from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
-from mok.weights import MoEGradients
 
 
 class _ClaimsAfterCopy:
@@ -142,6 +141,10 @@ class FusedBackend(TritonBackend):
     def auto_skip_reason(device: torch.device) -> str | None:
         return "auto does not pick it yet: chosen by name (backend='fused') until measured faster"
 
+    @property
+    def overlapped(self) -> bool:
+        return self.overlap
+
     def _beside(self, work, after: torch.cuda.Event | None = None) -> None:
         """Run `work` on the communication stream, after what the compute stream queued so far,
         or only up to the event `after` recorded on it (on the CPU: now, before the products
@@ -159,116 +162,80 @@ class FusedBackend(TritonBackend):
     def _join(self) -> None:
         """The compute stream waits for the communication stream's work (only after `_beside`:
         under CUDA-graph capture, waiting on a stream the capture never forked is an error)."""
-        if self.comm_stream is not None:
+        if self.overlap and self.comm_stream is not None:
             torch.cuda.current_stream(self.workspace.device).wait_stream(self.comm_stream)
 
-    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
+    def _dispatch(self, routing, x: torch.Tensor, weights, need_backward: bool) -> DispatchedRows:
+        """Beside the products: the copy of the grouped rows on the communication programs, the
+        gate/up product's tiles waiting for their rows' flags on the other SMs (claimed, with
+        more programs once the copy is done), and, for the backward, the tokens received, each
+        once. In order (EP 1): the triton backend's rows, with the kernels' tiles."""
         from mok.kernels import expert_mlp as em
 
         config = self.workspace.config
-        routing = schedule.exchange
-        x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
-        x = x.contiguous()
-        timeout = config.peer_timeout_s
-        claims = None
-        tokens = None
-        source_rows = kernel_cfg = None
-        if self.overlap:
+        if not self.overlap:
+            rows = super()._dispatch(routing, x, weights, need_backward)
+        else:
             grouped, pull, ready = self.exchange.dispatch_overlapped(
-                routing, x, self.comm_programs, timeout
+                routing, x, self.comm_programs, config.peer_timeout_s
             )
             self._beside(pull)
+            tokens = None
             if need_backward and not config.tuning.keep_grouped_rows:
                 tokens = self.exchange.received_tokens(routing, self.comm_programs)
             if tokens is not None:
                 self._beside(tokens.pull)
-            beside = self.beside_sms
             if self.claims is not None:
                 self.claims.start()
-                claims = self.claims
-        else:
-            # As the triton backend: x read through each grouped row's token where the kernels
-            # gather faster than the copy, else the grouped rows copied first.
-            grouped, source_rows, kernel_cfg = self._expert_rows(routing, x, weights)
-            ready, beside = None, None
-        shared_out, shared = self._shared_forward(x, weights, need_backward, beside)
-        hidden = grouped.shape[1]
-        if kernel_cfg is None:
-            per_expert = grouped.shape[0] / weights.gate.shape[0]
-            kernel_cfg = em.default_config(x.device, hidden, config.intermediate_size, per_expert)
-        kernel_cfg = em.with_gate_up_sms(kernel_cfg, beside, claims)
-        target = self.exchange.combine_target(routing, hidden, self.dtype)
-        _, experts = em.expert_mlp_forward(
-            grouped,
-            routing.group_offsets,
-            weights.gate,
-            weights.up,
-            weights.down,
-            config.swiglu_limit,
-            save_for_backward=need_backward,
-            config=kernel_cfg,
-            rows_ready=ready,
-            combine=target,
-            activation=self._activation(),
-            biases=weights.expert_biases(),
-            source_rows=source_rows,
-            keep_activations=self._keeps_activations(),
-        )
+            rows = DispatchedRows(grouped, ready=ready, tokens=tokens)
+        if rows.kernel_config is None:
+            per_expert = rows.rows.shape[0] / weights.gate.shape[0]
+            rows.kernel_config = em.default_config(
+                x.device, x.shape[1], config.intermediate_size, per_expert
+            )
         if self.overlap:
-            self._join()
-        if tokens is not None and experts is not None:
-            # The backward reads the rows through the tokens received, each once, so that the
-            # grouped rows (a copy per pair, sized for the worst routing) go with this forward.
-            experts.read_rows_through(tokens.rows, tokens.source_rows)
-        elif source_rows is None:
-            self._read_rows_from_x(routing, x, experts)
-        block_n = em.down_tiles(kernel_cfg, grouped, weights.down).block_n
-        column_tiles = -(-hidden // block_n)
-        keep_pair_out = need_backward and not self._router_gradient_in_epilogue()
-        y, pair_out = self.exchange.combine_landed(
-            routing, target, column_tiles, router, shared_out, timeout, keep_pair_out
+            rows.kernel_config = em.with_gate_up_sms(
+                rows.kernel_config, self.beside_sms, self.claims
+            )
+        return rows
+
+    def _expert_outputs(self, routing, hidden: int) -> dict:
+        """The down product's peer-store epilogue stores each output in its token rank's pair
+        slot (`RowScatter`)."""
+        return {"combine": self.exchange.combine_target(routing, hidden, self.dtype)}
+
+    def _combine(
+        self, routing, rows: DispatchedRows, weights, expert_out, outputs: dict, router,
+        shared_out, keep_pair_out: bool,
+    ):  # fmt: skip
+        """The token rank waits for its pairs' counts (bounded), then sums them."""
+        from mok.kernels import expert_mlp as em
+
+        block_n = em.down_tiles(rows.kernel_config, rows.rows, weights.down).block_n
+        column_tiles = -(-rows.rows.shape[1] // block_n)
+        return self.exchange.combine_landed(
+            routing,
+            outputs["combine"],
+            column_tiles,
+            router,
+            shared_out,
+            self.workspace.config.peer_timeout_s,
+            keep_pair_out,
         )
-        y = y.to(dtypes["x"])
-        if not need_backward:
-            return y, None
-        return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
 
-    def backward(
-        self,
-        schedule: TritonRouting,
-        saved: TritonSaved,
-        grad_y: torch.Tensor,
-        accumulate_into: dict,
-    ) -> MoEGradients:
-        """The triton backend's gradients (bitwise), on the overlapped schedule at EP > 1:
-
-            pair grads, barrier -> pull grad rows                       -> return, sum grad x
-                                 ‖ shared, down dgrad -> down wgrad, gate/up dgrad, owner sums
-                                                                                 ‖ gate/up wgrad
-        The grouped rows' gradients are pulled by the communication programs while the shared
-        expert's backward and the first routed product (waiting per tile for its rows) run on
-        the other SMs; the routed products then go in the triton backend's memory order (W_down's
-        gradient before the rows' gradient, so that grad_out is dropped first); once the rows'
-        gradient is done, the owner sums it per staging row on every SM and drops it (so that
-        it is not held beside the gate/up weights' gradients), then the gradient of x goes back
-        and is summed over owners (`dispatch_backward_overlapped`, on the communication
-        programs) while the gate/up weight gradient, which needs no communication, runs beside
-        it. The routed products beside a copy are joined by more programs once it is done
-        (`_ClaimsAfterCopy`). With `router_gradient="epilogue"` the pull brings grad_y's rows
-        unweighted (each pair's weight stored at its owner before), the down dgrad applies the
-        weights in its epilogue, and each pair's dot comes back after the join
-        (`RouterValues.pair_values`)."""
+    def _output_gradients(self, saved: TritonSaved, grad_y: torch.Tensor):
+        """Beside the products: the grouped rows' output gradients pulled by the communication
+        programs while the first routed product waits per tile for its rows (with
+        `router_gradient="epilogue"` unweighted, each pair's weight stored at its owner before),
+        and what the forward did not keep made again beside the pull, on the SMs the forward's
+        gate/up product had."""
         if not self.overlap:
-            return super().backward(schedule, saved, grad_y, accumulate_into)
-        from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
+            return super()._output_gradients(saved, grad_y)
         from mok.kernels.expert_mlp import replay_activations
 
-        into = accumulate_into
-        grad_y = grad_y.to(self.dtype).contiguous()
         timeout = self.workspace.config.peer_timeout_s
-        epilogue = self._router_gradient_in_epilogue()
-        row_weights = None
-        if epilogue:
+        row_weights = grad_router = None
+        if self._router_gradient_in_epilogue():
             grad_out, pull, ready, row_weights = (
                 self.exchange.unweighted_combine_backward_overlapped(
                     saved.routing, grad_y, saved.weights, self.comm_programs, timeout
@@ -279,51 +246,31 @@ class FusedBackend(TritonBackend):
                 saved.routing, grad_y, saved.weights, saved.pair_out, self.comm_programs, timeout
             )
             saved.pair_out = None
-            grad_router = self._dropped_as_zero(saved.valid, grad_router)
         self._beside(pull)
         del pull  # it holds grad_out, which goes once its products are queued
-        # What the forward did not keep is made again beside the pull, on the SMs the forward's
-        # gate/up product had.
         replay_activations(saved.experts)
         if self.claims is not None:
             self.claims.start()
-        grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
-        experts, grads = saved.experts, {}
         if self.comm_stream is not None:  # written by the pull: freed after it, whatever joins
             grad_out.record_stream(self.comm_stream)
-        grad_gate_up, dots = self._down_gradients(
-            grad_out,
-            experts,
-            into,
-            grads,
-            row_weights,
-            rows_ready=ready,
-            dgrad_sms=self.beside_sms,
-            claims=self.claims,
-        )
-        del grad_out
-        grad_rows = gate_up_data_gradient(grad_gate_up, experts)
+        return grad_out, ready, row_weights, grad_router
+
+    def _give_back(self, routing, grad_rows, grad_shared_x):
+        """Beside the products: the owner sums the rows' gradient per staging row on every SM
+        now, then the communication programs send it back and sum it over owners while the
+        gate/up weights' gradient runs (`dispatch_backward_overlapped`)."""
+        if not self.overlap:
+            return super()._give_back(routing, grad_rows, grad_shared_x)
         give_back = self.exchange.dispatch_backward_overlapped(
-            saved.routing, grad_rows, grad_shared_x, self.comm_programs
+            routing, grad_rows, grad_shared_x, self.comm_programs
         )
-        del grad_rows  # summed per staging row: not held beside the weight gradient
         grad_x = []
         self._beside(lambda: grad_x.append(give_back()))
-        grads["gate"], grads["up"] = gate_up_weight_gradients(
-            grad_gate_up,
-            experts,
-            into.get("gate"),
-            into.get("up"),
-            sms=self.beside_sms,
-            claims=self.claims,
-        )
-        experts.release("rows")
-        del grad_gate_up
-        self._join()
-        grad_x = grad_x[0]
-        if self.comm_stream is not None:  # made on the communication stream, used on this one
-            grad_x.record_stream(torch.cuda.current_stream(self.workspace.device))
-        if epilogue:
-            grad_router = self.exchange.pair_values(saved.routing, dots)
-            grad_router = self._dropped_as_zero(saved.valid, grad_router)
-        return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+
+        def joined() -> torch.Tensor:
+            self._join()
+            if self.comm_stream is not None:  # made on the communication stream, used here
+                grad_x[0].record_stream(torch.cuda.current_stream(self.workspace.device))
+            return grad_x[0]
+
+        return joined

@@ -42,6 +42,7 @@ from mok.comm.exchange import (
     Exchange,
     ExchangeRouting,
     GroupedPairOutputs,
+    ReceivedTokens,
     RouterValuesExchange,
 )
 from mok.comm.memory import symmetric_memory
@@ -53,7 +54,8 @@ from mok.weights import EXPERT_BIAS_FIELDS, MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
     from mok.comm.layout import ExchangeShape
-    from mok.kernels import ExpertMLPSaved
+    from mok.kernels import ExpertKernelConfig, ExpertMLPSaved
+    from mok.kernels.host import RowsReady
     from mok.kernels.mx import MXRows
     from mok.kernels.mx_expert_mlp import MXExpertSaved
 
@@ -85,6 +87,22 @@ class TritonSaved:
     once backward has read them."""
     dtypes: dict[str, torch.dtype]
     """What each gradient is returned in: "x", "topk_weights" and every weight field."""
+
+
+@dataclasses.dataclass
+class DispatchedRows:
+    """The routed experts' rows of one forward, as the dispatch leaves them."""
+
+    rows: torch.Tensor | MXRows
+    """[M, H] the grouped rows (MXFP8: their cast), or x [T, H] read through `source_rows`."""
+    source_rows: torch.Tensor | None = None
+    """[M] int32: grouped row r is rows[source_rows[r]]; None: rows are the grouped rows."""
+    kernel_config: ExpertKernelConfig | None = None
+    """The products' tiles (None: the kernels' default)."""
+    ready: RowsReady | None = None
+    """The rows' readiness flags, where they land while the products run."""
+    tokens: ReceivedTokens | None = None
+    """The tokens received, each once, that the backward reads instead of the grouped rows."""
 
 
 class TritonBackend:
@@ -215,67 +233,153 @@ class TritonBackend:
         exact = self.workspace.config.tuning.exact_buffers
         return TritonRouting(self.exchange.route(safe, exact_rows=exact), valid)
 
-    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
-        from mok.kernels import expert_mlp_forward
+    overlapped = False
+    """Whether the exchange's copies run beside the products (`mok.backends.fused`): the triton
+    backend runs each step after the one before, on one stream."""
+    beside_sms = None
+    """SMs of the products that run beside the copies (None: all)."""
+    claims = None
+    """Where the products beside the copies claim their tiles (`host.TileClaims`; None: none)."""
 
-        config = self.workspace.config
+    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
+        """The forward pass plan, one for both backends; the schedule hooks (`_dispatch`,
+        `_expert_outputs`, `_combine`, `_beside`, `_join`) say where the communication runs.
+        Beside the copies, the shared expert runs first, on the products' SMs, while the routed
+        products wait for their rows; in order, it runs after the routed experts."""
         routing = schedule.exchange
         given = weights
         x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
-        pair_out_mx = None
-        if self.mxfp8:
-            from mok.kernels.mx import MXRows, mx_quantize_rows
-            from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
-
-            # x is cast along H on its own rank and travels as e4m3 bytes and scales.
-            rounding = pair_out_mx = config.mx_rounding
-            packed = mx_quantize_rows(x, rounding).as_rows(self.dtype)
-            grouped = MXRows.from_rows(self.exchange.dispatch(routing, packed), x.shape[1])
-            casts = self._mx_weight_casts(given, rounding, need_backward)
-            expert_out, experts = mx_expert_mlp_forward(
-                grouped,
-                routing.group_offsets,
-                casts,
-                config.swiglu_limit,
-                rounding,
-                save_for_backward=need_backward,
-                out=self.exchange.expert_output_buffer(),
-                activation=self._activation(),
-                biases=weights.expert_biases(),
-            )
-        else:
-            activation = self._activation()
-            rows, source_rows, kernel_config = self._expert_rows(routing, x, weights)
-            expert_out, experts = expert_mlp_forward(
-                rows,
-                routing.group_offsets,
-                weights.gate,
-                weights.up,
-                weights.down,
-                config.swiglu_limit,
-                save_for_backward=need_backward,
-                config=kernel_config,
-                out=self.exchange.expert_output_buffer(),
-                activation=activation,
-                biases=weights.expert_biases(),
-                source_rows=source_rows,
-                keep_activations=self._keeps_activations(),
-            )
-            if source_rows is None:
-                self._read_rows_from_x(routing, x, experts)
-        shared_out, shared = self._shared_forward(x, weights, need_backward)
-        y, pair_out = self.exchange.combine(
-            routing,
-            expert_out,
-            router,
-            shared_out,
-            save_pair_out=need_backward and not self._router_gradient_in_epilogue(),
-            pair_out_mx=pair_out_mx,
+        rows = self._dispatch(routing, x, weights, need_backward)
+        if self.overlapped:
+            shared_out, shared = self._shared_forward(x, weights, need_backward, self.beside_sms)
+        outputs = self._expert_outputs(routing, x.shape[1])
+        expert_out, experts = self._routed_forward(
+            routing, rows, given, weights, need_backward, outputs
+        )
+        if not self.overlapped:
+            shared_out, shared = self._shared_forward(x, weights, need_backward)
+        self._join()
+        self._keep_rows(routing, x, rows, experts)
+        keep_pair_out = need_backward and not self._router_gradient_in_epilogue()
+        y, pair_out = self._combine(
+            routing, rows, weights, expert_out, outputs, router, shared_out, keep_pair_out
         )
         y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
         return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+
+    def _dispatch(
+        self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, need_backward: bool
+    ) -> DispatchedRows:
+        """The routed experts' rows, in order. MXFP8: x cast along H on its own rank, sent as
+        e4m3 bytes and scales. bf16: x read in place through each grouped row's token by the
+        gate/up product, with the tiles that decided it, where the grouped rows would be copies
+        of x's rows (EP 1) and the kernels gather faster than the exchange copies
+        (`gathers_rows_well`), unless `keep_grouped_rows`; else the rows sent into grouped order
+        (the kernels' default tiles)."""
+        config = self.workspace.config
+        if self.mxfp8:
+            from mok.kernels.mx import MXRows, mx_quantize_rows
+
+            packed = mx_quantize_rows(x, config.mx_rounding).as_rows(self.dtype)
+            return DispatchedRows(
+                MXRows.from_rows(self.exchange.dispatch(routing, packed), x.shape[1])
+            )
+        from mok.kernels import default_config
+        from mok.kernels.expert_mlp import gathers_rows_well
+
+        tokens = self.exchange.tokens_of_grouped_rows(routing)
+        if tokens is not None and not config.tuning.keep_grouped_rows:
+            per_expert = tokens.shape[0] / weights.gate.shape[0]
+            kernel_config = default_config(
+                x.device, x.shape[1], config.intermediate_size, per_expert
+            )
+            if gathers_rows_well(x, weights.gate, weights.up, kernel_config):
+                return DispatchedRows(x, source_rows=tokens, kernel_config=kernel_config)
+        return DispatchedRows(self.exchange.dispatch(routing, x))
+
+    def _expert_outputs(self, routing: ExchangeRouting, hidden: int) -> dict:
+        """Where the routed experts' outputs go, as the expert forward's keyword: the exchange's
+        buffer (`out`)."""
+        return {"out": self.exchange.expert_output_buffer()}
+
+    def _routed_forward(
+        self, routing: ExchangeRouting, rows: DispatchedRows, given: MoEWeights,
+        weights: MoEWeights, need_backward: bool, outputs: dict,
+    ):  # fmt: skip
+        """(the routed experts' outputs, their saved state) of the dispatched rows; `given`: the
+        weights as the caller holds them (MXFP8 keeps their casts between calls)."""
+        config = self.workspace.config
+        options = {
+            "save_for_backward": need_backward,
+            "activation": self._activation(),
+            "biases": weights.expert_biases(),
+            **outputs,
+        }
+        if self.mxfp8:
+            from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
+
+            rounding = config.mx_rounding
+            casts = self._mx_weight_casts(given, rounding, need_backward)
+            return mx_expert_mlp_forward(
+                rows.rows, routing.group_offsets, casts, config.swiglu_limit, rounding, **options
+            )
+        from mok.kernels import expert_mlp_forward
+
+        return expert_mlp_forward(
+            rows.rows,
+            routing.group_offsets,
+            weights.gate,
+            weights.up,
+            weights.down,
+            config.swiglu_limit,
+            config=rows.kernel_config,
+            rows_ready=rows.ready,
+            source_rows=rows.source_rows,
+            keep_activations=self._keeps_activations(),
+            **options,
+        )
+
+    def _combine(
+        self, routing: ExchangeRouting, rows: DispatchedRows, weights: MoEWeights, expert_out,
+        outputs: dict, router, shared_out, keep_pair_out: bool,
+    ):  # fmt: skip
+        """(y [T, H], the pairs' outputs or None): each token's outputs summed with its router
+        weights (MXFP8: the pairs' outputs kept as their cast)."""
+        rounding = self.workspace.config.mx_rounding if self.mxfp8 else None
+        return self.exchange.combine(
+            routing,
+            expert_out,
+            router,
+            shared_out,
+            save_pair_out=keep_pair_out,
+            pair_out_mx=rounding,
+        )
+
+    def _beside(self, work, after: torch.cuda.Event | None = None) -> None:
+        """Run `work` (a copy) beside the products: in order, now."""
+        work()
+
+    def _join(self) -> None:
+        """Wait for the work run beside the products: in order, it is done."""
+
+    def _keep_rows(
+        self, routing: ExchangeRouting, x: torch.Tensor, rows: DispatchedRows, experts
+    ) -> None:
+        """What the backward reads as the rows (bf16), unless `keep_grouped_rows`: the tokens
+        received, each once, where the dispatch brought them; x and each grouped row's token
+        where the grouped rows are copies of x's rows (EP 1); else the grouped rows, as the
+        expert forward keeps them. The grouped rows (a copy per pair) then go with the
+        forward."""
+        if self.mxfp8 or experts is None or rows.source_rows is not None:
+            return
+        if rows.tokens is not None:
+            experts.read_rows_through(rows.tokens.rows, rows.tokens.source_rows)
+            return
+        tokens = self.exchange.tokens_of_grouped_rows(routing)
+        if tokens is not None and not self.workspace.config.tuning.keep_grouped_rows:
+            experts.read_rows_through(x, tokens)
 
     def _mx_weight_casts(self, weights: MoEWeights, rounding, need_backward: bool):
         """The routed weights' MXFP8 casts for this call, as `MoKTuning.mx_weight_casts` says."""
@@ -290,45 +394,12 @@ class TritonBackend:
         both = policy is MXWeightCasts.KEEP
         return self.mx_weights.get(*routed, rounding, self.dtype, backward=both)
 
-    def _expert_rows(self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights):
-        """(rows, source_rows, kernel config) for the expert MLP: x and each grouped row's
-        token, read in place by the gate/up product, with the tiles that decided it, where the
-        grouped rows would be copies of x's rows (EP 1) and the kernels gather faster than the
-        exchange copies (`gathers_rows_well`), unless `keep_grouped_rows`; else the rows
-        dispatched into grouped order, None and None (the kernels' default tiles)."""
-        from mok.kernels import default_config
-        from mok.kernels.expert_mlp import gathers_rows_well
-
-        config = self.workspace.config
-        tokens = self.exchange.tokens_of_grouped_rows(routing)
-        if tokens is not None and not config.tuning.keep_grouped_rows:
-            x = x.contiguous()
-            per_expert = tokens.shape[0] / weights.gate.shape[0]
-            kernel_config = default_config(
-                x.device, x.shape[1], config.intermediate_size, per_expert
-            )
-            if gathers_rows_well(x, weights.gate, weights.up, kernel_config):
-                return x, tokens, kernel_config
-        return self.exchange.dispatch(routing, x), None, None
-
-    def _read_rows_from_x(
-        self, routing: ExchangeRouting, x: torch.Tensor, experts: ExpertMLPSaved | None
-    ) -> None:
-        """Unless `keep_grouped_rows`: where the grouped rows are copies of x's rows (EP 1), the
-        saved experts keep x and each grouped row's token instead (`read_rows_through`), so that
-        the grouped rows (k copies of x's rows) go with the forward."""
-        if experts is None or self.workspace.config.tuning.keep_grouped_rows:
-            return
-        tokens = self.exchange.tokens_of_grouped_rows(routing)
-        if tokens is not None:
-            experts.read_rows_through(x.contiguous(), tokens)
-
     def _layer_inputs(self, schedule: TritonRouting, x, topk_weights, weights):
-        """(x and the weights in the kernels' dtype, the router weights as used (zero for
-        dropped pairs), the API's dtypes of x, topk_weights and every weight)."""
+        """(x, contiguous, and the weights in the kernels' dtype, the router weights as used
+        (zero for dropped pairs), the API's dtypes of x, topk_weights and every weight)."""
         dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
         dtypes.update({name: w.dtype for name, w in weights.tensors().items() if w is not None})
-        x, weights = x.to(self.dtype), weights.map(lambda w: w.to(self.dtype))
+        x, weights = x.to(self.dtype).contiguous(), weights.map(lambda w: w.to(self.dtype))
         if self.dtype == torch.float32:
             # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
             # PyTorch rounds it at exit.
@@ -387,53 +458,105 @@ class TritonBackend:
         grad_y: torch.Tensor,
         accumulate_into: dict,
     ) -> MoEGradients:
-        """Gradients of the layer; a weight named in `accumulate_into` has its gradient added into
-        that buffer by the weight-gradient kernels themselves (no extra pass). `saved` serves this
-        backward only: each saved activation is dropped after the last product that reads it, and
-        the routed products run in the order that holds the least at once: the two that read
-        grad_out (`_down_gradients`), then the two that read the pre-activations' gradients
-        (`_gate_up_gradients`)."""
-        from mok.kernels.mx_expert_mlp import MXExpertSaved, mx_expert_mlp_backward
+        """Gradients of the layer, the backward pass plan of both backends; a weight named in
+        `accumulate_into` has its gradient added into that buffer by the weight-gradient kernels
+        themselves (no extra pass). `saved` serves this backward only: each saved activation is
+        dropped after the last product that reads it. The routed products read grad_out first
+        (`_down_gradients`), then the pre-activations' gradients: in order, the weights'
+        gradients before the rows' gradient, so that it and the rows are never held together;
+        beside the copies, the rows' gradient first, so that its way back to the tokens' ranks
+        overlaps the gate/up weights' gradient, and the shared expert's backward beside the
+        copy of grad_out's rows."""
+        from mok.kernels import gate_up_data_gradient, gate_up_weight_gradients
 
         into = accumulate_into
         grad_y = grad_y.to(self.dtype).contiguous()
-        if self._router_gradient_in_epilogue():
-            grads = {}
-            grad_gate_up, dots = self._weighted_down_gradients(saved, grad_y, into, grads)
-            grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
+        grad_out, ready, row_weights, grad_router = self._output_gradients(saved, grad_y)
+        if self.overlapped:
             grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
-            grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
+        experts, grads, dots = saved.experts, {}, None
+        if self.mxfp8:
+            grad_rows = self._mx_gradients(grad_out, experts, into, grads)
+        else:
+            grad_gate_up, dots = self._down_gradients(
+                grad_out,
+                experts,
+                into,
+                grads,
+                row_weights,
+                rows_ready=ready,
+                dgrad_sms=self.beside_sms,
+                claims=self.claims,
+            )
+        del grad_out  # the last of its products is queued: its memory serves the next ones
+        if self.overlapped:
+            grad_rows = gate_up_data_gradient(grad_gate_up, experts)
+            grad_x = self._give_back(saved.routing, grad_rows, grad_shared_x)
+            del grad_rows  # summed per staging row: not held beside the weights' gradient
+            grads["gate"], grads["up"] = gate_up_weight_gradients(
+                grad_gate_up,
+                experts,
+                into.get("gate"),
+                into.get("up"),
+                sms=self.beside_sms,
+                claims=self.claims,
+            )
+            experts.release("rows")
+            del grad_gate_up
+            grad_x = grad_x()
+        else:
+            if not self.mxfp8:
+                grad_rows = self._gate_up_gradients(grad_gate_up, experts, into, grads)
+                del grad_gate_up
+            grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
+            grad_x = self._give_back(saved.routing, grad_rows, grad_shared_x)()
+        if grad_router is None:
             # After grad x: at EP > 1 the ranks meet once more, where they are level anyway.
             grad_router = self.exchange.pair_values(saved.routing, dots)
-            grad_router = self._dropped_as_zero(saved.valid, grad_router)
-            return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+        grad_router = self._dropped_as_zero(saved.valid, grad_router)
+        return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+
+    def _output_gradients(self, saved: TritonSaved, grad_y: torch.Tensor):
+        """(the grouped rows' output gradients [M, H], their readiness flags where they land
+        beside the products (None: in order), each row's router weight [M] fp32 where they come
+        unweighted (`router_gradient="epilogue"`; else None), the router weights' gradient
+        [T, k] (None where the down dgrad's epilogue forms it))."""
+        if self._router_gradient_in_epilogue():
+            grad_out, row_weights = self.exchange.unweighted_combine_backward(
+                saved.routing, grad_y, saved.weights
+            )
+            return grad_out, None, row_weights, None
         grad_out, grad_router = self.exchange.combine_backward(
             saved.routing, grad_y, saved.weights, saved.pair_out
         )
         saved.pair_out = None
-        grad_router = self._dropped_as_zero(saved.valid, grad_router)
-        if isinstance(saved.experts, MXExpertSaved):
-            buffers = (into.get("gate"), into.get("up"), into.get("down"))
-            routed = mx_expert_mlp_backward(
-                grad_out,
-                saved.experts,
-                *buffers,
-                release=True,
-                grad_bias_buffers=tuple(into.get(name) for name in EXPERT_BIAS_FIELDS),
-            )
-            del grad_out
-            grad_rows = routed.rows
-            grads = {"gate": routed.gate, "up": routed.up, "down": routed.down}
-            if routed.biases is not None:
-                grads.update(zip(EXPERT_BIAS_FIELDS, routed.biases, strict=True))
-        else:
-            grads = {}
-            grad_gate_up, _ = self._down_gradients(grad_out, saved.experts, into, grads)
-            del grad_out  # the last of its products is queued: its memory serves the next ones
-            grad_rows = self._gate_up_gradients(grad_gate_up, saved.experts, into, grads)
-        grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
-        grad_x = self.exchange.dispatch_backward(saved.routing, grad_rows, extra=grad_shared_x)
-        return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+        return grad_out, None, None, grad_router
+
+    def _give_back(self, routing: ExchangeRouting, grad_rows, grad_shared_x):
+        """The rows' gradient sent back to the tokens' ranks and summed there with the shared
+        expert's: returns what gives grad x [T, H] (in order, once done)."""
+        grad_x = self.exchange.dispatch_backward(routing, grad_rows, extra=grad_shared_x)
+        return lambda: grad_x
+
+    @staticmethod
+    def _mx_gradients(grad_out, experts: MXExpertSaved, into: dict, grads: dict) -> torch.Tensor:
+        """The routed MXFP8 experts' backward: the weights' and biases' gradients (into `grads`),
+        the rows' gradient [M, H] returned."""
+        from mok.kernels.mx_expert_mlp import mx_expert_mlp_backward
+
+        routed = mx_expert_mlp_backward(
+            grad_out,
+            experts,
+            into.get("gate"),
+            into.get("up"),
+            into.get("down"),
+            release=True,
+            grad_bias_buffers=tuple(into.get(name) for name in EXPERT_BIAS_FIELDS),
+        )
+        grads.update(gate=routed.gate, up=routed.up, down=routed.down)
+        if routed.biases is not None:
+            grads.update(zip(EXPERT_BIAS_FIELDS, routed.biases, strict=True))
+        return routed.rows
 
     @staticmethod
     def _down_gradients(
@@ -473,16 +596,6 @@ class TritonBackend:
             )
             grads.update(zip(EXPERT_BIAS_FIELDS, gradients, strict=True))
         return grad_gate_up, dots
-
-    def _weighted_down_gradients(self, saved: TritonSaved, grad_y, into: dict, grads: dict):
-        """(the pre-activations' gradients [M, 2I], each grouped row's router-weight dot [M]
-        fp32) with the router weights applied in the down dgrad's epilogue: grad_y's rows sent
-        to their pairs' grouped rows unweighted with each row's weight
-        (`RouterValuesExchange.unweighted_combine_backward`), then `_down_gradients` of them."""
-        grad_rows, row_weights = self.exchange.unweighted_combine_backward(
-            saved.routing, grad_y, saved.weights
-        )
-        return self._down_gradients(grad_rows, saved.experts, into, grads, row_weights)
 
     @staticmethod
     def _gate_up_gradients(grad_gate_up, experts, into: dict, grads: dict) -> torch.Tensor:
