@@ -484,6 +484,22 @@ def tl_cases():
         "tl group_row_dots",
         lambda: gg.group_row_dots(x, dots_tiles, bias_h, torch.zeros(m)),
     )
+    # The tl weight gradients (where the Gluon one does not take the gradients), fp32 buffers
+    # added into, and the gate/up one reading its rows through an index.
+    wgrad_cfg = GemmTiles(128, 256, 32, num_warps=8, num_stages=4)
+    grad_w_down = torch.zeros(experts, hidden, inter)
+    grad_w_gate = torch.zeros(experts, inter, hidden)
+    yield (
+        "tl down_wgrad fp32 accumulate",
+        lambda: gg.down_wgrad(x, h, offsets, grad_w_down, True, wgrad_cfg),
+    )
+    yield (
+        "tl gate_up_wgrad gathered",
+        lambda: gg.gate_up_wgrad(
+            gate_up, x, offsets, grad_w_gate, grad_w_gate.clone(), False, True, wgrad_cfg,
+            source_rows=torch.zeros(m, dtype=torch.int32),
+        ),
+    )  # fmt: skip
     yield from _row_copy_cases()
     # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
     yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)

@@ -950,151 +950,82 @@ def _gate_up_dgrad_kernel(
 
 @fast_launch
 @triton.jit
-def _down_wgrad_kernel(
-    grad_out_ptr,  # [M, H]
-    h_ptr,  # [M, I]
+def _weight_gradient_kernel(
+    a_ptr,  # [M, HALVES * P] the outputs' gradients, rows a_stride apart
+    b_ptr,  # [M, Q] rows; with gather [S, Q] read through an index
+    gather,  # None, or (b_stride, source_rows_ptr [M] int32): grouped row r is b[source_rows[r]]
     offsets_ptr,  # [E + 1] int32
-    grad_w_desc,  # [E, H, I] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
-    num_experts,
-    hidden,
-    inter,
-    ACCUMULATE: tl.constexpr,
+    first_desc,  # [E, P, Q] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
+    second_desc,  # HALVES 2: the second half's gradient, as first_desc (else first_desc again)
+    sizes,  # (E, P, Q, a_stride)
+    ACCUMULATE: tl.constexpr,  # (into first_desc, into second_desc): add, or overwrite
+    HALVES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
 ):
-    """Grid: NUM_PROGRAMS. grad_W_down[e] = grad_out[group e].T @ h[group e]."""
-    m_tiles = tl.cdiv(hidden, BLOCK_M)
-    n_tiles = tl.cdiv(inter, BLOCK_N)
-    per_expert = m_tiles * n_tiles
-    # A program's consecutive tasks are mostly of one expert: it makes the group's descriptors
-    # (whose row extent ends at the group's end) only when the expert changes. Only the expert and
-    # the descriptors are carried from task to task: Triton 3.6 lost other integers carried next to
-    # descriptors (replaced them by their initial values), so the bounds are loaded every task.
-    cached = -1
-    a_desc = tl.make_tensor_descriptor(grad_out_ptr, [1, hidden], [hidden, 1], [BLOCK_K, BLOCK_M])
-    b_desc = tl.make_tensor_descriptor(h_ptr, [1, inter], [inter, 1], [BLOCK_K, BLOCK_N])
-    for task in tl.range(tl.program_id(0), num_experts * per_expert, NUM_PROGRAMS):
-        expert = task // per_expert
-        m_idx, n_idx = grouped_task(task % per_expert, m_tiles, n_tiles, GROUP_M)
-        first = tl.load(offsets_ptr + expert)
-        num_rows = tl.maximum(tl.load(offsets_ptr + expert + 1) - first, 0)
-        if expert != cached:
-            start = first.to(tl.int64)
-            a_desc = tl.make_tensor_descriptor(
-                grad_out_ptr + start * hidden, [num_rows, hidden], [hidden, 1], [BLOCK_K, BLOCK_M]
-            )
-            b_desc = tl.make_tensor_descriptor(
-                h_ptr + start * inter, [num_rows, inter], [inter, 1], [BLOCK_K, BLOCK_N]
-            )
-            cached = expert
-        acc = weight_gradient_tile(
-            a_desc,
-            (b_desc,),
-            first,
-            m_idx * BLOCK_M,
-            n_idx * BLOCK_N,
-            num_rows,
-            False,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-        )
-        # An expert without rows leaves an accumulation buffer untouched.
-        if num_rows > 0 or not ACCUMULATE:
-            store_weight_tile(
-                grad_w_desc,
-                expert,
-                acc,
-                m_idx * BLOCK_M,
-                n_idx * BLOCK_N,
-                ACCUMULATE,
-                BLOCK_M,
-                BLOCK_N,
-            )
+    """Grid: NUM_PROGRAMS. For each half j < HALVES, gradient j [e] = A[group e, j * P:+P].T @
+    B[group e]: W_down's from grad_out and h (one half), W_gate's and W_up's from the gate | up
+    gradients and the rows (two).
 
-
-@fast_launch
-@triton.jit
-def _gate_up_wgrad_kernel(
-    grad_gate_up_ptr,  # [M, 2I]: gradients of gate | up
-    x_ptr,  # [M, H] rows; GATHER: [S, H] rows read through source_rows
-    x_stride,  # GATHER: x's row stride (else unused)
-    source_rows_ptr,  # GATHER: [M] int32, grouped row r is x[source_rows[r]] (else unused)
-    offsets_ptr,  # [E + 1] int32
-    grad_w_gate_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
-    grad_w_up_desc,  # [E, I, H] out (fp32 or bf16), block [1, BLOCK_M, BLOCK_N or BLOCK_N // 2]
-    num_experts,
-    hidden,
-    inter,
-    ACCUMULATE_GATE: tl.constexpr,
-    ACCUMULATE_UP: tl.constexpr,
-    GATHER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-):
-    """Grid: NUM_PROGRAMS. grad_W_gate[e] = grad_gate[group e].T @ x[group e]; grad_W_up alike.
-
-    Tasks run expert by expert, and within an expert the gate half before the up half; a task's
-    half says which columns of grad_gate_up it reads and which gradient it writes. GATHER: the
-    rows are read through their index (`weight_gradient_tile`), the same values in the same
-    order."""
-    m_tiles = tl.cdiv(inter, BLOCK_M)
-    n_tiles = tl.cdiv(hidden, BLOCK_N)
+    Tasks run expert by expert, and within an expert half by half. With gather the rows are read
+    through their index (`weight_gradient_tile`), the same values in the same order."""
+    num_experts, p, q, a_stride = sizes
+    GATHER: tl.constexpr = gather is not None
+    m_tiles = tl.cdiv(p, BLOCK_M)
+    n_tiles = tl.cdiv(q, BLOCK_N)
     per_half = m_tiles * n_tiles
-    # Descriptors are made again only when a program's next task is of another expert or half
-    # (and only they are carried from task to task: see _down_wgrad_kernel).
+    # A program's consecutive tasks are mostly of one expert and half: it makes their
+    # descriptors (whose row extent ends at the group's end) only when those change. Only they
+    # and the descriptors are carried from task to task: Triton 3.6 lost other integers carried
+    # next to descriptors (replaced them by their initial values), so the bounds are loaded
+    # every task.
     cached_half = -1
     cached_expert = -1
-    a_desc = tl.make_tensor_descriptor(
-        grad_gate_up_ptr, [1, inter], [2 * inter, 1], [BLOCK_K, BLOCK_M]
-    )
-    x_desc = tl.make_tensor_descriptor(x_ptr, [1, hidden], [hidden, 1], [BLOCK_K, BLOCK_N])
-    for task in tl.range(tl.program_id(0), num_experts * 2 * per_half, NUM_PROGRAMS):
+    a_desc = tl.make_tensor_descriptor(a_ptr, [1, p], [a_stride, 1], [BLOCK_K, BLOCK_M])
+    b_desc = tl.make_tensor_descriptor(b_ptr, [1, q], [q, 1], [BLOCK_K, BLOCK_N])
+    for task in tl.range(tl.program_id(0), num_experts * HALVES * per_half, NUM_PROGRAMS):
         half = task // per_half
-        expert = half // 2
-        is_up = half % 2 == 1
+        expert = half // HALVES
+        second = half % HALVES == 1
         m_idx, n_idx = grouped_task(task % per_half, m_tiles, n_tiles, GROUP_M)
         first = tl.load(offsets_ptr + expert)
         num_rows = tl.maximum(tl.load(offsets_ptr + expert + 1) - first, 0)
         start = first.to(tl.int64)
         if not GATHER and expert != cached_expert:
-            x_desc = tl.make_tensor_descriptor(
-                x_ptr + start * hidden, [num_rows, hidden], [hidden, 1], [BLOCK_K, BLOCK_N]
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr + start * q, [num_rows, q], [q, 1], [BLOCK_K, BLOCK_N]
             )
             cached_expert = expert
         if half != cached_half:
             a_desc = tl.make_tensor_descriptor(
-                grad_gate_up_ptr + start * 2 * inter + is_up.to(tl.int64) * inter,
-                [num_rows, inter],
-                [2 * inter, 1],
+                a_ptr + start * a_stride + second.to(tl.int64) * p,
+                [num_rows, p],
+                [a_stride, 1],
                 [BLOCK_K, BLOCK_M],
             )
             cached_half = half
         m_off = m_idx * BLOCK_M
         n_off = n_idx * BLOCK_N
         if GATHER:
-            x_source = (x_ptr, x_stride, source_rows_ptr, hidden)
+            b_source = (b_ptr, gather[0], gather[1], q)
         else:
-            x_source = (x_desc,)
+            b_source = (b_desc,)
         acc = weight_gradient_tile(
-            a_desc, x_source, first, m_off, n_off, num_rows, GATHER, BLOCK_M, BLOCK_N, BLOCK_K
+            a_desc, b_source, first, m_off, n_off, num_rows, GATHER, BLOCK_M, BLOCK_N, BLOCK_K
         )
         # An expert without rows leaves an accumulation buffer untouched.
-        if is_up:
-            if num_rows > 0 or not ACCUMULATE_UP:
+        if second:
+            if num_rows > 0 or not ACCUMULATE[1]:
                 store_weight_tile(
-                    grad_w_up_desc, expert, acc, m_off, n_off, ACCUMULATE_UP, BLOCK_M, BLOCK_N
+                    second_desc, expert, acc, m_off, n_off, ACCUMULATE[1], BLOCK_M, BLOCK_N
                 )
         else:
-            if num_rows > 0 or not ACCUMULATE_GATE:
+            if num_rows > 0 or not ACCUMULATE[0]:
                 store_weight_tile(
-                    grad_w_gate_desc, expert, acc, m_off, n_off, ACCUMULATE_GATE, BLOCK_M, BLOCK_N
+                    first_desc, expert, acc, m_off, n_off, ACCUMULATE[0], BLOCK_M, BLOCK_N
                 )
 
 
@@ -1525,6 +1456,38 @@ def gate_up_dgrad(
     return grad_x
 
 
+def _launch_weight_gradients(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    group_offsets: torch.Tensor,
+    grads: tuple[torch.Tensor, ...],
+    accumulate: tuple[bool, ...],
+    cfg: GemmTiles,
+    source_rows: torch.Tensor | None = None,
+) -> None:
+    """grads[j][e] (+)= a[group e, j * P:+P].T @ b[group e] in place (`_weight_gradient_kernel`;
+    grads [E, P, Q], one or two, laid out alike)."""
+    num_experts, p, q = grads[0].shape
+    bm, bn = cfg.block_m, cfg.block_n
+    tasks = num_experts * len(grads) * triton.cdiv(p, bm) * triton.cdiv(q, bn)
+    programs = num_programs(b.device, tasks, cfg)
+    use_scratch_allocator(b.device)
+    gathered_rows(b, source_rows)
+    descs = [_desc(grad, [1, bm, _epilogue_n(bn, grad)]) for grad in grads]
+    _weight_gradient_kernel[(programs,)](
+        a,
+        b,
+        None if source_rows is None else (b.stride(0), source_rows),
+        group_offsets,
+        descs[0],
+        descs[-1],
+        (num_experts, p, q, a.stride(0)),
+        ACCUMULATE=(accumulate[0], accumulate[-1]),
+        HALVES=len(grads),
+        **launch_options(cfg, programs),
+    )
+
+
 def down_wgrad(
     grad_out: torch.Tensor,
     h: torch.Tensor,
@@ -1534,22 +1497,7 @@ def down_wgrad(
     cfg: GemmTiles,
 ) -> None:
     """grad_w_down[e] (+)= grad_out[group e].T @ h[group e], in place ([E, H, I], fp32 or bf16)."""
-    num_experts, hidden, inter = grad_w_down.shape
-    bm, bn = cfg.block_m, cfg.block_n
-    tasks = num_experts * triton.cdiv(hidden, bm) * triton.cdiv(inter, bn)
-    programs = num_programs(h.device, tasks, cfg)
-    use_scratch_allocator(h.device)
-    _down_wgrad_kernel[(programs,)](
-        grad_out,
-        h,
-        group_offsets,
-        _desc(grad_w_down, [1, bm, _epilogue_n(bn, grad_w_down)]),
-        num_experts,
-        hidden,
-        inter,
-        ACCUMULATE=accumulate,
-        **launch_options(cfg, programs),
-    )
+    _launch_weight_gradients(grad_out, h, group_offsets, (grad_w_down,), (accumulate,), cfg)
 
 
 def gate_up_wgrad(
@@ -1567,26 +1515,12 @@ def gate_up_wgrad(
     source_rows: [M] int32, the grouped rows read through it (grouped row r is
     rows[source_rows[r]], rows [S, H] with a unit column stride: e.g. the tokens received, each
     once, rather than a copy per pair); None: rows are the grouped rows [M, H]."""
-    num_experts, inter, hidden = grad_w_gate.shape
-    bm, bn = cfg.block_m, cfg.block_n
-    tasks = num_experts * 2 * triton.cdiv(inter, bm) * triton.cdiv(hidden, bn)
-    programs = num_programs(rows.device, tasks, cfg)
-    use_scratch_allocator(rows.device)
-    gathered_rows(rows, source_rows)
-    gathered = source_rows is not None
-    _gate_up_wgrad_kernel[(programs,)](
+    _launch_weight_gradients(
         grad_gate_up,
         rows,
-        rows.stride(0) if gathered else 0,
-        source_rows if gathered else group_offsets,
         group_offsets,
-        _desc(grad_w_gate, [1, bm, _epilogue_n(bn, grad_w_gate)]),
-        _desc(grad_w_up, [1, bm, _epilogue_n(bn, grad_w_up)]),
-        num_experts,
-        hidden,
-        inter,
-        ACCUMULATE_GATE=accumulate_gate,
-        ACCUMULATE_UP=accumulate_up,
-        GATHER=gathered,
-        **launch_options(cfg, programs),
+        (grad_w_gate, grad_w_up),
+        (accumulate_gate, accumulate_up),
+        cfg,
+        source_rows,
     )
