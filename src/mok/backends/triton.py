@@ -241,14 +241,14 @@ class TritonBackend:
     claims = None
     """Where the products beside the copies claim their tiles (`host.TileClaims`; None: none)."""
 
-    def forward(self, schedule: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
+    def forward(self, routing: TritonRouting, topk_idx, x, topk_weights, weights, need_backward):
         """The forward pass plan, one for both backends; the schedule hooks (`_dispatch`,
         `_expert_outputs`, `_combine`, `_beside`, `_join`) say where the communication runs.
         Beside the copies, the shared expert runs first, on the products' SMs, while the routed
         products wait for their rows; in order, it runs after the routed experts."""
-        routing = schedule.exchange
+        valid, routing = routing.valid, routing.exchange
         given = weights
-        x, weights, router, dtypes = self._layer_inputs(schedule, x, topk_weights, weights)
+        x, weights, router, dtypes = self._layer_inputs(valid, x, topk_weights, weights)
         rows = self._dispatch(routing, x, weights, need_backward)
         if self.overlapped:
             shared_out, shared = self._shared_forward(x, weights, need_backward, self.beside_sms)
@@ -267,7 +267,7 @@ class TritonBackend:
         y = y.to(dtypes["x"])
         if not need_backward:
             return y, None
-        return y, TritonSaved(routing, router, schedule.valid, experts, shared, pair_out, dtypes)
+        return y, TritonSaved(routing, router, valid, experts, shared, pair_out, dtypes)
 
     def _dispatch(
         self, routing: ExchangeRouting, x: torch.Tensor, weights: MoEWeights, need_backward: bool
@@ -394,7 +394,7 @@ class TritonBackend:
         both = policy is MXWeightCasts.KEEP
         return self.mx_weights.get(*routed, rounding, self.dtype, backward=both)
 
-    def _layer_inputs(self, schedule: TritonRouting, x, topk_weights, weights):
+    def _layer_inputs(self, valid: torch.Tensor, x, topk_weights, weights):
         """(x, contiguous, and the weights in the kernels' dtype, the router weights as used
         (zero for dropped pairs), the API's dtypes of x, topk_weights and every weight)."""
         dtypes = {"x": x.dtype, "topk_weights": topk_weights.dtype}
@@ -404,7 +404,7 @@ class TritonBackend:
             # The interpreter truncates fp32 -> bf16: the router-weight gradient stays fp32 until
             # PyTorch rounds it at exit.
             topk_weights = topk_weights.float()
-        return x, weights, self._dropped_as_zero(schedule.valid, topk_weights), dtypes
+        return x, weights, self._dropped_as_zero(valid, topk_weights), dtypes
 
     def _router_gradient_in_epilogue(self) -> bool:
         """Whether the down dgrad's epilogue forms the router weights' gradient
@@ -453,7 +453,7 @@ class TritonBackend:
 
     def backward(
         self,
-        schedule: TritonRouting,
+        routing: TritonRouting,
         saved: TritonSaved,
         grad_y: torch.Tensor,
         accumulate_into: dict,
