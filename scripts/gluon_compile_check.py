@@ -377,6 +377,21 @@ def cases():
             f"down bias gather+scatter {label}",
             lambda p=problem, c=cfg: warp_specialized._launch(p, tiles(c), c),
         )
+    # The 128-block FP8 product on the FP8 tensor cores (`_block_scaled_step`), bf16 and fp32
+    # out, at deepseek-v3's down shape per expert (K = I = 2048, N = H = 7168).
+    fp8 = torch.float8_e4m3fn
+    a_values = torch.zeros(m, 2048, dtype=fp8)
+    w_values = torch.zeros(experts, 7168, 2048, dtype=fp8)
+    a_descales, w_descales = torch.zeros(m, 16), torch.zeros(experts, 56, 16)
+    offsets = torch.zeros(experts + 1, dtype=torch.int32)
+    fp8_cfg = warp_specialized.BLOCK_SCALED_TILES
+    for out_dtype in (bf16, torch.float32):
+        yield (
+            f"block-scaled fp8 {str(out_dtype)[6:]} out",
+            lambda d=out_dtype: warp_specialized.block_scaled_grouped_mm(
+                a_values, a_descales, w_values, w_descales, offsets, tiles(fp8_cfg), d
+            ),
+        )
 
 
 def cast_cases():

@@ -15,7 +15,8 @@ The weight gradient against the recipe's GEMM over each group's tokens, expert b
 the same rounding bound as the product: a step's descales from another tile or expert, a group's
 tokens past its end, an expert without rows not zeros.
 
-The grouped product against the recipe's GEMM (`scaled_matmul`), group by group.
+The grouped product against the recipe's GEMM (`scaled_matmul`), group by group (the tl kernel
+here; the Gluon kernel on the FP8 tensor cores below).
 The two form the same sums in another order (the partial sums of a step, a multiply-add that the
 GPU contracts), so they agree within fp32's rounding of those sums: each differs from the exact
 value of the recipe's sums by at most (steps + 130) * 2^-24 times the sum of the terms'
@@ -36,6 +37,7 @@ import pytest
 import torch
 from mx_cases import assert_same_bits, blocks_of_every_kind
 
+from mok.kernels import warp_specialized
 from mok.kernels.fp8_block import (
     TILES,
     block_quantize_tiles,
@@ -77,7 +79,9 @@ def _run(problem, out_dtype=torch.float32, cfg=TILES) -> torch.Tensor:
     return block_scaled_grouped_mm(*on_device, out_dtype=out_dtype, cfg=cfg).cpu()
 
 
-def _check_against_the_recipe(problem, out: torch.Tensor) -> None:
+def _check_against_the_recipe(problem, out: torch.Tensor, step_sums: float = 0.0) -> None:
+    """out within fp32's rounding of the recipe's sums, plus `step_sums` times the terms'
+    magnitudes (what the FP8 tensor cores' sums of a step may lose, summed over the steps)."""
     a_values, a_descales, w_values, w_descales, offsets = problem
     steps = a_descales.shape[1]
     a_exact = dequantize_tiles(a_values, a_descales, dtype=torch.float64).abs()
@@ -89,7 +93,9 @@ def _check_against_the_recipe(problem, out: torch.Tensor) -> None:
         )
         w_exact = dequantize_blocks(w_values[e], w_descales[e], dtype=torch.float64).abs()
         magnitude = a_exact[start:end] @ w_exact.T
-        bound = 2 * (steps + 130) * 2.0**-24 * magnitude
+        bound = (2 * (steps + 130) * 2.0**-24 + step_sums) * magnitude
+        if out.dtype == torch.bfloat16:
+            bound += 2.0**-8 * want.double().abs()
         error = (out[start:end].double() - want.double()).abs()
         assert bool((error <= bound).all()), (e, (error - bound).max().item())
 
@@ -129,6 +135,47 @@ def test_operands_that_do_not_fit_are_refused():
         block_scaled_grouped_mm(a_values, a_descales[:, :1], w_values, w_descales, offsets)
     with pytest.raises(ValueError, match="group_offsets"):
         block_scaled_grouped_mm(a_values, a_descales, w_values, w_descales, offsets[:2])
+
+
+FP8_TENSOR_CORE_SUMS = 2.0**-7
+"""What the FP8 tensor cores' sum of a step's 128 products may lose, relative to the sum of the
+products' magnitudes: they keep about 14 bits (DeepSeek-V3's report), so the bound allows the
+truncations of a step's 4 instructions of 32 products. Far below what wrong math gives: a step
+dropped or scaled twice, or a descale of another row, block or expert (those are O(1) of the
+magnitude here, where rows, experts and blocks are scaled differently)."""
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("groups", "n", "k"),
+    [
+        ([70, 0, 130, 3], 320, 208),  # empty, ragged groups; N's last block and K's last step part
+        ([128, 64, 192], 256, 384),  # whole tiles and blocks
+    ],
+)
+def test_the_fp8_tensor_core_product_follows_the_recipe(groups, n, k, out_dtype):
+    """The Gluon kernel (`warp_specialized.block_scaled_grouped_mm`): each step summed by the
+    FP8 tensor cores from zero, then scaled and added in fp32; within the FP8 sums' bound."""
+    problem = _problem(groups, n, k, seed=3)
+    a_values, a_descales, w_values, w_descales, offsets = (t.to(DEVICE) for t in problem)
+    tiles = row_tile_map(offsets, a_values.shape[0], warp_specialized.BLOCK_SCALED_TILES.block_m)
+    out = warp_specialized.block_scaled_grouped_mm(
+        a_values, a_descales, w_values, w_descales, offsets, tiles, out_dtype
+    )
+    _check_against_the_recipe(problem, out.cpu(), FP8_TENSOR_CORE_SUMS)
+
+
+def test_the_fp8_tensor_core_product_refuses_what_it_cannot_take():
+    """Off Hopper, or K not in 16-byte rows: a ValueError naming the tl kernel to use."""
+    problem = [t.to(DEVICE) for t in _problem([8, 8], 128, 200)]
+    tiles = row_tile_map(problem[-1], 16, warp_specialized.BLOCK_SCALED_TILES.block_m)
+    with pytest.raises(ValueError, match="fp8_block.block_scaled_grouped_mm"):
+        warp_specialized.block_scaled_grouped_mm(*problem, tiles)
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,

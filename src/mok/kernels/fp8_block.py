@@ -250,7 +250,9 @@ def _block_scaled_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N)[None, :])
 
 
-def _check(a_values, a_descales, w_values, w_descales, group_offsets) -> tuple[int, int, int]:
+def check_block_scaled_operands(
+    a_values, a_descales, w_values, w_descales, group_offsets
+) -> tuple[int, int, int]:
     """(M, N, K) of the operands, or ValueError naming the one that does not fit."""
     m, k = a_values.shape
     experts, n, w_k = w_values.shape
@@ -291,7 +293,7 @@ def block_scaled_grouped_mm(
     once; S = cdiv(K, 128). Rows outside the groups are left unwritten. group_offsets: [E + 1]
     int32 on the device, non-decreasing, the last <= M. tiles: their `row_tile_map` for
     cfg.block_m, where the caller has it (None: made here)."""
-    m, n, k = _check(a_values, a_descales, w_values, w_descales, group_offsets)
+    m, n, k = check_block_scaled_operands(a_values, a_descales, w_values, w_descales, group_offsets)
     if cfg.block_k != BLOCK:
         raise ValueError(f"a step of the recipe is one scale block: block_k {BLOCK}")
     out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)

@@ -74,6 +74,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mok.kernels import gluon_support
+from mok.kernels.fp8_block import check_block_scaled_operands
 from mok.kernels.host import (
     SWIGLU,
     Activation,
@@ -93,6 +94,7 @@ from mok.kernels.host import (
 from mok.kernels.launch import DeferredDescriptor, fast_launch
 from mok.kernels.sync import OUT_OF_STEP, TIMED_OUT
 from mok.reference.expert import limit_edges
+from mok.reference.fp8_block import BLOCK as FP8_BLOCK
 from mok.weights import has_contiguous_expert_rows
 
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -124,6 +126,8 @@ consumer (the two alternate: ping-pong), one of 128 rows to both (cooperative)."
 CLAIM_SLOTS = gl.constexpr(8)
 """Slots of a claiming program's ring of task ids (`_publish_task`): how many tasks its loader
 may claim ahead of its consumers."""
+SCALE_BLOCK = gl.constexpr(FP8_BLOCK)
+"""Elements of the 128-block FP8 recipe's scale blocks (`mok.reference.fp8_block`)."""
 
 PING_PONG = GemmTiles(block_m=64, block_n=256, block_k=64, num_warps=4, num_stages=4, group_m=8)
 """Tiles of one consumer warpgroup, and the ring depth (4 slots of 40 KiB, plus two 32 KiB
@@ -523,9 +527,8 @@ def _load_partition(
     (`_gather_rows`; not in GATE_UP_DGRAD). WAIT_FLAGS > 0: a task's first copy waits until its
     rows landed (`_wait_rows_ready` on the `RowsReady` fields in `rows_ready`). CLAIM: the tasks
     are claimed here and handed to the consumers (`_publish_task`)."""
-    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather) = (
-        operands
-    )
+    (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns, gather,
+     _) = operands  # fmt: skip
     (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, w_expert_rows,
      num_rows) = problem  # fmt: skip
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
@@ -769,6 +772,39 @@ def _ready_a_tile(ready, a_bufs, step, PART: gl.constexpr, GATHER: gl.constexpr)
 
 
 @gluon.jit
+def _descale_pointers(
+    descales, expert, row, n_off, num_rows, shape: gl.constexpr, layout: gl.constexpr
+):
+    """Where a consumer's tile of `shape` (rows, columns) reads its descales for the
+    block-scaled main loop, step k at + k: A's of each of its rows (1 x 128 tiles along K, [M, S]
+    fp32; rows past M masked) and W's of each of its columns (128 x 128 blocks, [E, cdiv(N,
+    128), S] fp32). Columns past N read the last block's: they reach only columns never
+    stored."""
+    a_descales, w_descales, steps, blocks = descales
+    rows = row + gl.arange(0, shape[0], layout=gl.SliceLayout(1, layout))
+    cols = n_off + gl.arange(0, shape[1], layout=gl.SliceLayout(0, layout))
+    col_blocks = expert * blocks + gl.minimum(cols // SCALE_BLOCK, blocks - 1)
+    return a_descales + rows.to(gl.int64) * steps, rows < num_rows, w_descales + col_blocks * steps
+
+
+@gluon.jit
+def _block_scaled_step(a, w, k, acc, descale_at):
+    """One step of the 128-block FP8 recipe: the step's e4m3 products A[:, k] @ W[k, :] summed
+    by the FP8 tensor cores from zero, then that fp32 partial tile times A's descale of each row
+    and W's of each column (their product first, as `mok.reference.fp8_block.scaled_matmul`
+    forms it) added to acc on the CUDA cores (the tensor cores' FP8 sums keep too few bits to
+    carry across steps). The descales load while the product runs; its operands are read once
+    this returns."""
+    zeros = gl.zeros(acc.type.shape, gl.float32, acc.type.layout)
+    partial = warpgroup_mma(a, w, zeros, use_acc=False, is_async=True)
+    a_at, a_inside, w_at = descale_at
+    a_descale = gl.load(a_at + k, mask=a_inside, other=0.0)
+    w_descale = gl.load(w_at + k)
+    partial, _ = warpgroup_mma_wait(0, deps=(partial, a))
+    return acc + partial * (a_descale[:, None] * w_descale[None, :])
+
+
+@gluon.jit
 def _main_loop(
     operands,
     nth,
@@ -778,10 +814,13 @@ def _main_loop(
     SECOND_WEIGHT: gl.constexpr,
     W_BY_K: gl.constexpr,
     GATHER: gl.constexpr,
+    descale_at,
 ):
     """Consumer ROLE's main loop over the program's nth task: its k_steps steps taken from the
     loader's ring (A @ W, or A @ W.T unless W_BY_K), returned as fp32 accumulators (acc, and with
-    SECOND_WEIGHT acc2, A @ W2.T; zeros otherwise)."""
+    SECOND_WEIGHT acc2, A @ W2.T; zeros otherwise). With the block-scaled operand (`descales`,
+    FP8 A and W, BLOCK_K one scale block), each step is `_block_scaled_step` at `descale_at`
+    (`_descale_pointers`)."""
     a_desc, w_desc, a_bufs, w_bufs, w2_bufs = (
         operands[0],
         operands[2],
@@ -789,7 +828,7 @@ def _main_loop(
         operands[5],
         operands[6],
     )
-    ready, empty, turns = operands[7], operands[8], operands[9]
+    ready, empty, turns, descales = operands[7], operands[8], operands[9], operands[11]
     WG_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
@@ -811,22 +850,31 @@ def _main_loop(
             w = w_bufs.index(slot)
         else:
             w = w_bufs.index(slot).permute((1, 0))
-        acc = warpgroup_mma(a, w, acc, is_async=True)
-        if SECOND_WEIGHT:
+        if descales is not None:
+            acc = _block_scaled_step(a, w, k, acc, descale_at)
+            mbarrier.arrive(empty.index(slot))
+        else:
+            acc = warpgroup_mma(a, w, acc, is_async=True)
+        if descales is not None:
+            gl.static_assert(not SECOND_WEIGHT, "block-scaled products take one weight")
+        elif SECOND_WEIGHT:
             acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
             # At most this step's second wgmma in flight: the step before has read its slot.
             acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
         else:
             acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
+        if descales is None:
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
         step += 1
     if SPLIT == 1:
         mbarrier.arrive(turns.index(1 - ROLE))
-    if SECOND_WEIGHT:
-        acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc,))
-    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
+    # Block-scaled steps each waited for their product and released their slot.
+    if descales is None:
+        if SECOND_WEIGHT:
+            acc, acc2 = warpgroup_mma_wait(0, deps=(acc, acc2))
+        else:
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES))
     return acc, acc2
 
 
@@ -981,7 +1029,8 @@ def _consume(
     the other. CLAIM: the program's tasks are those its loader claimed (`_program_task`)."""
     a_desc, w_desc, a_bufs, w_bufs = operands[0], operands[2], operands[4], operands[5]
     out_bufs, saved, fetched, weighting = outputs[3], outputs[4], outputs[5], outputs[8]
-    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _, _) = problem
+    (table_ptr, counts_ptr, capacity, N, K, GROUP_M, NUM_PROGRAMS, claims, _, num_rows) = problem
+    descales = operands[11]
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
     TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
     W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
@@ -996,8 +1045,10 @@ def _consume(
     )  # one task in TASK_STRIDE is this consumer's
     FIRST_TASK: gl.constexpr = ROLE if SPLIT == 1 else 0  # this consumer's first, in the program
     OUTPUTS: gl.constexpr = out_bufs.type.shape[0] // CONSUMERS
+    # An instruction's K: 32 bytes of the operands' elements (16 bf16, 32 e4m3).
+    INSTR_K: gl.constexpr = 256 // a_desc.dtype.primitive_bitwidth
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, INSTR_K]
     )
     num_m, num_n, num_tasks = _task_count(counts_ptr, N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K) * (1 + TWO_PRODUCTS)
@@ -1015,8 +1066,14 @@ def _consume(
             _fetch_saved(saved, out_bufs, first, fetched.index(ROLE), row, n_off, WEIGHTED)
             if WEIGHTED:
                 row_weights = _row_weights(weighting, row, row_end, WG_M, acc_layout)
+        descale_at = 0  # the block-scaled main loop's, else unused
+        if descales is not None:
+            descale_at = _descale_pointers(
+                descales, gl.load(table_ptr + m_idx), row, n_off, num_rows, [WG_M, BLOCK_N],
+                acc_layout,
+            )  # fmt: skip
         acc, acc2 = _main_loop(
-            operands, nth, k_steps, acc_layout, ROLE, SECOND_WEIGHT, W_BY_K, GATHER
+            operands, nth, k_steps, acc_layout, ROLE, SECOND_WEIGHT, W_BY_K, GATHER, descale_at
         )
         # The other consumer's main loop runs during this epilogue.
         if MODE == DOWN_DGRAD_SWIGLU:
@@ -1058,6 +1115,8 @@ def _row_tiles_kernel(
     scatter,  # None, or the `RowScatter` fields in order (DOWN): the peer-store epilogue
     claims_ptr,  # None, or [1] int32 the launch's task counter (`host.TileClaims`)
     weighting,  # None, or `_router_weighting`'s (h_ptr, row_weights_ptr, dots_ptr, dots_stride)
+    descales,  # None, or DOWN's block-scaled FP8 operands' (`_descale_pointers`): (A's [M, S],
+    # W's [E, cdiv(N, 128), S], S, cdiv(N, 128)), fp32
     MODE: gl.constexpr,
     PLAIN: gl.constexpr,  # act: SwiGLU, else gpt-oss's form (`_swiglu`)
     TILING: gl.constexpr,  # (STAGES, SPLIT, GROUP_M, NUM_PROGRAMS)
@@ -1083,8 +1142,10 @@ def _row_tiles_kernel(
     [E, N], in fp32.
     The parts absent as None are compiled out: the A rows come as TMA tiles unless `gather`
     (`_gather_rows`), tasks by the static stride unless `claims_ptr`, stores are local unless
-    `scatter` (`_scatter_staged`, with readiness counts), and with `rows_ready` every task waits
-    for its A rows to land first (`_wait_rows_ready`; a kernel beside this one writes them)."""
+    `scatter` (`_scatter_staged`, with readiness counts), with `rows_ready` every task waits
+    for its A rows to land first (`_wait_rows_ready`; a kernel beside this one writes them), and
+    with `descales` (DOWN, e4m3 A and W, BLOCK_K 128) the product runs on the FP8 tensor cores
+    in the 128-block recipe's steps (`_block_scaled_step`)."""
     (table_ptr, counts_ptr, N, K, w_expert_rows) = problem
     STAGES: gl.constexpr = TILING[0]
     SPLIT: gl.constexpr = TILING[1]
@@ -1112,13 +1173,13 @@ def _row_tiles_kernel(
         w2_bufs = w_bufs
     OUTPUTS: gl.constexpr = 2 + WEIGHTED if SAVE_PREACT or MODE == DOWN_DGRAD_SWIGLU else 1
     out_bufs = gl.allocate_shared_memory(
-        dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
+        out_desc.dtype, [CONSUMERS * OUTPUTS] + out_desc.block_type.shape, out_desc.layout
     )
     ready, empty, turns, fetched = _ring_barriers(STAGES, SPLIT)
     claims = _task_claims(claims_ptr, ready, empty, SPLIT, CLAIM)  # ping-pong: one reads an id
     # Parts that may be None enter tuples as the arguments themselves (a rebound None cannot).
     operands = (a_desc, a2_desc, w_desc, w2_desc, a_bufs, w_bufs, w2_bufs, ready, empty, turns,
-                gather)  # fmt: skip
+                gather, descales)  # fmt: skip
     saved = (saved_gate_desc, saved_up_desc, h_desc)
     outputs = (out_desc, gate_desc, up_desc, out_bufs, saved, fetched, epilogue, scatter,
                weighting)  # fmt: skip
@@ -1141,7 +1202,7 @@ def _row_tiles_kernel(
 
 
 _GLUON_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
-_LAYOUT_DTYPES = {**_GLUON_DTYPES, torch.float32: gl.float32}
+_LAYOUT_DTYPES = {**_GLUON_DTYPES, torch.float32: gl.float32, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @functools.cache
@@ -1269,6 +1330,7 @@ class _RowsProblem:
     bias: torch.Tensor | None = None  # [E, N]: DOWN's outputs' bias, GATE_UP_SWIGLU's gate's
     bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
     weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
+    descales: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN, FP8 A and W: theirs, fp32
 
 
 def _consumer_split(block_m: int) -> int:
@@ -1346,10 +1408,10 @@ def _check_options(problem: _RowsProblem, cfg: GemmTiles, m: int, n: int) -> Non
         raise ValueError("TileClaims: GATE_UP_DGRAD's zeros take their tasks by the static stride")
     biases = [b for b in (problem.bias, problem.bias2) if b is not None]
     for bias in biases:
-        if bias.shape != (problem.w.shape[0], n) or bias.dtype != a.dtype:
+        if bias.shape != (problem.w.shape[0], n) or bias.dtype != problem.out.dtype:
             raise ValueError(
                 f"expert bias of shape {tuple(bias.shape)} {bias.dtype}: expected "
-                f"[{problem.w.shape[0]}, {n}] {a.dtype}"
+                f"[{problem.w.shape[0]}, {n}] {problem.out.dtype}"
             )
     if len(biases) != (0 if problem.bias is None else 1 + (mode == GATE_UP_SWIGLU.value)):
         raise ValueError("expert biases: one for DOWN, gate's and up's for GATE_UP_SWIGLU")
@@ -1375,16 +1437,20 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     _check_options(problem, cfg, m, n)
     activation = problem.activation
     clamp = None if limit is None else float(limit)
+    edges = limit_edges(limit, out.dtype)
     epilogue = (
         out,
         gate_up,
-        (clamp, *limit_edges(limit, a.dtype), float(activation.alpha), float(activation.up_offset)),
+        (clamp, *edges, float(activation.alpha), float(activation.up_offset)),
         contiguous_biases((problem.bias, problem.bias2)),
     )
     problem_args = (tiles.table, tiles.counts, n, k, w_expert_rows)
     ready_fields = None if ready is None else ready.args()
     scatter_fields = None if scatter is None else scatter.args()
-    dots = weighting_args = None
+    dots = weighting_args = descales = None
+    if problem.descales is not None:
+        a_descales, w_descales = problem.descales
+        descales = (a_descales, w_descales, a_descales.shape[1], w_descales.shape[1])
     h_desc = descriptors[7]  # a descriptor of the launch's, never read
     if problem.weighting is not None:
         h, row_weights = problem.weighting
@@ -1405,6 +1471,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
             scatter_fields,
             counter,
             weighting_args,
+            descales,
             MODE=mode,
             PLAIN=activation.plain,
             TILING=(cfg.num_stages, split, cfg.group_m, programs if counter is None else 1),
@@ -1626,6 +1693,57 @@ def _down_dgrad_swiglu(
     )
     dots = _launch(problem, tiles, cfg)
     return grad_gate_up, None if dots is None else dots.sum(1)
+
+
+BLOCK_SCALED_TILES = GemmTiles(
+    block_m=64, block_n=128, block_k=FP8_BLOCK, num_warps=4, num_stages=6, group_m=8
+)
+"""Ping-pong tiles of the block-scaled FP8 product: a step is one scale block of K (128 e4m3
+elements, one 128-byte row of a tile); 128 columns hold a consumer's accumulator and its step's
+partial tile in 64 registers each."""
+
+
+def block_scaled_supported(a_values: torch.Tensor, w_values: torch.Tensor) -> bool:
+    """Whether `block_scaled_grouped_mm` takes these operands: e4m3 A [M, K] and W [E, N, K] on a
+    Hopper GPU, K a multiple of 16 (TMA's 16-byte rows), W's rows in one 2-D view
+    (`_expert_rows`)."""
+    return (
+        available(a_values.device)
+        and a_values.dtype == w_values.dtype == torch.float8_e4m3fn
+        and a_values.shape[1] % 16 == 0
+        and _expert_rows(w_values) is not None
+    )
+
+
+def block_scaled_grouped_mm(
+    a_values: torch.Tensor,
+    a_descales: torch.Tensor,
+    w_values: torch.Tensor,
+    w_descales: torch.Tensor,
+    group_offsets: torch.Tensor,
+    tiles: RowTiles,
+    out_dtype: torch.dtype = torch.bfloat16,
+    cfg: GemmTiles = BLOCK_SCALED_TILES,
+) -> torch.Tensor:
+    """`fp8_block.block_scaled_grouped_mm` (same operands and contract) on the FP8 tensor cores
+    (`block_scaled_supported` operands; tiles: `row_tile_map` of the groups for cfg.block_m): each
+    step's 128 products are summed by the tensor cores, whose FP8 sums keep fewer bits than fp32,
+    then scaled and accumulated in fp32 (`_block_scaled_step`), so the result is the tl kernel's
+    up to that rounding of each step's partial sums."""
+    m, n, _ = check_block_scaled_operands(a_values, a_descales, w_values, w_descales, group_offsets)
+    if cfg.block_k != FP8_BLOCK:
+        raise ValueError(f"a step of the recipe is one scale block: block_k {FP8_BLOCK}")
+    if not block_scaled_supported(a_values, w_values):
+        raise ValueError(
+            f"A {tuple(a_values.shape)} and W {tuple(w_values.shape)}: the FP8 kernel takes e4m3 "
+            "operands on a Hopper GPU with K a multiple of 16 (`block_scaled_supported`); use "
+            "fp8_block.block_scaled_grouped_mm"
+        )
+    out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
+    if m and n:
+        descales = (a_descales.contiguous(), w_descales.contiguous())
+        _launch(_RowsProblem(DOWN.value, a_values, w_values, out, descales=descales), tiles, cfg)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
