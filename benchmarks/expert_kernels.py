@@ -24,8 +24,10 @@ side.
             @ x[e], and up), each written fresh in bf16 and added into fp32 buffers (gradient
             accumulation). Not in the default list: gate_up_sources and down_sources, the fused
             layer's building blocks (rows read through a dispatch index; down's peer-store
-            epilogue). Results are compared first (bitwise against the tl kernel, and with fp32
-            math); a result off raises.
+            epilogue), and fp8_block_down and fp8_block_gate, the 128-block FP8 product on the FP8
+            tensor cores beside the BF16 product and torch._scaled_grouped_mm on the same shape
+            (`fp8_block_product`). Results are compared first (bitwise against the tl kernel,
+            and with fp32 math); a result off raises.
 --tune      per-kernel times of candidate tl tiles on four presets (for choosing
             `default_config`).
 
@@ -860,6 +862,90 @@ def building_block(
     return lines
 
 
+def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t's e4m3 cast with one fp32 scale per row along its last dimension (the rowwise recipe
+    of torch._scaled_grouped_mm): (values, scales), t ~= values * scales[..., None]."""
+    scales = t.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+    return (t.float() / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
+
+
+def fp8_block_product(name, product, tokens, dense, gen, routing="uniform") -> list[str]:
+    """The 128-block FP8 product on the FP8 tensor cores
+    (`warp_specialized.block_scaled_grouped_mm`) beside the BF16 product (`warp_specialized.down`)
+    on the same grouped shape: down's (h @ W_down[e].T, fp8_block_down) or the gate projection's
+    (x @ W_gate[e].T, fp8_block_gate), plain products with bf16 outputs, the operands cast by the
+    recipe's kernels beforehand (untimed); and PyTorch's rowwise FP8 grouped GEMM
+    (torch._scaled_grouped_mm) on the same shape, as an anchor, where this PyTorch runs it.
+    Errors against the fp32 product of the unquantized operands; the FP8 kernel is checked first
+    against the fp32 product of its own dequantized operands. The label of each FP8 kernel
+    carries its speed over the BF16 product's."""
+    from mok.kernels.fp8_block import block_quantize_tiles
+    from mok.reference.fp8_block import dequantize_blocks, dequantize_tiles, quantize_blocks
+
+    experts, hidden, inter, top_k = _shape(name)
+    k_dim, n_dim = (inter, hidden) if product == "fp8_block_down" else (hidden, inter)
+    weight = randn(experts, n_dim, k_dim, gen=gen, scale=k_dim**-0.5)
+    w_cast = [t.contiguous() for t in quantize_blocks(weight)]
+    w_rowwise, w_scales = _rowwise_fp8(weight)
+    sets = []
+    for _ in range(2):
+        sizes = group_sizes(routing, tokens, top_k, experts, gen)
+        offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+        rows = randn(sum(sizes), k_dim, gen=gen)
+        tiles = row_tile_map(offsets, rows.shape[0], warp_specialized.CONSUMER_ROWS)
+        sets.append((rows, offsets, tiles, block_quantize_tiles(rows), _rowwise_fp8(rows)))
+    bf16_label, fp8_label, rowwise_label = "gluon bf16 64x256", "gluon fp8 64x128", "torch fp8"
+    fns = {
+        bf16_label: lambda i: warp_specialized.down(
+            sets[i][0], weight, sets[i][2], warp_specialized.PING_PONG
+        ),
+        fp8_label: lambda i: warp_specialized.block_scaled_grouped_mm(
+            *sets[i][3], *w_cast, sets[i][1], sets[i][2]
+        ),
+        rowwise_label: lambda i: torch._scaled_grouped_mm(
+            sets[i][4][0], w_rowwise.transpose(1, 2), sets[i][4][1], w_scales,
+            offs=sets[i][1][1:], out_dtype=torch.bfloat16,
+        ),
+    }  # fmt: skip
+    rows, offsets, _, a_cast, _ = sets[0]
+    results, unavailable = {}, {}
+    for label, fn in fns.items():
+        try:
+            results[label] = fn(0)
+        except (RuntimeError, NotImplementedError) as error:  # the anchor on this PyTorch
+            if label != rowwise_label:
+                raise
+            unavailable[label] = str(error).splitlines()[0][:80]
+    for label in unavailable:
+        del fns[label]
+    bounds = offsets.tolist()
+    a_dequantized = dequantize_tiles(*a_cast)
+    expected, dequantized = [], []
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        expected.append(rows[a:b].float() @ weight[e].float().T)
+        dequantized.append(a_dequantized[a:b] @ dequantize_blocks(w_cast[0][e], w_cast[1][e]).T)
+    expected, dequantized = torch.cat(expected), torch.cat(dequantized)
+    own_error = relative_error(results[fp8_label], dequantized)
+    if own_error > 1e-2:
+        raise AssertionError(f"{name} {product} {fp8_label}: {own_error:.2e} off its own operands")
+    times = time_each(fns, len(sets))
+    m = rows.shape[0]
+    flops = 2 * m * k_dim * n_dim
+    lines = []
+    for label, result in results.items():
+        error = relative_error(result, expected)
+        if error > (4e-3 if label == bf16_label else 8e-2):
+            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
+        speed = times[bf16_label][0] / times[label][0]
+        shown = label if label == bf16_label else f"{label} ({speed:.2f}x bf16)"
+        lines.append(
+            product_line(name, product, tokens, m, shown, times[label], flops, dense, error, None)
+        )
+    lines += [f"| {name} | {product} | {tokens} | {m} | {label}: {why} | | | | | |"
+              for label, why in unavailable.items()]  # fmt: skip
+    return lines
+
+
 PRODUCTS = {
     "gate_up": row_product,
     "down": row_product,
@@ -869,6 +955,8 @@ PRODUCTS = {
     "gate_up_wgrad": weight_gradient,
     "gate_up_sources": building_block,
     "down_sources": building_block,
+    "fp8_block_down": fp8_block_product,
+    "fp8_block_gate": fp8_block_product,
 }
 """Each product's runner; the first six are the default list of --products."""
 

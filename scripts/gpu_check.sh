@@ -71,6 +71,9 @@ STEP[options]="
 options-tests $PYTEST tests/test_recompute.py tests/test_router_gradient.py
 recompute-bench python3 -m mok bench --no-progress --preset qwen3-30b-a3b,deepseek-v3 --tokens 16384 --ep 1 --recompute gate_up --iters 10 --json \$OUT/bench-recompute.json
 router-gradient-bench python3 -m mok bench --no-progress --preset qwen3-30b-a3b,deepseek-v3 --tokens 16384 --ep 1 --router-gradient epilogue --iters 10 --json \$OUT/bench-router-gradient.json"
+STEP[fp8]="
+fp8-tests $PYTEST \$PYTEST_ARGS tests/kernels/test_fp8_block_kernels.py tests/kernels/test_fp8_block_expert_mlp.py
+fp8-products python3 benchmarks/expert_kernels.py --products fp8_block_down fp8_block_gate --presets deepseek-v3 qwen3-235b-a22b --tokens 8192 --out \$OUT/fp8-block-products.md"
 STEP[accuracy]="accuracy python3 benchmarks/accuracy.py --out \$OUT/accuracy.md"
 STEP[fuzz]="fuzz python3 benchmarks/fuzz.py \$FUZZ_ARGS --out \$OUT/fuzz.md"
 STEP[memory]="
@@ -93,7 +96,7 @@ STEP[e2e-ep]="
 e2e-ep $E2E $BALANCED --ep \$NGPU --out \$OUT/e2e-ep
 e2e-ep-compiled $E2E $BALANCED --ep \$NGPU --compile inductor --out \$OUT/e2e-ep-compiled"
 STEP[repeat]="e2e-repeat $E2E $QWEN3_30B --layers 2 --batch 8 --routing balanced --steps 8 --warmup 2 --implementations mok,mok,mok-mxfp8,mok-mxfp8 --deterministic --out \$OUT/e2e-repeat"
-ORDER="tests tests-1 tests-2 speed bench kernels exchange triton fused mxfp8 options accuracy fuzz memory profile e2e e2e-compiled e2e-balanced e2e-mxfp8 e2e-ep repeat"
+ORDER="tests tests-1 tests-2 speed bench kernels exchange triton fused mxfp8 fp8 options accuracy fuzz memory profile e2e e2e-compiled e2e-balanced e2e-mxfp8 e2e-ep repeat"
 
 if [ "${1:-}" = --list ]; then
   for step in $ORDER; do echo "$step:"; sed '/^$/d; s/^/    /' <<< "${STEP[$step]}"; done
