@@ -788,14 +788,13 @@ def _descale_pointers(
 
 
 @gluon.jit
-def _block_scaled_step(a, w, k, acc, descale_at):
+def _block_scaled_step(a, w, k, acc, zeros, descale_at):
     """One step of the 128-block FP8 recipe: the step's e4m3 products A[:, k] @ W[k, :] summed
     by the FP8 tensor cores from zero, then that fp32 partial tile times A's descale of each row
     and W's of each column (their product first, as `mok.reference.fp8_block.scaled_matmul`
     forms it) added to acc on the CUDA cores (the tensor cores' FP8 sums keep too few bits to
     carry across steps). The descales load while the product runs; its operands are read once
-    this returns."""
-    zeros = gl.zeros(acc.type.shape, gl.float32, acc.type.layout)
+    this returns. zeros: an fp32 tile of acc's shape and layout (the wgmma's operand)."""
     partial = warpgroup_mma(a, w, zeros, use_acc=False, is_async=True)
     a_at, a_inside, w_at = descale_at
     a_descale = gl.load(a_at + k, mask=a_inside, other=0.0)
@@ -851,7 +850,8 @@ def _main_loop(
         else:
             w = w_bufs.index(slot).permute((1, 0))
         if descales is not None:
-            acc = _block_scaled_step(a, w, k, acc, descale_at)
+            zeros = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+            acc = _block_scaled_step(a, w, k, acc, zeros, descale_at)
             mbarrier.arrive(empty.index(slot))
         else:
             acc = warpgroup_mma(a, w, acc, is_async=True)
