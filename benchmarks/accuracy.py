@@ -17,7 +17,7 @@ weights of std 1/sqrt(fan_in). The forms (--forms):
   bf16             the preset's layer as configured
   mxfp8            precision="mxfp8": the routed experts' GEMMs in MXFP8 (32-element blocks)
   fp8_block        precision="fp8_block": the routed experts' GEMMs in the 128-block recipe (the
-                   reference backend's emulation; the kernel backends are listed as withheld)
+                   reference backend's emulation, the oracle; the triton backend's tl kernels)
   clamp            swiglu_limit=--limit, the gate and up weights scaled so that the
                    pre-activations have standard deviation --std (as models trained with a clamp
                    reach): the share of routed gate/up elements the clamp changes is printed

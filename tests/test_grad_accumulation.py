@@ -32,8 +32,9 @@ def micro_batch(seed: int, device, tokens: int = 24):
     return x.requires_grad_(True), idx.to(device), w.to(device), grad_y
 
 
-def layer_of(backend: str, device, fuse: bool = True) -> mok.MoE:
-    layer = mok.MoE(CONFIG.replace(backend=backend), device=device, fuse_grad_accumulation=fuse)
+def layer_of(backend: str, device, fuse: bool = True, precision: str = "bf16") -> mok.MoE:
+    config = CONFIG.replace(backend=backend, precision=precision)
+    layer = mok.MoE(config, device=device, fuse_grad_accumulation=fuse)
     layer.load_global_weights(global_weights(CONFIG, 0, device))
     return layer
 
@@ -69,13 +70,13 @@ def watch_autograd(layer) -> dict[str, list]:
     return seen
 
 
-def check_main_grad_accumulates_in_place(backend: str, device) -> None:
-    layer = layer_of(backend, device)
+def check_main_grad_accumulates_in_place(backend: str, device, precision: str = "bf16") -> None:
+    layer = layer_of(backend, device, precision=precision)
     main = {}
     for name, param in layer.named_parameters(recurse=False):
         param.main_grad = main[name] = torch.zeros_like(param, dtype=torch.float32)
     pointers = {name: buffer.data_ptr() for name, buffer in main.items()}
-    plain = layer_of(backend, device, fuse=False)
+    plain = layer_of(backend, device, fuse=False, precision=precision)
     for seed in (1, 2):
         step(layer, seed, device)
         step(plain, seed, device)
@@ -97,9 +98,11 @@ def test_main_grad_takes_the_sum_of_the_micro_batches_bitwise_reference():
 
 
 @pytest.mark.interpreter
-def test_main_grad_takes_the_sum_of_the_micro_batches_bitwise_triton_cpu():
-    """The triton backend's kernels add into the buffer: the same checks, under the interpreter."""
-    check_main_grad_accumulates_in_place("triton", torch.device("cpu"))
+@pytest.mark.parametrize("precision", ["bf16", "fp8_block"])
+def test_main_grad_takes_the_sum_of_the_micro_batches_bitwise_triton_cpu(precision):
+    """The triton backend's kernels add into the buffer (fp8_block: its backward adds each
+    gradient after forming it): the same checks, under the interpreter."""
+    check_main_grad_accumulates_in_place("triton", torch.device("cpu"), precision)
 
 
 @pytest.mark.gpu

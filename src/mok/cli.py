@@ -214,8 +214,8 @@ def _add_layer_options(layer) -> None:
         type=_precisions,
         default=["bf16"],
         metavar="P[,P...]",
-        help="the layer's precisions, comma-separated: bf16, mxfp8, fp8_block (the reference "
-        "backend's emulation), each beside the bf16 baseline; bf16,mxfp8 times both in one run",
+        help="the layer's precisions, comma-separated: bf16, mxfp8, fp8_block (the 128-block "
+        "recipe), each beside the bf16 baseline; bf16,mxfp8 times both in one run",
     )
     layer.add_argument(
         "--swiglu-limit",

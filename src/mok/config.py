@@ -25,7 +25,8 @@ class Precision(str, enum.Enum):
     """The 128-block recipe (DeepSeek-V3's, Transformer Engine's block scaling): e4m3 operands,
     activations and gradients with one fp32 scale per 1 x 128 tile along the reduction, weights
     per 128 x 128 block; each 128-element step's partial sums scaled and added in fp32
-    (`mok.reference.fp8_block_expert`). The `reference` backend only, so far."""
+    (`mok.reference.fp8_block_expert`). The `reference` backend, and the `triton` backend on the
+    recipe's tl kernels (rows dispatched in bf16, cast by the experts)."""
 
 
 class Backend(str, enum.Enum):
@@ -252,7 +253,8 @@ class MoKConfig:
     """Numerics of the routed expert GEMMs: `bf16`, or `mxfp8` to train or evaluate with MX
     numerics (H and I multiples of 32; the `reference` and `triton` backends; on Hopper the
     products read the casts' values in bf16, docs/mxfp8.md), or `fp8_block` for the 128-block
-    recipe's numerics (the `reference` backend: an emulation, to study its accuracy)."""
+    recipe's numerics (the `reference` and `triton` backends; the triton backend's products
+    decode e4m3 to bf16 so far, docs/mxfp8.md)."""
     backend: Backend = Backend.AUTO
     """Implementation. `auto` takes the fastest that can run here: `triton` on CUDA GPUs where it
     can, else `reference`. Name `fused` to overlap the exchange with the experts, `reference` for

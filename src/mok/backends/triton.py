@@ -20,6 +20,11 @@ through `mok.kernels.mx_expert_mlp` (the reference's quantization points), and t
 the pairs' outputs as their MX cast for the router weights' gradient; the shared expert, the
 router, the combine's sum and every gradient that travels stay bf16.
 
+The 128-block FP8 recipe (`precision="fp8_block"`): the rows travel in bf16 and the routed
+experts run `mok.kernels.fp8_block_expert_mlp` (the recipe's casts and tl products, bitwise the
+reference's under the interpreter); the weights' gradients are added into accumulation buffers
+after they are formed, in fp32, as the reference backend adds them.
+
 CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
 code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
 or a shared file standing in for symmetric memory). The interpreter computes bf16 wrongly, so
@@ -55,6 +60,7 @@ from mok.weights import EXPERT_BIAS_FIELDS, MoEGradients, MoEWeights
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
     from mok.comm.layout import ExchangeShape
     from mok.kernels import ExpertKernelConfig, ExpertMLPSaved
+    from mok.kernels.fp8_block_expert_mlp import FP8BlockSaved
     from mok.kernels.host import RowsReady
     from mok.kernels.mx import MXRows
     from mok.kernels.mx_expert_mlp import MXExpertSaved
@@ -80,7 +86,7 @@ class TritonSaved:
     weights: torch.Tensor
     """[T, k] the router weights as used (zero for dropped pairs)."""
     valid: torch.Tensor
-    experts: ExpertMLPSaved | MXExpertSaved
+    experts: ExpertMLPSaved | MXExpertSaved | FP8BlockSaved
     shared: ExpertMLPSaved | None
     pair_out: torch.Tensor | MXRows | GroupedPairOutputs | None
     """The pairs' outputs, for the router weights' gradient (MXFP8: their cast along H); None
@@ -126,6 +132,7 @@ class TritonBackend:
         self.dtype = config.activation_dtype if device.type == "cuda" else torch.float32
         _, ep = group_rank_and_size(group)
         self.mxfp8 = config.precision.value == "mxfp8"
+        self.fp8_block = config.precision.value == "fp8_block"
         if ep == 1:
             self.exchange = LocalExchange(config.num_experts, device)
         elif SymmetricExchangeBase.unavailable_reason(group, device) is None:
@@ -201,8 +208,8 @@ class TritonBackend:
                 f"needs a CUDA device, got {device} (a CPU only under the Triton interpreter, "
                 "TRITON_INTERPRET=1, a test mode)"
             )
-        if config.precision.value not in ("bf16", "mxfp8"):
-            return f"computes bf16 and MXFP8 only, not {config.precision.value}"
+        if config.precision.value not in ("bf16", "mxfp8", "fp8_block"):
+            return f"computes bf16, MXFP8 and fp8_block only, not {config.precision.value}"
         sizes = {
             "hidden_size": config.hidden_size,
             "intermediate_size": config.intermediate_size,
@@ -277,8 +284,11 @@ class TritonBackend:
         gate/up product, with the tiles that decided it, where the grouped rows would be copies
         of x's rows (EP 1) and the kernels gather faster than the exchange copies
         (`gathers_rows_well`), unless `keep_grouped_rows`; else the rows sent into grouped order
-        (the kernels' default tiles)."""
+        (the kernels' default tiles). fp8_block: the rows sent as they are (bf16), cast by the
+        experts."""
         config = self.workspace.config
+        if self.fp8_block:
+            return DispatchedRows(self.exchange.dispatch(routing, x))
         if self.mxfp8:
             from mok.kernels.mx import MXRows, mx_quantize_rows
 
@@ -317,6 +327,8 @@ class TritonBackend:
             "biases": weights.expert_biases(),
             **outputs,
         }
+        if self.fp8_block:
+            return self._fp8_block_forward(routing, rows, weights, need_backward, outputs["out"])
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
 
@@ -340,6 +352,29 @@ class TritonBackend:
             keep_activations=self._keeps_activations(),
             **options,
         )
+
+    def _fp8_block_forward(
+        self, routing: ExchangeRouting, rows: DispatchedRows, weights: MoEWeights,
+        need_backward: bool, out: torch.Tensor | None,
+    ):  # fmt: skip
+        """The routed experts in the 128-block FP8 recipe (`fp8_block_expert_forward`): (their
+        outputs, in `out`'s first rows where the exchange gives a buffer, their saved state or
+        None)."""
+        from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_forward
+
+        expert_out, experts = fp8_block_expert_forward(
+            rows.rows,
+            routing.group_offsets,
+            weights.gate,
+            weights.up,
+            weights.down,
+            self.workspace.config.swiglu_limit,
+            biases=weights.expert_biases(),
+            activation=self._activation(),
+        )
+        if out is not None:
+            expert_out = out[: expert_out.shape[0]].copy_(expert_out)
+        return expert_out, experts if need_backward else None
 
     def _combine(
         self, routing: ExchangeRouting, rows: DispatchedRows, weights: MoEWeights, expert_out,
@@ -372,7 +407,7 @@ class TritonBackend:
         where the grouped rows are copies of x's rows (EP 1); else the grouped rows, as the
         expert forward keeps them. The grouped rows (a copy per pair) then go with the
         forward."""
-        if self.mxfp8 or experts is None or rows.source_rows is not None:
+        if self.mxfp8 or self.fp8_block or experts is None or rows.source_rows is not None:
             return
         if rows.tokens is not None:
             experts.read_rows_through(rows.tokens.rows, rows.tokens.source_rows)
@@ -477,6 +512,8 @@ class TritonBackend:
         experts, grads, dots = saved.experts, {}, None
         if self.mxfp8:
             grad_rows = self._mx_gradients(grad_out, experts, into, grads)
+        elif self.fp8_block:
+            grad_rows = self._fp8_block_gradients(grad_out, experts, into, grads)
         else:
             grad_gate_up, dots = self._down_gradients(
                 grad_out,
@@ -505,7 +542,7 @@ class TritonBackend:
             del grad_gate_up
             grad_x = grad_x()
         else:
-            if not self.mxfp8:
+            if not (self.mxfp8 or self.fp8_block):
                 grad_rows = self._gate_up_gradients(grad_gate_up, experts, into, grads)
                 del grad_gate_up
             grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
@@ -515,6 +552,21 @@ class TritonBackend:
             grad_router = self.exchange.pair_values(saved.routing, dots)
         grad_router = self._dropped_as_zero(saved.valid, grad_router)
         return self._gradients(saved, grad_x, grad_router, {**grads, **shared_grads}, into)
+
+    @staticmethod
+    def _fp8_block_gradients(grad_out, experts, into: dict, grads: dict) -> torch.Tensor:
+        """The routed experts' backward in the 128-block recipe (`fp8_block_expert_backward`):
+        the weights' and biases' gradients (into `grads`; a buffer of `into` has its gradient
+        added in fp32 and rounded once more, as the reference backend adds it), the rows'
+        gradient [M, H] returned."""
+        from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_backward
+
+        grad_rows, *gradients = fp8_block_expert_backward(grad_out, experts)
+        for name, grad in zip(("gate", "up", "down", *EXPERT_BIAS_FIELDS), gradients, strict=True):
+            if grad is not None:
+                buffer = into.get(name)
+                grads[name] = grad if buffer is None else buffer.copy_(buffer.float() + grad)
+        return grad_rows
 
     def _output_gradients(self, saved: TritonSaved, grad_y: torch.Tensor):
         """(the grouped rows' output gradients [M, H], their readiness flags where they land

@@ -1,0 +1,50 @@
+"""The `triton` backend in the 128-block FP8 recipe (`precision="fp8_block"`) against the recipe's
+reference, through the public API.
+
+CPU test mode (kernels under the interpreter, fp32 where GPUs round to bf16), in one process and on
+2 gloo ranks with the NVLink protocol over a shared file: against the single-process reference
+computed in fp32 (`compare_with_reference(dtype=float32)`: the same rounding points), so the two
+differ by the order of fp32 sums inside the products' steps and by the bf16 rounding of the
+results at the API (2^-9 normwise; the MXFP8 tests' layer, worker and tolerance). Bugs these
+catch, each far outside that: the recipe's casts skipped or placed elsewhere (the layer in bf16 is
+4.6e-2 off the recipe's here), the biases or the activation's alpha and offset dropped (O(1)), a
+gradient not added into its accumulation buffer, the biases' gradients missing from the layer's,
+gradients of another rank's experts.
+"""
+
+import pytest
+from test_triton_backend_cpu import scenario
+from test_triton_backend_mx import CONFIG as MXFP8_CONFIG
+from test_triton_backend_mx import TOLERANCE, errors_against_the_reference
+
+from mok.ranks import run_ranks
+
+CONFIG = MXFP8_CONFIG.replace(precision="fp8_block")
+"""The MXFP8 tests' layer (H 64, I 32, 4 experts, top 2, a shared expert, a clamp) in the recipe."""
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp8_block_layer_matches_the_reference(world, tmp_path):
+    case = scenario(CONFIG, [23, 17][:world], seed=3)
+    if world == 1:
+        per_rank = [errors_against_the_reference(0, 1, case, tmp_path)]
+    else:
+        per_rank = run_ranks(errors_against_the_reference, world, args=(case, tmp_path))
+    for errors, _ in per_rank:
+        assert {"grad x", "grad gate", "grad down"} <= set(errors), sorted(errors)
+        for key, error in errors.items():
+            assert error <= TOLERANCE, (key, error)
+
+
+@pytest.mark.interpreter
+def test_fp8_block_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
+    """gpt-oss's activation and expert biases in the recipe, on 2 ranks."""
+    config = CONFIG.replace(
+        swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True, swiglu_limit=1.0
+    )
+    case = scenario(config, [23, 17], seed=4)
+    for errors, _ in run_ranks(errors_against_the_reference, 2, args=(case, tmp_path)):
+        assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
+        for key, error in errors.items():
+            assert error <= TOLERANCE, (key, error)
