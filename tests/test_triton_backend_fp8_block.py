@@ -2,7 +2,8 @@
 reference, through the public API.
 
 CPU test mode (kernels under the interpreter, fp32 where GPUs round to bf16), in one process and on
-2 gloo ranks with the NVLink protocol over a shared file: against the single-process reference
+2 gloo ranks with the NVLink protocol over a shared file (x crossing as its cast, packed e4m3 rows
+and descales): against the single-process reference
 computed in fp32 (`compare_with_reference(dtype=float32)`: the same rounding points), so the two
 differ by the order of fp32 sums inside the products' steps and by the bf16 rounding of the
 results at the API (2^-9 normwise; the MXFP8 tests' layer, worker and tolerance). Bugs these
@@ -17,6 +18,7 @@ from test_triton_backend_cpu import scenario
 from test_triton_backend_mx import CONFIG as MXFP8_CONFIG
 from test_triton_backend_mx import TOLERANCE, errors_against_the_reference
 
+from mok.kernels.fp8_block import BlockRows
 from mok.ranks import run_ranks
 
 CONFIG = MXFP8_CONFIG.replace(precision="fp8_block")
@@ -31,10 +33,13 @@ def test_fp8_block_layer_matches_the_reference(world, tmp_path):
         per_rank = [errors_against_the_reference(0, 1, case, tmp_path)]
     else:
         per_rank = run_ranks(errors_against_the_reference, world, args=(case, tmp_path))
-    for errors, _ in per_rank:
+    for errors, row_bytes in per_rank:
         assert {"grad x", "grad gate", "grad down"} <= set(errors), sorted(errors)
         for key, error in errors.items():
             assert error <= TOLERANCE, (key, error)
+        # x travels as its cast: 64 e4m3 bytes and one fp32 descale padded to 80, where an fp32
+        # (CPU test mode) row would take 256 and a bf16 one 128.
+        assert row_bytes in (None, BlockRows.row_bytes(CONFIG.hidden_size)), row_bytes
 
 
 @pytest.mark.interpreter

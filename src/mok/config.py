@@ -26,7 +26,7 @@ class Precision(str, enum.Enum):
     activations and gradients with one fp32 scale per 1 x 128 tile along the reduction, weights
     per 128 x 128 block; each 128-element step's partial sums scaled and added in fp32
     (`mok.reference.fp8_block_expert`). The `reference` backend, and the `triton` backend on the
-    recipe's tl kernels (rows dispatched in bf16, cast by the experts)."""
+    recipe's tl kernels (rows dispatched as their e4m3 cast)."""
 
 
 class Backend(str, enum.Enum):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mok.kernels.fp8_block import block_quantize_rows
 from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_backward, fp8_block_expert_forward
 from mok.kernels.host import Activation
 from mok.reference.expert import grouped_expert_mlp
@@ -125,3 +126,23 @@ def test_the_backward_is_the_references(limit, activation, with_biases):
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert (got == want).float().mean() >= 0.99, name
         assert _error(got, truth) <= 1.2 * _error(want, truth), name
+
+
+def test_rows_cast_before_dispatch_give_the_same_results():
+    """The rows as the exchange brings them (`BlockRows`, cast on the token's rank) give the
+    forward's output and every gradient of the rows cast here, bit for bit. Catches packed
+    values or descales read at the wrong byte offset or row stride, and a backward that reads
+    the rows' cast from elsewhere than the forward's."""
+    groups, hidden, inter = [40, 0, 25], 256, 128
+    (w_gate, w_up, w_down), biases = _experts(len(groups), hidden, inter, True, seed=5)
+    x = torch.randn(sum(groups), hidden, generator=torch.Generator().manual_seed(6)).bfloat16()
+    grad_out = torch.randn(sum(groups), hidden, generator=torch.Generator().manual_seed(7))
+    on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down, grad_out.bfloat16())]
+    offsets, on_biases = _offsets(groups).to(DEVICE), tuple(b.to(DEVICE) for b in biases)
+    results = []
+    for rows in (on[0], block_quantize_rows(on[0])):
+        out, saved = fp8_block_expert_forward(rows, offsets, *on[1:4], 7.0, on_biases)
+        results.append((out, *fp8_block_expert_backward(on[4], saved)))
+    names = ["out", "x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"]
+    for name, plain, packed in zip(names, *results, strict=True):
+        assert torch.equal(plain, packed), name

@@ -40,6 +40,8 @@ from mx_cases import assert_same_bits, blocks_of_every_kind
 from mok.kernels import warp_specialized
 from mok.kernels.fp8_block import (
     TILES,
+    BlockRows,
+    block_quantize_rows,
     block_quantize_tiles,
     block_quantize_tokens,
     block_scaled_grouped_mm,
@@ -194,6 +196,20 @@ def test_the_cast_is_the_references_bit_for_bit(dtype):
     nan = want_descales.isnan()
     assert torch.equal(descales.cpu().isnan(), nan)
     assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+
+
+def test_packed_rows_hold_the_cast_bit_for_bit():
+    """`block_quantize_rows`: each packed row's values and descales are `block_quantize_tiles`'s,
+    after a round trip through the exchange's row dtype; 0.52x a bf16 row's bytes at H = 7168.
+    Catches descales written over the values or past the row, a row stride taken as K, and a
+    packed width the exchange would cut."""
+    x = torch.randn(37, 272, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEVICE)
+    packed = block_quantize_rows(x)
+    moved = BlockRows.from_rows(packed.as_rows(torch.bfloat16).clone(), 272)
+    values, descales = block_quantize_tiles(x)
+    assert torch.equal(moved.values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(moved.descales, descales)
+    assert BlockRows.row_bytes(272) == 288 and BlockRows.row_bytes(7168) / (2 * 7168) < 0.52
 
 
 def test_the_cast_of_rows_of_a_wider_tensor():

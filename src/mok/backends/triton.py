@@ -20,10 +20,12 @@ through `mok.kernels.mx_expert_mlp` (the reference's quantization points), and t
 the pairs' outputs as their MX cast for the router weights' gradient; the shared expert, the
 router, the combine's sum and every gradient that travels stay bf16.
 
-The 128-block FP8 recipe (`precision="fp8_block"`): the rows travel in bf16 and the routed
-experts run `mok.kernels.fp8_block_expert_mlp` (the recipe's casts and tl products, bitwise the
-reference's under the interpreter); the weights' gradients are added into accumulation buffers
-after they are formed, in fp32, as the reference backend adds them.
+The 128-block FP8 recipe (`precision="fp8_block"`): x is cast along H on its own rank (1 x 128
+tiles) and dispatched as packed e4m3 bytes and fp32 descales (`mok.kernels.fp8_block.BlockRows`:
+0.52x the bytes of a bf16 row), and the routed experts run `mok.kernels.fp8_block_expert_mlp`
+(the recipe's casts and tl products, bitwise the reference's under the interpreter); the
+weights' gradients are added into accumulation buffers after they are formed, in fp32, as the
+reference backend adds them.
 
 CPU test mode: asked for by name (`backend="triton"`) on a CPU under TRITON_INTERPRET=1, the same
 code runs with the kernels under the Triton interpreter and the exchanges on CPU tensors (gloo,
@@ -55,6 +57,7 @@ from mok.distributed import group_rank_and_size
 from mok.errors import MoKInputError
 from mok.kernels._triton_compat import interpreting
 from mok.kernels.constants import DeviceConstants
+from mok.kernels.formats import fp8_block_row_bytes, mx_row_bytes
 from mok.weights import EXPERT_BIAS_FIELDS, MoEGradients, MoEWeights
 
 if TYPE_CHECKING:  # Triton is optional: the kernels are imported where they run
@@ -160,11 +163,11 @@ class TritonBackend:
         from mok.comm.layout import default_shape
 
         layout = dict(cls.exchange_layout)
-        if config.precision.value == "mxfp8":
-            from mok.kernels.formats import mx_row_bytes
-
-            # Elements of dtype per dispatched MXFP8 row (packed e4m3 and scales).
-            layout["dispatch_width"] = mx_row_bytes(config.hidden_size) // dtype.itemsize
+        packed_rows = {"mxfp8": mx_row_bytes, "fp8_block": fp8_block_row_bytes}
+        if config.precision.value in packed_rows:
+            # Elements of dtype per dispatched row (packed e4m3 and scales).
+            row_bytes = packed_rows[config.precision.value](config.hidden_size)
+            layout["dispatch_width"] = row_bytes // dtype.itemsize
         return default_shape(
             config.hidden_size,
             config.top_k,
@@ -284,11 +287,15 @@ class TritonBackend:
         gate/up product, with the tiles that decided it, where the grouped rows would be copies
         of x's rows (EP 1) and the kernels gather faster than the exchange copies
         (`gathers_rows_well`), unless `keep_grouped_rows`; else the rows sent into grouped order
-        (the kernels' default tiles). fp8_block: the rows sent as they are (bf16), cast by the
-        experts."""
+        (the kernels' default tiles). fp8_block: x cast along H on its own rank (1 x 128 tiles),
+        sent as e4m3 bytes and fp32 descales (`BlockRows`)."""
         config = self.workspace.config
         if self.fp8_block:
-            return DispatchedRows(self.exchange.dispatch(routing, x))
+            from mok.kernels.fp8_block import BlockRows, block_quantize_rows
+
+            packed = block_quantize_rows(x).as_rows(self.dtype)
+            grouped = self.exchange.dispatch(routing, packed)
+            return DispatchedRows(BlockRows.from_rows(grouped, x.shape[1]))
         if self.mxfp8:
             from mok.kernels.mx import MXRows, mx_quantize_rows
 

@@ -19,11 +19,14 @@ kernels are tested against, not a fast path.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
+from mok.kernels.formats import fp8_block_row_bytes
 from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
 from mok.kernels.host import GemmTiles, RowTiles, launch_options, num_programs
 from mok.kernels.launch import fast_launch
@@ -62,17 +65,18 @@ def block_quantize_tile(tile):
 @fast_launch
 @triton.jit
 def _block_quantize_kernel(
-    x_ptr,  # [M, K] bf16 or fp32, row stride x_stride
-    values_ptr,  # [M, K] out, e4m3 as uint8, contiguous
-    descales_ptr,  # [M, S] out, fp32, contiguous
+    x_ptr,  # [M, K] bf16 or fp32
+    values_ptr,  # [M, K] out, e4m3 as uint8
+    descales_ptr,  # [M, S] out, fp32
     M,
     K,
-    x_stride,
+    strides,  # the row strides of x, values and descales, in their elements
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """Grid: (cdiv(M, BLOCK_M), S). One program casts the 1 x 128 tiles of step program_id(1) of
     BLOCK_M rows."""
+    x_stride, values_stride, descales_stride = strides
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     step = tl.program_id(1)
     cols = step * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -80,8 +84,9 @@ def _block_quantize_kernel(
     inside = (rows < M)[:, None] & (cols < K)[None, :]
     tile = tl.load(x_ptr + rows64[:, None] * x_stride + cols[None, :], mask=inside, other=0.0)
     codes, descales = block_quantize_tile(tile.to(tl.float32))
-    tl.store(values_ptr + rows64[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=inside)
-    tl.store(descales_ptr + rows64 * tl.cdiv(K, BLOCK_K) + step, descales, mask=rows < M)
+    values_at = values_ptr + rows64[:, None] * values_stride + cols[None, :]
+    tl.store(values_at, codes.to(tl.uint8), mask=inside)
+    tl.store(descales_ptr + rows64 * descales_stride + step, descales, mask=rows < M)
 
 
 def _check_cast_input(x: torch.Tensor) -> None:
@@ -91,21 +96,93 @@ def _check_cast_input(x: torch.Tensor) -> None:
         )
 
 
+def _cast_rows(x: torch.Tensor, values: torch.Tensor, descales: torch.Tensor) -> None:
+    """x's 1 x 128 tiles cast into values [M, K] uint8 and descales [M, S] fp32 (unit last
+    strides, any row strides)."""
+    m, k = x.shape
+    if m and k:
+        block_m = 32
+        strides = (x.stride(0), values.stride(0), descales.stride(0))
+        _block_quantize_kernel[(triton.cdiv(m, block_m), descales.shape[1])](
+            x, values, descales, m, k, strides, BLOCK_M=block_m, BLOCK_K=BLOCK
+        )
+
+
 def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`mok.reference.fp8_block.quantize_tiles(x)` along x's last dimension, bit for bit: x [M, K]
     bf16 or fp32 with a unit last stride -> (values [M, K] float8_e4m3fn, descales
     [M, cdiv(K, 128)] fp32), both contiguous."""
     _check_cast_input(x)
     m, k = x.shape
-    steps = triton.cdiv(k, BLOCK)
     values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
-    descales = torch.empty(m, steps, dtype=torch.float32, device=x.device)
-    if m and k:
-        block_m = 32
-        _block_quantize_kernel[(triton.cdiv(m, block_m), steps)](
-            x, values, descales, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=BLOCK
-        )
+    descales = torch.empty(m, triton.cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
+    _cast_rows(x, values, descales)
     return values.view(torch.float8_e4m3fn), descales
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRows:
+    """Rows [N, C] cast in the 128-block recipe, one packed row of bytes per row: its C e4m3
+    bytes, then its cdiv(C, 128) fp32 descales, then padding to a multiple of 16 bytes (left as
+    it is). A row is one contiguous run of bytes, so the exchange moves it as it moves a bf16 row
+    (`as_rows`), at about 0.52x the bytes."""
+
+    packed: torch.Tensor
+    """[N, row_bytes(C)] uint8 with a unit last stride (any row stride)."""
+    cols: int
+    """C, a multiple of 16."""
+
+    def __post_init__(self):
+        if (
+            self.cols % 16
+            or self.packed.dtype != torch.uint8
+            or self.packed.dim() != 2
+            or self.packed.shape[1] != self.row_bytes(self.cols)
+            or self.packed.stride(1) != 1
+        ):
+            raise ValueError(
+                f"packed rows of {self.cols} columns (a multiple of 16) are "
+                f"[N, {self.row_bytes(self.cols)}] uint8 with a unit last stride, got "
+                f"{tuple(self.packed.shape)} {self.packed.dtype}"
+            )
+
+    @staticmethod
+    def row_bytes(cols: int) -> int:
+        """Bytes of one packed row of `cols` columns."""
+        return fp8_block_row_bytes(cols)
+
+    @classmethod
+    def from_rows(cls, rows: torch.Tensor, cols: int) -> BlockRows:
+        """The rows whose bytes `rows` holds (what `as_rows` made, e.g. after an exchange)."""
+        return cls(rows.view(torch.uint8), cols)
+
+    def as_rows(self, dtype: torch.dtype) -> torch.Tensor:
+        """The same bytes as [N, row_bytes / itemsize] elements of `dtype` (the exchange's row
+        dtype, to be moved, never computed on)."""
+        return self.packed.view(dtype)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """[N, C] float8_e4m3fn (a strided view)."""
+        return self.packed[:, : self.cols].view(torch.float8_e4m3fn)
+
+    @property
+    def descales(self) -> torch.Tensor:
+        """[N, cdiv(C, 128)] fp32 (a strided view)."""
+        return self.packed[:, self.cols : self.cols + 4 * triton.cdiv(self.cols, BLOCK)].view(
+            torch.float32
+        )
+
+
+def block_quantize_rows(x: torch.Tensor) -> BlockRows:
+    """x [N, C] (bf16 or fp32, a unit last stride, C a multiple of 16) cast along its rows into
+    packed `BlockRows`: the values and descales of `block_quantize_tiles(x)`, bit for bit."""
+    _check_cast_input(x)
+    rows, cols = x.shape
+    packed = torch.empty(rows, BlockRows.row_bytes(cols), dtype=torch.uint8, device=x.device)
+    out = BlockRows(packed, cols)
+    _cast_rows(x, packed[:, :cols], out.descales)
+    return out
 
 
 @fast_launch

@@ -27,6 +27,7 @@ import torch
 from mok.kernels.fp8_block import (
     BLOCK,
     TILES,
+    BlockRows,
     block_quantize_tiles,
     block_quantize_tokens,
     block_scaled_grouped_mm,
@@ -67,7 +68,7 @@ def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_block_expert_forward(
-    rows: torch.Tensor,
+    rows: torch.Tensor | BlockRows,
     group_offsets: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
@@ -80,17 +81,22 @@ def fp8_block_expert_forward(
     bf16, grouped by group_offsets [E + 1] int32 on their device) through its expert's w_gate,
     w_up [E, I, H] and w_down [E, H, I] in the 128-block recipe, as
     `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
-    added in fp32. Rows outside the groups: zeros."""
-    dtype, m = rows.dtype, rows.shape[0]
+    added in fp32. Rows outside the groups: zeros. The rows may come cast already (`BlockRows`,
+    as the exchange dispatches them): then out is in w_down's dtype."""
+    if isinstance(rows, BlockRows):
+        dtype, m = w_down.dtype, rows.packed.shape[0]
+        x_cast = (rows.values, rows.descales)
+    else:
+        dtype, m = rows.dtype, rows.shape[0]
+        x_cast = block_quantize_tiles(rows)
     weight_casts = tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down))
     tiles = row_tile_map(group_offsets, m, TILES.block_m)
-    x_cast = block_quantize_tiles(rows)
     gate, up = (
         block_scaled_grouped_mm(*x_cast, *cast, group_offsets, torch.float32, tiles=tiles)
         for cast in weight_casts[:2]
     )
     # Each row's expert, on the device: rows outside the groups get E (their values are dropped).
-    row_ids = torch.arange(m, device=rows.device, dtype=torch.int32)
+    row_ids = torch.arange(m, device=group_offsets.device, dtype=torch.int32)
     experts = torch.searchsorted(group_offsets[1:], row_ids, right=True)
     inside = (row_ids >= group_offsets[0]) & (experts < w_gate.shape[0])
     experts = torch.where(inside, experts, w_gate.shape[0])
