@@ -18,7 +18,8 @@ precision runs). Implementations (--implementations): at EP 1 the native transfo
 on the CPU; `shard_experts` keeps each rank's experts, the other parameters are replicated and
 their gradients averaged over the ranks) the standard expert-parallel path `mok-baseline` and
 `mok`; the script spawns its ranks, or joins a torchrun job. `mok-mxfp8` is `mok` with the routed
-experts in MXFP8 (`mok-mxfp8-keep`: the weights' casts kept between steps), `mok-unfused` `mok`
+experts in MXFP8 (`mok-mxfp8-keep`: the weights' casts kept between steps), `mok-fp8-block` in
+the 128-block FP8 recipe, `mok-unfused` `mok`
 with gradient accumulation left to autograd.
 --routing balanced replaces the routers' choice of experts by a fixed random one of the same size,
 weighted by their own scores: a random-initialised model's own routing sends most tokens to a few
@@ -57,6 +58,7 @@ MOK_VARIANTS = {
     "mok": {},
     "mok-mxfp8": {"precision": "mxfp8"},
     "mok-mxfp8-keep": {"precision": "mxfp8", "mx_weight_casts": "keep"},
+    "mok-fp8-block": {"precision": "fp8_block"},
     "mok-unfused": {"fuse_grad_accumulation": False},
     "mok-recompute": {"recompute": "gate_up"},
     "mok-router-epilogue": {"router_gradient": "epilogue"},
@@ -64,11 +66,11 @@ MOK_VARIANTS = {
 """--implementations names that run MoK (transformers models and TorchTitan's), with the options
 of the adapters (`register`, `use_mok`): `mok-mxfp8` the routed experts in MXFP8 (the weights'
 casts made by each pass, as training defaults to), `mok-mxfp8-keep` with both casts of the
-weights kept until the weights change, `mok-unfused` the micro-batches' weight gradients added by
-autograd instead of by the layer's kernels, `mok-recompute` the experts' h and pre-activations
-made again in the backward (`MoKTuning.recompute`), `mok-router-epilogue` the router weights'
-gradient formed by the down product's backward, no pair outputs kept
-(`MoKConfig.router_gradient`)."""
+weights kept until the weights change, `mok-fp8-block` in the 128-block FP8 recipe, `mok-unfused`
+the micro-batches' weight gradients added by autograd instead of by the layer's kernels,
+`mok-recompute` the experts' h and pre-activations made again in the backward
+(`MoKTuning.recompute`), `mok-router-epilogue` the router weights' gradient formed by the down
+product's backward, no pair outputs kept (`MoKConfig.router_gradient`)."""
 
 
 def transformers_implementation(implementation: str) -> str:
@@ -680,7 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
         "runs twice (the second reported as NAME #2) (default: the "
         "native grouped_mm on GPUs, eager on the CPU, then mok; at EP > 1 mok-baseline, then mok); "
         "mok-mxfp8: mok with the routed experts in MXFP8 (mok-mxfp8-keep: their weights' "
-        "casts kept between steps); mok-unfused: mok with the micro-batches' weight gradients "
+        "casts kept between steps); mok-fp8-block: in the 128-block FP8 recipe; mok-unfused: "
+        "mok with the micro-batches' weight gradients "
         "added by autograd; mok-recompute, mok-router-epilogue: mok with MoKTuning.recompute="
         "gate_up, router_gradient=epilogue",
     )

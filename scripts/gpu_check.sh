@@ -92,11 +92,12 @@ STEP[e2e-balanced]="
 e2e-balanced $E2E $BALANCED --out \$OUT/e2e-balanced
 e2e-balanced-compiled $E2E $BALANCED --compile inductor --profile 25 --trace \$OUT/traces-balanced --out \$OUT/e2e-balanced-compiled"
 STEP[e2e-mxfp8]="e2e-mxfp8 $E2E $QWEN3_30B --batch 8 --routing balanced --steps 12 --warmup 4 --implementations grouped_mm,mok,mok-mxfp8,mok-mxfp8-keep --out \$OUT/e2e-mxfp8"
+STEP[e2e-fp8]="e2e-fp8 $E2E $QWEN3_30B --batch 8 --routing balanced --steps 200 --warmup 4 --implementations mok,mok-fp8-block,mok-mxfp8 --out \$OUT/e2e-fp8"
 STEP[e2e-ep]="
 e2e-ep $E2E $BALANCED --ep \$NGPU --out \$OUT/e2e-ep
 e2e-ep-compiled $E2E $BALANCED --ep \$NGPU --compile inductor --out \$OUT/e2e-ep-compiled"
 STEP[repeat]="e2e-repeat $E2E $QWEN3_30B --layers 2 --batch 8 --routing balanced --steps 8 --warmup 2 --implementations mok,mok,mok-mxfp8,mok-mxfp8 --deterministic --out \$OUT/e2e-repeat"
-ORDER="tests tests-1 tests-2 speed bench kernels exchange triton fused mxfp8 fp8 options accuracy fuzz memory profile e2e e2e-compiled e2e-balanced e2e-mxfp8 e2e-ep repeat"
+ORDER="tests tests-1 tests-2 speed bench kernels exchange triton fused mxfp8 fp8 options accuracy fuzz memory profile e2e e2e-compiled e2e-balanced e2e-mxfp8 e2e-fp8 e2e-ep repeat"
 
 if [ "${1:-}" = --list ]; then
   for step in $ORDER; do echo "$step:"; sed '/^$/d; s/^/    /' <<< "${STEP[$step]}"; done

@@ -43,20 +43,22 @@ def test_native_and_mok_experts_train_alike(script, tmp_path):
         assert all(1.0 <= load <= 8.0 for load in run["expert_load"])
 
 
-def test_mxfp8_experts_train_alike(script, tmp_path):
-    """`--implementations eager,mok,mok-mxfp8`: the MXFP8 run's loss falls and stays within a
-    few e4m3 roundings of the native run's, and differs from the bf16 MoK run's (catches the
-    precision not reaching the layer: the two MoK runs would be identical)."""
-    args = ["--device", "cpu", "--implementations", "eager,mok,mok-mxfp8", "--steps", "12"]
+@pytest.mark.parametrize("fp8", ["mok-mxfp8", "mok-fp8-block"])
+def test_fp8_experts_train_alike(script, tmp_path, fp8):
+    """`--implementations eager,mok,<fp8>` (MXFP8, the 128-block recipe): the FP8 run's loss
+    falls and stays within a few e4m3 roundings of the native run's, and differs from the bf16
+    MoK run's (catches the precision not reaching the layer: the two MoK runs would be
+    identical)."""
+    args = ["--device", "cpu", "--implementations", f"eager,mok,{fp8}", "--steps", "12"]
     args += ["--warmup", "1", "--layers", "2", "--hidden", "64", "--experts", "8", "--top-k", "2"]
     # 12 steps of 4 sequences: the loss falls ~0.35 (8 steps of 2 fell 0.04-0.1, too close).
     args += ["--moe-intermediate", "32", "--batch", "4", "--seq", "32", "--lr", "3e-3"]
     assert script.main([*args, "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "train-e2e.json").read_text())["results"]
-    bf16, mx = results["mok"], results["mok-mxfp8"]
-    assert mx["losses"][-1] < mx["losses"][0] - 0.1
-    assert mx["max_loss_difference"] < 0.1
-    assert mx["losses"] != bf16["losses"]
+    bf16, ours = results["mok"], results[fp8]
+    assert ours["losses"][-1] < ours["losses"][0] - 0.1
+    assert ours["max_loss_difference"] < 0.1
+    assert ours["losses"] != bf16["losses"]
 
 
 def test_expert_parallel_training_follows_the_one_process_run(script, tmp_path):
