@@ -207,7 +207,7 @@ def test_packed_rows_hold_the_cast_bit_for_bit():
     packed = block_quantize_rows(x)
     moved = BlockRows.from_rows(packed.as_rows(torch.bfloat16).clone(), 272)
     values, descales = block_quantize_tiles(x)
-    assert torch.equal(moved.values.view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(moved.codes.view(torch.uint8), values.view(torch.uint8))
     assert torch.equal(moved.descales, descales)
     assert BlockRows.row_bytes(272) == 288 and BlockRows.row_bytes(7168) / (2 * 7168) < 0.52
 

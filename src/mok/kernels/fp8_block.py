@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
-from mok.kernels.formats import fp8_block_row_bytes
+from mok.kernels.formats import PackedRows, fp8_block_row_bytes
 from mok.kernels.grouped_gemm import grouped_task, load_row_tile, row_tile_map
 from mok.kernels.host import GemmTiles, RowTiles, launch_options, num_programs
 from mok.kernels.launch import fast_launch
@@ -121,50 +121,15 @@ def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockRows:
-    """Rows [N, C] cast in the 128-block recipe, one packed row of bytes per row: its C e4m3
-    bytes, then its cdiv(C, 128) fp32 descales, then padding to a multiple of 16 bytes (left as
-    it is). A row is one contiguous run of bytes, so the exchange moves it as it moves a bf16 row
-    (`as_rows`), at about 0.52x the bytes."""
-
-    packed: torch.Tensor
-    """[N, row_bytes(C)] uint8 with a unit last stride (any row stride)."""
-    cols: int
-    """C, a multiple of 16."""
-
-    def __post_init__(self):
-        if (
-            self.cols % 16
-            or self.packed.dtype != torch.uint8
-            or self.packed.dim() != 2
-            or self.packed.shape[1] != self.row_bytes(self.cols)
-            or self.packed.stride(1) != 1
-        ):
-            raise ValueError(
-                f"packed rows of {self.cols} columns (a multiple of 16) are "
-                f"[N, {self.row_bytes(self.cols)}] uint8 with a unit last stride, got "
-                f"{tuple(self.packed.shape)} {self.packed.dtype}"
-            )
+class BlockRows(PackedRows):
+    """Rows [N, C] cast in the 128-block recipe (1 x 128 tiles), packed (`PackedRows`): its C
+    e4m3 bytes (`codes`: `block_quantize_tiles`' values), then its cdiv(C, 128) fp32 descales, at
+    about 0.52x the bytes of a bf16 row."""
 
     @staticmethod
     def row_bytes(cols: int) -> int:
         """Bytes of one packed row of `cols` columns."""
         return fp8_block_row_bytes(cols)
-
-    @classmethod
-    def from_rows(cls, rows: torch.Tensor, cols: int) -> BlockRows:
-        """The rows whose bytes `rows` holds (what `as_rows` made, e.g. after an exchange)."""
-        return cls(rows.view(torch.uint8), cols)
-
-    def as_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        """The same bytes as [N, row_bytes / itemsize] elements of `dtype` (the exchange's row
-        dtype, to be moved, never computed on)."""
-        return self.packed.view(dtype)
-
-    @property
-    def values(self) -> torch.Tensor:
-        """[N, C] float8_e4m3fn (a strided view)."""
-        return self.packed[:, : self.cols].view(torch.float8_e4m3fn)
 
     @property
     def descales(self) -> torch.Tensor:
@@ -178,10 +143,8 @@ def block_quantize_rows(x: torch.Tensor) -> BlockRows:
     """x [N, C] (bf16 or fp32, a unit last stride, C a multiple of 16) cast along its rows into
     packed `BlockRows`: the values and descales of `block_quantize_tiles(x)`, bit for bit."""
     _check_cast_input(x)
-    rows, cols = x.shape
-    packed = torch.empty(rows, BlockRows.row_bytes(cols), dtype=torch.uint8, device=x.device)
-    out = BlockRows(packed, cols)
-    _cast_rows(x, packed[:, :cols], out.descales)
+    out = BlockRows.empty(*x.shape, x.device)
+    _cast_rows(x, out.packed[:, : x.shape[1]], out.descales)
     return out
 
 

@@ -85,7 +85,7 @@ def fp8_block_expert_forward(
     as the exchange dispatches them): then out is in w_down's dtype."""
     if isinstance(rows, BlockRows):
         dtype, m = w_down.dtype, rows.packed.shape[0]
-        x_cast = (rows.values, rows.descales)
+        x_cast = (rows.codes, rows.descales)
     else:
         dtype, m = rows.dtype, rows.shape[0]
         x_cast = block_quantize_tiles(rows)

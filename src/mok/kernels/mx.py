@@ -20,7 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from mok.kernels._triton_compat import interpreting, patch_interpreter
-from mok.kernels.formats import mx_row_bytes
+from mok.kernels.formats import PackedRows, mx_row_bytes
 from mok.kernels.host import GemmTiles, RowTiles, num_programs
 from mok.kernels.launch import fast_launch
 from mok.reference.mx import BLOCK, ScaleRounding
@@ -33,55 +33,17 @@ HARDWARE_FP8 = tl.constexpr(not interpreting())
 
 
 @dataclasses.dataclass(frozen=True)
-class MXRows:
-    """An MXFP8 tensor [N, C] cast along its rows (blocks of 32 columns), one packed row of bytes
-    per row: its C e4m3 bytes, then its C / 32 e8m0 scale bytes, then zero padding to a multiple
-    of 16 bytes. A row is one contiguous run of bytes, so the exchange moves an MX row as it
-    moves a bf16 one (`as_rows`), at (C + C / 32) / 2C = 0.52x the bytes, and a kernel finds a
-    row's scales `cols` bytes into it."""
+class MXRows(PackedRows):
+    """An MXFP8 tensor [N, C] cast along its rows (blocks of 32 columns), packed (`PackedRows`):
+    its C e4m3 bytes, then its C / 32 e8m0 scale bytes, at (C + C / 32) / 2C = 0.52x the bytes of
+    a bf16 row; a kernel finds a row's scales `cols` bytes into it."""
 
-    packed: torch.Tensor
-    """[N, row_bytes(C)] uint8 with a unit last stride (any row stride)."""
-    cols: int
-    """C, a multiple of 32."""
-
-    def __post_init__(self):
-        if self.cols % BLOCK:
-            raise ValueError(f"MX rows need a multiple of {BLOCK} columns, got {self.cols}")
-        if (
-            self.packed.dtype != torch.uint8
-            or self.packed.dim() != 2
-            or self.packed.shape[1] != self.row_bytes(self.cols)
-            or self.packed.stride(1) != 1
-        ):
-            raise ValueError(
-                f"packed MX rows of {self.cols} columns are [N, {self.row_bytes(self.cols)}] "
-                f"uint8 with a unit last stride, got {tuple(self.packed.shape)} {self.packed.dtype}"
-            )
+    COLUMNS = BLOCK
 
     @staticmethod
     def row_bytes(cols: int) -> int:
         """Bytes of one packed row of `cols` columns."""
         return mx_row_bytes(cols)
-
-    @classmethod
-    def empty(cls, rows: int, cols: int, device: torch.device) -> MXRows:
-        return cls(torch.empty(rows, cls.row_bytes(cols), dtype=torch.uint8, device=device), cols)
-
-    @classmethod
-    def from_rows(cls, rows: torch.Tensor, cols: int) -> MXRows:
-        """The MX rows whose bytes `rows` holds (what `as_rows` made, e.g. after an exchange)."""
-        return cls(rows.view(torch.uint8), cols)
-
-    def as_rows(self, dtype: torch.dtype) -> torch.Tensor:
-        """The same bytes as [N, row_bytes / itemsize] elements of `dtype` (a tensor of the
-        exchange's row dtype, to be moved, never computed on)."""
-        return self.packed.view(dtype)
-
-    @property
-    def codes(self) -> torch.Tensor:
-        """[N, C] float8_e4m3fn (a strided view)."""
-        return self.packed[:, : self.cols].view(torch.float8_e4m3fn)
 
     @property
     def scales(self) -> torch.Tensor:
