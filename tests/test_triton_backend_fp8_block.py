@@ -14,13 +14,17 @@ gradients of another rank's experts.
 """
 
 import pytest
+import torch
 from test_triton_backend_cpu import scenario
 from test_triton_backend_mx import CONFIG as MXFP8_CONFIG
 from test_triton_backend_mx import TOLERANCE, errors_against_the_reference
 
+import mok
 from mok.kernels.fp8_block import BlockRows
 from mok.ranks import run_ranks
+from mok.testing import global_weights
 
+CPU = torch.device("cpu")
 CONFIG = MXFP8_CONFIG.replace(precision="fp8_block")
 """The MXFP8 tests' layer (H 64, I 32, 4 experts, top 2, a shared expert, a clamp) in the recipe."""
 
@@ -53,3 +57,34 @@ def test_fp8_block_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
         assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
         for key, error in errors.items():
             assert error <= TOLERANCE, (key, error)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("policy", ["auto", "keep", "per_pass"])
+def test_weight_casts_are_kept_as_the_policy_says(policy):
+    """`mx_weight_casts` in the recipe: evaluation calls reuse one block cast of the weights until
+    an in-place update (auto, keep), training calls cast afresh (auto, per_pass) or reuse it
+    (keep); a call reusing the cast gives the first call's output bit for bit. Catches a cast
+    kept past a weight update (stale outputs), or dropped where it should be reused (the cast
+    count)."""
+    config = CONFIG.replace(max_tokens_per_rank=16, mx_weight_casts=policy)
+    layer = mok.MoE(config, device=CPU)
+    layer.load_global_weights(global_weights(config, 5, CPU))
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(16, config.hidden_size, generator=generator).bfloat16()
+    idx = torch.randint(0, config.num_experts, (16, config.top_k), generator=generator)
+    w = torch.rand(16, config.top_k, generator=generator)
+    cache = layer.workspace(CPU).backend.weight_casts
+    with torch.no_grad():
+        first = layer(x, idx, w)
+        assert torch.equal(layer(x, idx, w), first)
+    kept = policy != "per_pass"
+    assert cache.casts == (1 if kept else 0)
+    with torch.no_grad():
+        layer.gate.mul_(0.5)
+        halved = layer(x, idx, w)
+    assert not torch.equal(halved, first)  # the update reached the cast
+    assert cache.casts == (2 if kept else 0)
+    layer(x, idx, w).sum().backward()  # keep: the evaluation's cast; auto: dropped, cast afresh
+    assert cache.casts == (2 if kept else 0)
+    assert (cache.kept is not None) == (policy == "keep")

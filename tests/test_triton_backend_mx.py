@@ -147,7 +147,7 @@ def train_twice(policy: str) -> tuple[list[torch.Tensor], mok.MoE]:
 
 def kept_casts(layer: mok.MoE):
     """The MXWeightValues the layer's triton backend keeps between calls, or None."""
-    return layer.workspace(DEVICE).backend.mx_weights._values
+    return layer.workspace(DEVICE).backend.weight_casts.kept
 
 
 @pytest.mark.interpreter

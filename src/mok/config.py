@@ -107,9 +107,12 @@ class Graphs(str, enum.Enum):
 
 
 class MXWeightCasts(str, enum.Enum):
-    """When the routed weights' MXFP8 casts are made (precision "mxfp8", `triton` backend). The
-    products read each weight as the values of its cast along their reduction dimension: one
-    layout in forward, the other in backward, each the weight's size in bf16."""
+    """When the routed weights' FP8 casts are made (precisions "mxfp8" and "fp8_block", `triton`
+    backend). MXFP8's products read each weight as the values of its cast along their reduction
+    dimension: one layout in forward, the other in backward, each the weight's size in bf16. The
+    128-block recipe's one block cast (e4m3 and a descale per 128 x 128 block, about half the
+    weight's bf16 size) serves both passes: `keep` and `auto` alike keep it between calls that
+    will not run backward, and `keep` also between training calls."""
 
     AUTO = "auto"
     """`per_pass` for calls that will run backward (training), `keep` for the forward layout
@@ -199,9 +202,10 @@ class MoKTuning:
     host bounds; `off` where the memory the graphs keep matters more than host time; `on` for
     every size. See `Graphs`."""
     mx_weight_casts: MXWeightCasts = MXWeightCasts.AUTO
-    """When the routed weights' MXFP8 casts are made and how long they are kept (precision
-    "mxfp8"): `auto` holds no copy of the weights between passes in training; `keep` trades two
-    bf16 copies of every routed weight for fewer casts. See `MXWeightCasts`."""
+    """When the routed weights' FP8 casts are made and how long they are kept (precisions
+    "mxfp8" and "fp8_block"): `auto` holds no copy of the weights between passes in training;
+    `keep` trades copies of every routed weight (MXFP8: two in bf16; fp8_block: one of about half
+    its bf16 size) for fewer casts. See `MXWeightCasts`."""
     recompute: Recompute = Recompute.NONE
     """Whether the backward makes the experts' h and pre-activations again instead of keeping
     them from the forward (bf16): `gate_up` where many layers' activations do not fit, for one

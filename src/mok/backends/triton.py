@@ -147,12 +147,16 @@ class TritonBackend:
             self.exchange = CollectiveExchange(group, workspace.local_experts)
         self.bad_ids = torch.zeros(1, dtype=torch.bool, device=device)
         self._constants = DeviceConstants()
-        self.mx_weights = None
+        self.weight_casts = None
+        """The routed weights' FP8 casts kept between calls (`MoKTuning.mx_weight_casts`)."""
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import MXWeightCache
 
-            # The routed weights' MX casts kept between calls (`MoKTuning.mx_weight_casts`).
-            self.mx_weights = MXWeightCache()
+            self.weight_casts = MXWeightCache()
+        elif self.fp8_block:
+            from mok.kernels.fp8_block_expert_mlp import BlockWeightCache
+
+            self.weight_casts = BlockWeightCache()
         # Checked on every rank before `route` (mok.functional), so that no rank fails alone.
         self.max_tokens = config.max_tokens_per_rank
 
@@ -335,7 +339,9 @@ class TritonBackend:
             **outputs,
         }
         if self.fp8_block:
-            return self._fp8_block_forward(routing, rows, weights, need_backward, outputs["out"])
+            return self._fp8_block_forward(
+                routing, rows, given, weights, need_backward, outputs["out"]
+            )
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
 
@@ -361,14 +367,18 @@ class TritonBackend:
         )
 
     def _fp8_block_forward(
-        self, routing: ExchangeRouting, rows: DispatchedRows, weights: MoEWeights,
-        need_backward: bool, out: torch.Tensor | None,
+        self, routing: ExchangeRouting, rows: DispatchedRows, given: MoEWeights,
+        weights: MoEWeights, need_backward: bool, out: torch.Tensor | None,
     ):  # fmt: skip
         """The routed experts in the 128-block FP8 recipe (`fp8_block_expert_forward`): (their
         outputs, in `out`'s first rows where the exchange gives a buffer, their saved state or
-        None)."""
+        None). The weights' block casts kept between calls where `_keeps_weight_casts` (one
+        cast serves both passes), else made by the forward for its backward."""
         from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_forward
 
+        casts = None
+        if self._keeps_weight_casts(need_backward):
+            casts = self.weight_casts.get(given.gate, given.up, given.down, self.dtype)
         expert_out, experts = fp8_block_expert_forward(
             rows.rows,
             routing.group_offsets,
@@ -378,6 +388,7 @@ class TritonBackend:
             self.workspace.config.swiglu_limit,
             biases=weights.expert_biases(),
             activation=self._activation(),
+            weight_casts=casts,
         )
         if out is not None:
             expert_out = out[: expert_out.shape[0]].copy_(expert_out)
@@ -423,18 +434,28 @@ class TritonBackend:
         if tokens is not None and not self.workspace.config.tuning.keep_grouped_rows:
             experts.read_rows_through(x, tokens)
 
+    def _keeps_weight_casts(self, need_backward: bool) -> bool:
+        """Whether this call reads the routed weights' FP8 casts from `weight_casts`, as
+        `MoKTuning.mx_weight_casts` says (else it casts them for itself, and the kept ones, stale
+        by the next step, go)."""
+        from mok.config import MXWeightCasts
+
+        policy = self.workspace.config.tuning.mx_weight_casts
+        if policy is MXWeightCasts.PER_PASS or (policy is MXWeightCasts.AUTO and need_backward):
+            self.weight_casts.clear()
+            return False
+        return True
+
     def _mx_weight_casts(self, weights: MoEWeights, rounding, need_backward: bool):
-        """The routed weights' MXFP8 casts for this call, as `MoKTuning.mx_weight_casts` says."""
+        """The routed weights' MXFP8 casts for this call (`_keeps_weight_casts`)."""
         from mok.config import MXWeightCasts
         from mok.kernels.mx_expert_mlp import MXWeightsCastPerPass
 
-        policy = self.workspace.config.tuning.mx_weight_casts
         routed = (weights.gate, weights.up, weights.down)
-        if policy is MXWeightCasts.PER_PASS or (policy is MXWeightCasts.AUTO and need_backward):
-            self.mx_weights.clear()  # casts an evaluation kept are stale by the next step
+        if not self._keeps_weight_casts(need_backward):
             return MXWeightsCastPerPass(*routed, rounding, self.dtype)
-        both = policy is MXWeightCasts.KEEP
-        return self.mx_weights.get(*routed, rounding, self.dtype, backward=both)
+        both = self.workspace.config.tuning.mx_weight_casts is MXWeightCasts.KEEP
+        return self.weight_casts.get(*routed, rounding, self.dtype, backward=both)
 
     def _layer_inputs(self, valid: torch.Tensor, x, topk_weights, weights):
         """(x, contiguous, and the weights in the kernels' dtype, the router weights as used

@@ -14,8 +14,8 @@ The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made
 forward and kept for the backward, which reads them transposed. The activation, its backward and
 the biases are the reference's PyTorch operations, so that the only difference from the reference
 is the order of fp32 sums inside the products' steps (and inside the biases' gradients,
-`group_column_sums`). Not built yet: the fused gate/up product, and weight casts kept across
-calls (as MXFP8's `MXWeightCache`).
+`group_column_sums`). The weights' casts may come made ahead, kept across calls by a
+`BlockWeightCache`. Not built yet: the fused gate/up product.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from mok.kernels.fp8_block import (
 )
 from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
+from mok.kernels.weight_casts import WeightCastCache
 from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
 from mok.reference.fp8_block import dequantize_tiles, quantize_blocks
 
@@ -67,6 +68,24 @@ def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return padded[experts]
 
 
+def block_weight_casts(w_gate, w_up, w_down) -> tuple:
+    """The weights' 128 x 128 block casts ((values, descales) of each, `quantize_blocks`): what
+    the forward reads, and, transposed, the backward."""
+    return tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down))
+
+
+class BlockWeightCache(WeightCastCache):
+    """The last `block_weight_casts` made, reused while the weights are unchanged
+    (`WeightCastCache`)."""
+
+    def get(self, w_gate, w_up, w_down, dtype: torch.dtype) -> tuple:
+        """The casts of the weights converted to `dtype`."""
+        weights = (w_gate, w_up, w_down)
+        return self.cached(
+            weights, (dtype,), lambda: block_weight_casts(*(w.to(dtype) for w in weights))
+        )
+
+
 def fp8_block_expert_forward(
     rows: torch.Tensor | BlockRows,
     group_offsets: torch.Tensor,
@@ -76,20 +95,23 @@ def fp8_block_expert_forward(
     swiglu_limit: float | None = None,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Activation = SWIGLU,
+    weight_casts: tuple | None = None,
 ) -> tuple[torch.Tensor, FP8BlockSaved]:
     """(out [M, H] in the rows' dtype, what the backward needs): each group's rows (rows [M, H]
     bf16, grouped by group_offsets [E + 1] int32 on their device) through its expert's w_gate,
     w_up [E, I, H] and w_down [E, H, I] in the 128-block recipe, as
     `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
     added in fp32. Rows outside the groups: zeros. The rows may come cast already (`BlockRows`,
-    as the exchange dispatches them): then out is in w_down's dtype."""
+    as the exchange dispatches them): then out is in w_down's dtype. weight_casts: the weights'
+    `block_weight_casts` made ahead (e.g. kept by a `BlockWeightCache`), else made here."""
     if isinstance(rows, BlockRows):
         dtype, m = w_down.dtype, rows.packed.shape[0]
         x_cast = (rows.codes, rows.descales)
     else:
         dtype, m = rows.dtype, rows.shape[0]
         x_cast = block_quantize_tiles(rows)
-    weight_casts = tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down))
+    if weight_casts is None:
+        weight_casts = block_weight_casts(w_gate, w_up, w_down)
     tiles = row_tile_map(group_offsets, m, TILES.block_m)
     gate, up = (
         block_scaled_grouped_mm(*x_cast, *cast, group_offsets, torch.float32, tiles=tiles)

@@ -26,7 +26,6 @@ inside the GEMMs' main loops (the one this replaced): docs/mxfp8.md.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import NamedTuple, Protocol
 
 import torch
@@ -45,6 +44,7 @@ from mok.kernels.expert_mlp import (
 )
 from mok.kernels.host import SWIGLU, Activation
 from mok.kernels.mx import GROUP_ROWS, MXRows, mx_group_casts, mx_quantized_values_both
+from mok.kernels.weight_casts import WeightCastCache
 from mok.reference.mx import ScaleRounding
 from mok.weights import gate_up_halves, whole_gate_up
 
@@ -147,19 +147,9 @@ class MXWeightsCastPerPass:
         return self._values(forward=False)
 
 
-class MXWeightCache:
-    """The last `MXWeightValues` made, reused while the weights are unchanged: the same tensor
-    objects (held weakly) with the same storage, shape, strides and version counter. Every
-    in-place update through PyTorch (an optimizer step, `load_state_dict`, `copy_`) bumps the
-    version; a write through `.data` does not, and calls for `clear()`. Never used while a CUDA
-    graph is captured: a replay must cast the weights it finds then."""
-
-    def __init__(self):
-        self._key: tuple | None = None
-        self._refs: tuple = ()
-        self._values: MXWeightValues | None = None
-        self.casts = 0
-        """How many times the weights were cast (tests, benchmarks)."""
+class MXWeightCache(WeightCastCache):
+    """The last `MXWeightValues` made, reused while the weights are unchanged
+    (`WeightCastCache`)."""
 
     def get(
         self, w_gate, w_up, w_down, rounding: ScaleRounding, dtype=None, backward: bool = True
@@ -167,25 +157,14 @@ class MXWeightCache:
         """The casts of the weights converted to `dtype` (None: as they are); backward False:
         the forward's layout is enough (the backward's too where kept already)."""
         weights = (w_gate, w_up, w_down)
-        if w_gate.is_cuda and torch.cuda.is_current_stream_capturing():
+
+        def make() -> MXWeightValues:
             converted = (w.to(dtype or w.dtype) for w in weights)
             return MXWeightValues.of(*converted, rounding, backward)
-        key = (rounding, dtype) + tuple(
-            (w.data_ptr(), w._version, tuple(w.shape), w.stride(), w.dtype) for w in weights
-        )
-        same = len(self._refs) == 3 and all(
-            ref() is w for ref, w in zip(self._refs, weights, strict=True)
-        )
-        if not same or key != self._key or (backward and not self._values.has_backward):
-            self._values = None  # the old casts' memory first
-            converted = (w.to(dtype or w.dtype) for w in weights)
-            self._values = MXWeightValues.of(*converted, rounding, backward)
-            self._key, self._refs = key, tuple(weakref.ref(w) for w in weights)
-            self.casts += 1
-        return self._values
 
-    def clear(self) -> None:
-        self._key, self._refs, self._values = None, (), None
+        return self.cached(
+            weights, (rounding, dtype), make, lambda casts: not backward or casts.has_backward
+        )
 
 
 @dataclasses.dataclass
