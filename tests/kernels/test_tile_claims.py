@@ -128,6 +128,7 @@ def test_the_fused_backend_gives_each_product_of_a_pass_its_own_counter():
         workspace = type("Workspace", (), {"device": torch.device("cpu")})()
         comm_programs = 16
         comm_stream = None
+        overlap = True
         _beside, _join = FusedBackend._beside, FusedBackend._join
 
     claims = _ClaimsAfterCopy(Backend(), products=3)
