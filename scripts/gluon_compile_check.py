@@ -392,6 +392,18 @@ def cases():
                 a_values, a_descales, w_values, w_descales, offsets, tiles(fp8_cfg), d
             ),
         )
+    # The gate/up product in the recipe (two weights a pass) at qwen3-30b-a3b's shape per
+    # expert (H 2048, I 768), saving the pre-activations, with gpt-oss's clamp and biases.
+    gate_cast = (torch.zeros(experts, 768, 2048, dtype=fp8), torch.zeros(experts, 6, 16))
+    swiglu_cfg = warp_specialized.BLOCK_SCALED_SWIGLU_TILES
+    gate_biases = (torch.zeros(experts, 768, dtype=bf16),) * 2
+    yield (
+        "block-scaled fp8 gate_up swiglu, saved, clamp, biases",
+        lambda: warp_specialized.block_scaled_gate_up_swiglu(
+            a_values[:, :2048].contiguous(), a_descales, gate_cast, gate_cast, offsets,
+            tiles(swiglu_cfg), 7.0, True, activation=Activation(1.702, 1.0), biases=gate_biases,
+        ),
+    )  # fmt: skip
 
 
 def cast_cases():

@@ -172,6 +172,54 @@ def test_the_fp8_tensor_core_product_follows_the_recipe(groups, n, k, out_dtype)
     _check_against_the_recipe(problem, out.cpu(), FP8_TENSOR_CORE_SUMS)
 
 
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_the_fp8_tensor_core_gate_up_product_follows_the_recipe():
+    """`warp_specialized.block_scaled_gate_up_swiglu`: the gate and up products of one pass over
+    A, each expert's biases and SwiGLU in fp32, h and the saved pre-activations rounded once;
+    within the FP8 sums' bound, carried through SwiGLU for h (|d h / d gate| <= 1.1 |up|,
+    |d h / d up| <= |gate| + 0.3). Catches W_up's descales read for gate (or the reverse), another
+    expert's biases, a step of one of the two products dropped."""
+    groups, n, k = [70, 0, 130, 3], 192, 208
+    generator = torch.Generator().manual_seed(9)
+    m, experts = sum(groups), len(groups)
+    rows = torch.randn(m, k, generator=generator) * torch.rand(m, 1, generator=generator) * 4
+    casts = []
+    for _ in range(2):
+        w = torch.randn(experts, n, k, generator=generator)
+        w = w * (0.01 + torch.rand(experts, 1, 1, generator=generator)) * k**-0.5
+        casts.append(tuple(t.contiguous() for t in quantize_blocks(w.bfloat16())))
+    biases = [torch.randn(experts, n, generator=generator).bfloat16() for _ in range(2)]
+    a_values, a_descales = (t.contiguous() for t in quantize_tiles(rows.bfloat16()))
+    offsets = torch.tensor([0, *torch.tensor(groups).cumsum(0).tolist()], dtype=torch.int32)
+    on = [t.to(DEVICE) for t in (a_values, a_descales, offsets)]
+    tiles = row_tile_map(on[2], m, warp_specialized.BLOCK_SCALED_SWIGLU_TILES.block_m)
+    h, gate_up = warp_specialized.block_scaled_gate_up_swiglu(
+        on[0], on[1], *([t.to(DEVICE) for t in cast] for cast in casts), on[2], tiles, None,
+        True, biases=[b.to(DEVICE) for b in biases],
+    )  # fmt: skip
+    h, gate_up = h.cpu().double(), gate_up.cpu().double()
+    a_exact = dequantize_tiles(a_values, a_descales, dtype=torch.float64).abs()
+    relative = 2 * (a_descales.shape[1] + 130) * 2.0**-24 + FP8_TENSOR_CORE_SUMS
+    for e in range(experts):
+        start, end = offsets[e].item(), offsets[e + 1].item()
+        wants, bounds = [], []
+        for (values, descales), bias in zip(casts, biases, strict=True):
+            product = scaled_matmul(
+                a_values[start:end], a_descales[start:end], values[e], block_rows(descales[e], n)
+            )
+            wants.append(product.double() + bias[e].double())
+            w_exact = dequantize_blocks(values[e], descales[e], dtype=torch.float64).abs()
+            bounds.append(relative * (a_exact[start:end] @ w_exact.T))
+        for half, (want, bound) in enumerate(zip(wants, bounds, strict=True)):
+            saved = gate_up[start:end, half * n : (half + 1) * n]
+            assert bool(((saved - want).abs() <= bound + 2.0**-8 * want.abs()).all()), (e, half)
+        (gate, up), (gate_bound, up_bound) = wants, bounds
+        want_h = torch.nn.functional.silu(gate) * up
+        h_bound = 1.1 * up.abs() * gate_bound + (gate.abs() + 0.3) * up_bound
+        error = (h[start:end] - want_h).abs()
+        assert bool((error <= h_bound + 2.0**-8 * want_h.abs() + 1e-6).all()), e
+
+
 def test_the_fp8_tensor_core_product_refuses_what_it_cannot_take():
     """Off Hopper, or K not in 16-byte rows: a ValueError naming the tl kernel to use."""
     problem = [t.to(DEVICE) for t in _problem([8, 8], 128, 200)]

@@ -538,6 +538,8 @@ class TritonBackend:
         if self.overlapped:
             grad_shared_x, shared_grads = self._shared_backward(saved, grad_y, into)
         experts, grads, dots = saved.experts, {}, None
+        # The products' grids beside the copies, else every SM, no claims.
+        sms, claims = (self.beside_sms, self.claims) if self.overlapped else (None, None)
         if self.mxfp8:
             grad_rows = self._mx_gradients(grad_out, experts, into, grads)
         elif self.fp8_block:
@@ -550,8 +552,8 @@ class TritonBackend:
                 grads,
                 row_weights,
                 rows_ready=ready,
-                dgrad_sms=self.beside_sms,
-                claims=self.claims,
+                dgrad_sms=sms,
+                claims=claims,
             )
         del grad_out  # the last of its products is queued: its memory serves the next ones
         if self.overlapped:
@@ -563,8 +565,8 @@ class TritonBackend:
                 experts,
                 into.get("gate"),
                 into.get("up"),
-                sms=self.beside_sms,
-                claims=self.claims,
+                sms=sms,
+                claims=claims,
             )
             experts.release("rows")
             del grad_gate_up

@@ -777,30 +777,39 @@ def _descale_pointers(
 ):
     """Where a consumer's tile of `shape` (rows, columns) reads its descales for the
     block-scaled main loop, step k at + k: A's of each of its rows (1 x 128 tiles along K, [M, S]
-    fp32; rows past M masked) and W's of each of its columns (128 x 128 blocks, [E, cdiv(N,
-    128), S] fp32). Columns past N read the last block's: they reach only columns never
+    fp32; rows past M masked) and W's and W2's of each of its columns (128 x 128 blocks, [E,
+    cdiv(N, 128), S] fp32). Columns past N read the last block's: they reach only columns never
     stored."""
-    a_descales, w_descales, steps, blocks = descales
+    a_descales, w_descales, w2_descales, steps, blocks = descales
     rows = row + gl.arange(0, shape[0], layout=gl.SliceLayout(1, layout))
     cols = n_off + gl.arange(0, shape[1], layout=gl.SliceLayout(0, layout))
-    col_blocks = expert * blocks + gl.minimum(cols // SCALE_BLOCK, blocks - 1)
-    return a_descales + rows.to(gl.int64) * steps, rows < num_rows, w_descales + col_blocks * steps
+    col_blocks = (expert * blocks + gl.minimum(cols // SCALE_BLOCK, blocks - 1)) * steps
+    a_at = a_descales + rows.to(gl.int64) * steps
+    return a_at, rows < num_rows, w_descales + col_blocks, w2_descales + col_blocks
 
 
 @gluon.jit
-def _block_scaled_step(a, w, k, acc, zeros, descale_at):
+def _block_scaled_step(a, w, w2, k, acc, acc2, zeros, descale_at, SECOND_WEIGHT: gl.constexpr):
     """One step of the 128-block FP8 recipe: the step's e4m3 products A[:, k] @ W[k, :] summed
     by the FP8 tensor cores from zero, then that fp32 partial tile times A's descale of each row
     and W's of each column (their product first, as `mok.reference.fp8_block.scaled_matmul`
     forms it) added to acc on the CUDA cores (the tensor cores' FP8 sums keep too few bits to
-    carry across steps). The descales load while the product runs; its operands are read once
-    this returns. zeros: an fp32 tile of acc's shape and layout (the wgmma's operand)."""
+    carry across steps); with SECOND_WEIGHT the same with W2 into acc2, both products in flight
+    together. The descales load while the products run; their operands are read once this
+    returns. zeros: an fp32 tile of acc's shape and layout (the wgmma's operand)."""
     partial = warpgroup_mma(a, w, zeros, use_acc=False, is_async=True)
-    a_at, a_inside, w_at = descale_at
-    a_descale = gl.load(a_at + k, mask=a_inside, other=0.0)
-    w_descale = gl.load(w_at + k)
-    partial, _ = warpgroup_mma_wait(0, deps=(partial, a))
-    return acc + partial * (a_descale[:, None] * w_descale[None, :])
+    if SECOND_WEIGHT:
+        partial2 = warpgroup_mma(a, w2, zeros, use_acc=False, is_async=True)
+    a_at, a_inside, w_at, w2_at = descale_at
+    a_descale = gl.load(a_at + k, mask=a_inside, other=0.0)[:, None]
+    w_descale = gl.load(w_at + k)[None, :]
+    if SECOND_WEIGHT:
+        w2_descale = gl.load(w2_at + k)[None, :]
+        partial, partial2, _ = warpgroup_mma_wait(0, deps=(partial, partial2, a))
+        acc2 = acc2 + partial2 * (a_descale * w2_descale)
+    else:
+        partial, _ = warpgroup_mma_wait(0, deps=(partial, a))
+    return acc + partial * (a_descale * w_descale), acc2
 
 
 @gluon.jit
@@ -851,19 +860,17 @@ def _main_loop(
             w = w_bufs.index(slot).permute((1, 0))
         if descales is not None:
             zeros = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
-            acc = _block_scaled_step(a, w, k, acc, zeros, descale_at)
+            w2 = w2_bufs.index(slot).permute((1, 0))
+            acc, acc2 = _block_scaled_step(a, w, w2, k, acc, acc2, zeros, descale_at, SECOND_WEIGHT)
             mbarrier.arrive(empty.index(slot))
         else:
             acc = warpgroup_mma(a, w, acc, is_async=True)
-        if descales is not None:
-            gl.static_assert(not SECOND_WEIGHT, "block-scaled products take one weight")
-        elif SECOND_WEIGHT:
-            acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
-            # At most this step's second wgmma in flight: the step before has read its slot.
-            acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
-        else:
-            acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
-        if descales is None:
+            if SECOND_WEIGHT:
+                acc2 = warpgroup_mma(a, w2_bufs.index(slot).permute((1, 0)), acc2, is_async=True)
+                # At most this step's second wgmma in flight: the step before has read its slot.
+                acc, acc2, _ = warpgroup_mma_wait(1, deps=(acc, acc2, a))
+            else:
+                acc, _ = warpgroup_mma_wait(1, deps=(acc, a))
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), pred=k > 0)
         step += 1
     if SPLIT == 1:
@@ -1115,8 +1122,8 @@ def _row_tiles_kernel(
     scatter,  # None, or the `RowScatter` fields in order (DOWN): the peer-store epilogue
     claims_ptr,  # None, or [1] int32 the launch's task counter (`host.TileClaims`)
     weighting,  # None, or `_router_weighting`'s (h_ptr, row_weights_ptr, dots_ptr, dots_stride)
-    descales,  # None, or DOWN's block-scaled FP8 operands' (`_descale_pointers`): (A's [M, S],
-    # W's [E, cdiv(N, 128), S], S, cdiv(N, 128)), fp32
+    descales,  # None, or the block-scaled FP8 operands' (`_descale_pointers`): (A's [M, S], W's
+    # and W2's [E, cdiv(N, 128), S] fp32, S, cdiv(N, 128)); DOWN and GATE_UP_SWIGLU
     MODE: gl.constexpr,
     PLAIN: gl.constexpr,  # act: SwiGLU, else gpt-oss's form (`_swiglu`)
     TILING: gl.constexpr,  # (STAGES, SPLIT, GROUP_M, NUM_PROGRAMS)
@@ -1144,8 +1151,8 @@ def _row_tiles_kernel(
     (`_gather_rows`), tasks by the static stride unless `claims_ptr`, stores are local unless
     `scatter` (`_scatter_staged`, with readiness counts), with `rows_ready` every task waits
     for its A rows to land first (`_wait_rows_ready`; a kernel beside this one writes them), and
-    with `descales` (DOWN, e4m3 A and W, BLOCK_K 128) the product runs on the FP8 tensor cores
-    in the 128-block recipe's steps (`_block_scaled_step`)."""
+    with `descales` (DOWN or GATE_UP_SWIGLU, e4m3 A and weights, BLOCK_K 128) the products run
+    on the FP8 tensor cores in the 128-block recipe's steps (`_block_scaled_step`)."""
     (table_ptr, counts_ptr, N, K, w_expert_rows) = problem
     STAGES: gl.constexpr = TILING[0]
     SPLIT: gl.constexpr = TILING[1]
@@ -1330,7 +1337,7 @@ class _RowsProblem:
     bias: torch.Tensor | None = None  # [E, N]: DOWN's outputs' bias, GATE_UP_SWIGLU's gate's
     bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
     weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
-    descales: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN, FP8 A and W: theirs, fp32
+    descales: tuple[torch.Tensor, ...] | None = None  # FP8 A, W (and W2): theirs, fp32
 
 
 def _consumer_split(block_m: int) -> int:
@@ -1449,8 +1456,10 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     scatter_fields = None if scatter is None else scatter.args()
     dots = weighting_args = descales = None
     if problem.descales is not None:
-        a_descales, w_descales = problem.descales
-        descales = (a_descales, w_descales, a_descales.shape[1], w_descales.shape[1])
+        a_descales, w_descales, *w2_descales = problem.descales
+        w2_descales = w2_descales[0] if w2_descales else w_descales
+        steps, blocks = a_descales.shape[1], w_descales.shape[1]
+        descales = (a_descales, w_descales, w2_descales, steps, blocks)
     h_desc = descriptors[7]  # a descriptor of the launch's, never read
     if problem.weighting is not None:
         h, row_weights = problem.weighting
@@ -1715,6 +1724,27 @@ def block_scaled_supported(a_values: torch.Tensor, w_values: torch.Tensor) -> bo
     )
 
 
+BLOCK_SCALED_SWIGLU_TILES = dataclasses.replace(BLOCK_SCALED_TILES, block_n=64)
+"""Tiles of the block-scaled gate/up product: 64 columns, so that a consumer's two accumulators
+and the step's two partial tiles take 32 registers each."""
+
+
+def _block_scaled_operands(a_values, a_descales, weight_casts, group_offsets, cfg) -> tuple:
+    """(M, N) of a block-scaled product of A's cast and the weights' block casts ((values,
+    descales) each, of one shape), or ValueError naming what does not fit."""
+    for values, descales in weight_casts:
+        m, n, _ = check_block_scaled_operands(a_values, a_descales, values, descales, group_offsets)
+    if cfg.block_k != FP8_BLOCK:
+        raise ValueError(f"a step of the recipe is one scale block: block_k {FP8_BLOCK}")
+    if not all(block_scaled_supported(a_values, values) for values, _ in weight_casts):
+        raise ValueError(
+            f"A {tuple(a_values.shape)} and W {tuple(weight_casts[0][0].shape)}: the FP8 kernel "
+            "takes e4m3 operands on a Hopper GPU with K a multiple of 16 "
+            "(`block_scaled_supported`); use fp8_block.block_scaled_grouped_mm"
+        )
+    return m, n
+
+
 def block_scaled_grouped_mm(
     a_values: torch.Tensor,
     a_descales: torch.Tensor,
@@ -1730,20 +1760,58 @@ def block_scaled_grouped_mm(
     step's 128 products are summed by the tensor cores, whose FP8 sums keep fewer bits than fp32,
     then scaled and accumulated in fp32 (`_block_scaled_step`), so the result is the tl kernel's
     up to that rounding of each step's partial sums."""
-    m, n, _ = check_block_scaled_operands(a_values, a_descales, w_values, w_descales, group_offsets)
-    if cfg.block_k != FP8_BLOCK:
-        raise ValueError(f"a step of the recipe is one scale block: block_k {FP8_BLOCK}")
-    if not block_scaled_supported(a_values, w_values):
-        raise ValueError(
-            f"A {tuple(a_values.shape)} and W {tuple(w_values.shape)}: the FP8 kernel takes e4m3 "
-            "operands on a Hopper GPU with K a multiple of 16 (`block_scaled_supported`); use "
-            "fp8_block.block_scaled_grouped_mm"
-        )
+    cast = (w_values, w_descales)
+    m, n = _block_scaled_operands(a_values, a_descales, [cast], group_offsets, cfg)
     out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
     if m and n:
         descales = (a_descales.contiguous(), w_descales.contiguous())
         _launch(_RowsProblem(DOWN.value, a_values, w_values, out, descales=descales), tiles, cfg)
     return out
+
+
+def block_scaled_gate_up_swiglu(
+    a_values: torch.Tensor,
+    a_descales: torch.Tensor,
+    gate_cast: tuple[torch.Tensor, torch.Tensor],
+    up_cast: tuple[torch.Tensor, torch.Tensor],
+    group_offsets: torch.Tensor,
+    tiles: RowTiles,
+    swiglu_limit: float | None,
+    save_preact: bool,
+    out_dtype: torch.dtype = torch.bfloat16,
+    cfg: GemmTiles = BLOCK_SCALED_SWIGLU_TILES,
+    activation: Activation = SWIGLU,
+    biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """h [M, I] of out_dtype = act(A @ W_gate[e].T (+ b_gate[e]), A @ W_up[e].T (+ b_up[e])) per
+    group in the 128-block recipe, one pass over A's tiles: A's cast (a_values [M, H] e4m3,
+    a_descales [M, S] fp32) times the weights' block casts (gate_cast, up_cast: values [E, I, H]
+    e4m3, descales [E, cdiv(I, 128), S] fp32), each step summed by the FP8 tensor cores as in
+    `block_scaled_grouped_mm`; the biases ([E, I], out_dtype) and `activation` in fp32 on the
+    accumulators, h rounded once. With save_preact also the pre-activations gate | up [M, 2I] as
+    `grouped_gemm.saved_preactivations` keeps them. Rows outside the groups are left
+    unwritten."""
+    casts = [gate_cast, up_cast]
+    m, n = _block_scaled_operands(a_values, a_descales, casts, group_offsets, cfg)
+    device = a_values.device
+    h = torch.empty(m, n, dtype=out_dtype, device=device)
+    gate_up = torch.empty(m, 2 * n, dtype=out_dtype, device=device) if save_preact else None
+    if m and n:
+        problem = _RowsProblem(
+            GATE_UP_SWIGLU.value,
+            a_values,
+            gate_cast[0],
+            h,
+            w2=up_cast[0],
+            gate_up=gate_up,
+            swiglu_limit=swiglu_limit,
+            activation=activation,
+            bias=None if biases is None else biases[0],
+            bias2=None if biases is None else biases[1],
+            descales=(a_descales.contiguous(), *(c[1].contiguous() for c in casts)),
+        )
+        _launch(problem, tiles, cfg)
+    return h, gate_up
 
 
 # --------------------------------------------------------------------------------------------------
