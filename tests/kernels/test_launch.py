@@ -222,7 +222,7 @@ def test_direct_launches_of_tuple_arguments_equal_tritons():
         (base, 4000, (2.0, 3), None),
         (base[1:], 4000, (0.5, 1), None),  # unaligned pointer in a tuple; a 1 (a constant)
         (base[4:], 3001, (-1.0, 16), addend),  # the optional part present
-        (base.half(), 4096, (1.5, 2**31 + 5), addend[1:]),  # another dtype; an i64 element
+        (base.half(), 4095, (1.5, 2**31 + 5), addend[1:]),  # another dtype; an i64 element
     ]
     for repeat in range(3):
         for x, n, (scale, shift), extra in cases:
