@@ -17,7 +17,11 @@ import pytest
 import torch
 from test_triton_backend_cpu import scenario
 from test_triton_backend_mx import CONFIG as MXFP8_CONFIG
-from test_triton_backend_mx import TOLERANCE, errors_against_the_reference
+from test_triton_backend_mx import (
+    TOLERANCE,
+    assert_gpt_oss_experts_match_the_reference,
+    errors_against_the_reference,
+)
 
 import mok
 from mok.kernels.fp8_block import BlockRows
@@ -48,15 +52,7 @@ def test_fp8_block_layer_matches_the_reference(world, tmp_path):
 
 @pytest.mark.interpreter
 def test_fp8_block_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
-    """gpt-oss's activation and expert biases in the recipe, on 2 ranks."""
-    config = CONFIG.replace(
-        swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True, swiglu_limit=1.0
-    )
-    case = scenario(config, [23, 17], seed=4)
-    for errors, _ in run_ranks(errors_against_the_reference, 2, args=(case, tmp_path)):
-        assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
-        for key, error in errors.items():
-            assert error <= TOLERANCE, (key, error)
+    assert_gpt_oss_experts_match_the_reference(CONFIG, tmp_path)
 
 
 @pytest.mark.interpreter

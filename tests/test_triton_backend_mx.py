@@ -86,12 +86,12 @@ def test_mxfp8_layer_matches_the_reference(world, rounding, tmp_path):
         assert row_bytes in (None, MXRows.row_bytes(CONFIG.hidden_size)), row_bytes
 
 
-@pytest.mark.interpreter
-def test_mxfp8_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
-    """gpt-oss's activation and expert biases in MXFP8, on 2 ranks. Bugs caught: the MX path
-    dropping the activation's alpha or offset or a bias (errors of O(1)), the biases' gradients
-    missing from the layer's (absent keys) or not those of this rank's experts."""
-    config = CONFIG.replace(
+def assert_gpt_oss_experts_match_the_reference(config, tmp_path) -> None:
+    """gpt-oss's activation and expert biases in `config`'s precision, on 2 ranks. Bugs caught:
+    the FP8 path dropping the activation's alpha or offset or a bias (errors of O(1)), the
+    biases' gradients missing from the layer's (absent keys) or not those of this rank's
+    experts."""
+    config = config.replace(
         swiglu_alpha=1.702, swiglu_up_offset=1.0, expert_bias=True, swiglu_limit=1.0
     )
     case = scenario(config, [23, 17], seed=4)
@@ -99,6 +99,11 @@ def test_mxfp8_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
         assert {"grad gate_bias", "grad up_bias", "grad down_bias"} <= set(errors)
         for key, error in errors.items():
             assert error <= TOLERANCE, (key, error)
+
+
+@pytest.mark.interpreter
+def test_mxfp8_layer_with_gpt_oss_experts_matches_the_reference(tmp_path):
+    assert_gpt_oss_experts_match_the_reference(CONFIG, tmp_path)
 
 
 @pytest.mark.interpreter
