@@ -331,6 +331,10 @@ class TritonBackend:
     ):  # fmt: skip
         """(the routed experts' outputs, their saved state) of the dispatched rows; `given`: the
         weights as the caller holds them (MXFP8 keeps their casts between calls)."""
+        if self.fp8_block:
+            return self._fp8_block_forward(
+                routing, rows, given, weights, need_backward, outputs["out"]
+            )
         config = self.workspace.config
         options = {
             "save_for_backward": need_backward,
@@ -338,10 +342,6 @@ class TritonBackend:
             "biases": weights.expert_biases(),
             **outputs,
         }
-        if self.fp8_block:
-            return self._fp8_block_forward(
-                routing, rows, given, weights, need_backward, outputs["out"]
-            )
         if self.mxfp8:
             from mok.kernels.mx_expert_mlp import mx_expert_mlp_forward
 
@@ -389,9 +389,8 @@ class TritonBackend:
             biases=weights.expert_biases(),
             activation=self._activation(),
             weight_casts=casts,
+            out=out,
         )
-        if out is not None:
-            expert_out = out[: expert_out.shape[0]].copy_(expert_out)
         return expert_out, experts if need_backward else None
 
     def _combine(

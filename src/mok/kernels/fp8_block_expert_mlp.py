@@ -96,6 +96,7 @@ def fp8_block_expert_forward(
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Activation = SWIGLU,
     weight_casts: tuple | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FP8BlockSaved]:
     """(out [M, H] in the rows' dtype, what the backward needs): each group's rows (rows [M, H]
     bf16, grouped by group_offsets [E + 1] int32 on their device) through its expert's w_gate,
@@ -103,7 +104,8 @@ def fp8_block_expert_forward(
     `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
     added in fp32. Rows outside the groups: zeros. The rows may come cast already (`BlockRows`,
     as the exchange dispatches them): then out is in w_down's dtype. weight_casts: the weights'
-    `block_weight_casts` made ahead (e.g. kept by a `BlockWeightCache`), else made here."""
+    `block_weight_casts` made ahead (e.g. kept by a `BlockWeightCache`), else made here. out:
+    where the outputs go (its first M rows, e.g. the exchange's buffer), else a new tensor."""
     if isinstance(rows, BlockRows):
         dtype, m = w_down.dtype, rows.packed.shape[0]
         x_cast = (rows.codes, rows.descales)
@@ -127,19 +129,22 @@ def fp8_block_expert_forward(
         gate, up = gate + _per_row(biases[0], experts), up + _per_row(biases[1], experts)
     h = swiglu(gate, up, swiglu_limit, activation.alpha, activation.up_offset).to(dtype)
     h_cast = block_quantize_tiles(h)
-    out = block_scaled_grouped_mm(
+    down = block_scaled_grouped_mm(
         *h_cast, *weight_casts[2], group_offsets, torch.float32, tiles=tiles
     )
-    out = out.masked_fill(~inside[:, None], 0.0)
+    down = down.masked_fill(~inside[:, None], 0.0)
     if biases is not None:
-        out = out + _per_row(biases[2], experts)
+        down = down + _per_row(biases[2], experts)
+    # Rounded to the output's dtype as it is written: one pass.
+    out = down.new_empty(m, down.shape[1], dtype=dtype) if out is None else out[:m]
+    out.copy_(down)
     gate, up = saved_preactivations(gate, up, swiglu_limit, dtype)
     saved = FP8BlockSaved(
         x_cast, h_cast, gate, up, group_offsets, weight_casts,
         (w_gate.dtype, w_up.dtype, w_down.dtype),
         (swiglu_limit, activation.alpha, activation.up_offset), inside, biases,
     )  # fmt: skip
-    return out.to(dtype), saved
+    return out, saved
 
 
 def _transposed(cast: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1337,7 +1337,7 @@ class _RowsProblem:
     bias: torch.Tensor | None = None  # [E, N]: DOWN's outputs' bias, GATE_UP_SWIGLU's gate's
     bias2: torch.Tensor | None = None  # [E, N]: GATE_UP_SWIGLU's up's bias
     weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
-    descales: tuple[torch.Tensor, ...] | None = None  # FP8 A, W (and W2): theirs, fp32
+    descales: tuple[torch.Tensor, ...] | None = None  # FP8 A, W and W2 (W's again): theirs, fp32
 
 
 def _consumer_split(block_m: int) -> int:
@@ -1456,10 +1456,8 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     scatter_fields = None if scatter is None else scatter.args()
     dots = weighting_args = descales = None
     if problem.descales is not None:
-        a_descales, w_descales, *w2_descales = problem.descales
-        w2_descales = w2_descales[0] if w2_descales else w_descales
-        steps, blocks = a_descales.shape[1], w_descales.shape[1]
-        descales = (a_descales, w_descales, w2_descales, steps, blocks)
+        a_descales, w_descales, _ = problem.descales
+        descales = (*problem.descales, a_descales.shape[1], w_descales.shape[1])
     h_desc = descriptors[7]  # a descriptor of the launch's, never read
     if problem.weighting is not None:
         h, row_weights = problem.weighting
@@ -1764,7 +1762,8 @@ def block_scaled_grouped_mm(
     m, n = _block_scaled_operands(a_values, a_descales, [cast], group_offsets, cfg)
     out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
     if m and n:
-        descales = (a_descales.contiguous(), w_descales.contiguous())
+        w_descales = w_descales.contiguous()
+        descales = (a_descales.contiguous(), w_descales, w_descales)
         _launch(_RowsProblem(DOWN.value, a_values, w_values, out, descales=descales), tiles, cfg)
     return out
 
