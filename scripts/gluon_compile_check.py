@@ -392,6 +392,13 @@ def cases():
                 a_values, a_descales, w_values, w_descales, offsets, tiles(fp8_cfg), d
             ),
         )
+    down_bias = torch.zeros(experts, 7168, dtype=bf16)
+    yield (
+        "block-scaled fp8 bf16 out, bias",
+        lambda: warp_specialized.block_scaled_grouped_mm(
+            a_values, a_descales, w_values, w_descales, offsets, tiles(fp8_cfg), bias=down_bias
+        ),
+    )
     # The gate/up product in the recipe (two weights a pass) at qwen3-30b-a3b's shape per
     # expert (H 2048, I 768), saving the pre-activations, with gpt-oss's clamp and biases.
     gate_cast = (torch.zeros(experts, 768, 2048, dtype=fp8), torch.zeros(experts, 6, 16))

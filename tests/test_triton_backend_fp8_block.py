@@ -20,7 +20,10 @@ from test_triton_backend_mx import CONFIG as MXFP8_CONFIG
 from test_triton_backend_mx import (
     TOLERANCE,
     assert_gpt_oss_experts_match_the_reference,
+    assert_gpu_results,
     errors_against_the_reference,
+    gpu_cases,
+    gpu_check_cases,
 )
 
 import mok
@@ -84,3 +87,15 @@ def test_weight_casts_are_kept_as_the_policy_says(policy):
     layer(x, idx, w).sum().backward()  # keep: the evaluation's cast; auto: dropped, cast afresh
     assert cache.casts == (2 if kept else 0)
     assert (cache.kept is not None) == (policy == "keep")
+
+
+@pytest.mark.gpu
+def test_fp8_block_layer_on_a_gpu_matches_the_reference_backend():
+    """Every preset's shapes in the recipe on the FP8 tensor cores (Hopper) against the reference
+    backend, within the MXFP8 GPU tests' tolerances: the tensor cores' sums of each step's e4m3
+    products round where the reference's fp32 sums do not, and such a difference can move an
+    e4m3 rounding of h or of a SwiGLU gradient, as in MXFP8. Catches what the CPU tests catch on
+    the tl kernels, on the tensor cores' epilogues (biases, the clamp, the saved
+    pre-activations) and at the presets' ragged K (gpt-oss's 2880); a second call without host
+    synchronization repeats the first bit for bit."""
+    assert_gpu_results([gpu_check_cases(0, 1, gpu_cases("fp8_block"), [192])])

@@ -208,14 +208,14 @@ GPU_ROUTED_TOLERANCE = 2e-3
 GPU_ROUTED = ("grad gate", "grad up", "grad down", "grad topk_weights")
 
 
-def gpu_cases() -> list[tuple[str, mok.MoKConfig, str]]:
-    """Every preset's H, I, k and shared expert in MXFP8 (16 routed experts at most), skewed and
-    empty routings, an active clamp."""
+def gpu_cases(precision: str = "mxfp8") -> list[tuple[str, mok.MoKConfig, str]]:
+    """Every preset's H, I, k and shared expert in `precision` (16 routed experts at most),
+    skewed and empty routings, an active clamp."""
     configs = {
         name: preset.config(
             num_experts=min(preset.num_experts, 16),
             backend="triton",
-            precision="mxfp8",
+            precision=precision,
             max_tokens_per_rank=256,
         )
         for name, preset in mok.PRESETS.items()

@@ -1,17 +1,18 @@
-"""The expert MLP in the 128-block FP8 recipe on the tl kernels
-(`mok.kernels.fp8_block_expert_mlp`) against the recipe's reference
-(`mok.reference.fp8_block_expert`) and against float64: under the interpreter on the CPU,
-compiled on the GPU.
+"""The expert MLP in the 128-block FP8 recipe (`mok.kernels.fp8_block_expert_mlp`) against the
+recipe's reference (`mok.reference.fp8_block_expert`) and against float64: on the tl kernels under
+the interpreter on the CPU, on the FP8 tensor cores on a Hopper GPU.
 
-The two compute the same recipe with the products' fp32 sums in another order, so nearly every
-output is the reference's bit for bit (a sum's last bit can flip a rounding of h or of the output
-on the GPU), and the error against float64 is the emulation's (the issue's contract: at most 1.2x
-it); the same for every gradient. Bugs these catch: a bias added to another expert's rows, the
-clamp or gpt-oss's activation left out, the rows outside the groups given values; in the
-backward, a weight's blocks not transposed for its data gradient, the two data gradients'
-products not summed, grad h not rounded before the activation's backward, the weight gradients'
-operands cast along the features instead of the tokens or from the bf16 rows instead of their
-saved casts, a bias's gradient summed over another expert's rows.
+On the tl kernels the two compute the same recipe with the products' fp32 sums in another order,
+so nearly every output is the reference's bit for bit (a sum's last bit can flip a rounding of h
+or of the output), the same for every gradient. On the tensor cores each step's e4m3 products are
+summed in fewer bits than fp32, so outputs differ from the reference in their last bits. On both,
+the error against float64 is the emulation's (the issue's contract: at most 1.2x it). Bugs these
+catch: a bias added to another expert's rows, the clamp or gpt-oss's activation left out, rows
+outside the groups taken into a group; in the backward, a weight's blocks not transposed for its
+data gradient, the two data gradients' products not summed, grad h not rounded before the
+activation's backward, the weight gradients' operands cast along the features instead of the
+tokens or from the bf16 rows instead of their saved casts, a bias's gradient summed over another
+expert's rows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mok.kernels import warp_specialized
 from mok.kernels.fp8_block import block_quantize_rows
 from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_backward, fp8_block_expert_forward
 from mok.kernels.host import Activation
@@ -26,6 +28,10 @@ from mok.reference.expert import grouped_expert_mlp
 from mok.reference.fp8_block_expert import fp8_block_grouped_expert_mlp
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TENSOR_CORES = warp_specialized.available(DEVICE)
+"""Whether the products run on the FP8 tensor cores (every shape here fits them)."""
+SAME_BITS = 0.0 if TENSOR_CORES else 0.99
+"""The least share of outputs equal to the reference's bit for bit."""
 
 
 def _experts(experts: int, hidden: int, inter: int, with_biases: bool, seed: int = 0):
@@ -77,22 +83,28 @@ def test_the_forward_is_the_references(limit, activation, with_biases):
         biases=None if biases is None else tuple(b.double() for b in biases),
         alpha=activation.alpha, up_offset=activation.up_offset,
     )  # fmt: skip
-    assert (out == want).float().mean() >= 0.99
+    assert (out == want).float().mean() >= SAME_BITS
     assert _error(out, exact) <= 1.2 * _error(want, exact)
 
 
-def test_rows_outside_the_groups_are_zeros():
+def test_rows_outside_the_groups_are_left_out():
+    """Rows before the first group and after the last change no row inside: the inside rows are
+    those of the groups alone, and a backward's grad rows outside the groups are zeros."""
     (w_gate, w_up, w_down), biases = _experts(2, 128, 128, True)
     x = torch.randn(50, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     offsets = torch.tensor([5, 20, 40], dtype=torch.int32)
     on = [t.to(DEVICE) for t in (x, w_gate, w_up, w_down)]
-    out, _ = fp8_block_expert_forward(
-        on[0], offsets.to(DEVICE), *on[1:], None, tuple(b.to(DEVICE) for b in biases)
+    on_biases = tuple(b.to(DEVICE) for b in biases)
+    out, saved = fp8_block_expert_forward(on[0], offsets.to(DEVICE), *on[1:], None, on_biases)
+    alone, _ = fp8_block_expert_forward(
+        on[0][5:40].contiguous(), (offsets - 5).to(DEVICE), *on[1:], None, on_biases
     )
-    out = out.cpu()
-    assert not out[:5].any() and not out[40:].any()
-    want = fp8_block_grouped_expert_mlp(x[5:40], [15, 20], w_gate, w_up, w_down, biases=biases)
-    assert (out[5:40] == want).float().mean() >= 0.99
+    assert torch.equal(out[5:40], alone)
+    grad_rows = fp8_block_expert_backward(torch.ones_like(out), saved)[0].cpu()
+    assert not grad_rows[:5].any() and not grad_rows[40:].any() and grad_rows[5:40].all()
+    if not TENSOR_CORES:
+        want = fp8_block_grouped_expert_mlp(x[5:40], [15, 20], w_gate, w_up, w_down, biases=biases)
+        assert (alone.cpu() == want).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize(
@@ -124,7 +136,7 @@ def test_the_backward_is_the_references(limit, activation, with_biases):
     for name, got, leaf, exact in zip(names, grads, leaves, exact_leaves, strict=False):
         got, want, truth = got.cpu(), leaf.grad, exact.grad
         assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert (got == want).float().mean() >= 0.99, name
+        assert (got == want).float().mean() >= SAME_BITS, name
         assert _error(got, truth) <= 1.2 * _error(want, truth), name
 
 

@@ -1,6 +1,5 @@
-"""The expert MLP in the 128-block FP8 recipe on the recipe's tl kernels (`mok.kernels.fp8_block`):
-`mok.reference.fp8_block_expert`'s forward and backward on rows grouped by expert, with no host
-synchronization.
+"""The expert MLP in the 128-block FP8 recipe: `mok.reference.fp8_block_expert`'s forward and
+backward on rows grouped by expert, with no host synchronization.
 
     forward   rows -> cast (1 x 128 tiles along H) -> gate, up products (fp32) [+ biases]
               -> activation -> h (the rows' dtype) -> cast along I -> down product [+ bias] -> out
@@ -10,20 +9,29 @@ synchronization.
               weight gradients: both operands cast along each group's tokens (the saved casts of
               the rows and of h dequantized first, as the reference does)
 
-The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made once by the
-forward and kept for the backward, which reads them transposed. The activation, its backward and
-the biases are the reference's PyTorch operations, so that the only difference from the reference
-is the order of fp32 sums inside the products' steps (and inside the biases' gradients,
-`group_column_sums`). The weights' casts may come made ahead, kept across calls by a
-`BlockWeightCache`. Not built yet: the fused gate/up product.
+The products run on the FP8 tensor cores where `registry.runs_fp8_tensor_cores` (Hopper): the
+gate and up products in one pass with the biases and the activation in their epilogue, the down
+product with its bias in its epilogue. Elsewhere they run on the recipe's tl kernels
+(`mok.kernels.fp8_block`), with the activation and the biases as the reference's PyTorch
+operations, so that the only difference from the reference is the order of fp32 sums inside the
+products' steps (and inside the biases' gradients, `group_column_sums`); the tensor cores' sums
+of a step's e4m3 products also round (within the recipe's error bound). The weight gradients
+run on the tl kernel.
+
+The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made by the forward
+(or kept across calls by a `BlockWeightCache`); the backward reads their transposes, made once
+per cast (`BlockWeightCasts.transposed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
 
+from mok.kernels import registry, warp_specialized
 from mok.kernels.fp8_block import (
     BLOCK,
     TILES,
@@ -51,8 +59,8 @@ class FP8BlockSaved(NamedTuple):
     """[M, I] the pre-activations as `saved_preactivations` keeps them, the rows' dtype."""
     up: torch.Tensor
     group_offsets: torch.Tensor
-    weight_casts: tuple
-    """The block casts (values, descales) of w_gate, w_up and w_down, the forward's."""
+    weight_casts: BlockWeightCasts
+    """The forward's."""
     weight_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
     activation: tuple
     """(limit, alpha, up_offset)."""
@@ -68,22 +76,91 @@ def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return padded[experts]
 
 
-def block_weight_casts(w_gate, w_up, w_down) -> tuple:
-    """The weights' 128 x 128 block casts ((values, descales) of each, `quantize_blocks`): what
-    the forward reads, and, transposed, the backward."""
-    return tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down))
+@dataclasses.dataclass(eq=False)
+class BlockWeightCasts:
+    """The weights' 128 x 128 block casts: what the forward reads, and their transposes, what
+    the backward's data gradients read (the FP8 products take both operands K-major)."""
+
+    casts: tuple
+    """(values [E, N, K] e4m3, descales [E, cdiv(N, 128), cdiv(K, 128)] fp32) of w_gate, w_up
+    and w_down (`quantize_blocks`)."""
+
+    @functools.cached_property
+    def transposed(self) -> tuple:
+        """Each cast as the product's weight for w.T: (values [E, K, N] contiguous, descales [E,
+        cdiv(K, 128), cdiv(N, 128)]), W.T's blocks being W's transposed. Made at the first
+        backward and kept as long as these casts are (`BlockWeightCache`: until the weights
+        change)."""
+        return tuple(
+            (values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous())
+            for values, descales in self.casts
+        )
+
+
+def block_weight_casts(w_gate, w_up, w_down) -> BlockWeightCasts:
+    """The weights' 128 x 128 block casts (`quantize_blocks`)."""
+    return BlockWeightCasts(tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down)))
 
 
 class BlockWeightCache(WeightCastCache):
     """The last `block_weight_casts` made, reused while the weights are unchanged
     (`WeightCastCache`)."""
 
-    def get(self, w_gate, w_up, w_down, dtype: torch.dtype) -> tuple:
+    def get(self, w_gate, w_up, w_down, dtype: torch.dtype) -> BlockWeightCasts:
         """The casts of the weights converted to `dtype`."""
         weights = (w_gate, w_up, w_down)
         return self.cached(
             weights, (dtype,), lambda: block_weight_casts(*(w.to(dtype) for w in weights))
         )
+
+
+def _forward_on_tl(
+    x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out, experts, inside
+) -> tuple:
+    """(out, h's cast, the saved gate and up) of the forward on the tl kernels: the products in
+    fp32, the biases and the activation as the reference's PyTorch operations, rows outside the
+    groups zeros."""
+    gate, up = (
+        block_scaled_grouped_mm(*x_cast, *cast, offsets, torch.float32, tiles=tiles)
+        for cast in weight_casts.casts[:2]
+    )
+    gate, up = gate.masked_fill(~inside[:, None], 0.0), up.masked_fill(~inside[:, None], 0.0)
+    if biases is not None:
+        gate, up = gate + _per_row(biases[0], experts), up + _per_row(biases[1], experts)
+    h = swiglu(gate, up, limit, activation.alpha, activation.up_offset).to(dtype)
+    h_cast = block_quantize_tiles(h)
+    down = block_scaled_grouped_mm(
+        *h_cast, *weight_casts.casts[2], offsets, torch.float32, tiles=tiles
+    )
+    down = down.masked_fill(~inside[:, None], 0.0)
+    if biases is not None:
+        down = down + _per_row(biases[2], experts)
+    # Rounded to the output's dtype as it is written: one pass.
+    out = down.new_empty(down.shape, dtype=dtype) if out is None else out
+    out.copy_(down)
+    return (out, h_cast, *saved_preactivations(gate, up, limit, dtype))
+
+
+def _forward_on_tensor_cores(
+    x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out
+) -> tuple:
+    """(out, h's cast, the saved gate and up) of the forward on the FP8 tensor cores: the gate
+    and up products with the biases and the activation in their epilogue (h and the saved
+    pre-activations rounded there), the down product with its bias into out. The biases in
+    fp32 from their values in `dtype`; rows outside the groups unwritten."""
+    if biases is not None:
+        biases = tuple(bias.to(dtype) for bias in biases)
+    h, gate_up = warp_specialized.block_scaled_gate_up_swiglu(
+        *x_cast, *weight_casts.casts[:2], offsets, tiles, limit, True, dtype,
+        activation=activation, biases=None if biases is None else biases[:2],
+    )  # fmt: skip
+    h_cast = block_quantize_tiles(h)
+    out = warp_specialized.block_scaled_grouped_mm(
+        *h_cast, *weight_casts.casts[2], offsets, tiles, dtype,
+        bias=None if biases is None else biases[2], out=out,
+    )  # fmt: skip
+    inter = h.shape[1]
+    return out, h_cast, gate_up[:, :inter], gate_up[:, inter:]
 
 
 def fp8_block_expert_forward(
@@ -95,17 +172,18 @@ def fp8_block_expert_forward(
     swiglu_limit: float | None = None,
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     activation: Activation = SWIGLU,
-    weight_casts: tuple | None = None,
+    weight_casts: BlockWeightCasts | None = None,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FP8BlockSaved]:
     """(out [M, H] in the rows' dtype, what the backward needs): each group's rows (rows [M, H]
     bf16, grouped by group_offsets [E + 1] int32 on their device) through its expert's w_gate,
     w_up [E, I, H] and w_down [E, H, I] in the 128-block recipe, as
     `fp8_block_grouped_expert_mlp` computes them; biases (b_gate, b_up [E, I], b_down [E, H])
-    added in fp32. Rows outside the groups: zeros. The rows may come cast already (`BlockRows`,
-    as the exchange dispatches them): then out is in w_down's dtype. weight_casts: the weights'
-    `block_weight_casts` made ahead (e.g. kept by a `BlockWeightCache`), else made here. out:
-    where the outputs go (its first M rows, e.g. the exchange's buffer), else a new tensor."""
+    added in fp32. Rows outside the groups: unspecified. The rows may come cast already
+    (`BlockRows`, as the exchange dispatches them): then out is in w_down's dtype.
+    weight_casts: the weights' `block_weight_casts` made ahead (e.g. kept by a
+    `BlockWeightCache`), else made here. out: where the outputs go (its first M rows, e.g. the
+    exchange's buffer), else a new tensor."""
     if isinstance(rows, BlockRows):
         dtype, m = w_down.dtype, rows.packed.shape[0]
         x_cast = (rows.codes, rows.descales)
@@ -115,30 +193,22 @@ def fp8_block_expert_forward(
     if weight_casts is None:
         weight_casts = block_weight_casts(w_gate, w_up, w_down)
     tiles = row_tile_map(group_offsets, m, TILES.block_m)
-    gate, up = (
-        block_scaled_grouped_mm(*x_cast, *cast, group_offsets, torch.float32, tiles=tiles)
-        for cast in weight_casts[:2]
-    )
     # Each row's expert, on the device: rows outside the groups get E (their values are dropped).
     row_ids = torch.arange(m, device=group_offsets.device, dtype=torch.int32)
     experts = torch.searchsorted(group_offsets[1:], row_ids, right=True)
     inside = (row_ids >= group_offsets[0]) & (experts < w_gate.shape[0])
     experts = torch.where(inside, experts, w_gate.shape[0])
-    gate, up = gate.masked_fill(~inside[:, None], 0.0), up.masked_fill(~inside[:, None], 0.0)
-    if biases is not None:
-        gate, up = gate + _per_row(biases[0], experts), up + _per_row(biases[1], experts)
-    h = swiglu(gate, up, swiglu_limit, activation.alpha, activation.up_offset).to(dtype)
-    h_cast = block_quantize_tiles(h)
-    down = block_scaled_grouped_mm(
-        *h_cast, *weight_casts[2], group_offsets, torch.float32, tiles=tiles
-    )
-    down = down.masked_fill(~inside[:, None], 0.0)
-    if biases is not None:
-        down = down + _per_row(biases[2], experts)
-    # Rounded to the output's dtype as it is written: one pass.
-    out = down.new_empty(m, down.shape[1], dtype=dtype) if out is None else out[:m]
-    out.copy_(down)
-    gate, up = saved_preactivations(gate, up, swiglu_limit, dtype)
+    out = None if out is None else out[:m]
+    weights = (values for values, _ in weight_casts.casts)
+    if registry.runs_fp8_tensor_cores(x_cast[0], *weights):
+        out, h_cast, gate, up = _forward_on_tensor_cores(
+            x_cast, group_offsets, tiles, weight_casts, dtype, swiglu_limit, biases, activation, out
+        )
+    else:
+        out, h_cast, gate, up = _forward_on_tl(
+            x_cast, group_offsets, tiles, weight_casts, dtype, swiglu_limit, biases, activation,
+            out, experts, inside,
+        )  # fmt: skip
     saved = FP8BlockSaved(
         x_cast, h_cast, gate, up, group_offsets, weight_casts,
         (w_gate.dtype, w_up.dtype, w_down.dtype),
@@ -147,34 +217,26 @@ def fp8_block_expert_forward(
     return out, saved
 
 
-def _transposed(cast: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block cast (values [E, N, K], descales) of w as the product's weight for w.T:
-    (values [E, K, N] contiguous, descales [E, cdiv(K, 128), cdiv(N, 128)]): W.T's blocks are
-    W's transposed."""
-    values, descales = cast
-    return values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous()
-
-
 def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> tuple:
     """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I], grad b_gate,
     grad b_up [E, I], grad b_down [E, H]) of the forward that made `saved`, for grad_out [M, H]
     (the rows' dtype), as the reference's backward forms them: the weights' and biases'
     gradients in their dtypes (the biases' None without biases; zeros for an expert without
     rows), grad rows zeros outside the groups."""
-    gate_cast, up_cast, down_cast = (_transposed(cast) for cast in saved.weight_casts)
+    gate_cast, up_cast, down_cast = saved.weight_casts.transposed
     offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
     fp32 = torch.float32
     tiles = row_tile_map(offsets, grad_out.shape[0], TILES.block_m)
-    grad_h = block_scaled_grouped_mm(
-        *block_quantize_tiles(grad_out), *down_cast, offsets, fp32, tiles=tiles
+    grad_h = registry.block_scaled_grouped_mm(
+        block_quantize_tiles(grad_out), down_cast, offsets, tiles, fp32
     )
     grad_h = grad_h.masked_fill(~inside[:, None], 0.0).to(dtype).float()
     grad_gate, grad_up = activation_gradients(saved.gate, saved.up, grad_h, saved.activation, dtype)
-    grad_rows = block_scaled_grouped_mm(
-        *block_quantize_tiles(grad_gate), *gate_cast, offsets, fp32, tiles=tiles
+    grad_rows = registry.block_scaled_grouped_mm(
+        block_quantize_tiles(grad_gate), gate_cast, offsets, tiles, fp32
     )
-    grad_rows = grad_rows + block_scaled_grouped_mm(
-        *block_quantize_tiles(grad_up), *up_cast, offsets, fp32, tiles=tiles
+    grad_rows = grad_rows + registry.block_scaled_grouped_mm(
+        block_quantize_tiles(grad_up), up_cast, offsets, tiles, fp32
     )
     grad_rows = grad_rows.masked_fill(~inside[:, None], 0.0).to(dtype)
     token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)

@@ -5,7 +5,9 @@ place that chooses; the products (`expert_mlp`) ask `pick`.
 
 The twins of a product take the same arguments and give bitwise the same results, so a caller
 never needs to know which one ran; the tiles returned are the ones to pass it (and to build
-its row tiles with: their block_m)."""
+its row tiles with: their block_m). The 128-block FP8 recipe's products are the exception
+(`runs_fp8_tensor_cores`): on Hopper they run on the FP8 tensor cores, whose sums differ from
+the tl kernels' in their rounding."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from collections.abc import Callable
 
 import torch
 
+from mok.kernels import fp8_block, warp_specialized
 from mok.kernels import grouped_gemm as gg
-from mok.kernels import warp_specialized
 from mok.kernels.host import GemmTiles
 
 
@@ -143,3 +145,31 @@ def pick(
 def runs_gluon(product: Product, config, *operands: torch.Tensor, **options) -> bool:
     """Whether `pick` gives the Gluon kernel."""
     return _PRODUCTS[product].gluon_tiles(config, *operands, **options) is not None
+
+
+def runs_fp8_tensor_cores(a_values: torch.Tensor, *w_values: torch.Tensor) -> bool:
+    """Whether the 128-block recipe's products of A's cast with these weights' casts run on the
+    FP8 tensor cores (`warp_specialized.block_scaled_*`: Hopper, `block_scaled_supported`), else
+    on the tl kernels (`fp8_block`). The two differ by more than the order of fp32 sums: the
+    tensor cores sum each step's e4m3 products in fewer bits than fp32, within the recipe's
+    error bound, so unlike `pick`'s twins neither is the other's bitwise oracle."""
+    return all(warp_specialized.block_scaled_supported(a_values, w) for w in w_values)
+
+
+def block_scaled_grouped_mm(
+    a_cast: tuple[torch.Tensor, torch.Tensor],
+    w_cast: tuple[torch.Tensor, torch.Tensor],
+    group_offsets: torch.Tensor,
+    tiles,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_block.block_scaled_grouped_mm` of A's cast (values, descales) and W's block cast on
+    the FP8 tensor cores where `runs_fp8_tensor_cores`, else on the tl kernel. tiles: the row
+    tiles of 64 rows that both take."""
+    if runs_fp8_tensor_cores(a_cast[0], w_cast[0]):
+        return warp_specialized.block_scaled_grouped_mm(
+            *a_cast, *w_cast, group_offsets, tiles, out_dtype
+        )
+    return fp8_block.block_scaled_grouped_mm(
+        *a_cast, *w_cast, group_offsets, out_dtype, tiles=tiles
+    )

@@ -1752,19 +1752,27 @@ def block_scaled_grouped_mm(
     tiles: RowTiles,
     out_dtype: torch.dtype = torch.bfloat16,
     cfg: GemmTiles = BLOCK_SCALED_TILES,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fp8_block.block_scaled_grouped_mm` (same operands and contract) on the FP8 tensor cores
     (`block_scaled_supported` operands; tiles: `row_tile_map` of the groups for cfg.block_m): each
     step's 128 products are summed by the tensor cores, whose FP8 sums keep fewer bits than fp32,
     then scaled and accumulated in fp32 (`_block_scaled_step`), so the result is the tl kernel's
-    up to that rounding of each step's partial sums."""
+    up to that rounding of each step's partial sums. bias: [E, N] of out_dtype, each expert's
+    added to its rows in fp32 before the rounding. out: where the result goes ([M, N] of
+    out_dtype, contiguous), else a new tensor."""
     cast = (w_values, w_descales)
     m, n = _block_scaled_operands(a_values, a_descales, [cast], group_offsets, cfg)
-    out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
+    elif out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"out: [{m}, {n}] {out_dtype} contiguous, got {tuple(out.shape)}")
     if m and n:
         w_descales = w_descales.contiguous()
         descales = (a_descales.contiguous(), w_descales, w_descales)
-        _launch(_RowsProblem(DOWN.value, a_values, w_values, out, descales=descales), tiles, cfg)
+        problem = _RowsProblem(DOWN.value, a_values, w_values, out, bias=bias, descales=descales)
+        _launch(problem, tiles, cfg)
     return out
 
 
