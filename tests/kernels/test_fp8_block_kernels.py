@@ -44,6 +44,7 @@ from mok.kernels.fp8_block import (
     block_quantize_rows,
     block_quantize_tiles,
     block_quantize_tokens,
+    block_quantize_weights,
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
 )
@@ -321,3 +322,27 @@ def test_the_weight_gradient_follows_the_recipe():
         if size == 0:
             assert not out[e].any()
         start += size
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # on the infinities' blocks
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_weights_cast_and_its_transpose_are_the_references_bit_for_bit(dtype):
+    """`block_quantize_weights`: the blocks of two experts, each over magnitudes 2^-140 .. 2^120
+    with a NaN, infinities, subnormals and e4m3 ties (`blocks_of_every_kind`, a block of zeros),
+    N and K ragged (192 x 200: blocks of 64 rows and of 72 columns at the ends); the transposed
+    cast is the cast of w.T. Catches a block's amax taken over one row (a 1 x 128 tile's), over
+    elements past a ragged end, another expert's block, and the transposed values or descales
+    written at the untransposed places."""
+    x = blocks_of_every_kind(dtype)
+    w = torch.stack(
+        [torch.cat([x, x.flip(0), x * 0.5])[:192, :200], x.flip(1)[:, :200].repeat(3, 1)]
+    )
+    w[1, 128:, 128:] = 0.0
+    cast, transposed = block_quantize_weights(w.to(DEVICE))
+    for (values, descales), source in ((cast, w), (transposed, w.transpose(1, 2))):
+        want_values, want_descales = quantize_blocks(source)
+        assert_same_bits(values.cpu().view(torch.uint8), want_values.contiguous().view(torch.uint8))
+        nan = want_descales.isnan()
+        assert torch.equal(descales.cpu().isnan(), nan)
+        assert torch.equal(descales.cpu()[~nan], want_descales[~nan])

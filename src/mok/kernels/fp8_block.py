@@ -48,18 +48,87 @@ WGRAD_TILES = GemmTiles(block_m=64, block_n=64, block_k=BLOCK, num_warps=4, num_
 
 
 @triton.jit
-def block_quantize_tile(tile):
-    """(e4m3 bytes as int32 [ROWS, 128], descales fp32 [ROWS]) of an fp32 tile of x's values,
-    one 1 x 128 tile a row (zeros past a ragged end: they never raise an amax), as
-    `mok.reference.fp8_block.quantize_tiles` casts them."""
-    # |x|'s bits order as |x| does, every NaN's above infinity's: one integer max finds both.
-    amax_bits = tl.max(tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+def _magnitude_bits(tile):
+    """|tile|'s fp32 bits as int32: they order as |x| does, every NaN's above infinity's, so one
+    integer max finds both."""
+    return tile.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _tile_scales(amax_bits):
+    """(scale, descale) fp32 of tiles whose largest magnitudes have the fp32 bits amax_bits, as
+    `mok.reference.fp8_block` forms them: 448 / amax in fp64 (amax at least the floor), its
+    reciprocal rounded to nearest (not the GPU's fast division)."""
     amax = amax_bits.to(tl.float32, bitcast=True).to(tl.float64)
     floor = tl.full(amax.shape, _AMAX_FLOOR, tl.float64)
     amax = tl.maximum(amax, floor, propagate_nan=tl.PropagateNan.ALL)
     scale = (tl.full(amax.shape, _E4M3_MAX, tl.float64) / amax).to(tl.float32)
-    descale = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    return scale, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
+@triton.jit
+def block_quantize_tile(tile):
+    """(e4m3 bytes as int32 [ROWS, 128], descales fp32 [ROWS]) of an fp32 tile of x's values,
+    one 1 x 128 tile a row (zeros past a ragged end: they never raise an amax), as
+    `mok.reference.fp8_block.quantize_tiles` casts them."""
+    scale, descale = _tile_scales(tl.max(_magnitude_bits(tile), axis=1))
     return e4m3_saturated_bytes(tile * scale[:, None]), descale
+
+
+@fast_launch
+@triton.jit
+def _weight_blocks_kernel(
+    w_ptr,  # [E, N, K] bf16 or fp32, contiguous
+    values_ptr,  # [E, N, K] out, e4m3 as uint8
+    descales_ptr,  # [E, cdiv(N, 128), cdiv(K, 128)] out, fp32
+    values_t_ptr,  # [E, K, N] out, e4m3 as uint8: the values transposed
+    descales_t_ptr,  # [E, cdiv(K, 128), cdiv(N, 128)] out, fp32
+    N,
+    K,
+    BLOCK_SIDE: tl.constexpr,
+):
+    """Grid: (E, cdiv(N, 128), cdiv(K, 128)). Program (e, i, j) casts block (i, j) of w[e] (its
+    elements inside w: a ragged block's amax over them), writing its codes into values and,
+    transposed, into values_t, its descale at [e, i, j] and at [e, j, i]."""
+    expert = tl.program_id(0).to(tl.int64)
+    block_n, block_k = tl.program_id(1), tl.program_id(2)
+    blocks_n, blocks_k = tl.num_programs(1), tl.num_programs(2)
+    rows = block_n * BLOCK_SIDE + tl.arange(0, BLOCK_SIDE)
+    cols = block_k * BLOCK_SIDE + tl.arange(0, BLOCK_SIDE)
+    inside = (rows < N)[:, None] & (cols < K)[None, :]
+    at = expert * N * K + rows[:, None] * K + cols[None, :]
+    tile = tl.load(w_ptr + at, mask=inside, other=0.0).to(tl.float32)
+    amax_bits = tl.max(tl.max(_magnitude_bits(tile), axis=1), axis=0, keep_dims=True)
+    scale, descale = _tile_scales(amax_bits)
+    codes = e4m3_saturated_bytes(tile * scale[:, None]).to(tl.uint8)
+    tl.store(values_ptr + at, codes, mask=inside)
+    at_t = expert * N * K + cols[:, None] * N + rows[None, :]
+    tl.store(values_t_ptr + at_t, tl.trans(codes), mask=tl.trans(inside))
+    one = tl.arange(0, 1)
+    tl.store(descales_ptr + (expert * blocks_n + block_n) * blocks_k + block_k + one, descale)
+    tl.store(descales_t_ptr + (expert * blocks_k + block_k) * blocks_n + block_n + one, descale)
+
+
+def block_quantize_weights(w: torch.Tensor) -> tuple[tuple, tuple]:
+    """`mok.reference.fp8_block.quantize_blocks(w)` bit for bit, and its transpose, in one pass:
+    w [E, N, K] bf16 or fp32 -> ((values [E, N, K] float8_e4m3fn, descales [E, cdiv(N, 128),
+    cdiv(K, 128)] fp32), (values [E, K, N], descales [E, cdiv(K, 128), cdiv(N, 128)])), all
+    contiguous: the cast of w and that of w.T (W.T's blocks are W's transposed)."""
+    if w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"w: [E, N, K] bf16 or fp32, got {tuple(w.shape)} {w.dtype}")
+    w = w.contiguous()
+    experts, n, k = w.shape
+    blocks_n, blocks_k = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
+    values = torch.empty(experts, n, k, dtype=torch.uint8, device=w.device)
+    values_t = torch.empty(experts, k, n, dtype=torch.uint8, device=w.device)
+    descales = torch.empty(experts, blocks_n, blocks_k, dtype=torch.float32, device=w.device)
+    descales_t = torch.empty(experts, blocks_k, blocks_n, dtype=torch.float32, device=w.device)
+    if w.numel():
+        _weight_blocks_kernel[(experts, blocks_n, blocks_k)](
+            w, values, descales, values_t, descales_t, n, k, BLOCK_SIDE=BLOCK, num_warps=8
+        )
+    e4m3 = torch.float8_e4m3fn
+    return (values.view(e4m3), descales), (values_t.view(e4m3), descales_t)
 
 
 @fast_launch

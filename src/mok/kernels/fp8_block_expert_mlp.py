@@ -18,15 +18,13 @@ products' steps (and inside the biases' gradients, `group_column_sums`); the ten
 of a step's e4m3 products also round (within the recipe's error bound). The weight gradients
 run on the tl kernel.
 
-The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made by the forward
-(or kept across calls by a `BlockWeightCache`); the backward reads their transposes, made once
-per cast (`BlockWeightCasts.transposed`).
+The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made with their
+transposes (which the backward reads) in one pass by the forward, or kept across calls by a
+`BlockWeightCache`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from typing import NamedTuple
 
 import torch
@@ -38,6 +36,7 @@ from mok.kernels.fp8_block import (
     BlockRows,
     block_quantize_tiles,
     block_quantize_tokens,
+    block_quantize_weights,
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
 )
@@ -45,7 +44,7 @@ from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
 from mok.kernels.weight_casts import WeightCastCache
 from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
-from mok.reference.fp8_block import dequantize_tiles, quantize_blocks
+from mok.reference.fp8_block import dequantize_tiles
 
 
 class FP8BlockSaved(NamedTuple):
@@ -76,30 +75,23 @@ def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     return padded[experts]
 
 
-@dataclasses.dataclass(eq=False)
-class BlockWeightCasts:
+class BlockWeightCasts(NamedTuple):
     """The weights' 128 x 128 block casts: what the forward reads, and their transposes, what
     the backward's data gradients read (the FP8 products take both operands K-major)."""
 
     casts: tuple
     """(values [E, N, K] e4m3, descales [E, cdiv(N, 128), cdiv(K, 128)] fp32) of w_gate, w_up
     and w_down (`quantize_blocks`)."""
-
-    @functools.cached_property
-    def transposed(self) -> tuple:
-        """Each cast as the product's weight for w.T: (values [E, K, N] contiguous, descales [E,
-        cdiv(K, 128), cdiv(N, 128)]), W.T's blocks being W's transposed. Made at the first
-        backward and kept as long as these casts are (`BlockWeightCache`: until the weights
-        change)."""
-        return tuple(
-            (values.transpose(1, 2).contiguous(), descales.transpose(1, 2).contiguous())
-            for values, descales in self.casts
-        )
+    transposed: tuple
+    """Each cast as the product's weight for w.T: (values [E, K, N], descales [E, cdiv(K, 128),
+    cdiv(N, 128)]), W.T's blocks being W's transposed."""
 
 
 def block_weight_casts(w_gate, w_up, w_down) -> BlockWeightCasts:
-    """The weights' 128 x 128 block casts (`quantize_blocks`)."""
-    return BlockWeightCasts(tuple(quantize_blocks(w) for w in (w_gate, w_up, w_down)))
+    """The weights' casts and their transposes, one pass over each weight
+    (`block_quantize_weights`)."""
+    both = [block_quantize_weights(w) for w in (w_gate, w_up, w_down)]
+    return BlockWeightCasts(*(tuple(kind) for kind in zip(*both, strict=True)))
 
 
 class BlockWeightCache(WeightCastCache):
