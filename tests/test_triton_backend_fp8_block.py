@@ -89,13 +89,18 @@ def test_weight_casts_are_kept_as_the_policy_says(policy):
     assert (cache.kept is not None) == (policy == "keep")
 
 
+# On the FP8 tensor cores each step's e4m3 products are summed in fewer bits than fp32 before the
+# promotion, where the reference sums them in fp32: the routed gradients differ from the
+# reference's by more than MXFP8's (whose MMAs are bf16): 2.05e-3 measured on an H100 for tiny's
+# router weights' gradient. A missed or misplaced cast still costs ~2e-2.
+GPU_ROUTED_TOLERANCE = 4e-3
+
+
 @pytest.mark.gpu
 def test_fp8_block_layer_on_a_gpu_matches_the_reference_backend():
     """Every preset's shapes in the recipe on the FP8 tensor cores (Hopper) against the reference
-    backend, within the MXFP8 GPU tests' tolerances: the tensor cores' sums of each step's e4m3
-    products round where the reference's fp32 sums do not, and such a difference can move an
-    e4m3 rounding of h or of a SwiGLU gradient, as in MXFP8. Catches what the CPU tests catch on
-    the tl kernels, on the tensor cores' epilogues (biases, the clamp, the saved
-    pre-activations) and at the presets' ragged K (gpt-oss's 2880); a second call without host
-    synchronization repeats the first bit for bit."""
-    assert_gpu_results([gpu_check_cases(0, 1, gpu_cases("fp8_block"), [192])])
+    backend. Catches what the CPU tests catch on the tl kernels, on the tensor cores' epilogues
+    (biases, the clamp, the saved pre-activations) and at the presets' ragged K (gpt-oss's
+    2880); a second call without host synchronization repeats the first bit for bit."""
+    results = gpu_check_cases(0, 1, gpu_cases("fp8_block"), [192])
+    assert_gpu_results([results], GPU_ROUTED_TOLERANCE)

@@ -257,12 +257,12 @@ def gpu_check_cases(rank, world, cases, tokens_per_rank):
     return results
 
 
-def assert_gpu_results(per_rank_results):
+def assert_gpu_results(per_rank_results, routed_tolerance: float = GPU_ROUTED_TOLERANCE):
     for results in per_rank_results:
         for name, errors, repeatable in results:
             assert repeatable, name
             for key, error in errors.items():
-                tolerance = GPU_ROUTED_TOLERANCE if key in GPU_ROUTED else GPU_TOLERANCE
+                tolerance = routed_tolerance if key in GPU_ROUTED else GPU_TOLERANCE
                 assert error <= tolerance, (name, key, error)
 
 
