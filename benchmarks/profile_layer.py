@@ -2,6 +2,7 @@
 
     python benchmarks/profile_layer.py [--preset deepseek-v3] [--backend triton] [--tokens N]
                                        [--trace DIR] [--accumulate-grads] [--overlap]
+                                       [--precision bf16|mxfp8|fp8_block]
 
 Spawns one rank per GPU (EP = the GPU count), warms up, then on every rank: the host time of the
 forward and of the backward call (the time Python takes to enqueue them, median of 5), the GPU
@@ -12,7 +13,9 @@ it in Perfetto: the GPU's idle gaps, the barriers, the fused backend's two strea
 If the host time of a pass is close to its GPU time, the pass is bound by the host's launches.
 With --accumulate-grads the weights' gradients are kept between calls (every backward adds into
 them, as in gradient accumulation over micro-batches) instead of being set to None. --overlap
-runs the fused backend's overlapped schedule also at EP 1 (`FusedBackend.overlap`).
+runs the fused backend's overlapped schedule also at EP 1 (`FusedBackend.overlap`). --precision:
+the layer's (`MoKConfig.precision`); its weights' casts are kept across calls (`mx_weight_casts=
+"keep"`), so that the profile shows one pass's kernels, not the casts of an optimizer step.
 """
 
 from __future__ import annotations
@@ -34,11 +37,15 @@ from mok.testing import global_weights
 REPEATS = 5
 
 
-def profile_rank(rank, world, preset_name, backend, tokens, rows, trace_dir, accumulate, overlap):
+def profile_rank(
+    rank, world, preset_name, backend, tokens, rows, trace_dir, accumulate, overlap, precision
+):
     device = torch.device("cuda", rank)
     preset = mok.get_preset(preset_name)
     tokens = tokens or preset.default_tokens
-    config = preset.config(backend=backend, max_tokens_per_rank=tokens)
+    config = preset.config(backend=backend, max_tokens_per_rank=tokens, precision=precision)
+    if precision != "bf16":
+        config = config.replace(mx_weight_casts="keep")
     group = dist.group.WORLD if world > 1 else None
     layer = mok.MoE(config, group=group, device=device)
     layer.load_global_weights(global_weights(config, 0, device))
@@ -111,6 +118,7 @@ def main() -> None:
     parser.add_argument("--trace", metavar="DIR", help="write each rank's Chrome trace here")
     parser.add_argument("--accumulate-grads", action="store_true")
     parser.add_argument("--overlap", action="store_true", help="fused: the overlap at EP 1")
+    parser.add_argument("--precision", default="bf16", choices=["bf16", "mxfp8", "fp8_block"])
     args = parser.parse_args()
     world = torch.cuda.device_count()
     results = run_ranks(
@@ -124,11 +132,12 @@ def main() -> None:
             args.trace,
             args.accumulate_grads,
             args.overlap,
+            args.precision,
         ),
         backend="nccl",
     )
     accumulate = ", gradients accumulated" if args.accumulate_grads else ""
-    print(f"{args.preset}, backend {args.backend}, EP {world}{accumulate}")
+    print(f"{args.preset}, backend {args.backend}, {args.precision}, EP {world}{accumulate}")
     for rank, (times, _) in enumerate(results):
         print(f"rank {rank}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
     print("rank 0's kernels:")
