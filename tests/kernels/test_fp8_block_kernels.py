@@ -47,6 +47,7 @@ from mok.kernels.fp8_block import (
     block_quantize_weights,
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
+    quantize_side_by_side,
 )
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.reference.fp8_block import (
@@ -346,3 +347,31 @@ def test_the_weights_cast_and_its_transpose_are_the_references_bit_for_bit(dtype
         nan = want_descales.isnan()
         assert torch.equal(descales.cpu().isnan(), nan)
         assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+
+
+def test_parts_cast_side_by_side_are_each_parts_cast():
+    """`quantize_side_by_side`: each part's values and descales are its own `block_quantize_tiles`
+    at a whole step, zero values between a ragged part's end and the next step; the weights'
+    transposed casts written into halves of one tensor (`block_quantize_weights`'s
+    transposed_into) are their own. Catches a part cast from the previous part's step, a ragged
+    part's padding left unwritten (garbage summed into the product), descales at the wrong
+    step."""
+    generator = torch.Generator().manual_seed(11)
+    parts = [torch.randn(37, 200, generator=generator).bfloat16().to(DEVICE) for _ in range(2)]
+    values, descales = quantize_side_by_side(parts)
+    assert values.shape == (37, 512) and descales.shape == (37, 4)
+    for half, part in enumerate(parts):
+        own_values, own_descales = block_quantize_tiles(part)
+        at = values[:, 256 * half : 256 * half + 200].view(torch.uint8)
+        assert torch.equal(at, own_values.view(torch.uint8))
+        assert torch.equal(descales[:, 2 * half : 2 * half + 2], own_descales)
+        assert not values[:, 256 * half + 200 : 256 * (half + 1)].view(torch.uint8).any()
+    w = torch.randn(2, 200, 96, generator=generator).bfloat16().to(DEVICE)
+    wide = torch.zeros(2, 96, 512, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    wide_descales = torch.zeros(2, 1, 4, device=DEVICE)
+    halves = (wide[..., 256:456], wide_descales[..., 2:])
+    _, (own_values, own_descales) = block_quantize_weights(w)
+    block_quantize_weights(w, halves)
+    assert torch.equal(halves[0].view(torch.uint8), own_values.view(torch.uint8))
+    assert torch.equal(halves[1], own_descales)
+    assert not wide[..., :256].view(torch.uint8).any() and not wide_descales[..., :2].any()

@@ -81,15 +81,17 @@ def _weight_blocks_kernel(
     w_ptr,  # [E, N, K] bf16 or fp32, contiguous
     values_ptr,  # [E, N, K] out, e4m3 as uint8
     descales_ptr,  # [E, cdiv(N, 128), cdiv(K, 128)] out, fp32
-    values_t_ptr,  # [E, K, N] out, e4m3 as uint8: the values transposed
-    descales_t_ptr,  # [E, cdiv(K, 128), cdiv(N, 128)] out, fp32
+    values_t_ptr,  # [E, K, N] out, e4m3 as uint8 (strides t_strides[0:2], unit last)
+    descales_t_ptr,  # [E, cdiv(K, 128), cdiv(N, 128)] out, fp32 (strides t_strides[2:4])
     N,
     K,
+    t_strides,
     BLOCK_SIDE: tl.constexpr,
 ):
     """Grid: (E, cdiv(N, 128), cdiv(K, 128)). Program (e, i, j) casts block (i, j) of w[e] (its
     elements inside w: a ragged block's amax over them), writing its codes into values and,
     transposed, into values_t, its descale at [e, i, j] and at [e, j, i]."""
+    values_t_experts, values_t_rows, descales_t_experts, descales_t_rows = t_strides
     expert = tl.program_id(0).to(tl.int64)
     block_n, block_k = tl.program_id(1), tl.program_id(2)
     blocks_n, blocks_k = tl.num_programs(1), tl.num_programs(2)
@@ -102,33 +104,53 @@ def _weight_blocks_kernel(
     scale, descale = _tile_scales(amax_bits)
     codes = e4m3_saturated_bytes(tile * scale[:, None]).to(tl.uint8)
     tl.store(values_ptr + at, codes, mask=inside)
-    at_t = expert * N * K + cols[:, None] * N + rows[None, :]
+    at_t = expert * values_t_experts + cols[:, None].to(tl.int64) * values_t_rows + rows[None, :]
     tl.store(values_t_ptr + at_t, tl.trans(codes), mask=tl.trans(inside))
     one = tl.arange(0, 1)
     tl.store(descales_ptr + (expert * blocks_n + block_n) * blocks_k + block_k + one, descale)
-    tl.store(descales_t_ptr + (expert * blocks_k + block_k) * blocks_n + block_n + one, descale)
+    at_t = expert * descales_t_experts + block_k * descales_t_rows + block_n + one
+    tl.store(descales_t_ptr + at_t, descale)
 
 
-def block_quantize_weights(w: torch.Tensor) -> tuple[tuple, tuple]:
+def block_quantize_weights(w: torch.Tensor, transposed_into: tuple | None = None) -> tuple:
     """`mok.reference.fp8_block.quantize_blocks(w)` bit for bit, and its transpose, in one pass:
     w [E, N, K] bf16 or fp32 -> ((values [E, N, K] float8_e4m3fn, descales [E, cdiv(N, 128),
-    cdiv(K, 128)] fp32), (values [E, K, N], descales [E, cdiv(K, 128), cdiv(N, 128)])), all
-    contiguous: the cast of w and that of w.T (W.T's blocks are W's transposed)."""
+    cdiv(K, 128)] fp32), (values [E, K, N], descales [E, cdiv(K, 128), cdiv(N, 128)])): the cast
+    of w and that of w.T (W.T's blocks are W's transposed). transposed_into: where the
+    transposed cast goes (views of those shapes with unit last strides, e.g. halves of a wider
+    tensor), else new contiguous tensors."""
     if w.dim() != 3 or w.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"w: [E, N, K] bf16 or fp32, got {tuple(w.shape)} {w.dtype}")
     w = w.contiguous()
     experts, n, k = w.shape
     blocks_n, blocks_k = triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK)
-    values = torch.empty(experts, n, k, dtype=torch.uint8, device=w.device)
-    values_t = torch.empty(experts, k, n, dtype=torch.uint8, device=w.device)
-    descales = torch.empty(experts, blocks_n, blocks_k, dtype=torch.float32, device=w.device)
-    descales_t = torch.empty(experts, blocks_k, blocks_n, dtype=torch.float32, device=w.device)
-    if w.numel():
-        _weight_blocks_kernel[(experts, blocks_n, blocks_k)](
-            w, values, descales, values_t, descales_t, n, k, BLOCK_SIDE=BLOCK, num_warps=8
+    device, e4m3 = w.device, torch.float8_e4m3fn
+    values = torch.empty(experts, n, k, dtype=torch.uint8, device=device)
+    descales = torch.empty(experts, blocks_n, blocks_k, dtype=torch.float32, device=device)
+    if transposed_into is None:
+        transposed_into = (
+            torch.empty(experts, k, n, dtype=e4m3, device=device),
+            torch.empty(experts, blocks_k, blocks_n, dtype=torch.float32, device=device),
         )
-    e4m3 = torch.float8_e4m3fn
-    return (values.view(e4m3), descales), (values_t.view(e4m3), descales_t)
+    values_t, descales_t = transposed_into
+    if (
+        values_t.shape != (experts, k, n)
+        or descales_t.shape != (experts, blocks_k, blocks_n)
+        or values_t.dtype != e4m3
+        or values_t.stride(2) != 1
+        or descales_t.stride(2) != 1
+    ):
+        raise ValueError(
+            f"transposed_into: [{experts}, {k}, {n}] e4m3 and [{experts}, {blocks_k}, "
+            f"{blocks_n}] fp32 with unit last strides"
+        )
+    if w.numel():
+        t_strides = (*values_t.stride()[:2], *descales_t.stride()[:2])
+        _weight_blocks_kernel[(experts, blocks_n, blocks_k)](
+            w, values, descales, values_t.view(torch.uint8), descales_t, n, k, t_strides,
+            BLOCK_SIDE=BLOCK, num_warps=8,
+        )  # fmt: skip
+    return (values.view(e4m3), descales), (values_t, descales_t)
 
 
 @fast_launch
@@ -186,6 +208,29 @@ def block_quantize_tiles(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     values = torch.empty(m, k, dtype=torch.uint8, device=x.device)
     descales = torch.empty(m, triton.cdiv(k, BLOCK), dtype=torch.float32, device=x.device)
     _cast_rows(x, values, descales)
+    return values.view(torch.float8_e4m3fn), descales
+
+
+def quantize_side_by_side(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 1 x 128 tile casts (`block_quantize_tiles`) of parts [M, K_i] side by side along K,
+    each part from a whole step on (padded with zero values to a multiple of 128): (values
+    [M, sum of padded K_i] float8_e4m3fn, descales [M, sum of cdiv(K_i, 128)] fp32). A product
+    of these with weights' casts laid out alike along K sums the parts' products in one
+    accumulator."""
+    m = parts[0].shape[0]
+    steps = [triton.cdiv(part.shape[1], BLOCK) for part in parts]
+    device = parts[0].device
+    ragged = any(part.shape[1] % BLOCK for part in parts)
+    values = (torch.zeros if ragged else torch.empty)(
+        m, BLOCK * sum(steps), dtype=torch.uint8, device=device
+    )
+    descales = torch.empty(m, sum(steps), dtype=torch.float32, device=device)
+    step = 0
+    for part, count in zip(parts, steps, strict=True):
+        _check_cast_input(part)
+        at = BLOCK * step
+        _cast_rows(part, values[:, at : at + part.shape[1]], descales[:, step : step + count])
+        step += count
     return values.view(torch.float8_e4m3fn), descales
 
 

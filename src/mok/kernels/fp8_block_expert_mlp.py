@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
 
 from mok.kernels import registry, warp_specialized
 from mok.kernels.fp8_block import (
@@ -39,6 +40,7 @@ from mok.kernels.fp8_block import (
     block_quantize_weights,
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
+    quantize_side_by_side,
 )
 from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
@@ -82,16 +84,32 @@ class BlockWeightCasts(NamedTuple):
     casts: tuple
     """(values [E, N, K] e4m3, descales [E, cdiv(N, 128), cdiv(K, 128)] fp32) of w_gate, w_up
     and w_down (`quantize_blocks`)."""
-    transposed: tuple
-    """Each cast as the product's weight for w.T: (values [E, K, N], descales [E, cdiv(K, 128),
-    cdiv(N, 128)]), W.T's blocks being W's transposed."""
+    down_transposed: tuple
+    """w_down's cast as the product's weight for w_down.T: (values [E, I, H], descales [E,
+    cdiv(I, 128), cdiv(H, 128)]), W.T's blocks being W's transposed."""
+    gate_up_transposed: tuple
+    """w_gate's and w_up's transposed casts side by side along I, each from a whole step on
+    (`quantize_side_by_side`'s layout): (values [E, H, 2 I'] with I' = I rounded up to a
+    multiple of 128 (zeros between), descales [E, cdiv(H, 128), 2 cdiv(I, 128)])."""
 
 
 def block_weight_casts(w_gate, w_up, w_down) -> BlockWeightCasts:
     """The weights' casts and their transposes, one pass over each weight
     (`block_quantize_weights`)."""
-    both = [block_quantize_weights(w) for w in (w_gate, w_up, w_down)]
-    return BlockWeightCasts(*(tuple(kind) for kind in zip(*both, strict=True)))
+    experts, inter, hidden = w_gate.shape
+    steps = triton.cdiv(inter, BLOCK)
+    padded, device = steps * BLOCK, w_gate.device
+    values = (torch.zeros if inter % BLOCK else torch.empty)(
+        experts, hidden, 2 * padded, dtype=torch.uint8, device=device
+    ).view(torch.float8_e4m3fn)
+    descales = torch.empty(
+        experts, triton.cdiv(hidden, BLOCK), 2 * steps, dtype=torch.float32, device=device
+    )
+    gate_cast, _ = block_quantize_weights(w_gate, (values[..., :inter], descales[..., :steps]))
+    up_halves = (values[..., padded : padded + inter], descales[..., steps:])
+    up_cast, _ = block_quantize_weights(w_up, up_halves)
+    down_cast, down_transposed = block_quantize_weights(w_down)
+    return BlockWeightCasts((gate_cast, up_cast, down_cast), down_transposed, (values, descales))
 
 
 class BlockWeightCache(WeightCastCache):
@@ -215,22 +233,24 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     (the rows' dtype), as the reference's backward forms them: the weights' and biases'
     gradients in their dtypes (the biases' None without biases; zeros for an expert without
     rows), grad rows zeros outside the groups."""
-    gate_cast, up_cast, down_cast = saved.weight_casts.transposed
-    offsets, inside, dtype = saved.group_offsets, saved.inside, grad_out.dtype
+    casts, offsets, inside, dtype = (
+        saved.weight_casts,
+        saved.group_offsets,
+        saved.inside,
+        grad_out.dtype,
+    )
     fp32 = torch.float32
     tiles = row_tile_map(offsets, grad_out.shape[0], TILES.block_m)
     grad_h = registry.block_scaled_grouped_mm(
-        block_quantize_tiles(grad_out), down_cast, offsets, tiles, fp32
+        block_quantize_tiles(grad_out), casts.down_transposed, offsets, tiles, fp32
     )
     grad_h = grad_h.masked_fill(~inside[:, None], 0.0).to(dtype).float()
     grad_gate, grad_up = activation_gradients(saved.gate, saved.up, grad_h, saved.activation, dtype)
+    # grad_gate @ W_gate + grad_up @ W_up as one product along K = gate's steps, then up's.
     grad_rows = registry.block_scaled_grouped_mm(
-        block_quantize_tiles(grad_gate), gate_cast, offsets, tiles, fp32
+        quantize_side_by_side([grad_gate, grad_up]), casts.gate_up_transposed, offsets, tiles, dtype
     )
-    grad_rows = grad_rows + registry.block_scaled_grouped_mm(
-        block_quantize_tiles(grad_up), up_cast, offsets, tiles, fp32
-    )
-    grad_rows = grad_rows.masked_fill(~inside[:, None], 0.0).to(dtype)
+    grad_rows.masked_fill_(~inside[:, None], 0.0)
     token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
     x_tokens = block_quantize_tokens(dequantize_tiles(*saved.x_cast), token_tiles)
     h_tokens = block_quantize_tokens(dequantize_tiles(*saved.h_cast), token_tiles)
