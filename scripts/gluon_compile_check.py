@@ -538,6 +538,7 @@ def tl_cases():
     # The 128-block FP8 recipe's grouped product (the tl twin), at deepseek-v3's down shape.
     yield "tl fp8_block grouped_mm", lambda: _fp8_block_product(m, experts, offsets)
     yield "tl fp8_block cast", lambda: _fp8_block_cast(x)
+    yield "tl fp8_block weights cast", lambda: _fp8_block_weights_cast(experts)
     yield "tl fp8_block cast along the tokens", lambda: _fp8_block_tokens_cast(x, offsets)
     yield "tl fp8_block weight gradient", lambda: _fp8_block_wgrad(m, experts, offsets)
     # The combine's backward on the token side, at a real model's top_k and H (all pairs'
@@ -573,6 +574,12 @@ def _fp8_block_cast(x: torch.Tensor) -> None:
     from mok.kernels.fp8_block import block_quantize_tiles
 
     block_quantize_tiles(x)
+
+
+def _fp8_block_weights_cast(experts: int) -> None:
+    from mok.kernels.fp8_block import block_quantize_weights
+
+    block_quantize_weights(torch.zeros(experts, 2048, 7168, dtype=torch.bfloat16))
 
 
 def _fp8_block_tokens_cast(x: torch.Tensor, offsets: torch.Tensor) -> None:
