@@ -399,6 +399,18 @@ def cases():
             a_values, a_descales, w_values, w_descales, offsets, tiles(fp8_cfg), bias=down_bias
         ),
     )
+    # The down product's data gradient in the recipe with the activation's backward, at
+    # deepseek-v3's shape per expert (K = H = 7168, N = I = 2048), gpt-oss's clamp.
+    down_t = (torch.zeros(experts, 2048, 7168, dtype=fp8), torch.zeros(experts, 16, 56))
+    grad_out = torch.zeros(m, 7168, dtype=fp8)
+    saved_gate_up = torch.zeros(m, 4096, dtype=bf16)
+    yield (
+        "block-scaled fp8 down_dgrad swiglu, clamp",
+        lambda: warp_specialized.block_scaled_down_dgrad_swiglu(
+            grad_out, torch.zeros(m, 56), down_t, offsets, tiles(fp8_cfg), saved_gate_up, 7.0,
+            Activation(1.702, 1.0),
+        ),
+    )  # fmt: skip
     # The gate/up product in the recipe (two weights a pass) at qwen3-30b-a3b's shape per
     # expert (H 2048, I 768), saving the pre-activations, with gpt-oss's clamp and biases.
     gate_cast = (torch.zeros(experts, 768, 2048, dtype=fp8), torch.zeros(experts, 6, 16))

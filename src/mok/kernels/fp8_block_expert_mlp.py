@@ -56,9 +56,9 @@ class FP8BlockSaved(NamedTuple):
     """The rows' cast along H: (values [M, H] e4m3, descales [M, cdiv(H, 128)])."""
     h_cast: tuple[torch.Tensor, torch.Tensor]
     """h's cast along I."""
-    gate: torch.Tensor
-    """[M, I] the pre-activations as `saved_preactivations` keeps them, the rows' dtype."""
-    up: torch.Tensor
+    gate_up: torch.Tensor
+    """[M, 2I] the pre-activations gate | up as `saved_preactivations` keeps them, the rows'
+    dtype."""
     group_offsets: torch.Tensor
     weight_casts: BlockWeightCasts
     """The forward's."""
@@ -127,7 +127,7 @@ class BlockWeightCache(WeightCastCache):
 def _forward_on_tl(
     x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out, experts, inside
 ) -> tuple:
-    """(out, h's cast, the saved gate and up) of the forward on the tl kernels: the products in
+    """(out, h's cast, the saved gate | up) of the forward on the tl kernels: the products in
     fp32, the biases and the activation as the reference's PyTorch operations, rows outside the
     groups zeros."""
     gate, up = (
@@ -148,13 +148,14 @@ def _forward_on_tl(
     # Rounded to the output's dtype as it is written: one pass.
     out = down.new_empty(down.shape, dtype=dtype) if out is None else out
     out.copy_(down)
-    return (out, h_cast, *saved_preactivations(gate, up, limit, dtype))
+    gate_up = torch.cat(saved_preactivations(gate, up, limit, dtype), dim=1)
+    return out, h_cast, gate_up
 
 
 def _forward_on_tensor_cores(
     x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out
 ) -> tuple:
-    """(out, h's cast, the saved gate and up) of the forward on the FP8 tensor cores: the gate
+    """(out, h's cast, the saved gate | up) of the forward on the FP8 tensor cores: the gate
     and up products with the biases and the activation in their epilogue (h and the saved
     pre-activations rounded there), the down product with its bias into out. The biases in
     fp32 from their values in `dtype`; rows outside the groups unwritten."""
@@ -169,8 +170,7 @@ def _forward_on_tensor_cores(
         *h_cast, *weight_casts.casts[2], offsets, tiles, dtype,
         bias=None if biases is None else biases[2], out=out,
     )  # fmt: skip
-    inter = h.shape[1]
-    return out, h_cast, gate_up[:, :inter], gate_up[:, inter:]
+    return out, h_cast, gate_up
 
 
 def fp8_block_expert_forward(
@@ -211,20 +211,44 @@ def fp8_block_expert_forward(
     out = None if out is None else out[:m]
     weights = (values for values, _ in weight_casts.casts)
     if registry.runs_fp8_tensor_cores(x_cast[0], *weights):
-        out, h_cast, gate, up = _forward_on_tensor_cores(
+        out, h_cast, gate_up = _forward_on_tensor_cores(
             x_cast, group_offsets, tiles, weight_casts, dtype, swiglu_limit, biases, activation, out
         )
     else:
-        out, h_cast, gate, up = _forward_on_tl(
+        out, h_cast, gate_up = _forward_on_tl(
             x_cast, group_offsets, tiles, weight_casts, dtype, swiglu_limit, biases, activation,
             out, experts, inside,
         )  # fmt: skip
     saved = FP8BlockSaved(
-        x_cast, h_cast, gate, up, group_offsets, weight_casts,
+        x_cast, h_cast, gate_up, group_offsets, weight_casts,
         (w_gate.dtype, w_up.dtype, w_down.dtype),
         (swiglu_limit, activation.alpha, activation.up_offset), inside, biases,
     )  # fmt: skip
     return out, saved
+
+
+def _activation_gradients(grad_out: torch.Tensor, saved: FP8BlockSaved, tiles) -> tuple:
+    """(grad gate, grad up) [M, I] in grad_out's dtype: grad h = grad_out's cast times W_down's
+    transposed cast, rounded to grad_out's dtype, through the activation's backward on the saved
+    pre-activations; on the FP8 tensor cores in the product's epilogue, else the product on the
+    tl kernel and the backward as the reference's PyTorch operations. Rows outside the groups:
+    unspecified."""
+    grad_cast, down_transposed = block_quantize_tiles(grad_out), saved.weight_casts.down_transposed
+    offsets, gate_up, activation = saved.group_offsets, saved.gate_up, saved.activation
+    inter = gate_up.shape[1] // 2
+    if registry.runs_fp8_tensor_cores(grad_cast[0], down_transposed[0]):
+        limit, alpha, up_offset = activation
+        grad_gate_up = warp_specialized.block_scaled_down_dgrad_swiglu(
+            *grad_cast, down_transposed, offsets, tiles, gate_up, limit,
+            Activation(alpha, up_offset),
+        )  # fmt: skip
+        return grad_gate_up[:, :inter], grad_gate_up[:, inter:]
+    grad_h = block_scaled_grouped_mm(
+        *grad_cast, *down_transposed, offsets, torch.float32, tiles=tiles
+    )
+    grad_h = grad_h.masked_fill(~saved.inside[:, None], 0.0).to(grad_out.dtype).float()
+    gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    return activation_gradients(gate, up, grad_h, activation, grad_out.dtype)
 
 
 def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> tuple:
@@ -233,19 +257,10 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     (the rows' dtype), as the reference's backward forms them: the weights' and biases'
     gradients in their dtypes (the biases' None without biases; zeros for an expert without
     rows), grad rows zeros outside the groups."""
-    casts, offsets, inside, dtype = (
-        saved.weight_casts,
-        saved.group_offsets,
-        saved.inside,
-        grad_out.dtype,
-    )
-    fp32 = torch.float32
+    casts, offsets, inside = saved.weight_casts, saved.group_offsets, saved.inside
+    dtype, fp32 = grad_out.dtype, torch.float32
     tiles = row_tile_map(offsets, grad_out.shape[0], TILES.block_m)
-    grad_h = registry.block_scaled_grouped_mm(
-        block_quantize_tiles(grad_out), casts.down_transposed, offsets, tiles, fp32
-    )
-    grad_h = grad_h.masked_fill(~inside[:, None], 0.0).to(dtype).float()
-    grad_gate, grad_up = activation_gradients(saved.gate, saved.up, grad_h, saved.activation, dtype)
+    grad_gate, grad_up = _activation_gradients(grad_out, saved, tiles)
     # grad_gate @ W_gate + grad_up @ W_up as one product along K = gate's steps, then up's.
     grad_rows = registry.block_scaled_grouped_mm(
         quantize_side_by_side([grad_gate, grad_up]), casts.gate_up_transposed, offsets, tiles, dtype

@@ -373,6 +373,14 @@ def _add_expert_bias(acc, bias_ptr, expert, n_off, N, layout: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _reads_w_by_k(mode, bf16_weights):
+    """Whether a launch reads W's tiles along K ([BLOCK_K, BLOCK_N] blocks of W [E, K, N]): the
+    data-gradient modes on bf16 weights. FP8 MMAs take both operands K-major, so the
+    block-scaled products read [BLOCK_N, BLOCK_K] blocks of W [E, N, K] in every mode."""
+    return mode >= GATE_UP_DGRAD.value and bf16_weights
+
+
+@gluon.constexpr_function
 def _gather_layout(block_k, bits, warps, row_bytes=512):
     """Registers of a gathered [rows, block_k] A tile: 16-byte pieces, a warp's lanes along K,
     covering at most row_bytes of a row (a thread then holds block_k x bits / 8 / row_bytes
@@ -533,7 +541,7 @@ def _load_partition(
      num_rows) = problem  # fmt: skip
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
     TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
-    W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
+    W_BY_K: gl.constexpr = _reads_w_by_k(MODE, operands[11] is None)
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
     STAGES: gl.constexpr = w_bufs.type.shape[0]
@@ -1040,7 +1048,7 @@ def _consume(
     descales = operands[11]
     SECOND_WEIGHT: gl.constexpr = MODE == GATE_UP_SWIGLU
     TWO_PRODUCTS: gl.constexpr = MODE == GATE_UP_DGRAD
-    W_BY_K: gl.constexpr = MODE >= GATE_UP_DGRAD
+    W_BY_K: gl.constexpr = _reads_w_by_k(MODE, descales is None)
     WG_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = w_desc.block_type.shape[1 if W_BY_K else 0]
@@ -1339,6 +1347,11 @@ class _RowsProblem:
     weighting: tuple[torch.Tensor, torch.Tensor] | None = None  # DOWN_DGRAD_SWIGLU: h, row weights
     descales: tuple[torch.Tensor, ...] | None = None  # FP8 A, W and W2 (W's again): theirs, fp32
 
+    @property
+    def w_by_k(self) -> bool:
+        """Whether W is [E, K, N], read along K (`_reads_w_by_k`), else [E, N, K]."""
+        return self.mode >= GATE_UP_DGRAD.value and self.descales is None
+
 
 def _consumer_split(block_m: int) -> int:
     """Consumers per tile of block_m rows: 1 for CONSUMER_ROWS (ping-pong), 2 for twice that
@@ -1359,7 +1372,7 @@ def _descriptors(problem: _RowsProblem, cfg: GemmTiles, n: int) -> tuple:
     where the two weights' distances differ."""
     mode, a, w = problem.mode, problem.a, problem.w
     bm, bn, bk = CONSUMER_ROWS, cfg.block_n, cfg.block_k
-    w_block = [bk, bn] if mode >= GATE_UP_DGRAD.value else [bn, bk]
+    w_block = [bk, bn] if problem.w_by_k else [bn, bk]
     w_rows, w_expert_rows = _weight_rows(w)
     w2_desc = w_desc = _descriptor(w_rows, w_block)
     if problem.w2 is not None:
@@ -1429,7 +1442,7 @@ def _launch(problem: _RowsProblem, tiles: RowTiles, cfg: GemmTiles) -> torch.Ten
     router weights' partial dots [M, column tiles] fp32 with `problem.weighting`, else None."""
     mode, a, w = problem.mode, problem.a, problem.w
     k = a.shape[1]
-    n = w.shape[2] if mode >= GATE_UP_DGRAD.value else w.shape[1]
+    n = w.shape[2] if problem.w_by_k else w.shape[1]
     if tiles.block_m != cfg.block_m:
         raise ValueError(f"row tiles of {tiles.block_m} rows for a kernel of {cfg.block_m}")
     split = _consumer_split(cfg.block_m)
@@ -1819,6 +1832,44 @@ def block_scaled_gate_up_swiglu(
         )
         _launch(problem, tiles, cfg)
     return h, gate_up
+
+
+def block_scaled_down_dgrad_swiglu(
+    a_values: torch.Tensor,
+    a_descales: torch.Tensor,
+    down_transposed: tuple[torch.Tensor, torch.Tensor],
+    group_offsets: torch.Tensor,
+    tiles: RowTiles,
+    gate_up: torch.Tensor,
+    swiglu_limit: float | None,
+    activation: Activation = SWIGLU,
+    cfg: GemmTiles = BLOCK_SCALED_TILES,
+) -> torch.Tensor:
+    """Gradients of the pre-activations gate | up [M, 2I] (gate_up's dtype) in the 128-block
+    recipe: grad_h = grad_out's cast (a_values [M, H] e4m3, a_descales [M, S] fp32) times
+    W_down's transposed block cast (down_transposed: values [E, I, H] e4m3, descales [E,
+    cdiv(I, 128), S] fp32) on the FP8 tensor cores as `block_scaled_grouped_mm` forms it,
+    rounded to gate_up's dtype (h was rounded so in the forward), then the activation's backward
+    on the saved gate | up [M, 2I], in the epilogue of `down_dgrad_swiglu`. Rows outside the
+    groups unwritten."""
+    m, inter = _block_scaled_operands(a_values, a_descales, [down_transposed], group_offsets, cfg)
+    if gate_up.shape != (m, 2 * inter):
+        raise ValueError(f"gate_up: [{m}, {2 * inter}], got {tuple(gate_up.shape)}")
+    grad_gate_up = torch.empty(m, 2 * inter, dtype=gate_up.dtype, device=gate_up.device)
+    if m and inter:
+        w_descales = down_transposed[1].contiguous()
+        problem = _RowsProblem(
+            DOWN_DGRAD_SWIGLU.value,
+            a_values,
+            down_transposed[0],
+            grad_gate_up,
+            gate_up=gate_up,
+            swiglu_limit=swiglu_limit,
+            activation=activation,
+            descales=(a_descales.contiguous(), w_descales, w_descales),
+        )
+        _launch(problem, tiles, cfg)
+    return grad_gate_up
 
 
 # --------------------------------------------------------------------------------------------------
