@@ -50,6 +50,8 @@ from mok.kernels.fp8_block import (
     quantize_side_by_side,
 )
 from mok.kernels.grouped_gemm import row_tile_map
+from mok.kernels.host import Activation
+from mok.reference.expert import activation_gradients
 from mok.reference.fp8_block import (
     block_rows,
     dequantize_blocks,
@@ -172,6 +174,47 @@ def test_the_fp8_tensor_core_product_follows_the_recipe(groups, n, k, out_dtype)
         a_values, a_descales, w_values, w_descales, offsets, tiles, out_dtype
     )
     _check_against_the_recipe(problem, out.cpu(), FP8_TENSOR_CORE_SUMS)
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+def test_the_fp8_tensor_core_down_data_gradient_follows_the_recipe():
+    """`warp_specialized.block_scaled_down_dgrad_swiglu`: grad h from the FP8 tensor cores (the
+    products' bound, as above), rounded to bf16, through gpt-oss's clamped activation's backward
+    on the saved pre-activations, each half rounded once; within the bound carried through the
+    backward (|d grad gate / d grad h| <= 1.1 (|up| + 1), |d grad up / d grad h| <= |gate|) and
+    one bf16 rounding of grad h. Catches W_down read along N instead of K (the bf16 kernel's
+    way), the saved gate and up halves swapped, grad h not rounded, the clamp's zeros missing."""
+    groups, n, k = [70, 0, 130, 3], 192, 208
+    a_values, a_descales, w_values, w_descales, offsets = _problem(groups, n, k, seed=12)
+    m = sum(groups)
+    generator = torch.Generator().manual_seed(13)
+    gate_up = (torch.randn(m, 2 * n, generator=generator) * 4).bfloat16()
+    limit, activation = 7.0, Activation(1.702, 1.0)
+    on = [t.to(DEVICE) for t in (a_values, a_descales, w_values, w_descales, offsets, gate_up)]
+    tiles = row_tile_map(on[4], m, warp_specialized.BLOCK_SCALED_TILES.block_m)
+    grad_gate_up = warp_specialized.block_scaled_down_dgrad_swiglu(
+        on[0], on[1], (on[2], on[3]), on[4], tiles, on[5], limit, activation
+    ).cpu()
+    a_exact = dequantize_tiles(a_values, a_descales, dtype=torch.float64).abs()
+    relative = 2 * (a_descales.shape[1] + 130) * 2.0**-24 + FP8_TENSOR_CORE_SUMS
+    for e in range(len(groups)):
+        start, end = offsets[e].item(), offsets[e + 1].item()
+        grad_h = scaled_matmul(
+            a_values[start:end], a_descales[start:end], w_values[e], block_rows(w_descales[e], n)
+        )
+        w_exact = dequantize_blocks(w_values[e], w_descales[e], dtype=torch.float64).abs()
+        bound = relative * (a_exact[start:end] @ w_exact.T) + 2.0**-8 * grad_h.double().abs()
+        gate, up = gate_up[start:end, :n], gate_up[start:end, n:]
+        wants = activation_gradients(
+            gate, up, grad_h.bfloat16().float(), (limit, activation.alpha, activation.up_offset),
+            torch.bfloat16,
+        )  # fmt: skip
+        slopes = (1.1 * (up.double().abs() + 1.0), gate.double().abs())
+        for half, (want, slope) in enumerate(zip(wants, slopes, strict=True)):
+            got = grad_gate_up[start:end, half * n : (half + 1) * n].double()
+            error = (got - want.double()).abs()
+            allowed = slope * bound + 2.0**-8 * want.double().abs() + 1e-6
+            assert bool((error <= allowed).all()), (e, half)
 
 
 @pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
