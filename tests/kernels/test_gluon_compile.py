@@ -40,7 +40,7 @@ KNOWN_SPILL_BYTES = {
     "down_dgrad_swiglu 128x128 cooperative limit=7.0": 1024,
     "down_dgrad_swiglu gpt-oss 64x128": 1024,
     "down_dgrad_swiglu gpt-oss 128x128 cooperative": 1024,
-    "block-scaled fp8 down_dgrad swiglu, clamp": 1152,
+    "block-scaled fp8 down_dgrad swiglu, clamp": 1224,
     "gate_up_swiglu waiting 64x128": 64,
     "gate_up_swiglu waiting 128x128 cooperative": 64,
     "gate_up_swiglu waiting, claiming 64x128": 64,
