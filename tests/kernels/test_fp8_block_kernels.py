@@ -338,6 +338,26 @@ def test_the_cast_along_each_groups_tokens_is_the_references():
         tile += want_descales.shape[0]
 
 
+def test_the_cast_along_the_tokens_of_a_tile_cast_reads_it_as_its_values():
+    """`block_quantize_tokens` of a 1 x 128 tile cast (as the backward casts the saved rows and h
+    again along the tokens), here packed rows as the exchange brings them (strided values and
+    descales): bit for bit the cast of `dequantize_tiles` of it. Catches a descale of another
+    column tile or row, a row stride taken from the values for the descales, the e4m3 decode
+    rounding."""
+    x = blocks_of_every_kind(torch.bfloat16, seed=5).repeat(4, 1)[:, :272]
+    x[~torch.isfinite(x)] = 1.0  # the packed cast's tiles: finite values only
+    groups, first = [130, 0, 100], 3
+    offsets = torch.tensor([first, *(first + torch.tensor(groups).cumsum(0)).tolist()])
+    tiles = row_tile_map(offsets.to(torch.int32).to(DEVICE), x.shape[0], 128)
+    packed = block_quantize_rows(x.to(DEVICE))
+    got = block_quantize_tokens((packed.codes, packed.descales), tiles)
+    want = block_quantize_tokens(dequantize_tiles(packed.codes, packed.descales), tiles)
+    rows = slice(first, first + sum(groups))
+    assert torch.equal(got[0][rows].view(torch.uint8), want[0][rows].view(torch.uint8))
+    used = tiles.counts[0].item()
+    assert torch.equal(got[1][:used], want[1][:used])
+
+
 def test_the_weight_gradient_follows_the_recipe():
     """Groups of 200 (a whole tile and a ragged one), 0 and 90 tokens after 5 rows outside them;
     N 96 and K 80 off the tiles."""

@@ -37,6 +37,7 @@ if interpreting():
     patch_interpreter()
 
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
+_BLOCK = tl.constexpr(BLOCK)
 _E4M3_MAX = tl.constexpr(E4M3_MAX)
 HARDWARE_DOT = tl.constexpr(not interpreting())
 """The step's e4m3 values enter the dot as bf16 (exact) on GPUs; under the interpreter as fp32
@@ -262,23 +263,47 @@ def block_quantize_rows(x: torch.Tensor) -> BlockRows:
     return out
 
 
+@triton.jit
+def plain_rows(source, rows, cols, inside):
+    """Row source of `_block_quantize_tokens_kernel`: x's elements (source: (x_ptr [M, C] bf16 or
+    fp32, its row stride)) at rows x cols, as fp32 (zeros outside)."""
+    x_ptr, x_stride = source
+    tile = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=inside, other=0.0)
+    return tile.to(tl.float32)
+
+
+@triton.jit
+def tile_cast_rows(source, rows, cols, inside):
+    """Row source of `_block_quantize_tokens_kernel`: the values of a 1 x 128 tile cast (source:
+    (values_ptr [M, C] e4m3 as uint8, descales_ptr [M, cdiv(C, 128)] fp32, their row strides))
+    at rows x cols, each code times its tile's descale in fp32, as
+    `mok.reference.fp8_block.dequantize_tiles` forms them (zeros outside)."""
+    values_ptr, descales_ptr, values_stride, descales_stride = source
+    codes = tl.load(
+        values_ptr + rows[:, None] * values_stride + cols[None, :], mask=inside, other=0
+    )
+    at = descales_ptr + rows[:, None] * descales_stride + (cols // _BLOCK)[None, :]
+    return e4m3_values(codes) * tl.load(at, mask=inside, other=0.0)
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["capacity"])
 def _block_quantize_tokens_kernel(
-    x_ptr,  # [M, C] bf16 or fp32, row stride x_stride
+    source,  # what ROWS reads the rows' values from
     values_ptr,  # [M, C] out, e4m3 as uint8, contiguous
     descales_ptr,  # [capacity, C] out, fp32, contiguous
     table_ptr,  # [3, capacity] int32 row tiles of 128 rows
     counts_ptr,  # [2] int32
     capacity,
     C,
-    x_stride,
+    ROWS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Grid: (capacity, cdiv(C, BLOCK_C)). Program (t, j): row tile t of the groups' (rows [row,
     row_end), at most BLOCK_T) at columns j * BLOCK_C..: each column's tile along the tokens cast
-    (`block_quantize_tile` on the transposed tile), its descale at descales[t, column]."""
+    (`block_quantize_tile` on the transposed tile of the values ROWS gives, `plain_rows` or
+    `tile_cast_rows`), its descale at descales[t, column]."""
     t = tl.program_id(0)
     if t < tl.load(counts_ptr):
         row = tl.load(table_ptr + capacity + t)
@@ -286,31 +311,45 @@ def _block_quantize_tokens_kernel(
         rows = (row + tl.arange(0, BLOCK_T)).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         inside = (rows < row_end)[:, None] & (cols < C)[None, :]
-        tile = tl.load(x_ptr + rows[:, None] * x_stride + cols[None, :], mask=inside, other=0.0)
-        codes, descales = block_quantize_tile(tl.trans(tile.to(tl.float32)))
+        codes, descales = block_quantize_tile(tl.trans(ROWS(source, rows, cols, inside)))
         tl.store(values_ptr + rows[:, None] * C + cols[None, :], tl.trans(codes).to(tl.uint8),
                  mask=inside)  # fmt: skip
         tl.store(descales_ptr + t * C + cols, descales, mask=cols < C)
 
 
-def block_quantize_tokens(x: torch.Tensor, tiles: RowTiles) -> tuple[torch.Tensor, torch.Tensor]:
+def block_quantize_tokens(
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], tiles: RowTiles
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of each group's rows along the tokens, as the recipe's weight gradients take their
     operands: tiles of 128 rows from each group's first row, `quantize_tiles(x[group], dim=0)`
-    bit for bit. x [M, C] bf16 or fp32 with a unit last stride; tiles: `row_tile_map` of the
-    groups with block_m 128. Returns (values [M, C] float8_e4m3fn, rows outside the groups
-    unwritten; descales [capacity, C] fp32, row t the descales of the table's tile t: each
-    group's tiles in row order, the groups in expert order, then rows never written)."""
-    _check_cast_input(x)
+    bit for bit. x [M, C] bf16 or fp32 with a unit last stride, or a 1 x 128 tile cast of it
+    ((values [M, C] e4m3, descales [M, cdiv(C, 128)] fp32), unit last strides): then x is
+    `dequantize_tiles(values, descales)`, read from the cast in one pass. tiles: `row_tile_map`
+    of the groups with block_m 128. Returns (values [M, C] float8_e4m3fn, rows outside the
+    groups unwritten; descales [capacity, C] fp32, row t the descales of the table's tile t:
+    each group's tiles in row order, the groups in expert order, then rows never written)."""
+    if isinstance(x, tuple):
+        cast_values, cast_descales = x
+        m, c = cast_values.shape
+        if cast_values.stride(1) != 1 or cast_descales.stride(1) != 1:
+            raise ValueError("the tile cast's values and descales need unit last strides")
+        if cast_descales.shape != (m, triton.cdiv(c, BLOCK)):
+            raise ValueError(f"descales of [{m}, {c}] values: [{m}, {triton.cdiv(c, BLOCK)}]")
+        strides = (cast_values.stride(0), cast_descales.stride(0))
+        source = (cast_values.view(torch.uint8), cast_descales, *strides)
+        rows_part, device = tile_cast_rows, cast_values.device
+    else:
+        _check_cast_input(x)
+        (m, c), source, rows_part, device = x.shape, (x, x.stride(0)), plain_rows, x.device
     if tiles.block_m != BLOCK:
         raise ValueError(f"the tokens' tiles are {BLOCK} rows: row tiles of {tiles.block_m}")
-    m, c = x.shape
-    values = torch.empty(m, c, dtype=torch.uint8, device=x.device)
-    descales = torch.empty(tiles.capacity, c, dtype=torch.float32, device=x.device)
+    values = torch.empty(m, c, dtype=torch.uint8, device=device)
+    descales = torch.empty(tiles.capacity, c, dtype=torch.float32, device=device)
     if m and c:
         block_c = 32
         _block_quantize_tokens_kernel[(tiles.capacity, triton.cdiv(c, block_c))](
-            x, values, descales, tiles.table, tiles.counts, tiles.capacity, c, x.stride(0),
-            BLOCK_C=block_c, BLOCK_T=BLOCK,
+            source, values, descales, tiles.table, tiles.counts, tiles.capacity, c,
+            ROWS=rows_part, BLOCK_C=block_c, BLOCK_T=BLOCK,
         )  # fmt: skip
     return values.view(torch.float8_e4m3fn), descales
 

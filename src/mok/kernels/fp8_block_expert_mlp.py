@@ -46,7 +46,6 @@ from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
 from mok.kernels.weight_casts import WeightCastCache
 from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
-from mok.reference.fp8_block import dequantize_tiles
 
 
 class FP8BlockSaved(NamedTuple):
@@ -267,8 +266,8 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     )
     grad_rows.masked_fill_(~inside[:, None], 0.0)
     token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
-    x_tokens = block_quantize_tokens(dequantize_tiles(*saved.x_cast), token_tiles)
-    h_tokens = block_quantize_tokens(dequantize_tiles(*saved.h_cast), token_tiles)
+    x_tokens = block_quantize_tokens(saved.x_cast, token_tiles)
+    h_tokens = block_quantize_tokens(saved.h_cast, token_tiles)
     grad_w_down = block_scaled_grouped_wgrad(
         *block_quantize_tokens(grad_out, token_tiles), *h_tokens, offsets
     )
