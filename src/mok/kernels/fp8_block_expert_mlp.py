@@ -268,14 +268,16 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
     x_tokens = block_quantize_tokens(saved.x_cast, token_tiles)
     h_tokens = block_quantize_tokens(saved.h_cast, token_tiles)
+    # Each weight's gradient rounded once, as it is written, into the weight's dtype.
+    gate_dtype, up_dtype, down_dtype = saved.weight_dtypes
     grad_w_down = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_out, token_tiles), *h_tokens, offsets
+        *block_quantize_tokens(grad_out, token_tiles), *h_tokens, offsets, down_dtype
     )
     grad_w_gate = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_gate, token_tiles), *x_tokens, offsets
+        *block_quantize_tokens(grad_gate, token_tiles), *x_tokens, offsets, gate_dtype
     )
     grad_w_up = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_up, token_tiles), *x_tokens, offsets
+        *block_quantize_tokens(grad_up, token_tiles), *x_tokens, offsets, up_dtype
     )
     grad_biases = (None, None, None)
     if saved.biases is not None:
@@ -284,9 +286,4 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
             group_column_sums(grad, offsets, torch.empty_like(bias, dtype=fp32)).to(bias.dtype)
             for grad, bias in zip((grad_gate, grad_up, grad_out), saved.biases, strict=True)
         )
-    weight_grads = (grad_w_gate, grad_w_up, grad_w_down)
-    return (
-        grad_rows,
-        *(grad.to(kind) for grad, kind in zip(weight_grads, saved.weight_dtypes, strict=True)),
-        *grad_biases,
-    )
+    return (grad_rows, grad_w_gate, grad_w_up, grad_w_down, *grad_biases)
