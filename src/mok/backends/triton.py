@@ -586,15 +586,15 @@ class TritonBackend:
     def _fp8_block_gradients(grad_out, experts, into: dict, grads: dict) -> torch.Tensor:
         """The routed experts' backward in the 128-block recipe (`fp8_block_expert_backward`):
         the weights' and biases' gradients (into `grads`; a buffer of `into` has its gradient
-        added in fp32 and rounded once more, as the reference backend adds it), the rows'
-        gradient [M, H] returned."""
+        added in fp32 and rounded once more, as the reference backend adds it: `add_` computes
+        in fp32 for bf16), the rows' gradient [M, H] returned."""
         from mok.kernels.fp8_block_expert_mlp import fp8_block_expert_backward
 
         grad_rows, *gradients = fp8_block_expert_backward(grad_out, experts)
         for name, grad in zip(("gate", "up", "down", *EXPERT_BIAS_FIELDS), gradients, strict=True):
             if grad is not None:
                 buffer = into.get(name)
-                grads[name] = grad if buffer is None else buffer.copy_(buffer.float() + grad)
+                grads[name] = grad if buffer is None else buffer.add_(grad)
         return grad_rows
 
     def _output_gradients(self, saved: TritonSaved, grad_y: torch.Tensor):
