@@ -411,6 +411,19 @@ def cases():
             Activation(1.702, 1.0),
         ),
     )  # fmt: skip
+    # The recipe's weight gradient at deepseek-v3's down shape per expert (N = H = 7168, K = I =
+    # 2048), fp32 and bf16 out, its operands cast along the tokens, tokens contiguous.
+    token_tiles = m // 128 + experts
+    g_tokens = (torch.zeros(7168, token_tiles * 128, dtype=fp8), torch.zeros(token_tiles, 7168))
+    x_tokens = (torch.zeros(2048, token_tiles * 128, dtype=fp8), torch.zeros(token_tiles, 2048))
+    starts = torch.zeros(experts, dtype=torch.int32)
+    for out_dtype in (torch.float32, bf16):
+        yield (
+            f"block-scaled fp8 wgrad {str(out_dtype)[6:]} out",
+            lambda d=out_dtype: warp_specialized.block_scaled_grouped_wgrad(
+                g_tokens, x_tokens, offsets, starts, d
+            ),
+        )
     # The gate/up product in the recipe (two weights a pass) at qwen3-30b-a3b's shape per
     # expert (H 2048, I 768), saving the pre-activations, with gpt-oss's clamp and biases.
     gate_cast = (torch.zeros(experts, 768, 2048, dtype=fp8), torch.zeros(experts, 6, 16))

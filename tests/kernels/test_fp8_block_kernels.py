@@ -48,6 +48,7 @@ from mok.kernels.fp8_block import (
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
     quantize_side_by_side,
+    token_tile_starts,
 )
 from mok.kernels.grouped_gemm import row_tile_map
 from mok.kernels.host import Activation
@@ -358,21 +359,21 @@ def test_the_cast_along_the_tokens_of_a_tile_cast_reads_it_as_its_values():
     assert torch.equal(got[1][:used], want[1][:used])
 
 
-def test_the_weight_gradient_follows_the_recipe():
-    """Groups of 200 (a whole tile and a ragged one), 0 and 90 tokens after 5 rows outside them;
-    N 96 and K 80 off the tiles."""
+def _wgrad_problem():
+    """Groups of 200 (a whole tile and a ragged one), 0 and 90 tokens after 5 rows outside them:
+    (grad [M, N], x [M, K] bf16, offsets on the device, the groups, the first row)."""
     generator = torch.Generator().manual_seed(5)
     groups, first = [200, 0, 90], 5
     m = first + sum(groups)
-    grad = torch.randn(m, 96, generator=generator) * torch.rand(m, 1, generator=generator) * 4
+    grad = torch.randn(m, 128, generator=generator) * torch.rand(m, 1, generator=generator) * 4
     x = torch.randn(m, 80, generator=generator) * torch.rand(1, 80, generator=generator)
-    grad, x = grad.bfloat16(), x.bfloat16()
     offsets = torch.tensor([first, *(first + torch.tensor(groups).cumsum(0)).tolist()])
-    offsets = offsets.to(torch.int32).to(DEVICE)
-    tiles = row_tile_map(offsets, m, 128)
-    g_cast = block_quantize_tokens(grad.to(DEVICE), tiles)
-    x_cast = block_quantize_tokens(x.to(DEVICE), tiles)
-    out = block_scaled_grouped_wgrad(*g_cast, *x_cast, offsets).cpu()
+    return grad.bfloat16(), x.bfloat16(), offsets.to(torch.int32).to(DEVICE), groups, first
+
+
+def _check_wgrad(out, grad, x, groups, first, step_sums=0.0):
+    """out [E, N, K] within fp32's rounding of the recipe's sums over each group's tokens, plus
+    `step_sums` times the terms' magnitudes; zeros for an expert without tokens."""
     start = first
     for e, size in enumerate(groups):
         g_values, g_descales = quantize_tiles(grad[start : start + size], dim=0)
@@ -380,12 +381,67 @@ def test_the_weight_gradient_follows_the_recipe():
         want = scaled_matmul(g_values.T, g_descales.T, x_values.T, x_descales.T)
         g_exact = dequantize_tiles(g_values, g_descales, dim=0, dtype=torch.float64).abs()
         x_exact = dequantize_tiles(x_values, x_descales, dim=0, dtype=torch.float64).abs()
-        bound = 2 * (g_descales.shape[0] + 130) * 2.0**-24 * (g_exact.T @ x_exact)
+        relative = 2 * (g_descales.shape[0] + 130) * 2.0**-24 + step_sums
+        bound = relative * (g_exact.T @ x_exact)
         error = (out[e].double() - want.double()).abs()
         assert bool((error <= bound).all()), (e, (error - bound).max().item())
         if size == 0:
             assert not out[e].any()
         start += size
+
+
+def test_the_weight_gradient_follows_the_recipe():
+    """The tl kernel; K 80 off the tiles."""
+    grad, x, offsets, groups, first = _wgrad_problem()
+    tiles = row_tile_map(offsets, grad.shape[0], 128)
+    g_cast = block_quantize_tokens(grad.to(DEVICE), tiles)
+    x_cast = block_quantize_tokens(x.to(DEVICE), tiles)
+    out = block_scaled_grouped_wgrad(*g_cast, *x_cast, offsets).cpu()
+    _check_wgrad(out, grad, x, groups, first)
+
+
+def test_the_cast_along_the_tokens_transposed_holds_the_same_codes():
+    """`block_quantize_tokens(transposed=True)`: each tile's codes at its 128 columns, a group's
+    tokens past its end zeros, the same descales. Catches a tile at another tile's columns, the
+    padding left unwritten (another group's tokens summed into a weight gradient)."""
+    grad, _, offsets, groups, first = _wgrad_problem()
+    tiles = row_tile_map(offsets, grad.shape[0], 128)
+    values, descales = block_quantize_tokens(grad.to(DEVICE), tiles)
+    values_t, descales_t = block_quantize_tokens(grad.to(DEVICE), tiles, transposed=True)
+    values, values_t = values.cpu().view(torch.uint8), values_t.cpu().view(torch.uint8)
+    used = tiles.counts[0].item()
+    assert torch.equal(descales_t[:used], descales[:used])
+    tile, start = 0, first
+    for size in groups:
+        for row in range(start, start + size, 128):
+            rows = min(128, start + size - row)
+            at = values_t[:, 128 * tile : 128 * (tile + 1)]
+            assert torch.equal(at[:, :rows], values[row : row + rows].T)
+            assert not at[:, rows:].any()
+            tile += 1
+        start += size
+
+
+@pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_the_fp8_tensor_core_weight_gradient_follows_the_recipe(out_dtype):
+    """`warp_specialized.block_scaled_grouped_wgrad` on the operands cast along the tokens,
+    tokens contiguous: within the FP8 sums' bound (and a bf16 rounding); zeros for the expert
+    without tokens. Catches a tile of another expert's tokens, a descale of another tile, row or
+    column, the padding's tokens read from another group."""
+    grad, x, offsets, groups, first = _wgrad_problem()
+    tiles = row_tile_map(offsets, grad.shape[0], 128)
+    g_tokens = block_quantize_tokens(grad.to(DEVICE), tiles, transposed=True)
+    x_tokens = block_quantize_tokens(x.to(DEVICE), tiles, transposed=True)
+    out = warp_specialized.block_scaled_grouped_wgrad(
+        g_tokens, x_tokens, offsets, token_tile_starts(offsets), out_dtype
+    ).cpu()
+    if out_dtype == torch.bfloat16:
+        out = out.float()
+        grad_bound = FP8_TENSOR_CORE_SUMS + 2.0**-8
+    else:
+        grad_bound = FP8_TENSOR_CORE_SUMS
+    _check_wgrad(out, grad, x, groups, first, grad_bound)
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,

@@ -41,6 +41,10 @@ KNOWN_SPILL_BYTES = {
     "down_dgrad_swiglu gpt-oss 64x128": 1024,
     "down_dgrad_swiglu gpt-oss 128x128 cooperative": 1024,
     "block-scaled fp8 down_dgrad swiglu, clamp": 1224,
+    # The FP8 weight gradient's descales of X, one per column (32 a thread), beside the
+    # accumulator and the step's partial tile.
+    "block-scaled fp8 wgrad float32 out": 120,
+    "block-scaled fp8 wgrad bfloat16 out": 120,
     "gate_up_swiglu waiting 64x128": 64,
     "gate_up_swiglu waiting 128x128 cooperative": 64,
     "gate_up_swiglu waiting, claiming 64x128": 64,

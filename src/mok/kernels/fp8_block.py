@@ -286,24 +286,45 @@ def tile_cast_rows(source, rows, cols, inside):
     return e4m3_values(codes) * tl.load(at, mask=inside, other=0.0)
 
 
+@triton.jit
+def rows_store(values_ptr, codes, rows, cols, t, inside, C, capacity):
+    """Store part of `_block_quantize_tokens_kernel`: a tile's codes ([BLOCK_C, 128], a column's
+    tile along the tokens a row) into values [M, C] at the tokens' rows (rows outside the groups
+    unwritten)."""
+    at = values_ptr + rows[:, None] * C + cols[None, :]
+    tl.store(at, tl.trans(codes).to(tl.uint8), mask=inside)
+
+
+@triton.jit
+def tokens_store(values_ptr, codes, rows, cols, t, inside, C, capacity):
+    """Store part of `_block_quantize_tokens_kernel`: a tile's codes into values [C, capacity *
+    128], tokens contiguous, token tile t at columns 128 t..: as FP8 MMAs take an operand whose
+    reduction runs over the tokens (the tile's tokens past its group's end are zeros)."""
+    tokens = t.to(tl.int64) * _BLOCK + tl.arange(0, _BLOCK)
+    at = values_ptr + cols.to(tl.int64)[:, None] * (capacity * _BLOCK) + tokens[None, :]
+    tl.store(at, codes.to(tl.uint8), mask=(cols < C)[:, None])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["capacity"])
 def _block_quantize_tokens_kernel(
     source,  # what ROWS reads the rows' values from
-    values_ptr,  # [M, C] out, e4m3 as uint8, contiguous
+    values_ptr,  # out, e4m3 as uint8, laid out as STORE writes it
     descales_ptr,  # [capacity, C] out, fp32, contiguous
     table_ptr,  # [3, capacity] int32 row tiles of 128 rows
     counts_ptr,  # [2] int32
     capacity,
     C,
     ROWS: tl.constexpr,
+    STORE: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """Grid: (capacity, cdiv(C, BLOCK_C)). Program (t, j): row tile t of the groups' (rows [row,
     row_end), at most BLOCK_T) at columns j * BLOCK_C..: each column's tile along the tokens cast
     (`block_quantize_tile` on the transposed tile of the values ROWS gives, `plain_rows` or
-    `tile_cast_rows`), its descale at descales[t, column]."""
+    `tile_cast_rows`), its codes stored by STORE (`rows_store`, `tokens_store`), its descale at
+    descales[t, column]."""
     t = tl.program_id(0)
     if t < tl.load(counts_ptr):
         row = tl.load(table_ptr + capacity + t)
@@ -312,22 +333,23 @@ def _block_quantize_tokens_kernel(
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         inside = (rows < row_end)[:, None] & (cols < C)[None, :]
         codes, descales = block_quantize_tile(tl.trans(ROWS(source, rows, cols, inside)))
-        tl.store(values_ptr + rows[:, None] * C + cols[None, :], tl.trans(codes).to(tl.uint8),
-                 mask=inside)  # fmt: skip
+        STORE(values_ptr, codes, rows, cols, t, inside, C, capacity)
         tl.store(descales_ptr + t * C + cols, descales, mask=cols < C)
 
 
 def block_quantize_tokens(
-    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], tiles: RowTiles
+    x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], tiles: RowTiles, transposed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The cast of each group's rows along the tokens, as the recipe's weight gradients take their
     operands: tiles of 128 rows from each group's first row, `quantize_tiles(x[group], dim=0)`
     bit for bit. x [M, C] bf16 or fp32 with a unit last stride, or a 1 x 128 tile cast of it
     ((values [M, C] e4m3, descales [M, cdiv(C, 128)] fp32), unit last strides): then x is
     `dequantize_tiles(values, descales)`, read from the cast in one pass. tiles: `row_tile_map`
-    of the groups with block_m 128. Returns (values [M, C] float8_e4m3fn, rows outside the
-    groups unwritten; descales [capacity, C] fp32, row t the descales of the table's tile t:
-    each group's tiles in row order, the groups in expert order, then rows never written)."""
+    of the groups with block_m 128. Returns (values float8_e4m3fn, descales [capacity, C] fp32,
+    row t the descales of the table's tile t: each group's tiles in row order, the groups in
+    expert order, then rows never written). values: [M, C], rows outside the groups unwritten;
+    with `transposed` [C, capacity * 128], tokens contiguous, the table's tile t at columns
+    128 t.. (its tokens past the group's end zeros; tiles past the table's count unwritten)."""
     if isinstance(x, tuple):
         cast_values, cast_descales = x
         m, c = cast_values.shape
@@ -343,15 +365,25 @@ def block_quantize_tokens(
         (m, c), source, rows_part, device = x.shape, (x, x.stride(0)), plain_rows, x.device
     if tiles.block_m != BLOCK:
         raise ValueError(f"the tokens' tiles are {BLOCK} rows: row tiles of {tiles.block_m}")
-    values = torch.empty(m, c, dtype=torch.uint8, device=device)
+    shape = (c, tiles.capacity * BLOCK) if transposed else (m, c)
+    values = torch.empty(shape, dtype=torch.uint8, device=device)
     descales = torch.empty(tiles.capacity, c, dtype=torch.float32, device=device)
     if m and c:
         block_c = 32
         _block_quantize_tokens_kernel[(tiles.capacity, triton.cdiv(c, block_c))](
             source, values, descales, tiles.table, tiles.counts, tiles.capacity, c,
-            ROWS=rows_part, BLOCK_C=block_c, BLOCK_T=BLOCK,
+            ROWS=rows_part, STORE=tokens_store if transposed else rows_store, BLOCK_C=block_c,
+            BLOCK_T=BLOCK,
         )  # fmt: skip
     return values.view(torch.float8_e4m3fn), descales
+
+
+def token_tile_starts(group_offsets: torch.Tensor) -> torch.Tensor:
+    """[E] int32: each group's first tile of 128 tokens in `row_tile_map`'s order of 128-row
+    tiles (the groups' tiles in expert order), on the offsets' device, no host synchronization."""
+    sizes = (group_offsets[1:] - group_offsets[:-1]).clamp(min=0)
+    tiles = torch.div(sizes + BLOCK - 1, BLOCK, rounding_mode="floor")
+    return (tiles.cumsum(0) - tiles).to(torch.int32)
 
 
 @triton.jit
@@ -604,9 +636,7 @@ def block_scaled_grouped_wgrad(
     out = torch.empty(experts, n, k, dtype=out_dtype, device=g_values.device)
     if experts == 0 or n == 0 or k == 0:
         return out
-    sizes = (group_offsets[1:] - group_offsets[:-1]).clamp(min=0)
-    tiles = torch.div(sizes + BLOCK - 1, BLOCK, rounding_mode="floor")
-    tile_starts = (tiles.cumsum(0) - tiles).to(torch.int32)
+    tile_starts = token_tile_starts(group_offsets)
     cfg = WGRAD_TILES
     tasks = experts * triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n)
     programs = num_programs(g_values.device, tasks, cfg)

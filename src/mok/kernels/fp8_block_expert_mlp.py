@@ -41,6 +41,7 @@ from mok.kernels.fp8_block import (
     block_scaled_grouped_mm,
     block_scaled_grouped_wgrad,
     quantize_side_by_side,
+    token_tile_starts,
 )
 from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
 from mok.kernels.host import SWIGLU, Activation
@@ -266,19 +267,33 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     )
     grad_rows.masked_fill_(~inside[:, None], 0.0)
     token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
-    x_tokens = block_quantize_tokens(saved.x_cast, token_tiles)
-    h_tokens = block_quantize_tokens(saved.h_cast, token_tiles)
+    tile_starts = token_tile_starts(offsets)
+
+    def weight_gradient(grad_tokens, input_tokens, out_dtype, tensor_cores: bool):
+        """grad.T @ inputs per group from their casts along the tokens (transposed for the
+        tensor cores), rounded once into out_dtype."""
+        if tensor_cores:
+            return warp_specialized.block_scaled_grouped_wgrad(
+                grad_tokens, input_tokens, offsets, tile_starts, out_dtype
+            )
+        return block_scaled_grouped_wgrad(*grad_tokens, *input_tokens, offsets, out_dtype)
+
+    def tokens(x, tensor_cores: bool):
+        return block_quantize_tokens(x, token_tiles, transposed=tensor_cores)
+
+    hidden, inter = grad_out.shape[1], grad_gate.shape[1]
+    down_cores = registry.runs_fp8_wgrad_tensor_cores(hidden, inter, grad_out.device)
+    gate_up_cores = registry.runs_fp8_wgrad_tensor_cores(inter, hidden, grad_out.device)
     # Each weight's gradient rounded once, as it is written, into the weight's dtype.
     gate_dtype, up_dtype, down_dtype = saved.weight_dtypes
-    grad_w_down = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_out, token_tiles), *h_tokens, offsets, down_dtype
+    grad_w_down = weight_gradient(
+        tokens(grad_out, down_cores), tokens(saved.h_cast, down_cores), down_dtype, down_cores
     )
-    grad_w_gate = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_gate, token_tiles), *x_tokens, offsets, gate_dtype
+    x_tokens = tokens(saved.x_cast, gate_up_cores)
+    grad_w_gate = weight_gradient(
+        tokens(grad_gate, gate_up_cores), x_tokens, gate_dtype, gate_up_cores
     )
-    grad_w_up = block_scaled_grouped_wgrad(
-        *block_quantize_tokens(grad_up, token_tiles), *x_tokens, offsets, up_dtype
-    )
+    grad_w_up = weight_gradient(tokens(grad_up, gate_up_cores), x_tokens, up_dtype, gate_up_cores)
     grad_biases = (None, None, None)
     if saved.biases is not None:
         # Summed into fp32 and rounded here: the interpreter's cast to bf16 truncates.

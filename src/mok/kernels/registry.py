@@ -173,3 +173,11 @@ def block_scaled_grouped_mm(
     return fp8_block.block_scaled_grouped_mm(
         *a_cast, *w_cast, group_offsets, out_dtype, tiles=tiles
     )
+
+
+def runs_fp8_wgrad_tensor_cores(n: int, k: int, device: torch.device) -> bool:
+    """Whether the 128-block recipe's weight gradient [E, N, K] runs on the FP8 tensor cores
+    (`warp_specialized.block_scaled_grouped_wgrad`, its operands cast along the tokens
+    transposed), else on the tl kernel; as in `runs_fp8_tensor_cores`, the two differ by the
+    tensor cores' rounding of each step's sums."""
+    return warp_specialized.block_scaled_wgrad_supported(n, k, device)

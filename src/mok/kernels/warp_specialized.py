@@ -2520,3 +2520,228 @@ def gate_up_wgrad(
         cfg,
         source_rows,
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Block-scaled FP8 weight gradients: out[e] = G[tokens of e].T @ X[tokens of e], a step per 128
+# tokens
+# --------------------------------------------------------------------------------------------------
+
+BLOCK_SCALED_WGRAD_TILES = GemmTiles(
+    block_m=64, block_n=128, block_k=FP8_BLOCK, num_warps=4, num_stages=6, group_m=8
+)
+"""Ping-pong tiles of the recipe's weight gradient: 64 rows of N by 128 columns of K, a step one
+tile of 128 tokens (the operands' casts along the tokens, stored tokens-contiguous); 6 slots of
+24 KiB and two fp32 64 x 128 epilogue buffers."""
+
+
+@gluon.jit
+def _token_steps(offsets_ptr, tile_starts_ptr, expert):
+    """(first 128-token tile, tile count) of an expert's group."""
+    rows = gl.maximum(gl.load(offsets_ptr + expert + 1) - gl.load(offsets_ptr + expert), 0)
+    return gl.load(tile_starts_ptr + expert), gl.cdiv(rows, SCALE_BLOCK)
+
+
+@gluon.jit
+def _block_scaled_wgrad_task(task, n_tiles, k_tiles, GROUP_M: gl.constexpr):
+    """(expert, n tile, k tile) of a task: expert by expert, GROUP_M tile rows at a time."""
+    per_expert = n_tiles * k_tiles
+    n_idx, k_idx = _grouped_task(task % per_expert, n_tiles, k_tiles, GROUP_M)
+    return task // per_expert, n_idx, k_idx
+
+
+@gluon.jit
+def _block_scaled_wgrad_loader(operands, problem):
+    """Loader: the G and X tiles of every step of this program's tasks, in order; a step's tiles
+    are the task's rows of G_t and of X_t at one token tile of its expert."""
+    (g_desc, x_desc, g_bufs, x_bufs, ready, empty, _) = operands
+    (offsets_ptr, tile_starts_ptr, num_tasks, n_tiles, k_tiles, GROUP_M, NUM_PROGRAMS, _, _) = (
+        problem
+    )
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    WG_M: gl.constexpr = g_bufs.shape[1]
+    BLOCK_N: gl.constexpr = x_bufs.shape[1]
+    STEP: gl.constexpr = g_bufs.shape[2]
+    step_bytes: gl.constexpr = g_desc.block_type.nbytes + x_desc.block_type.nbytes
+    step = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, n_idx, k_idx = _block_scaled_wgrad_task(task, n_tiles, k_tiles, GROUP_M)
+        first, steps = _token_steps(offsets_ptr, tile_starts_ptr, expert)
+        for s in range(steps):
+            slot = step % STAGES
+            mbarrier.wait(empty.index(slot), (step // STAGES & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, step_bytes)
+            tokens = (first + s) * STEP
+            _tma_load(g_desc, [n_idx * WG_M, tokens], bar, g_bufs.index(slot))
+            _tma_load(x_desc, [k_idx * BLOCK_N, tokens], bar, x_bufs.index(slot))
+            step += 1
+
+
+@gluon.jit
+def _block_scaled_wgrad_consume(operands, outputs, problem, ROLE: gl.constexpr):
+    """Consumer ROLE (0 or 1): every other task of this program, ping-pong. Each step: the FP8
+    tensor cores' product of the step's 128 tokens from zero, then times G's descale of each
+    row and X's of each column of that token tile, added to the fp32 accumulator
+    (`_block_scaled_step`); the tile rounded once into out. A consumer counts the other's steps
+    too, to know its own ring position."""
+    (_, _, g_bufs, x_bufs, ready, empty, turns) = operands
+    (out_desc, out_bufs, g_descales, x_descales) = outputs
+    (offsets_ptr, tile_starts_ptr, num_tasks, n_tiles, k_tiles, GROUP_M, NUM_PROGRAMS, N, K) = (
+        problem
+    )
+    STAGES: gl.constexpr = x_bufs.shape[0]
+    WG_M: gl.constexpr = g_bufs.shape[1]
+    BLOCK_N: gl.constexpr = x_bufs.shape[1]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    rows_in = gl.arange(0, WG_M, layout=gl.SliceLayout(1, acc_layout))
+    cols_in = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+    buf = out_bufs.index(ROLE)
+    step = 0
+    nth = 0
+    for task in range(gl.program_id(0), num_tasks, NUM_PROGRAMS):
+        expert, n_idx, k_idx = _block_scaled_wgrad_task(task, n_tiles, k_tiles, GROUP_M)
+        first, steps = _token_steps(offsets_ptr, tile_starts_ptr, expert)
+        if nth % CONSUMERS == ROLE:
+            rows = n_idx * WG_M + rows_in
+            cols = k_idx * BLOCK_N + cols_in
+            # Columns past K read the last column's descale: they reach only columns never
+            # stored (TMA clips the store).
+            cols = gl.minimum(cols, K - 1)
+            # Turns as in `_main_loop`: every ready wait at most one phase ahead of its barrier.
+            mbarrier.wait(turns.index(ROLE), (nth // CONSUMERS & 1) ^ (1 - ROLE))
+            acc = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+            for s in range(steps):
+                slot = step % STAGES
+                mbarrier.wait(ready.index(slot), step // STAGES & 1)
+                tile = (first + s).to(gl.int64)
+                x_at = x_descales + tile * K + cols
+                at = (g_descales + tile * N + rows, rows < N, x_at, x_at)
+                x = x_bufs.index(slot).permute((1, 0))
+                zeros = gl.zeros((WG_M, BLOCK_N), gl.float32, acc_layout)
+                steps_out = _block_scaled_step(
+                    g_bufs.index(slot), x, x, 0, acc, acc, zeros, at, False
+                )
+                acc = steps_out[0]
+                mbarrier.arrive(empty.index(slot))
+                step += 1
+            mbarrier.arrive(turns.index(1 - ROLE))
+            tma.store_wait(0)  # this consumer's previous tile has left its buffer
+            buf.store(acc.to(out_desc.dtype))
+            fence_async_shared()
+            _tma_store(out_desc, [expert * N + n_idx * WG_M, k_idx * BLOCK_N], buf)
+        else:
+            step += steps
+        nth += 1
+    tma.store_wait(0)
+
+
+@fast_launch
+@gluon.jit
+def _block_scaled_wgrad_kernel(
+    g_desc,  # [N, T] e4m3 G_t: the gradient cast along the tokens, tokens contiguous, tile t of
+    # 128 tokens at columns 128 t..; block [WG_M, 128]
+    x_desc,  # [K, T] e4m3 X_t alike; block [BLOCK_N, 128]
+    out_desc,  # [E * N, K] out (fp32 or 16-bit), block [WG_M, BLOCK_N]
+    g_descales,  # [tiles, N] fp32: row t the descales of token tile t
+    x_descales,  # [tiles, K] fp32
+    offsets_ptr,  # [E + 1] int32 group offsets
+    tile_starts_ptr,  # [E] int32: each expert's first token tile
+    num_experts,
+    N,
+    K,
+    GROUP_M: gl.constexpr,
+    NUM_PROGRAMS: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """Grid: NUM_PROGRAMS, num_warps 4. out[e] = G[group e].T @ X[group e] in the recipe's
+    steps, one per 128-token tile of the group (tokens past the group's end are the casts'
+    zeros), rounded once; zeros for an expert without tokens. N a multiple of WG_M: a tile's
+    rows never reach the next expert's."""
+    WG_M: gl.constexpr = g_desc.block_type.shape[0]
+    STEP: gl.constexpr = g_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = x_desc.block_type.shape[0]
+    g_bufs = gl.allocate_shared_memory(g_desc.dtype, [STAGES, WG_M, STEP], g_desc.layout)
+    x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, STEP], x_desc.layout)
+    out_bufs = gl.allocate_shared_memory(
+        out_desc.dtype, [CONSUMERS, WG_M, BLOCK_N], out_desc.layout
+    )
+    ready, empty, turns, fetched = _ring_barriers(STAGES, 1)
+    n_tiles = gl.cdiv(N, WG_M)
+    k_tiles = gl.cdiv(K, BLOCK_N)
+    num_tasks = num_experts * n_tiles * k_tiles
+    operands = (g_desc, x_desc, g_bufs, x_bufs, ready, empty, turns)
+    outputs = (out_desc, out_bufs, g_descales, x_descales)
+    problem = (
+        offsets_ptr, tile_starts_ptr, num_tasks, n_tiles, k_tiles, GROUP_M, NUM_PROGRAMS, N, K
+    )  # fmt: skip
+    # The argument tuples are written out: constexprs in a tuple bound to a name arrive as values.
+    gl.warp_specialize(
+        [
+            (_block_scaled_wgrad_consume, (operands, outputs, problem, 0)),
+            (_block_scaled_wgrad_consume, (operands, outputs, problem, 1)),
+            (_block_scaled_wgrad_loader, (operands, problem)),
+        ],
+        [4, 1],
+        [CONSUMER_REGISTERS, LOADER_REGISTERS],
+    )
+    _drop_ring(ready, empty, turns, fetched, None, False)
+
+
+def block_scaled_wgrad_supported(n: int, k: int, device: torch.device) -> bool:
+    """Whether `block_scaled_grouped_wgrad` takes a gradient [E, N, K] on this device: Hopper,
+    N a multiple of a consumer's 64 rows (a tile never reaches the next expert's rows), K a
+    multiple of 16 (TMA's 16-byte rows)."""
+    return available(device) and n % CONSUMER_ROWS == 0 and k % 16 == 0
+
+
+def block_scaled_grouped_wgrad(
+    g_tokens: tuple[torch.Tensor, torch.Tensor],
+    x_tokens: tuple[torch.Tensor, torch.Tensor],
+    group_offsets: torch.Tensor,
+    tile_starts: torch.Tensor,
+    out_dtype: torch.dtype = torch.float32,
+    cfg: GemmTiles = BLOCK_SCALED_WGRAD_TILES,
+) -> torch.Tensor:
+    """`fp8_block.block_scaled_grouped_wgrad` on the FP8 tensor cores: out [E, N, K] of
+    out_dtype, out[e] = G[group e].T @ X[group e], each 128-token step summed by the tensor
+    cores from zero, then scaled by G's descale of each row and X's of each column and added in
+    fp32; zeros for an expert without tokens. g_tokens, x_tokens: the operands' casts along the
+    tokens as `fp8_block.block_quantize_tokens(..., transposed=True)` makes them ((values [N, T]
+    e4m3, descales [tiles, N] fp32), and [K, T], [tiles, K]); tile_starts [E] int32 each
+    expert's first token tile (`fp8_block.token_tile_starts`)."""
+    (g_values, g_descales), (x_values, x_descales) = g_tokens, x_tokens
+    n, k, experts = g_values.shape[0], x_values.shape[0], group_offsets.numel() - 1
+    if not block_scaled_wgrad_supported(n, k, g_values.device):
+        raise ValueError(
+            f"a weight gradient [E, {n}, {k}]: the FP8 kernel takes N a multiple of "
+            f"{CONSUMER_ROWS} and K of 16 on a Hopper GPU; use fp8_block.block_scaled_grouped_wgrad"
+        )
+    if g_values.shape[1] != x_values.shape[1] or g_values.shape[1] % FP8_BLOCK:
+        raise ValueError("G_t and X_t: the same tokens, whole tiles of 128")
+    out = torch.empty(experts, n, k, dtype=out_dtype, device=g_values.device)
+    if experts == 0 or n == 0 or k == 0:
+        return out
+    wg_m, bn, step = CONSUMER_ROWS, cfg.block_n, FP8_BLOCK
+    tasks = experts * triton.cdiv(n, wg_m) * triton.cdiv(k, bn)
+    programs = num_programs(g_values.device, tasks, cfg)
+    _block_scaled_wgrad_kernel[(programs,)](
+        _descriptor(g_values, [wg_m, step]),
+        _descriptor(x_values, [bn, step]),
+        _descriptor(out.view(experts * n, k), [wg_m, bn]),
+        g_descales.contiguous(),
+        x_descales.contiguous(),
+        group_offsets,
+        tile_starts,
+        experts,
+        n,
+        k,
+        GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        maxnreg=MAX_REGISTERS,
+    )
+    return out
