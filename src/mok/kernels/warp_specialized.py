@@ -1774,13 +1774,13 @@ def block_scaled_grouped_mm(
     then scaled and accumulated in fp32 (`_block_scaled_step`), so the result is the tl kernel's
     up to that rounding of each step's partial sums. bias: [E, N] of out_dtype, each expert's
     added to its rows in fp32 before the rounding. out: where the result goes ([M, N] of
-    out_dtype, contiguous), else a new tensor."""
+    out_dtype, rows TMA can store: a unit last stride, 16-byte aligned), else a new tensor."""
     cast = (w_values, w_descales)
     m, n = _block_scaled_operands(a_values, a_descales, [cast], group_offsets, cfg)
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a_values.device)
-    elif out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"out: [{m}, {n}] {out_dtype} contiguous, got {tuple(out.shape)}")
+    elif out.shape != (m, n) or out.dtype != out_dtype or out.stride(1) != 1:
+        raise ValueError(f"out: [{m}, {n}] {out_dtype} with a unit last stride")
     if m and n:
         w_descales = w_descales.contiguous()
         descales = (a_descales.contiguous(), w_descales, w_descales)
