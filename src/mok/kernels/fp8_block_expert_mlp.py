@@ -11,12 +11,14 @@ backward on rows grouped by expert, with no host synchronization.
 
 The products run on the FP8 tensor cores where `registry.runs_fp8_tensor_cores` (Hopper): the
 gate and up products in one pass with the biases and the activation in their epilogue, the down
-product with its bias in its epilogue. Elsewhere they run on the recipe's tl kernels
-(`mok.kernels.fp8_block`), with the activation and the biases as the reference's PyTorch
-operations, so that the only difference from the reference is the order of fp32 sums inside the
-products' steps (and inside the biases' gradients, `group_column_sums`); the tensor cores' sums
-of a step's e4m3 products also round (within the recipe's error bound). The weight gradients
-run on the tl kernel.
+product with its bias in its epilogue, grad h with the activation's backward in its epilogue,
+grad rows as one product over grad gate's and grad up's casts side by side, and the weight
+gradients where `registry.runs_fp8_wgrad_tensor_cores`. Elsewhere they run on the recipe's tl
+kernels (`mok.kernels.fp8_block`), with the activation, its backward and the biases as the
+reference's PyTorch operations, so that the only difference from the reference is the order of
+fp32 sums (inside the products' steps, across grad rows' two halves, inside the biases'
+gradients, `group_column_sums`); the tensor cores' sums of a step's e4m3 products also round
+(within the recipe's error bound).
 
 The weights' 128 x 128 block casts are the reference's (`quantize_blocks`), made with their
 transposes (which the backward reads) in one pass by the forward, or kept across calls by a
@@ -251,6 +253,35 @@ def _activation_gradients(grad_out: torch.Tensor, saved: FP8BlockSaved, tiles) -
     return activation_gradients(gate, up, grad_h, activation, grad_out.dtype)
 
 
+def _weight_gradients(grad_out, grad_gate, grad_up, saved: FP8BlockSaved) -> tuple:
+    """(grad w_gate, grad w_up, grad w_down), each rounded once into its weight's dtype as it is
+    written: grad.T @ inputs per group, both cast along the group's tokens (the inputs from their
+    saved tile casts), on the FP8 tensor cores where `registry.runs_fp8_wgrad_tensor_cores` (the
+    casts then stored tokens-contiguous), else on the tl kernel."""
+    offsets = saved.group_offsets
+    token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
+    tile_starts = token_tile_starts(offsets)
+    gate_dtype, up_dtype, down_dtype = saved.weight_dtypes
+    hidden, inter, device = grad_out.shape[1], grad_gate.shape[1], grad_out.device
+
+    def product(grad, input_tokens, out_dtype, tensor_cores: bool) -> torch.Tensor:
+        grad_tokens = block_quantize_tokens(grad, token_tiles, transposed=tensor_cores)
+        if tensor_cores:
+            return warp_specialized.block_scaled_grouped_wgrad(
+                grad_tokens, input_tokens, offsets, tile_starts, out_dtype
+            )
+        return block_scaled_grouped_wgrad(*grad_tokens, *input_tokens, offsets, out_dtype)
+
+    cores = registry.runs_fp8_wgrad_tensor_cores(hidden, inter, device)
+    h_tokens = block_quantize_tokens(saved.h_cast, token_tiles, transposed=cores)
+    grad_w_down = product(grad_out, h_tokens, down_dtype, cores)
+    cores = registry.runs_fp8_wgrad_tensor_cores(inter, hidden, device)
+    x_tokens = block_quantize_tokens(saved.x_cast, token_tiles, transposed=cores)
+    grad_w_gate = product(grad_gate, x_tokens, gate_dtype, cores)
+    grad_w_up = product(grad_up, x_tokens, up_dtype, cores)
+    return grad_w_gate, grad_w_up, grad_w_down
+
+
 def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> tuple:
     """(grad rows [M, H], grad w_gate, grad w_up [E, I, H], grad w_down [E, H, I], grad b_gate,
     grad b_up [E, I], grad b_down [E, H]) of the forward that made `saved`, for grad_out [M, H]
@@ -266,34 +297,7 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
         quantize_side_by_side([grad_gate, grad_up]), casts.gate_up_transposed, offsets, tiles, dtype
     )
     grad_rows.masked_fill_(~inside[:, None], 0.0)
-    token_tiles = row_tile_map(offsets, grad_out.shape[0], BLOCK)
-    tile_starts = token_tile_starts(offsets)
-
-    def weight_gradient(grad_tokens, input_tokens, out_dtype, tensor_cores: bool):
-        """grad.T @ inputs per group from their casts along the tokens (transposed for the
-        tensor cores), rounded once into out_dtype."""
-        if tensor_cores:
-            return warp_specialized.block_scaled_grouped_wgrad(
-                grad_tokens, input_tokens, offsets, tile_starts, out_dtype
-            )
-        return block_scaled_grouped_wgrad(*grad_tokens, *input_tokens, offsets, out_dtype)
-
-    def tokens(x, tensor_cores: bool):
-        return block_quantize_tokens(x, token_tiles, transposed=tensor_cores)
-
-    hidden, inter = grad_out.shape[1], grad_gate.shape[1]
-    down_cores = registry.runs_fp8_wgrad_tensor_cores(hidden, inter, grad_out.device)
-    gate_up_cores = registry.runs_fp8_wgrad_tensor_cores(inter, hidden, grad_out.device)
-    # Each weight's gradient rounded once, as it is written, into the weight's dtype.
-    gate_dtype, up_dtype, down_dtype = saved.weight_dtypes
-    grad_w_down = weight_gradient(
-        tokens(grad_out, down_cores), tokens(saved.h_cast, down_cores), down_dtype, down_cores
-    )
-    x_tokens = tokens(saved.x_cast, gate_up_cores)
-    grad_w_gate = weight_gradient(
-        tokens(grad_gate, gate_up_cores), x_tokens, gate_dtype, gate_up_cores
-    )
-    grad_w_up = weight_gradient(tokens(grad_up, gate_up_cores), x_tokens, up_dtype, gate_up_cores)
+    grad_w_gate, grad_w_up, grad_w_down = _weight_gradients(grad_out, grad_gate, grad_up, saved)
     grad_biases = (None, None, None)
     if saved.biases is not None:
         # Summed into fp32 and rounded here: the interpreter's cast to bf16 truncates.
