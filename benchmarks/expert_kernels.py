@@ -24,10 +24,12 @@ side.
             @ x[e], and up), each written fresh in bf16 and added into fp32 buffers (gradient
             accumulation). Not in the default list: gate_up_sources and down_sources, the fused
             layer's building blocks (rows read through a dispatch index; down's peer-store
-            epilogue), and fp8_block_down and fp8_block_gate, the 128-block FP8 product on the FP8
+            epilogue), fp8_block_down and fp8_block_gate, the 128-block FP8 product on the FP8
             tensor cores beside the BF16 product and torch._scaled_grouped_mm on the same shape
-            (`fp8_block_product`). Results are compared first (bitwise against the tl kernel,
-            and with fp32 math); a result off raises.
+            (`fp8_block_product`: x @ W_gate[e].T alone for the gate), and fp8_block_wgrad, the
+            recipe's weight gradient of W_down beside the BF16 one and the tl kernel. Results
+            are compared first (bitwise against the tl kernel, and with fp32 math); a result off
+            raises.
 --tune      per-kernel times of candidate tl tiles on four presets (for choosing
             `default_config`).
 
@@ -946,6 +948,77 @@ def fp8_block_product(name, product, tokens, dense, gen, routing="uniform") -> l
     return lines
 
 
+def fp8_block_wgrad(name, product, tokens, dense, gen, routing="uniform") -> list[str]:
+    """The 128-block recipe's weight gradient of W_down on the FP8 tensor cores
+    (`warp_specialized.block_scaled_grouped_wgrad`: grad_out [M, H].T @ h [M, I] per expert, both
+    cast along the group's tokens, stored tokens-contiguous, untimed) beside the BF16 one
+    (`warp_specialized.down_wgrad`) and the recipe's tl kernel, bf16 gradients [E, H, I]. Checked
+    first against the fp32 product of its own dequantized operands on the first experts, then
+    every kernel against the fp32 product of the unquantized ones."""
+    from mok.kernels.fp8_block import (
+        block_quantize_tokens,
+        block_scaled_grouped_wgrad,
+        token_tile_starts,
+    )
+    from mok.reference.fp8_block import dequantize_tiles
+
+    experts, hidden, inter, top_k = _shape(name)
+    sets = []
+    for _ in range(2):
+        sizes = group_sizes(routing, tokens, top_k, experts, gen)
+        offsets = torch.tensor([0, *sizes], device="cuda").cumsum(0).to(torch.int32)
+        grad, h = randn(sum(sizes), hidden, gen=gen), randn(sum(sizes), inter, gen=gen)
+        tiles = row_tile_map(offsets, grad.shape[0], 128)
+        casts = [block_quantize_tokens(t, tiles) for t in (grad, h)]
+        transposed = [block_quantize_tokens(t, tiles, transposed=True) for t in (grad, h)]
+        sets.append((grad, h, offsets, casts, transposed, token_tile_starts(offsets)))
+    bf16_label, fp8_label, tl_label = "gluon bf16", "gluon fp8 64x128", "tl fp8"
+
+    def bf16(i):
+        grad, h, offsets = sets[i][:3]
+        out = torch.empty(experts, hidden, inter, dtype=torch.bfloat16, device="cuda")
+        warp_specialized.down_wgrad(grad, h, offsets, out, False)  # the layer's tiles
+        return out
+
+    fns = {
+        bf16_label: bf16,
+        fp8_label: lambda i: warp_specialized.block_scaled_grouped_wgrad(
+            *sets[i][4], sets[i][2], sets[i][5], torch.bfloat16
+        ),
+        tl_label: lambda i: block_scaled_grouped_wgrad(
+            *sets[i][3][0], *sets[i][3][1], sets[i][2], torch.bfloat16
+        ),
+    }
+    results = {label: fn(0) for label, fn in fns.items()}
+    grad, h, offsets, casts = sets[0][:4]
+    bounds = offsets.tolist()
+    g_exact, h_exact = (dequantize_tiles(*cast, dim=0) for cast in casts)
+    checked = range(min(WGRAD_CHECKED_EXPERTS, experts))
+    for label, result in results.items():
+        expected, own = [], []
+        for e in checked:
+            rows = slice(bounds[e], bounds[e + 1])
+            expected.append(grad[rows].float().T @ h[rows].float())
+            own.append(g_exact[rows].T @ h_exact[rows])
+        got = torch.stack([result[e].float() for e in checked])
+        if label != bf16_label and relative_error(got, torch.stack(own)) > 1e-2:
+            raise AssertionError(f"{name} {product} {label}: off its own operands")
+        results[label] = (got, relative_error(got, torch.stack(expected)))
+    times = time_each(fns, len(sets))
+    m = grad.shape[0]
+    flops = 2 * m * hidden * inter
+    lines = []
+    for label, (_, error) in results.items():
+        if error > (4e-3 if label == bf16_label else 8e-2):
+            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
+        speed = times[bf16_label][0] / times[label][0]
+        shown = label if label == bf16_label else f"{label} ({speed:.2f}x bf16)"
+        lines.append(
+            product_line(name, product, tokens, m, shown, times[label], flops, dense, error, None)
+        )
+    return lines
+
+
 PRODUCTS = {
     "gate_up": row_product,
     "down": row_product,
@@ -957,6 +1030,7 @@ PRODUCTS = {
     "down_sources": building_block,
     "fp8_block_down": fp8_block_product,
     "fp8_block_gate": fp8_block_product,
+    "fp8_block_wgrad": fp8_block_wgrad,
 }
 """Each product's runner; the first six are the default list of --products."""
 

@@ -72,8 +72,10 @@ options-tests $PYTEST tests/test_recompute.py tests/test_router_gradient.py
 recompute-bench python3 -m mok bench --no-progress --preset qwen3-30b-a3b,deepseek-v3 --tokens 16384 --ep 1 --recompute gate_up --iters 10 --json \$OUT/bench-recompute.json
 router-gradient-bench python3 -m mok bench --no-progress --preset qwen3-30b-a3b,deepseek-v3 --tokens 16384 --ep 1 --router-gradient epilogue --iters 10 --json \$OUT/bench-router-gradient.json"
 STEP[fp8]="
-fp8-tests $PYTEST \$PYTEST_ARGS tests/kernels/test_fp8_block_kernels.py tests/kernels/test_fp8_block_expert_mlp.py
-fp8-products python3 benchmarks/expert_kernels.py --products fp8_block_down fp8_block_gate --presets deepseek-v3 qwen3-235b-a22b --tokens 8192 --out \$OUT/fp8-block-products.md"
+fp8-tests $PYTEST \$PYTEST_ARGS tests/kernels/test_fp8_block_kernels.py tests/kernels/test_fp8_block_expert_mlp.py tests/test_triton_backend_fp8_block.py
+fp8-products python3 benchmarks/expert_kernels.py --products fp8_block_down fp8_block_gate fp8_block_wgrad --presets deepseek-v3 qwen3-235b-a22b --tokens 8192 --out \$OUT/fp8-block-products.md
+fp8-bench python3 -m mok bench --no-progress --preset deepseek-v3,qwen3-235b-a22b --tokens 8192 --ep 1 --precision bf16,fp8_block --mx-weight-casts keep --iters 10 --warmup 3 --json \$OUT/bench-fp8-block.json
+fp8-profile python3 benchmarks/profile_layer.py --preset deepseek-v3 --precision fp8_block --rows 30"
 STEP[accuracy]="accuracy python3 benchmarks/accuracy.py --out \$OUT/accuracy.md"
 STEP[fuzz]="fuzz python3 benchmarks/fuzz.py \$FUZZ_ARGS --out \$OUT/fuzz.md"
 STEP[memory]="
