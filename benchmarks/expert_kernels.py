@@ -973,6 +973,11 @@ def fp8_block_wgrad(name, product, tokens, dense, gen, routing="uniform") -> lis
         transposed = [block_quantize_tokens(t, tiles, transposed=True) for t in (grad, h)]
         sets.append((grad, h, offsets, casts, transposed, token_tile_starts(offsets)))
     bf16_label, fp8_label, tl_label = "gluon bf16", "gluon fp8 64x128", "tl fp8"
+    # 64-column tiles: no spills (the 128-column ones spill X's per-column descales), twice the
+    # G tiles read per product.
+    narrow = dataclasses.replace(
+        warp_specialized.BLOCK_SCALED_WGRAD_TILES, block_n=64, num_stages=8
+    )
 
     def bf16(i):
         grad, h, offsets = sets[i][:3]
@@ -984,6 +989,9 @@ def fp8_block_wgrad(name, product, tokens, dense, gen, routing="uniform") -> lis
         bf16_label: bf16,
         fp8_label: lambda i: warp_specialized.block_scaled_grouped_wgrad(
             *sets[i][4], sets[i][2], sets[i][5], torch.bfloat16
+        ),
+        "gluon fp8 64x64": lambda i: warp_specialized.block_scaled_grouped_wgrad(
+            *sets[i][4], sets[i][2], sets[i][5], torch.bfloat16, narrow
         ),
         tl_label: lambda i: block_scaled_grouped_wgrad(
             *sets[i][3][0], *sets[i][3][1], sets[i][2], torch.bfloat16
