@@ -871,6 +871,22 @@ def _rowwise_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (t.float() / scales.unsqueeze(-1)).to(torch.float8_e4m3fn), scales
 
 
+def _beside_bf16(name, product, tokens, m, errors, times, bf16_label, flops, dense) -> list[str]:
+    """The table's rows of kernels timed beside a BF16 one (`time_each`'s times), each within its
+    error against fp32 (BF16 4e-3, FP8 8e-2: e4m3's rounding), else AssertionError; each FP8
+    label carries its speed over the BF16 kernel's."""
+    lines = []
+    for label, error in errors.items():
+        if error > (4e-3 if label == bf16_label else 8e-2):
+            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
+        speed = times[bf16_label][0] / times[label][0]
+        shown = label if label == bf16_label else f"{label} ({speed:.2f}x bf16)"
+        lines.append(
+            product_line(name, product, tokens, m, shown, times[label], flops, dense, error, None)
+        )
+    return lines
+
+
 def fp8_block_product(name, product, tokens, dense, gen, routing="uniform") -> list[str]:
     """The 128-block FP8 product on the FP8 tensor cores
     (`warp_specialized.block_scaled_grouped_mm`) beside the BF16 product (`warp_specialized.down`)
@@ -932,17 +948,10 @@ def fp8_block_product(name, product, tokens, dense, gen, routing="uniform") -> l
         raise AssertionError(f"{name} {product} {fp8_label}: {own_error:.2e} off its own operands")
     times = time_each(fns, len(sets))
     m = rows.shape[0]
-    flops = 2 * m * k_dim * n_dim
-    lines = []
-    for label, result in results.items():
-        error = relative_error(result, expected)
-        if error > (4e-3 if label == bf16_label else 8e-2):
-            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
-        speed = times[bf16_label][0] / times[label][0]
-        shown = label if label == bf16_label else f"{label} ({speed:.2f}x bf16)"
-        lines.append(
-            product_line(name, product, tokens, m, shown, times[label], flops, dense, error, None)
-        )
+    errors = {label: relative_error(result, expected) for label, result in results.items()}
+    lines = _beside_bf16(
+        name, product, tokens, m, errors, times, bf16_label, 2 * m * k_dim * n_dim, dense
+    )
     lines += [f"| {name} | {product} | {tokens} | {m} | {label}: {why} | | | | | |"
               for label, why in unavailable.items()]  # fmt: skip
     return lines
@@ -1002,29 +1011,19 @@ def fp8_block_wgrad(name, product, tokens, dense, gen, routing="uniform") -> lis
     bounds = offsets.tolist()
     g_exact, h_exact = (dequantize_tiles(*cast, dim=0) for cast in casts)
     checked = range(min(WGRAD_CHECKED_EXPERTS, experts))
+    groups = [slice(bounds[e], bounds[e + 1]) for e in checked]
+    expected = torch.stack([grad[rows].float().T @ h[rows].float() for rows in groups])
+    own = torch.stack([g_exact[rows].T @ h_exact[rows] for rows in groups])
+    errors = {}
     for label, result in results.items():
-        expected, own = [], []
-        for e in checked:
-            rows = slice(bounds[e], bounds[e + 1])
-            expected.append(grad[rows].float().T @ h[rows].float())
-            own.append(g_exact[rows].T @ h_exact[rows])
         got = torch.stack([result[e].float() for e in checked])
-        if label != bf16_label and relative_error(got, torch.stack(own)) > 1e-2:
+        if label != bf16_label and relative_error(got, own) > 1e-2:
             raise AssertionError(f"{name} {product} {label}: off its own operands")
-        results[label] = (got, relative_error(got, torch.stack(expected)))
+        errors[label] = relative_error(got, expected)
     times = time_each(fns, len(sets))
     m = grad.shape[0]
     flops = 2 * m * hidden * inter
-    lines = []
-    for label, (_, error) in results.items():
-        if error > (4e-3 if label == bf16_label else 8e-2):
-            raise AssertionError(f"{name} {product} {label}: relative error {error:.2e}")
-        speed = times[bf16_label][0] / times[label][0]
-        shown = label if label == bf16_label else f"{label} ({speed:.2f}x bf16)"
-        lines.append(
-            product_line(name, product, tokens, m, shown, times[label], flops, dense, error, None)
-        )
-    return lines
+    return _beside_bf16(name, product, tokens, m, errors, times, bf16_label, flops, dense)
 
 
 PRODUCTS = {

@@ -274,6 +274,16 @@ def test_the_fp8_tensor_core_product_refuses_what_it_cannot_take():
         warp_specialized.block_scaled_grouped_mm(*problem, tiles)
 
 
+def _assert_the_cast_is(cast, want) -> None:
+    """A cast (values, descales) on the device is the reference's: the values' bytes (any NaN
+    code for NaN), NaN descales where the reference's are, the others equal."""
+    (values, descales), (want_values, want_descales) = cast, want
+    assert_same_bits(values.cpu().view(torch.uint8), want_values.contiguous().view(torch.uint8))
+    nan = want_descales.isnan()
+    assert torch.equal(descales.cpu().isnan(), nan)
+    assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # the interpreter's numpy,
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # on the infinities' tiles
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -284,12 +294,7 @@ def test_the_cast_is_the_references_bit_for_bit(dtype):
     x = blocks_of_every_kind(dtype)[:, :200]
     x[8, :128] = 0.0
     x[9, 128:] = torch.linspace(-3e-13, 3e-13, 72)
-    values, descales = block_quantize_tiles(x.to(DEVICE))
-    want_values, want_descales = quantize_tiles(x)
-    assert_same_bits(values.cpu().view(torch.uint8), want_values.contiguous().view(torch.uint8))
-    nan = want_descales.isnan()
-    assert torch.equal(descales.cpu().isnan(), nan)
-    assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+    _assert_the_cast_is(block_quantize_tiles(x.to(DEVICE)), quantize_tiles(x))
 
 
 def test_packed_rows_hold_the_cast_bit_for_bit():
@@ -461,11 +466,7 @@ def test_the_weights_cast_and_its_transpose_are_the_references_bit_for_bit(dtype
     w[1, 128:, 128:] = 0.0
     cast, transposed = block_quantize_weights(w.to(DEVICE))
     for (values, descales), source in ((cast, w), (transposed, w.transpose(1, 2))):
-        want_values, want_descales = quantize_blocks(source)
-        assert_same_bits(values.cpu().view(torch.uint8), want_values.contiguous().view(torch.uint8))
-        nan = want_descales.isnan()
-        assert torch.equal(descales.cpu().isnan(), nan)
-        assert torch.equal(descales.cpu()[~nan], want_descales[~nan])
+        _assert_the_cast_is((values, descales), quantize_blocks(source))
 
 
 def test_parts_cast_side_by_side_are_each_parts_cast():

@@ -46,7 +46,7 @@ from mok.kernels.fp8_block import (
     token_tile_starts,
 )
 from mok.kernels.grouped_gemm import group_column_sums, row_tile_map
-from mok.kernels.host import SWIGLU, Activation
+from mok.kernels.host import SWIGLU, Activation, RowTiles
 from mok.kernels.weight_casts import WeightCastCache
 from mok.reference.expert import activation_gradients, saved_preactivations, swiglu
 
@@ -62,6 +62,8 @@ class FP8BlockSaved(NamedTuple):
     """[M, 2I] the pre-activations gate | up as `saved_preactivations` keeps them, the rows'
     dtype."""
     group_offsets: torch.Tensor
+    tiles: RowTiles
+    """The forward's row tiles of the groups (`row_tile_map`, TILES.block_m rows)."""
     weight_casts: BlockWeightCasts
     """The forward's."""
     weight_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]
@@ -73,10 +75,16 @@ class FP8BlockSaved(NamedTuple):
     """The forward's (b_gate, b_up, b_down), or None."""
 
 
-def _per_row(bias: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """bias [E, N] fp32 as each row's expert's bias [M, N] (rows outside the groups: zeros)."""
-    padded = torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])
-    return padded[experts]
+def _per_row_biases(biases, offsets: torch.Tensor, inside: torch.Tensor) -> tuple:
+    """Each row's expert's biases ((b_gate, b_up, b_down) [E, N] as [M, N] fp32 each; rows
+    outside the groups: zeros), found on the device."""
+    row_ids = torch.arange(inside.shape[0], device=inside.device, dtype=torch.int32)
+    experts = torch.searchsorted(offsets[1:], row_ids, right=True)
+    experts = torch.where(inside, experts, offsets.shape[0] - 1)  # E: the zeros' row
+    return tuple(
+        torch.cat([bias.float(), bias.new_zeros(1, bias.shape[1], dtype=torch.float32)])[experts]
+        for bias in biases
+    )
 
 
 class BlockWeightCasts(NamedTuple):
@@ -127,7 +135,7 @@ class BlockWeightCache(WeightCastCache):
 
 
 def _forward_on_tl(
-    x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out, experts, inside
+    x_cast, offsets, tiles, weight_casts, dtype, limit, biases, activation, out, inside
 ) -> tuple:
     """(out, h's cast, the saved gate | up) of the forward on the tl kernels: the products in
     fp32, the biases and the activation as the reference's PyTorch operations, rows outside the
@@ -138,7 +146,8 @@ def _forward_on_tl(
     )
     gate, up = gate.masked_fill(~inside[:, None], 0.0), up.masked_fill(~inside[:, None], 0.0)
     if biases is not None:
-        gate, up = gate + _per_row(biases[0], experts), up + _per_row(biases[1], experts)
+        biases = _per_row_biases(biases, offsets, inside)
+        gate, up = gate + biases[0], up + biases[1]
     h = swiglu(gate, up, limit, activation.alpha, activation.up_offset).to(dtype)
     h_cast = block_quantize_tiles(h)
     down = block_scaled_grouped_mm(
@@ -146,7 +155,7 @@ def _forward_on_tl(
     )
     down = down.masked_fill(~inside[:, None], 0.0)
     if biases is not None:
-        down = down + _per_row(biases[2], experts)
+        down = down + biases[2]
     # Rounded to the output's dtype as it is written: one pass.
     out = down.new_empty(down.shape, dtype=dtype) if out is None else out
     out.copy_(down)
@@ -205,11 +214,8 @@ def fp8_block_expert_forward(
     if weight_casts is None:
         weight_casts = block_weight_casts(w_gate, w_up, w_down)
     tiles = row_tile_map(group_offsets, m, TILES.block_m)
-    # Each row's expert, on the device: rows outside the groups get E (their values are dropped).
     row_ids = torch.arange(m, device=group_offsets.device, dtype=torch.int32)
-    experts = torch.searchsorted(group_offsets[1:], row_ids, right=True)
-    inside = (row_ids >= group_offsets[0]) & (experts < w_gate.shape[0])
-    experts = torch.where(inside, experts, w_gate.shape[0])
+    inside = (row_ids >= group_offsets[0]) & (row_ids < group_offsets[-1])
     out = None if out is None else out[:m]
     weights = (values for values, _ in weight_casts.casts)
     if registry.runs_fp8_tensor_cores(x_cast[0], *weights):
@@ -219,10 +225,10 @@ def fp8_block_expert_forward(
     else:
         out, h_cast, gate_up = _forward_on_tl(
             x_cast, group_offsets, tiles, weight_casts, dtype, swiglu_limit, biases, activation,
-            out, experts, inside,
+            out, inside,
         )  # fmt: skip
     saved = FP8BlockSaved(
-        x_cast, h_cast, gate_up, group_offsets, weight_casts,
+        x_cast, h_cast, gate_up, group_offsets, tiles, weight_casts,
         (w_gate.dtype, w_up.dtype, w_down.dtype),
         (swiglu_limit, activation.alpha, activation.up_offset), inside, biases,
     )  # fmt: skip
@@ -290,7 +296,7 @@ def fp8_block_expert_backward(grad_out: torch.Tensor, saved: FP8BlockSaved) -> t
     rows), grad rows zeros outside the groups."""
     casts, offsets, inside = saved.weight_casts, saved.group_offsets, saved.inside
     dtype, fp32 = grad_out.dtype, torch.float32
-    tiles = row_tile_map(offsets, grad_out.shape[0], TILES.block_m)
+    tiles = saved.tiles
     grad_gate, grad_up = _activation_gradients(grad_out, saved, tiles)
     # grad_gate @ W_gate + grad_up @ W_up as one product along K = gate's steps, then up's.
     grad_rows = registry.block_scaled_grouped_mm(

@@ -1740,6 +1740,14 @@ BLOCK_SCALED_SWIGLU_TILES = dataclasses.replace(BLOCK_SCALED_TILES, block_n=64)
 and the step's two partial tiles take 32 registers each."""
 
 
+def _descales(a_descales, w_descales, w2_descales=None) -> tuple:
+    """`_RowsProblem.descales` of a block-scaled launch: A's, W's and W2's (W's again for one
+    weight), contiguous."""
+    w_descales = w_descales.contiguous()
+    w2_descales = w_descales if w2_descales is None else w2_descales.contiguous()
+    return a_descales.contiguous(), w_descales, w2_descales
+
+
 def _block_scaled_operands(a_values, a_descales, weight_casts, group_offsets, cfg) -> tuple:
     """(M, N) of a block-scaled product of A's cast and the weights' block casts ((values,
     descales) each, of one shape), or ValueError naming what does not fit."""
@@ -1782,8 +1790,7 @@ def block_scaled_grouped_mm(
     elif out.shape != (m, n) or out.dtype != out_dtype or out.stride(1) != 1:
         raise ValueError(f"out: [{m}, {n}] {out_dtype} with a unit last stride")
     if m and n:
-        w_descales = w_descales.contiguous()
-        descales = (a_descales.contiguous(), w_descales, w_descales)
+        descales = _descales(a_descales, w_descales)
         problem = _RowsProblem(DOWN.value, a_values, w_values, out, bias=bias, descales=descales)
         _launch(problem, tiles, cfg)
     return out
@@ -1828,7 +1835,7 @@ def block_scaled_gate_up_swiglu(
             activation=activation,
             bias=None if biases is None else biases[0],
             bias2=None if biases is None else biases[1],
-            descales=(a_descales.contiguous(), *(c[1].contiguous() for c in casts)),
+            descales=_descales(a_descales, gate_cast[1], up_cast[1]),
         )
         _launch(problem, tiles, cfg)
     return h, gate_up
@@ -1857,7 +1864,6 @@ def block_scaled_down_dgrad_swiglu(
         raise ValueError(f"gate_up: [{m}, {2 * inter}], got {tuple(gate_up.shape)}")
     grad_gate_up = torch.empty(m, 2 * inter, dtype=gate_up.dtype, device=gate_up.device)
     if m and inter:
-        w_descales = down_transposed[1].contiguous()
         problem = _RowsProblem(
             DOWN_DGRAD_SWIGLU.value,
             a_values,
@@ -1866,7 +1872,7 @@ def block_scaled_down_dgrad_swiglu(
             gate_up=gate_up,
             swiglu_limit=swiglu_limit,
             activation=activation,
-            descales=(a_descales.contiguous(), w_descales, w_descales),
+            descales=_descales(a_descales, down_transposed[1]),
         )
         _launch(problem, tiles, cfg)
     return grad_gate_up
